@@ -1,0 +1,198 @@
+//! The ABI between weir's eBPF programs and its userspace.
+//!
+//! Every map key and value both sides read is defined here, once, `#[repr(C)]` with explicit
+//! padding (hash keys must not contain uninitialised bytes). A layout change is one edit here and a
+//! bump of [`ABI_VERSION`]: maps are pinned under a directory named after the version, so an agent
+//! with a new layout never reads maps written with an old one.
+#![no_std]
+
+/// Version of the map layouts below; part of the pin path (`<pin root>/abi-<N>`).
+pub const ABI_VERSION: u32 = 1;
+
+/// ztunnel marks every socket it opens inside a pod with this `SO_MARK`...
+pub const ZTUNNEL_MARK: u32 = 0x539;
+/// ...and istio matches it under this mask.
+pub const ZTUNNEL_MARK_MASK: u32 = 0xfff;
+/// Set on ztunnel's source-preserving dials to its own pod. With `tcp_fwmark_accept` the app's
+/// accepted socket inherits it, and a policy rule on this bit routes the app's replies back to
+/// ztunnel's transparent socket (istio's connmark 0x111 + table 100, without conntrack). A bit of
+/// its own: a rule on 0x539 itself would catch ztunnel's outbound dials too.
+pub const RETURN_MARK: u32 = 0x1000;
+/// The policy routing table holding `local 0.0.0.0/0 dev lo` (and `::/0`) inside enrolled pods.
+pub const RETURN_ROUTE_TABLE: u32 = 100;
+
+/// ztunnel's in-pod listeners.
+pub const OUTBOUND_PORT: u16 = 15001;
+pub const INBOUND_PORT: u16 = 15006;
+pub const HBONE_PORT: u16 = 15008;
+pub const DNS_PROXY_PORT: u16 = 15053;
+pub const DNS_PORT: u16 = 53;
+
+/// Source address of node-local TCP to enrolled pods (kubelet probes); the pod lets it through.
+pub const PROBE_SOURCE_V4: [u8; 4] = [169, 254, 7, 127];
+/// fd16:9254:7127:1337:ffff:ffff:ffff:ffff
+pub const PROBE_SOURCE_V6: [u8; 16] = [
+    0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+];
+
+/// An IP address in 16 bytes; IPv4 is stored IPv4-mapped (`::ffff:a.b.c.d`) so that v4, v6 and
+/// v4-mapped sockets share one key shape.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct IpKey {
+    pub octets: [u8; 16],
+}
+
+impl IpKey {
+    pub const fn from_v4(v4: [u8; 4]) -> Self {
+        Self {
+            octets: [
+                0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, v4[0], v4[1], v4[2], v4[3],
+            ],
+        }
+    }
+
+    pub const fn from_v6(octets: [u8; 16]) -> Self {
+        Self { octets }
+    }
+
+    /// The IPv4 address when this is an IPv4-mapped key.
+    pub fn v4(&self) -> Option<[u8; 4]> {
+        let o = &self.octets;
+        let mapped = o[..10].iter().all(|b| *b == 0) && o[10] == 0xff && o[11] == 0xff;
+        mapped.then(|| [o[12], o[13], o[14], o[15]])
+    }
+}
+
+/// An IP address and a port (host byte order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub ip: IpKey,
+    pub port: u16,
+    pub _pad: u16,
+}
+
+impl Endpoint {
+    pub const fn new(ip: IpKey, port: u16) -> Self {
+        Self { ip, port, _pad: 0 }
+    }
+}
+
+/// A redirected TCP connection as ztunnel's accepted socket sees it: the app's address and the
+/// listener's. Pod IPs are unique on a node, so no netns is needed to make this key unique.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ConnectionKey {
+    pub client: Endpoint,
+    pub listener: Endpoint,
+}
+
+/// `PodConfig::flags` bits.
+pub const POD_HAS_IPV4: u32 = 1 << 0;
+pub const POD_HAS_IPV6: u32 = 1 << 1;
+/// `ambient.istio.io/bypass-inbound-capture=true`.
+pub const POD_INBOUND_BYPASS: u32 = 1 << 2;
+/// DNS capture on (the node default, `ambient.istio.io/dns-capture` overrides).
+pub const POD_DNS_CAPTURE: u32 = 1 << 3;
+
+/// Length of the pod uid field; a Kubernetes uid is 36 bytes.
+pub const POD_UID_LEN: usize = 40;
+
+/// One enrolled pod, keyed by its network namespace cookie in the `PODS` map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PodConfig {
+    pub flags: u32,
+    pub ipv4: [u8; 4],
+    pub ipv6: [u8; 16],
+    /// metadata.uid, NUL-padded: lets a restarted agent (and `bpftool`) tell which pod this is.
+    pub uid: [u8; POD_UID_LEN],
+}
+
+impl PodConfig {
+    pub const fn has(&self, flag: u32) -> bool {
+        self.flags & flag != 0
+    }
+}
+
+/// Per-pod counters, one copy per CPU in the `POD_COUNTERS` map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PodCounters {
+    /// TCP connects sent to ztunnel's outbound listener.
+    pub outbound: u64,
+    /// Inbound connections handed to ztunnel's inbound listener.
+    pub inbound: u64,
+    /// DNS queries (UDP sockets and TCP connects) sent to ztunnel's DNS proxy.
+    pub dns: u64,
+    /// Connections let through uncaptured: probes from the node, inbound bypass.
+    pub bypassed: u64,
+}
+
+/// Node-wide settings, the single entry of the `NODE_CONFIG` array.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeConfig {
+    /// Cookie of the node's own network namespace: TCP from there to an enrolled pod is a probe
+    /// and gets the probe source. Zero turns the probe bypass off.
+    pub host_netns_cookie: u64,
+}
+
+/// Map names, as pinned under `<pin root>/abi-<ABI_VERSION>/`.
+pub mod maps {
+    pub const PODS: &str = "PODS";
+    pub const POD_IPS: &str = "POD_IPS";
+    pub const POD_COUNTERS: &str = "POD_COUNTERS";
+    pub const SOCKET_ORIG_DST: &str = "SOCKET_ORIG_DST";
+    pub const CONN_ORIG_DST: &str = "CONN_ORIG_DST";
+    pub const NODE_CONFIG: &str = "NODE_CONFIG";
+}
+
+/// Program names in the object file.
+pub mod programs {
+    pub const CONNECT4: &str = "weir_connect4";
+    pub const CONNECT6: &str = "weir_connect6";
+    pub const SENDMSG4: &str = "weir_sendmsg4";
+    pub const SENDMSG6: &str = "weir_sendmsg6";
+    pub const RECVMSG4: &str = "weir_recvmsg4";
+    pub const RECVMSG6: &str = "weir_recvmsg6";
+    pub const GETPEERNAME4: &str = "weir_getpeername4";
+    pub const GETPEERNAME6: &str = "weir_getpeername6";
+    pub const SOCKOPS: &str = "weir_sockops";
+    pub const GETSOCKOPT: &str = "weir_getsockopt";
+    pub const INBOUND: &str = "weir_inbound";
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: plain old data, `#[repr(C)]`, every byte pattern valid, padding explicit.
+    unsafe impl aya::Pod for super::IpKey {}
+    unsafe impl aya::Pod for super::Endpoint {}
+    unsafe impl aya::Pod for super::ConnectionKey {}
+    unsafe impl aya::Pod for super::PodConfig {}
+    unsafe impl aya::Pod for super::PodCounters {}
+    unsafe impl aya::Pod for super::NodeConfig {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_have_no_hidden_padding() {
+        use core::mem::size_of;
+        assert_eq!(size_of::<IpKey>(), 16);
+        assert_eq!(size_of::<Endpoint>(), 20);
+        assert_eq!(size_of::<ConnectionKey>(), 40);
+        assert_eq!(size_of::<PodConfig>(), 4 + 4 + 16 + POD_UID_LEN);
+        assert_eq!(size_of::<PodCounters>(), 32);
+    }
+
+    #[test]
+    fn v4_keys_are_v4_mapped() {
+        let key = IpKey::from_v4([10, 1, 2, 3]);
+        assert_eq!(key.v4(), Some([10, 1, 2, 3]));
+        assert_eq!(IpKey::from_v6(PROBE_SOURCE_V6).v4(), None);
+    }
+}

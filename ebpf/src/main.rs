@@ -1,0 +1,4 @@
+#![no_std]
+#![no_main]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! { loop {} }

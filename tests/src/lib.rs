@@ -1,0 +1,1 @@
+//! weir's test harness.
