@@ -1,0 +1,111 @@
+//! cgroup bpf_links that outlive the agent. aya 0.13 detaches cgroup links on drop and cannot
+//! pin them, so weir makes them itself: `BPF_LINK_CREATE`, pinned with `BPF_OBJ_PIN`, reopened
+//! with `BPF_OBJ_GET`, and moved to a new program with `BPF_LINK_UPDATE` on upgrade, which swaps
+//! the program atomically: there is never a moment with no program attached.
+use std::{
+    ffi::CString,
+    io,
+    os::{
+        fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    },
+    path::Path,
+};
+
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_LINK_UPDATE: libc::c_long = 29;
+
+#[repr(C)]
+#[derive(Default)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct ObjAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct LinkUpdateAttr {
+    link_fd: u32,
+    new_prog_fd: u32,
+    flags: u32,
+    old_prog_fd: u32,
+}
+
+fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
+    // SAFETY: `attr` is a properly laid out prefix of `union bpf_attr` for `cmd`; the kernel
+    // zero-extends the rest.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut T as *mut libc::c_void,
+            std::mem::size_of::<T>() as libc::c_uint,
+        )
+    };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn owned(fd: libc::c_long) -> OwnedFd {
+    // SAFETY: the kernel just returned this descriptor to us.
+    unsafe { OwnedFd::from_raw_fd(fd as i32) }
+}
+
+/// Attaches `prog` to `cgroup` with a bpf_link (flags 0: links coexist with other programs).
+pub fn create(prog: BorrowedFd<'_>, cgroup: BorrowedFd<'_>, attach_type: u32) -> io::Result<OwnedFd> {
+    let mut attr = LinkCreateAttr {
+        prog_fd: prog.as_raw_fd() as u32,
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type,
+        flags: 0,
+    };
+    bpf(BPF_LINK_CREATE, &mut attr).map(owned)
+}
+
+fn path_cstring(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+}
+
+pub fn pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let path = path_cstring(path)?;
+    let mut attr = ObjAttr {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: fd.as_raw_fd() as u32,
+        file_flags: 0,
+    };
+    bpf(BPF_OBJ_PIN, &mut attr).map(drop)
+}
+
+pub fn open_pinned(path: &Path) -> io::Result<OwnedFd> {
+    let path = path_cstring(path)?;
+    let mut attr = ObjAttr {
+        pathname: path.as_ptr() as u64,
+        ..Default::default()
+    };
+    bpf(BPF_OBJ_GET, &mut attr).map(owned)
+}
+
+/// Points an existing link at a new program, atomically.
+pub fn update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = LinkUpdateAttr {
+        link_fd: link.as_raw_fd() as u32,
+        new_prog_fd: prog.as_raw_fd() as u32,
+        ..Default::default()
+    };
+    bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+}

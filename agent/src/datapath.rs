@@ -1,0 +1,623 @@
+//! The datapath owner: the only code that touches weir's BPF objects.
+//!
+//! It runs on one dedicated OS thread (network namespace switches are per thread, so they must
+//! never happen on a tokio worker) and is driven through [`Datapath`], a cheap handle that sends
+//! it commands. It loads the programs once, pins maps and links under the pin root so redirection
+//! survives an agent restart, and on start takes over pinned links with `BPF_LINK_UPDATE` rather
+//! than detach-then-attach, so there is never a window without redirection.
+//!
+//! [`Owner::enroll`] is where a pod is enrolled: per-pod setup inside the pod's netns first (tc
+//! program, return-path routing), then the map entries that switch redirection on. Unenroll runs
+//! the other way round. Both are idempotent.
+use std::{
+    collections::HashMap as StdHashMap,
+    fs::{self, File},
+    io,
+    net::IpAddr,
+    os::fd::AsFd,
+    path::{Path, PathBuf},
+    sync::mpsc,
+    thread,
+};
+
+use anyhow::{anyhow, bail, Context, Result};
+use aya::{
+    maps::{Array, HashMap, MapData, PerCpuHashMap},
+    programs::{
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType},
+        Program, SchedClassifier,
+    },
+    Ebpf, EbpfLoader,
+};
+use tracing::{debug, info, warn};
+use weir_common::{
+    maps, programs, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION, POD_DNS_CAPTURE,
+    POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS, POD_UID_LEN,
+};
+
+use crate::{bpf_link, netlink, netns};
+
+/// The compiled kernel side, embedded so the agent is one self-contained binary.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT"));
+
+/// Our tc filter's place on a pod interface: fixed, so re-enrolling replaces it in place and
+/// unenrolling removes exactly it.
+const TC_PRIORITY: u16 = 1;
+const TC_HANDLE: u32 = 0x5745;
+
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+const DEFAULT_BPF_FS: &str = "/sys/fs/bpf";
+
+/// The cgroup hooks, each attached once at the root cgroup: (program, attach type).
+const CGROUP_HOOKS: [(&str, u32); 10] = [
+    (programs::CONNECT4, 10),     // BPF_CGROUP_INET4_CONNECT
+    (programs::CONNECT6, 11),     // BPF_CGROUP_INET6_CONNECT
+    (programs::SENDMSG4, 14),     // BPF_CGROUP_UDP4_SENDMSG
+    (programs::SENDMSG6, 15),     // BPF_CGROUP_UDP6_SENDMSG
+    (programs::RECVMSG4, 19),     // BPF_CGROUP_UDP4_RECVMSG
+    (programs::RECVMSG6, 20),     // BPF_CGROUP_UDP6_RECVMSG
+    (programs::GETPEERNAME4, 29), // BPF_CGROUP_INET4_GETPEERNAME
+    (programs::GETPEERNAME6, 30), // BPF_CGROUP_INET6_GETPEERNAME
+    (programs::SOCKOPS, 3),       // BPF_CGROUP_SOCK_OPS
+    (programs::GETSOCKOPT, 21),   // BPF_CGROUP_GETSOCKOPT
+];
+
+#[derive(Clone, Debug)]
+pub struct DatapathConfig {
+    /// bpffs directory for weir's pins (mounted at /sys/fs/bpf if that is not yet a bpffs).
+    pub pin_root: PathBuf,
+    /// The cgroup v2 directory whose sockets weir sees; `None`: the cgroup2 mount's root.
+    pub cgroup: Option<PathBuf>,
+    /// The node's network namespace (kubelet probes come from there); `None`: the agent's own.
+    pub node_netns: Option<PathBuf>,
+    /// Give TCP from the node to enrolled pods the probe source, so kubelet probes reach the app.
+    pub probe_bypass: bool,
+}
+
+impl Default for DatapathConfig {
+    fn default() -> Self {
+        Self {
+            pin_root: PathBuf::from("/sys/fs/bpf/weir"),
+            cgroup: None,
+            node_netns: None,
+            probe_bypass: true,
+        }
+    }
+}
+
+/// What the datapath needs to know about a pod.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodSpec {
+    /// metadata.uid
+    pub uid: String,
+    /// Path of the pod's network namespace (e.g. `/var/run/netns/cni-…`).
+    pub netns: PathBuf,
+    pub ips: Vec<IpAddr>,
+    pub options: PodOptions,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PodOptions {
+    /// `ambient.istio.io/bypass-inbound-capture=true`
+    pub inbound_bypass: bool,
+    /// DNS to port 53 goes to ztunnel's DNS proxy (the node default is on).
+    pub dns_capture: bool,
+}
+
+impl Default for PodOptions {
+    fn default() -> Self {
+        Self {
+            inbound_bypass: false,
+            dns_capture: true,
+        }
+    }
+}
+
+type Reply<T> = mpsc::SyncSender<Result<T>>;
+
+enum Command {
+    Enroll(PodSpec, Reply<()>),
+    Unenroll(String, Reply<bool>),
+    Counters(String, Reply<Option<PodCounters>>),
+    Enrolled(Reply<Vec<String>>),
+    Stop { uninstall: bool, reply: Reply<()> },
+}
+
+/// Handle to the datapath owner thread.
+pub struct Datapath {
+    commands: mpsc::Sender<Command>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Datapath {
+    /// Loads (or takes over) the datapath and starts its owner thread.
+    pub fn start(config: DatapathConfig) -> Result<Self> {
+        let (commands, inbox) = mpsc::channel();
+        let (ready_tx, ready) = mpsc::sync_channel(1);
+        let thread = thread::Builder::new()
+            .name("weir-datapath".into())
+            .spawn(move || match Owner::open(&config) {
+                Ok(mut owner) => {
+                    let _ = ready_tx.send(Ok(()));
+                    owner.serve(inbox);
+                }
+                Err(error) => {
+                    let _ = ready_tx.send(Err(error));
+                }
+            })
+            .context("spawning the datapath thread")?;
+        ready
+            .recv()
+            .map_err(|_| anyhow!("the datapath thread died while starting"))??;
+        Ok(Self {
+            commands,
+            thread: Some(thread),
+        })
+    }
+
+    fn ask<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        self.commands
+            .send(command(reply))
+            .map_err(|_| anyhow!("the datapath thread is gone"))?;
+        answer
+            .recv()
+            .map_err(|_| anyhow!("the datapath thread is gone"))?
+    }
+
+    /// Redirects the pod's traffic to ztunnel. Idempotent: enrolling again applies new options.
+    pub fn enroll(&self, pod: PodSpec) -> Result<()> {
+        self.ask(|reply| Command::Enroll(pod, reply))
+    }
+
+    /// Removes the pod's redirection; `Ok(false)` when it was not enrolled.
+    pub fn unenroll(&self, uid: &str) -> Result<bool> {
+        self.ask(|reply| Command::Unenroll(uid.to_owned(), reply))
+    }
+
+    /// The pod's counters summed over CPUs, `None` when it is not enrolled.
+    pub fn counters(&self, uid: &str) -> Result<Option<PodCounters>> {
+        self.ask(|reply| Command::Counters(uid.to_owned(), reply))
+    }
+
+    /// Uids of the enrolled pods.
+    pub fn enrolled(&self) -> Result<Vec<String>> {
+        self.ask(Command::Enrolled)
+    }
+
+    /// Stops the owner and leaves the datapath in place: pods stay redirected, and the next
+    /// start takes over. This is what an agent restart or upgrade does.
+    pub fn shutdown(self) -> Result<()> {
+        self.stop(false)
+    }
+
+    /// Unenrolls every pod, detaches every program and removes all pins.
+    pub fn uninstall(self) -> Result<()> {
+        self.stop(true)
+    }
+
+    fn stop(mut self, uninstall: bool) -> Result<()> {
+        let result = self.ask(|reply| Command::Stop { uninstall, reply });
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        result
+    }
+}
+
+/// One enrolled pod as the owner tracks it.
+struct Enrolled {
+    netns_cookie: u64,
+    ips: Vec<IpKey>,
+    /// Held so per-pod state can be undone while the pod lives; `None` for pods found in the
+    /// pinned maps after a restart.
+    netns: Option<File>,
+}
+
+struct Owner {
+    /// Keeps the programs loaded (and the tc program attachable) for the owner's lifetime.
+    ebpf: Ebpf,
+    pods_map: HashMap<MapData, u64, PodConfig>,
+    pod_ips: HashMap<MapData, IpKey, u64>,
+    counters: PerCpuHashMap<MapData, u64, PodCounters>,
+    pods: StdHashMap<String, Enrolled>,
+    pin_root: PathBuf,
+    probe_bypass: bool,
+}
+
+impl Owner {
+    fn open(config: &DatapathConfig) -> Result<Self> {
+        if let Some(node) = &config.node_netns {
+            let file = File::open(node).with_context(|| format!("opening {}", node.display()))?;
+            // This thread lives in the node's netns from now on.
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .with_context(|| format!("entering {}", node.display()))?;
+        }
+        ensure_bpffs(&config.pin_root)?;
+        let maps_dir = config.pin_root.join(format!("abi-{ABI_VERSION}"));
+        let links_dir = config.pin_root.join("links");
+        for dir in [&maps_dir, &links_dir] {
+            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let mut ebpf = EbpfLoader::new()
+            .map_pin_path(&maps_dir)
+            .load(EBPF_OBJECT)
+            .context("loading weir's eBPF object")?;
+
+        let cgroup_path = match &config.cgroup {
+            Some(path) => path.clone(),
+            None => cgroup2_root()?,
+        };
+        let cgroup = File::open(&cgroup_path)
+            .with_context(|| format!("opening cgroup {}", cgroup_path.display()))?;
+        for (name, attach_type) in CGROUP_HOOKS {
+            let program = ebpf
+                .program_mut(name)
+                .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
+            load(program).with_context(|| format!("loading {name}"))?;
+            let prog_fd = program.fd().context("program fd")?.as_fd();
+            attach_pinned(prog_fd, &cgroup, attach_type, &links_dir.join(name))
+                .with_context(|| format!("attaching {name} to {}", cgroup_path.display()))?;
+        }
+        let inbound: &mut SchedClassifier = ebpf
+            .program_mut(programs::INBOUND)
+            .ok_or_else(|| anyhow!("program {} missing", programs::INBOUND))?
+            .try_into()?;
+        inbound.load().context("loading the tc program")?;
+
+        let mut node_config: Array<MapData, NodeConfig> = take_map(&mut ebpf, maps::NODE_CONFIG)?;
+        let host_netns_cookie = if config.probe_bypass {
+            netlink::install_probe_source().context("making the probe source address local")?;
+            netns::current_cookie()?
+        } else {
+            0
+        };
+        node_config.set(0, NodeConfig { host_netns_cookie }, 0)?;
+
+        let pods_map: HashMap<MapData, u64, PodConfig> = take_map(&mut ebpf, maps::PODS)?;
+        let pod_ips: HashMap<MapData, IpKey, u64> = take_map(&mut ebpf, maps::POD_IPS)?;
+        let counters = take_map(&mut ebpf, maps::POD_COUNTERS)?;
+        let pods = recover_pods(&pods_map, &pod_ips);
+        info!(
+            pin_root = %config.pin_root.display(),
+            cgroup = %cgroup_path.display(),
+            recovered = pods.len(),
+            "datapath ready"
+        );
+        Ok(Self {
+            ebpf,
+            pods_map,
+            pod_ips,
+            counters,
+            pods,
+            pin_root: config.pin_root.clone(),
+            probe_bypass: config.probe_bypass,
+        })
+    }
+
+    fn serve(&mut self, inbox: mpsc::Receiver<Command>) {
+        while let Ok(command) = inbox.recv() {
+            match command {
+                Command::Enroll(pod, reply) => {
+                    let _ = reply.send(self.enroll(&pod));
+                }
+                Command::Unenroll(uid, reply) => {
+                    let _ = reply.send(self.unenroll(&uid));
+                }
+                Command::Counters(uid, reply) => {
+                    let _ = reply.send(self.pod_counters(&uid));
+                }
+                Command::Enrolled(reply) => {
+                    let _ = reply.send(Ok(self.pods.keys().cloned().collect()));
+                }
+                Command::Stop { uninstall, reply } => {
+                    let result = if uninstall { self.uninstall() } else { Ok(()) };
+                    let _ = reply.send(result);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Where a pod is enrolled.
+    fn enroll(&mut self, pod: &PodSpec) -> Result<()> {
+        let config = pod_config(pod)?;
+        let ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
+        let netns_file = File::open(&pod.netns)
+            .with_context(|| format!("opening pod netns {}", pod.netns.display()))?;
+
+        // 1. Inside the pod: the tc program (inert until the maps name the pod) and the reply
+        //    path. On failure, undo what was done here; the maps were not touched yet.
+        let netns_cookie = {
+            let _inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
+            let cookie = netns::current_cookie()?;
+            let inbound = self.inbound_program()?;
+            if let Err(error) = prepare_pod_netns(inbound) {
+                undo_pod_netns();
+                return Err(error.context(format!("preparing pod {}", pod.uid)));
+            }
+            cookie
+        };
+
+        // 2. A pod re-enrolled with another netns (sandbox recreated) drops its old entries.
+        if let Some(previous) = self.pods.get(&pod.uid) {
+            if previous.netns_cookie != netns_cookie || previous.ips != ips {
+                self.remove_map_entries(&pod.uid);
+            }
+        }
+
+        // 3. The map entries switch redirection on; counters first so no event is lost, the IP
+        //    index last since the tc program looks pods up through it.
+        let written = self.write_map_entries(netns_cookie, &config, &ips);
+        if let Err(error) = written {
+            self.remove_entries(netns_cookie, &ips);
+            let _inside = netns::enter(netns_file.as_fd())?;
+            undo_pod_netns();
+            return Err(error.context(format!("writing the maps for pod {}", pod.uid)));
+        }
+        debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
+        self.pods.insert(
+            pod.uid.clone(),
+            Enrolled {
+                netns_cookie,
+                ips,
+                netns: Some(netns_file),
+            },
+        );
+        Ok(())
+    }
+
+    fn write_map_entries(&mut self, netns_cookie: u64, config: &PodConfig, ips: &[IpKey]) -> Result<()> {
+        if self.counters.get(&netns_cookie, 0).is_err() {
+            let zero = vec![PodCounters::default(); aya::util::nr_cpus().map_err(|(_, e)| e)?];
+            self.counters.insert(netns_cookie, aya::maps::PerCpuValues::try_from(zero)?, 0)?;
+        }
+        self.pods_map.insert(netns_cookie, *config, 0)?;
+        for ip in ips {
+            self.pod_ips.insert(*ip, netns_cookie, 0)?;
+        }
+        Ok(())
+    }
+
+    fn unenroll(&mut self, uid: &str) -> Result<bool> {
+        if !self.pods.contains_key(uid) {
+            return Ok(false);
+        }
+        // Maps first: redirection stops at once, whatever happens next.
+        let netns = self.remove_map_entries(uid);
+        if let Some(netns) = netns {
+            // The netns may already be gone with the pod; then so is everything in it.
+            match netns::enter(netns.as_fd()) {
+                Ok(_inside) => undo_pod_netns(),
+                Err(error) => debug!(uid, %error, "pod netns not entered for cleanup"),
+            }
+        }
+        debug!(uid, "pod unenrolled");
+        Ok(true)
+    }
+
+    /// Removes a pod's map entries and forgets it; returns its netns handle, if held.
+    fn remove_map_entries(&mut self, uid: &str) -> Option<File> {
+        let pod = self.pods.remove(uid)?;
+        self.remove_entries(pod.netns_cookie, &pod.ips);
+        pod.netns
+    }
+
+    fn remove_entries(&mut self, netns_cookie: u64, ips: &[IpKey]) {
+        for ip in ips {
+            // Only our own entry: another pod may have been given the IP since.
+            if self.pod_ips.get(ip, 0).ok() == Some(netns_cookie) {
+                let _ = self.pod_ips.remove(ip);
+            }
+        }
+        let _ = self.pods_map.remove(&netns_cookie);
+        let _ = self.counters.remove(&netns_cookie);
+    }
+
+    fn pod_counters(&self, uid: &str) -> Result<Option<PodCounters>> {
+        let Some(pod) = self.pods.get(uid) else {
+            return Ok(None);
+        };
+        let per_cpu = self.counters.get(&pod.netns_cookie, 0)?;
+        Ok(Some(per_cpu.iter().fold(PodCounters::default(), |sum, c| PodCounters {
+            outbound: sum.outbound + c.outbound,
+            inbound: sum.inbound + c.inbound,
+            dns: sum.dns + c.dns,
+            bypassed: sum.bypassed + c.bypassed,
+        })))
+    }
+
+    fn inbound_program(&mut self) -> Result<&mut SchedClassifier> {
+        Ok(self
+            .ebpf
+            .program_mut(programs::INBOUND)
+            .ok_or_else(|| anyhow!("program {} missing", programs::INBOUND))?
+            .try_into()?)
+    }
+
+    fn uninstall(&mut self) -> Result<()> {
+        let uids: Vec<String> = self.pods.keys().cloned().collect();
+        for uid in uids {
+            self.unenroll(&uid)?;
+        }
+        if self.probe_bypass {
+            if let Err(error) = netlink::remove_probe_source() {
+                warn!(%error, "removing the probe source address");
+            }
+        }
+        // Unpinning the links detaches the programs once no fd holds them; maps go with
+        // their pins once the programs are gone.
+        fs::remove_dir_all(&self.pin_root)
+            .with_context(|| format!("removing {}", self.pin_root.display()))?;
+        info!(pin_root = %self.pin_root.display(), "datapath uninstalled");
+        Ok(())
+    }
+}
+
+/// Per-pod setup inside the pod's netns (the calling thread is in it).
+fn prepare_pod_netns(inbound: &mut SchedClassifier) -> Result<()> {
+    for (_, interface) in netns::non_loopback_interfaces()? {
+        attach_inbound(inbound, &interface).with_context(|| format!("tc on {interface}"))?;
+    }
+    netlink::install_return_path().context("return-path routing")?;
+    netns::set_tcp_fwmark_accept().context("tcp_fwmark_accept")?;
+    Ok(())
+}
+
+/// Best effort: called on rollback and unenroll, where the pod may be half set up or gone.
+fn undo_pod_netns() {
+    if let Ok(interfaces) = netns::non_loopback_interfaces() {
+        for (_, interface) in interfaces {
+            if let Ok(link) = SchedClassifierLink::attached(&interface, TcAttachType::Ingress, TC_PRIORITY, TC_HANDLE) {
+                let _ = aya::programs::Link::detach(link);
+            }
+        }
+    }
+    if let Err(error) = netlink::remove_return_path() {
+        debug!(%error, "removing the return path");
+    }
+}
+
+/// Attaches the inbound program as a classic cls_bpf filter: a TCX link costs a
+/// `synchronize_rcu()` under the rtnl lock per pod (~16 ms), a netlink filter does not.
+fn attach_inbound(inbound: &mut SchedClassifier, interface: &str) -> Result<()> {
+    if let Err(error) = tc::qdisc_add_clsact(interface) {
+        if error.kind() != io::ErrorKind::AlreadyExists {
+            return Err(error).context("adding the clsact qdisc");
+        }
+    }
+    let options = TcAttachOptions::Netlink(NlOptions {
+        priority: TC_PRIORITY,
+        handle: TC_HANDLE,
+    });
+    let link_id = match inbound.attach_with_options(interface, TcAttachType::Ingress, options) {
+        Ok(id) => id,
+        // Already attached (re-enroll, or an earlier agent): replace the program in place.
+        Err(_) => {
+            let existing = SchedClassifierLink::attached(interface, TcAttachType::Ingress, TC_PRIORITY, TC_HANDLE)?;
+            inbound.attach_to_link(existing)?
+        }
+    };
+    // The filter lives in the pod's netns, not in this process: dropping aya's link would
+    // detach it, so it is released instead (it holds no file descriptor).
+    std::mem::forget(inbound.take_link(link_id)?);
+    Ok(())
+}
+
+/// Attaches a cgroup program through a pinned link, or moves an existing pinned link to it.
+fn attach_pinned(prog: std::os::fd::BorrowedFd<'_>, cgroup: &File, attach_type: u32, pin: &Path) -> Result<()> {
+    match bpf_link::open_pinned(pin) {
+        Ok(link) => bpf_link::update(link.as_fd(), prog).context("BPF_LINK_UPDATE"),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            let link = bpf_link::create(prog, cgroup.as_fd(), attach_type).context("BPF_LINK_CREATE")?;
+            bpf_link::pin(link.as_fd(), pin).context("pinning the link")
+        }
+        Err(error) => Err(error).context("opening the pinned link"),
+    }
+}
+
+fn load(program: &mut Program) -> Result<()> {
+    match program {
+        Program::CgroupSockAddr(p) => p.load()?,
+        Program::SockOps(p) => p.load()?,
+        Program::CgroupSockopt(p) => p.load()?,
+        _ => bail!("unexpected program type"),
+    }
+    Ok(())
+}
+
+fn take_map<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(ebpf: &mut Ebpf, name: &str) -> Result<T> {
+    let map = ebpf.take_map(name).ok_or_else(|| anyhow!("map {name} missing from the object"))?;
+    Ok(T::try_from(map)?)
+}
+
+fn pod_config(pod: &PodSpec) -> Result<PodConfig> {
+    if pod.uid.is_empty() || pod.uid.len() > POD_UID_LEN {
+        bail!("pod uid {:?} must be 1 to {POD_UID_LEN} bytes", pod.uid);
+    }
+    if pod.ips.is_empty() {
+        bail!("pod {} has no IP", pod.uid);
+    }
+    let mut config = PodConfig {
+        flags: 0,
+        ipv4: [0; 4],
+        ipv6: [0; 16],
+        uid: [0; POD_UID_LEN],
+    };
+    config.uid[..pod.uid.len()].copy_from_slice(pod.uid.as_bytes());
+    for ip in &pod.ips {
+        match ip {
+            IpAddr::V4(v4) if !config.has(POD_HAS_IPV4) => {
+                config.ipv4 = v4.octets();
+                config.flags |= POD_HAS_IPV4;
+            }
+            IpAddr::V6(v6) if !config.has(POD_HAS_IPV6) => {
+                config.ipv6 = v6.octets();
+                config.flags |= POD_HAS_IPV6;
+            }
+            _ => {}
+        }
+    }
+    if pod.options.inbound_bypass {
+        config.flags |= POD_INBOUND_BYPASS;
+    }
+    if pod.options.dns_capture {
+        config.flags |= POD_DNS_CAPTURE;
+    }
+    Ok(config)
+}
+
+pub fn ip_key(ip: IpAddr) -> IpKey {
+    match ip {
+        IpAddr::V4(v4) => IpKey::from_v4(v4.octets()),
+        IpAddr::V6(v6) => IpKey::from_v6(v6.octets()),
+    }
+}
+
+/// Rebuilds the owner's index from the pinned maps after a restart.
+fn recover_pods(pods_map: &HashMap<MapData, u64, PodConfig>, pod_ips: &HashMap<MapData, IpKey, u64>) -> StdHashMap<String, Enrolled> {
+    let mut ips_by_cookie: StdHashMap<u64, Vec<IpKey>> = StdHashMap::new();
+    for (ip, cookie) in pod_ips.iter().flatten() {
+        ips_by_cookie.entry(cookie).or_default().push(ip);
+    }
+    pods_map
+        .iter()
+        .flatten()
+        .map(|(netns_cookie, config)| {
+            let uid_len = config.uid.iter().position(|b| *b == 0).unwrap_or(POD_UID_LEN);
+            let uid = String::from_utf8_lossy(&config.uid[..uid_len]).into_owned();
+            let ips = ips_by_cookie.remove(&netns_cookie).unwrap_or_default();
+            (uid, Enrolled { netns_cookie, ips, netns: None })
+        })
+        .collect()
+}
+
+/// The cgroup v2 mount point (e.g. /sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid hosts).
+fn cgroup2_root() -> Result<PathBuf> {
+    let mounts = procfs::process::Process::myself()?.mountinfo()?;
+    mounts
+        .into_iter()
+        .find(|mount| mount.fs_type == "cgroup2")
+        .map(|mount| mount.mount_point)
+        .ok_or_else(|| anyhow!("no cgroup2 mount found: weir needs the unified cgroup hierarchy"))
+}
+
+/// Makes sure `pin_root` can be created on a bpffs, mounting /sys/fs/bpf when it is not one.
+fn ensure_bpffs(pin_root: &Path) -> Result<()> {
+    let is_bpffs = |path: &Path| {
+        nix::sys::statfs::statfs(path)
+            .map(|fs| fs.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+            .unwrap_or(false)
+    };
+    let default = Path::new(DEFAULT_BPF_FS);
+    if pin_root.starts_with(default) && !is_bpffs(default) {
+        nix::mount::mount(Some("bpf"), default, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
+            .context("mounting bpffs at /sys/fs/bpf")?;
+        info!("mounted bpffs at /sys/fs/bpf");
+    }
+    let existing = pin_root.ancestors().find(|p| p.exists()).unwrap_or(default);
+    if !is_bpffs(existing) {
+        bail!("{} is not on a bpffs", pin_root.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,296 @@
+//! Outbound: the app's sockets inside an enrolled pod, and the node's sockets toward such a pod.
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::sockaddr,
+    helpers::gen::{bpf_bind, bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_setsockopt},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use weir_common::{
+    Endpoint, IpKey, PodConfig, DNS_PORT, DNS_PROXY_PORT, OUTBOUND_PORT, POD_DNS_CAPTURE,
+    POD_HAS_IPV4, POD_HAS_IPV6, PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK, ZTUNNEL_MARK,
+    ZTUNNEL_MARK_MASK,
+};
+
+use crate::{
+    maps::{count, NODE_CONFIG, PODS, POD_IPS, SOCKET_ORIG_DST},
+    net::{
+        is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, AF_INET, AF_INET6, ALLOW,
+        SOCK_STREAM,
+    },
+};
+
+const SOL_SOCKET: i32 = 1;
+const SO_MARK: i32 = 36;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hook {
+    /// connect(): TCP and connected UDP.
+    Connect,
+    /// sendmsg() with an address: unconnected UDP.
+    Send,
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn weir_connect4(ctx: SockAddrContext) -> i32 {
+    on_outbound(
+        SockAddr {
+            ctx: ctx.sock_addr,
+            v6: false,
+        },
+        Hook::Connect,
+    )
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn weir_connect6(ctx: SockAddrContext) -> i32 {
+    on_outbound(
+        SockAddr {
+            ctx: ctx.sock_addr,
+            v6: true,
+        },
+        Hook::Connect,
+    )
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn weir_sendmsg4(ctx: SockAddrContext) -> i32 {
+    on_outbound(
+        SockAddr {
+            ctx: ctx.sock_addr,
+            v6: false,
+        },
+        Hook::Send,
+    )
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn weir_sendmsg6(ctx: SockAddrContext) -> i32 {
+    on_outbound(
+        SockAddr {
+            ctx: ctx.sock_addr,
+            v6: true,
+        },
+        Hook::Send,
+    )
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn weir_getpeername4(ctx: SockAddrContext) -> i32 {
+    show_original_peer(SockAddr {
+        ctx: ctx.sock_addr,
+        v6: false,
+    })
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn weir_getpeername6(ctx: SockAddrContext) -> i32 {
+    show_original_peer(SockAddr {
+        ctx: ctx.sock_addr,
+        v6: true,
+    })
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn weir_recvmsg4(ctx: SockAddrContext) -> i32 {
+    show_original_peer(SockAddr {
+        ctx: ctx.sock_addr,
+        v6: false,
+    })
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn weir_recvmsg6(ctx: SockAddrContext) -> i32 {
+    show_original_peer(SockAddr {
+        ctx: ctx.sock_addr,
+        v6: true,
+    })
+}
+
+#[inline(always)]
+fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
+    // SAFETY: helper valid in sock_addr programs.
+    let netns = unsafe { bpf_get_netns_cookie(sa.ctx as *mut c_void) };
+    // SAFETY: map values are only read.
+    match unsafe { PODS.get(&netns) } {
+        Some(pod) => redirect(&sa, netns, pod, hook),
+        None if hook == Hook::Connect => give_probe_source(&sa, netns),
+        None => {}
+    }
+    ALLOW
+}
+
+/// The in-pod decision, istio's ISTIO_OUTPUT chain without conntrack.
+#[inline(always)]
+fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
+    let dst = sa.user_endpoint();
+    if sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
+        // ztunnel's own socket: never redirected. Its source-preserving dials to the app in
+        // its own pod get the return mark, so the app's replies route back to ztunnel.
+        if hook == Hook::Connect && pod_owns(pod, &dst.ip) {
+            let mut mark = sa.mark() | RETURN_MARK;
+            // SAFETY: bpf_setsockopt is allowed in connect hooks; the value lives on the stack.
+            unsafe {
+                bpf_setsockopt(
+                    sa.ctx as *mut c_void,
+                    SOL_SOCKET,
+                    SO_MARK,
+                    &mut mark as *mut u32 as *mut c_void,
+                    4,
+                );
+            }
+        }
+        return;
+    }
+    if is_loopback(&dst.ip) || pod_owns(pod, &dst.ip) || is_probe_source(&dst.ip) {
+        return;
+    }
+    let is_dns = dst.port == DNS_PORT && pod.has(POD_DNS_CAPTURE);
+    let target = if is_dns {
+        // Where ztunnel's DNS proxy listens: the pod's loopback, as iptables REDIRECT would.
+        Endpoint::new(loopback_like(&dst.ip), DNS_PROXY_PORT)
+    } else if hook == Hook::Connect && sa.sock_type() == SOCK_STREAM {
+        // The pod's own address (not 127.0.0.1): ztunnel must see the pod as the source.
+        match pod_address_like(pod, &dst.ip) {
+            Some(ip) => Endpoint::new(ip, OUTBOUND_PORT),
+            None => return,
+        }
+    } else {
+        return;
+    };
+    // SAFETY: helper valid in sock_addr programs.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.ctx as *mut c_void) };
+    if SOCKET_ORIG_DST.insert(&cookie, &dst, 0).is_err() {
+        // Without the record ztunnel could not learn the destination: leave the socket alone
+        // rather than hand ztunnel a connection it would misroute. An LRU map only fails here
+        // under memory pressure.
+        return;
+    }
+    sa.set_user_endpoint(&target);
+    if is_dns {
+        count(netns, |c| &mut c.dns);
+    } else {
+        count(netns, |c| &mut c.outbound);
+    }
+}
+
+/// Node side: TCP from the node's own netns to an enrolled pod (kubelet probes) is bound to the
+/// probe source address, which the pod's inbound program lets through to the app. Traffic from
+/// other pods or forwarded through the node keeps its source and is captured.
+#[inline(always)]
+fn give_probe_source(sa: &SockAddr, netns: u64) {
+    if sa.sock_type() != SOCK_STREAM {
+        return;
+    }
+    let Some(node) = NODE_CONFIG.get(0) else {
+        return;
+    };
+    if node.host_netns_cookie == 0 || node.host_netns_cookie != netns {
+        return;
+    }
+    let dst = sa.user_endpoint();
+    // SAFETY: map values are only read.
+    let Some(pod_netns) = (unsafe { POD_IPS.get(&dst.ip) }).copied() else {
+        return;
+    };
+    let bound = if !sa.v6 {
+        let mut addr = SockaddrIn {
+            family: AF_INET as u16,
+            port: 0,
+            addr: PROBE_SOURCE_V4,
+            zero: [0; 8],
+        };
+        bind(
+            sa,
+            &mut addr as *mut SockaddrIn as *mut sockaddr,
+            size_of::<SockaddrIn>(),
+        )
+    } else {
+        let source = if is_v4_mapped(&dst.ip) {
+            IpKey::from_v4(PROBE_SOURCE_V4)
+        } else {
+            IpKey::from_v6(PROBE_SOURCE_V6)
+        };
+        let mut addr = SockaddrIn6 {
+            family: AF_INET6 as u16,
+            port: 0,
+            flowinfo: 0,
+            addr: source.octets,
+            scope_id: 0,
+        };
+        bind(
+            sa,
+            &mut addr as *mut SockaddrIn6 as *mut sockaddr,
+            size_of::<SockaddrIn6>(),
+        )
+    };
+    if bound {
+        count(pod_netns, |c| &mut c.bypassed);
+    }
+}
+
+/// A socket that is already bound gets EINVAL here and keeps its source: it is then captured
+/// like any other traffic, which fails toward the mesh, not toward a bypass.
+#[inline(always)]
+fn bind(sa: &SockAddr, addr: *mut sockaddr, len: usize) -> bool {
+    // SAFETY: bpf_bind is allowed in connect hooks; `addr` points to a stack sockaddr of `len`.
+    unsafe { bpf_bind(sa.ctx, addr, len as i32) == 0 }
+}
+
+/// getpeername and recvmsg: show the app the address it asked for, not ztunnel's listener.
+#[inline(always)]
+fn show_original_peer(sa: SockAddr) -> i32 {
+    let shown = sa.user_endpoint();
+    if shown.port != OUTBOUND_PORT && shown.port != DNS_PROXY_PORT {
+        return ALLOW;
+    }
+    // SAFETY: helper valid in sock_addr programs.
+    let cookie = unsafe { bpf_get_socket_cookie(sa.ctx as *mut c_void) };
+    // SAFETY: map values are only read.
+    if let Some(original) = unsafe { SOCKET_ORIG_DST.get(&cookie) } {
+        let original = *original;
+        sa.set_user_endpoint(&original);
+    }
+    ALLOW
+}
+
+#[inline(always)]
+fn pod_owns(pod: &PodConfig, ip: &IpKey) -> bool {
+    match pod_address_like(pod, ip) {
+        Some(own) => same_ip(&own, ip),
+        None => false,
+    }
+}
+
+/// The pod's address of the same family as `like`.
+#[inline(always)]
+fn pod_address_like(pod: &PodConfig, like: &IpKey) -> Option<IpKey> {
+    if is_v4_mapped(like) {
+        pod.has(POD_HAS_IPV4).then(|| IpKey::from_v4(pod.ipv4))
+    } else {
+        pod.has(POD_HAS_IPV6).then(|| IpKey::from_v6(pod.ipv6))
+    }
+}
+
+#[inline(always)]
+fn is_probe_source(ip: &IpKey) -> bool {
+    same_ip(ip, &IpKey::from_v4(PROBE_SOURCE_V4)) || same_ip(ip, &IpKey::from_v6(PROBE_SOURCE_V6))
+}
+
+#[repr(C)]
+struct SockaddrIn {
+    family: u16,
+    port: u16,
+    addr: [u8; 4],
+    zero: [u8; 8],
+}
+
+#[repr(C)]
+struct SockaddrIn6 {
+    family: u16,
+    port: u16,
+    flowinfo: u32,
+    addr: [u8; 16],
+    scope_id: u32,
+}
