@@ -65,12 +65,10 @@ fn steer(ctx: &TcContext) -> Result<i32, ()> {
     if segment.dport == HBONE_PORT {
         return Ok(TC_ACT_OK as i32);
     }
-    // SAFETY: map values are only read.
-    let Some(netns) = (unsafe { POD_IPS.get(&segment.destination) }).copied() else {
+    let Some(netns) = POD_IPS.get(&segment.destination).copied() else {
         return Ok(TC_ACT_OK as i32);
     };
-    // SAFETY: as above.
-    let Some(pod) = (unsafe { PODS.get(&netns) }) else {
+    let Some(pod) = PODS.get(&netns) else {
         return Ok(TC_ACT_OK as i32);
     };
     let opens = segment.flags & (TCP_SYN | TCP_ACK) == TCP_SYN;

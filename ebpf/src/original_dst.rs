@@ -38,11 +38,10 @@ pub fn weir_sockops(ctx: SockOpsContext) -> u32 {
 fn remember_connection(ctx: &SockOpsContext) {
     // SAFETY: helper valid in sockops programs.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.ops as *mut c_void) };
-    let Some(original) = SOCKET_ORIG_DST.get_ptr(&cookie) else {
+    let Some(original) = SOCKET_ORIG_DST.get(&cookie) else {
         return;
     };
-    // SAFETY: pointer from a successful lookup.
-    let original = unsafe { *original };
+    let original = *original;
     let ops = ctx.ops;
     // SAFETY: valid context. Every field is loaded unconditionally and the family picks among
     // the values afterwards: loads inside family branches let LLVM merge the field addresses,
@@ -76,7 +75,7 @@ fn remember_connection(ctx: &SockOpsContext) {
             listener: Endpoint::new(listener_ip, remote_port),
         }
     };
-    let _ = CONN_ORIG_DST.insert(&key, &original, 0);
+    let _ = CONN_ORIG_DST.insert(&key, &original);
 }
 
 /// Runs for every getsockopt in the cgroup (the whole node): leave everything but
@@ -125,7 +124,7 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
         client: Endpoint::new(remote_ip, dst_port),
         listener: Endpoint::new(local_ip, src_port),
     };
-    let Some(original) = CONN_ORIG_DST.get_ptr(&key) else {
+    let Some(original) = CONN_ORIG_DST.get(&key) else {
         return;
     };
     let original = *original;

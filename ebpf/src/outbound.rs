@@ -112,8 +112,7 @@ pub fn weir_recvmsg6(ctx: SockAddrContext) -> i32 {
 fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
     // SAFETY: helper valid in sock_addr programs.
     let netns = unsafe { bpf_get_netns_cookie(sa.ctx as *mut c_void) };
-    // SAFETY: map values are only read.
-    match unsafe { PODS.get(&netns) } {
+    match PODS.get(&netns) {
         Some(pod) => redirect(&sa, netns, pod, hook),
         None if hook == Hook::Connect => give_probe_source(&sa, netns),
         None => {}
@@ -161,7 +160,7 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
     };
     // SAFETY: helper valid in sock_addr programs.
     let cookie = unsafe { bpf_get_socket_cookie(sa.ctx as *mut c_void) };
-    if SOCKET_ORIG_DST.insert(&cookie, &dst, 0).is_err() {
+    if SOCKET_ORIG_DST.insert(&cookie, &dst).is_err() {
         // Without the record ztunnel could not learn the destination: leave the socket alone
         // rather than hand ztunnel a connection it would misroute. An LRU map only fails here
         // under memory pressure.
@@ -183,15 +182,14 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
     if sa.sock_type() != SOCK_STREAM {
         return;
     }
-    let Some(node) = NODE_CONFIG.get(0) else {
+    let Some(node) = NODE_CONFIG.get(&0) else {
         return;
     };
     if node.host_netns_cookie == 0 || node.host_netns_cookie != netns {
         return;
     }
     let dst = sa.user_endpoint();
-    // SAFETY: map values are only read.
-    let Some(pod_netns) = (unsafe { POD_IPS.get(&dst.ip) }).copied() else {
+    let Some(pod_netns) = POD_IPS.get(&dst.ip).copied() else {
         return;
     };
     let bound = if !sa.v6 {
@@ -247,8 +245,7 @@ fn show_original_peer(sa: SockAddr) -> i32 {
     }
     // SAFETY: helper valid in sock_addr programs.
     let cookie = unsafe { bpf_get_socket_cookie(sa.ctx as *mut c_void) };
-    // SAFETY: map values are only read.
-    if let Some(original) = unsafe { SOCKET_ORIG_DST.get(&cookie) } {
+    if let Some(original) = SOCKET_ORIG_DST.get(&cookie) {
         let original = *original;
         sa.set_user_endpoint(&original);
     }
