@@ -3,10 +3,12 @@ use std::{env, path::PathBuf};
 
 fn main() {
     println!("cargo:rerun-if-env-changed=WEIR_EBPF_OBJECT");
-    let object = env::var_os("WEIR_EBPF_OBJECT").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../target/ebpf/bpfel-unknown-none/release/weir-ebpf")
-    });
+    let object = env::var_os("WEIR_EBPF_OBJECT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../target/ebpf/bpfel-unknown-none/release/weir-ebpf")
+        });
     if !object.exists() {
         panic!(
             "the eBPF object {} is missing: run `cargo xtask build-ebpf` first \

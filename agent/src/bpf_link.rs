@@ -67,7 +67,11 @@ fn owned(fd: libc::c_long) -> OwnedFd {
 }
 
 /// Attaches `prog` to `cgroup` with a bpf_link (flags 0: links coexist with other programs).
-pub fn create(prog: BorrowedFd<'_>, cgroup: BorrowedFd<'_>, attach_type: u32) -> io::Result<OwnedFd> {
+pub fn create(
+    prog: BorrowedFd<'_>,
+    cgroup: BorrowedFd<'_>,
+    attach_type: u32,
+) -> io::Result<OwnedFd> {
     let mut attr = LinkCreateAttr {
         prog_fd: prog.as_raw_fd() as u32,
         target_fd: cgroup.as_raw_fd() as u32,
@@ -78,7 +82,8 @@ pub fn create(prog: BorrowedFd<'_>, cgroup: BorrowedFd<'_>, attach_type: u32) ->
 }
 
 fn path_cstring(path: &Path) -> io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
 }
 
 pub fn pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {

@@ -29,6 +29,7 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
+use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 use weir_common::{
     maps, programs, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION, POD_DNS_CAPTURE,
@@ -45,6 +46,7 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT")
 const TC_PRIORITY: u16 = 1;
 const TC_HANDLE: u32 = 0x5745;
 
+const BPF_NOEXIST: u64 = 1;
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 const DEFAULT_BPF_FS: &str = "/sys/fs/bpf";
 
@@ -86,17 +88,19 @@ impl Default for DatapathConfig {
 }
 
 /// What the datapath needs to know about a pod.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PodSpec {
     /// metadata.uid
     pub uid: String,
     /// Path of the pod's network namespace (e.g. `/var/run/netns/cni-…`).
     pub netns: PathBuf,
     pub ips: Vec<IpAddr>,
+    #[serde(default)]
     pub options: PodOptions,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PodOptions {
     /// `ambient.istio.io/bypass-inbound-capture=true`
     pub inbound_bypass: bool,
@@ -367,10 +371,23 @@ impl Owner {
         Ok(())
     }
 
-    fn write_map_entries(&mut self, netns_cookie: u64, config: &PodConfig, ips: &[IpKey]) -> Result<()> {
-        if self.counters.get(&netns_cookie, 0).is_err() {
-            let zero = vec![PodCounters::default(); aya::util::nr_cpus().map_err(|(_, e)| e)?];
-            self.counters.insert(netns_cookie, aya::maps::PerCpuValues::try_from(zero)?, 0)?;
+    fn write_map_entries(
+        &mut self,
+        netns_cookie: u64,
+        config: &PodConfig,
+        ips: &[IpKey],
+    ) -> Result<()> {
+        // BPF_NOEXIST: a re-enrolled pod keeps its counts. (Existence is not checked with a
+        // lookup: aya 0.13's per-CPU `get` answers zeros for a missing key.)
+        let zero = vec![PodCounters::default(); aya::util::nr_cpus().map_err(|(_, e)| e)?];
+        match self.counters.insert(
+            netns_cookie,
+            aya::maps::PerCpuValues::try_from(zero)?,
+            BPF_NOEXIST,
+        ) {
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.kind() == io::ErrorKind::AlreadyExists => {}
+            other => other?,
         }
         self.pods_map.insert(netns_cookie, *config, 0)?;
         for ip in ips {
@@ -419,12 +436,15 @@ impl Owner {
             return Ok(None);
         };
         let per_cpu = self.counters.get(&pod.netns_cookie, 0)?;
-        Ok(Some(per_cpu.iter().fold(PodCounters::default(), |sum, c| PodCounters {
-            outbound: sum.outbound + c.outbound,
-            inbound: sum.inbound + c.inbound,
-            dns: sum.dns + c.dns,
-            bypassed: sum.bypassed + c.bypassed,
-        })))
+        Ok(Some(per_cpu.iter().fold(
+            PodCounters::default(),
+            |sum, c| PodCounters {
+                outbound: sum.outbound + c.outbound,
+                inbound: sum.inbound + c.inbound,
+                dns: sum.dns + c.dns,
+                bypassed: sum.bypassed + c.bypassed,
+            },
+        )))
     }
 
     fn inbound_program(&mut self) -> Result<&mut SchedClassifier> {
@@ -468,7 +488,12 @@ fn prepare_pod_netns(inbound: &mut SchedClassifier) -> Result<()> {
 fn undo_pod_netns() {
     if let Ok(interfaces) = netns::non_loopback_interfaces() {
         for (_, interface) in interfaces {
-            if let Ok(link) = SchedClassifierLink::attached(&interface, TcAttachType::Ingress, TC_PRIORITY, TC_HANDLE) {
+            if let Ok(link) = SchedClassifierLink::attached(
+                &interface,
+                TcAttachType::Ingress,
+                TC_PRIORITY,
+                TC_HANDLE,
+            ) {
                 let _ = aya::programs::Link::detach(link);
             }
         }
@@ -494,7 +519,12 @@ fn attach_inbound(inbound: &mut SchedClassifier, interface: &str) -> Result<()> 
         Ok(id) => id,
         // Already attached (re-enroll, or an earlier agent): replace the program in place.
         Err(_) => {
-            let existing = SchedClassifierLink::attached(interface, TcAttachType::Ingress, TC_PRIORITY, TC_HANDLE)?;
+            let existing = SchedClassifierLink::attached(
+                interface,
+                TcAttachType::Ingress,
+                TC_PRIORITY,
+                TC_HANDLE,
+            )?;
             inbound.attach_to_link(existing)?
         }
     };
@@ -505,11 +535,17 @@ fn attach_inbound(inbound: &mut SchedClassifier, interface: &str) -> Result<()> 
 }
 
 /// Attaches a cgroup program through a pinned link, or moves an existing pinned link to it.
-fn attach_pinned(prog: std::os::fd::BorrowedFd<'_>, cgroup: &File, attach_type: u32, pin: &Path) -> Result<()> {
+fn attach_pinned(
+    prog: std::os::fd::BorrowedFd<'_>,
+    cgroup: &File,
+    attach_type: u32,
+    pin: &Path,
+) -> Result<()> {
     match bpf_link::open_pinned(pin) {
         Ok(link) => bpf_link::update(link.as_fd(), prog).context("BPF_LINK_UPDATE"),
         Err(error) if error.kind() == io::ErrorKind::NotFound => {
-            let link = bpf_link::create(prog, cgroup.as_fd(), attach_type).context("BPF_LINK_CREATE")?;
+            let link =
+                bpf_link::create(prog, cgroup.as_fd(), attach_type).context("BPF_LINK_CREATE")?;
             bpf_link::pin(link.as_fd(), pin).context("pinning the link")
         }
         Err(error) => Err(error).context("opening the pinned link"),
@@ -526,8 +562,13 @@ fn load(program: &mut Program) -> Result<()> {
     Ok(())
 }
 
-fn take_map<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(ebpf: &mut Ebpf, name: &str) -> Result<T> {
-    let map = ebpf.take_map(name).ok_or_else(|| anyhow!("map {name} missing from the object"))?;
+fn take_map<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
+    ebpf: &mut Ebpf,
+    name: &str,
+) -> Result<T> {
+    let map = ebpf
+        .take_map(name)
+        .ok_or_else(|| anyhow!("map {name} missing from the object"))?;
     Ok(T::try_from(map)?)
 }
 
@@ -575,7 +616,10 @@ pub fn ip_key(ip: IpAddr) -> IpKey {
 }
 
 /// Rebuilds the owner's index from the pinned maps after a restart.
-fn recover_pods(pods_map: &HashMap<MapData, u64, PodConfig>, pod_ips: &HashMap<MapData, IpKey, u64>) -> StdHashMap<String, Enrolled> {
+fn recover_pods(
+    pods_map: &HashMap<MapData, u64, PodConfig>,
+    pod_ips: &HashMap<MapData, IpKey, u64>,
+) -> StdHashMap<String, Enrolled> {
     let mut ips_by_cookie: StdHashMap<u64, Vec<IpKey>> = StdHashMap::new();
     for (ip, cookie) in pod_ips.iter().flatten() {
         ips_by_cookie.entry(cookie).or_default().push(ip);
@@ -584,10 +628,21 @@ fn recover_pods(pods_map: &HashMap<MapData, u64, PodConfig>, pod_ips: &HashMap<M
         .iter()
         .flatten()
         .map(|(netns_cookie, config)| {
-            let uid_len = config.uid.iter().position(|b| *b == 0).unwrap_or(POD_UID_LEN);
+            let uid_len = config
+                .uid
+                .iter()
+                .position(|b| *b == 0)
+                .unwrap_or(POD_UID_LEN);
             let uid = String::from_utf8_lossy(&config.uid[..uid_len]).into_owned();
             let ips = ips_by_cookie.remove(&netns_cookie).unwrap_or_default();
-            (uid, Enrolled { netns_cookie, ips, netns: None })
+            (
+                uid,
+                Enrolled {
+                    netns_cookie,
+                    ips,
+                    netns: None,
+                },
+            )
         })
         .collect()
 }
@@ -606,13 +661,19 @@ fn cgroup2_root() -> Result<PathBuf> {
 fn ensure_bpffs(pin_root: &Path) -> Result<()> {
     let is_bpffs = |path: &Path| {
         nix::sys::statfs::statfs(path)
-            .map(|fs| fs.filesystem_type().0 as i64 == BPF_FS_MAGIC)
+            .map(|fs| fs.filesystem_type().0 == BPF_FS_MAGIC)
             .unwrap_or(false)
     };
     let default = Path::new(DEFAULT_BPF_FS);
     if pin_root.starts_with(default) && !is_bpffs(default) {
-        nix::mount::mount(Some("bpf"), default, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
-            .context("mounting bpffs at /sys/fs/bpf")?;
+        nix::mount::mount(
+            Some("bpf"),
+            default,
+            Some("bpf"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .context("mounting bpffs at /sys/fs/bpf")?;
         info!("mounted bpffs at /sys/fs/bpf");
     }
     let existing = pin_root.ancestors().find(|p| p.exists()).unwrap_or(default);

@@ -8,7 +8,10 @@ use tracing::info;
 use weir_agent::datapath::{Datapath, DatapathConfig};
 
 #[derive(Parser)]
-#[command(version, about = "weir: Istio ambient pod enrollment with eBPF instead of iptables")]
+#[command(
+    version,
+    about = "weir: Istio ambient pod enrollment with eBPF instead of iptables"
+)]
 struct Cli {
     #[command(flatten)]
     datapath: DatapathArgs,
@@ -19,7 +22,12 @@ struct Cli {
 #[derive(clap::Args)]
 struct DatapathArgs {
     /// bpffs directory for weir's pinned maps and links.
-    #[arg(long, env = "WEIR_PIN_ROOT", default_value = "/sys/fs/bpf/weir", global = true)]
+    #[arg(
+        long,
+        env = "WEIR_PIN_ROOT",
+        default_value = "/sys/fs/bpf/weir",
+        global = true
+    )]
     pin_root: PathBuf,
     /// cgroup v2 directory to attach the socket programs to (default: the cgroup2 mount root).
     #[arg(long, env = "WEIR_CGROUP", global = true)]

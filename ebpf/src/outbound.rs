@@ -189,10 +189,11 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
         return;
     }
     let dst = sa.user_endpoint();
-    let Some(pod_netns) = POD_IPS.get(&dst.ip).copied() else {
+    if POD_IPS.get(&dst.ip).is_none() {
         return;
-    };
-    let bound = if !sa.v6 {
+    }
+    // Counted as bypassed by the pod's inbound program when the SYN arrives.
+    if !sa.v6 {
         let mut addr = SockaddrIn {
             family: AF_INET as u16,
             port: 0,
@@ -221,19 +222,16 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
             sa,
             &mut addr as *mut SockaddrIn6 as *mut sockaddr,
             size_of::<SockaddrIn6>(),
-        )
-    };
-    if bound {
-        count(pod_netns, |c| &mut c.bypassed);
+        );
     }
 }
 
 /// A socket that is already bound gets EINVAL here and keeps its source: it is then captured
 /// like any other traffic, which fails toward the mesh, not toward a bypass.
 #[inline(always)]
-fn bind(sa: &SockAddr, addr: *mut sockaddr, len: usize) -> bool {
+fn bind(sa: &SockAddr, addr: *mut sockaddr, len: usize) {
     // SAFETY: bpf_bind is allowed in connect hooks; `addr` points to a stack sockaddr of `len`.
-    unsafe { bpf_bind(sa.ctx, addr, len as i32) == 0 }
+    unsafe { bpf_bind(sa.ctx, addr, len as i32) };
 }
 
 /// getpeername and recvmsg: show the app the address it asked for, not ztunnel's listener.

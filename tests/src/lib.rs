@@ -1,1 +1,65 @@
-//! weir's test harness.
+//! weir's test harness: a node and its pods as network namespaces wired by the real CNI reference
+//! plugins, small blocking traffic helpers, and a ztunnel stand-in that honours ztunnel's in-pod
+//! contract (listeners, marks, original-destination lookup, source-preserving dials).
+//!
+//! Nothing here loads eBPF: the harness works with or without weir's datapath, so a broken
+//! datapath shows up as a failed (timed out) request, never as a hung test.
+//!
+//! ```no_run
+//! use weir_tests::{require_privileges, tcp_request, EchoServer, TestNode};
+//!
+//! if !require_privileges() {
+//!     return;
+//! }
+//! let node = TestNode::new().unwrap();
+//! let (client, server) = (node.add_pod("a").unwrap(), node.add_pod("b").unwrap());
+//! let echo = EchoServer::start(server.netns(), "b", (server.ipv4(), 8080).into()).unwrap();
+//! let reply = client.run(|| tcp_request(echo.addr(), "hi")).unwrap();
+//! assert_eq!(reply.response, echo.reply_to("hi"));
+//! ```
+
+use std::time::Duration;
+
+pub mod cni;
+pub mod istio_iptables;
+pub mod netns;
+pub mod node;
+pub mod sockopt;
+pub mod traffic;
+pub mod ztunnel;
+
+mod ids;
+mod server;
+
+pub use netns::NetNs;
+pub use node::{NodeOptions, Pod, PodSpec, TestNode};
+pub use traffic::{
+    tcp_request, udp_request, udp_request_connected, EchoServer, Received, Reply, UdpEchoServer,
+    UdpReply,
+};
+pub use ztunnel::{Dial, Seen, ZtunnelStandIn};
+
+/// How long any single network operation of the harness (connect, read, write, receive) may take.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Whether this process may run the privileged tests: they create network namespaces, veths and
+/// bridges, which needs `CAP_NET_ADMIN` and `CAP_SYS_ADMIN`; being root (euid 0) is taken as
+/// having them.
+///
+/// When not privileged: under CI (`CI=true`) this panics, because a skipped test there would look
+/// like a passed one; elsewhere it prints a skip line and returns false, so tests start with
+/// `if !require_privileges() { return; }`.
+pub fn require_privileges() -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("CI").is_ok_and(|ci| ci == "true") {
+        panic!(
+            "privileged tests must run under CI, but this process is not root: \
+             run them as root (`cargo xtask test` does)"
+        );
+    }
+    let test = std::thread::current().name().unwrap_or("test").to_owned();
+    eprintln!("skipping {test}: needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)");
+    false
+}

@@ -1,1 +1,79 @@
-fn main() {}
+//! weir's developer tasks, run as `cargo xtask <command>` (an alias in .cargo/config.toml).
+
+mod bench;
+mod demo;
+mod ebpf;
+mod sweep;
+mod system;
+mod test;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "weir's developer tasks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build the eBPF programs (ebpf/) for bpfel-unknown-none and print the object's path.
+    BuildEbpf {
+        /// Build with the dev profile instead of release.
+        #[arg(long)]
+        debug: bool,
+    },
+    /// Run every test: eBPF build, fmt, clippy and `cargo test --workspace` (needs root).
+    Test {
+        /// Extra arguments for `cargo test`, after `--` (e.g. a test name filter).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Run weir's main job on a throwaway demo node.
+    Demo,
+    /// Measure weir's datapath.
+    Bench,
+    /// Remove leftovers of killed test runs: `weir-t-*` network namespaces and bpffs pins (needs root).
+    Sweep,
+}
+
+fn main() -> ExitCode {
+    let result = match Cli::parse().command {
+        Command::BuildEbpf { debug } => {
+            ebpf::build(debug).map(|object| println!("{}", object.display()))
+        }
+        Command::Test { args } => test::run(&args),
+        Command::Demo => demo::run(),
+        Command::Bench => bench::run(),
+        Command::Sweep => sweep::run(),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root: the parent of this crate's directory.
+pub fn workspace_root() -> PathBuf {
+    let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir
+        .parent()
+        .expect("xtask lives inside the workspace")
+        .to_path_buf()
+}
+
+/// Announce a step.
+pub fn step(message: &str) {
+    println!("==> {message}");
+}

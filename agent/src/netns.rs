@@ -1,0 +1,260 @@
+//! Per-thread network namespace switching and the per-namespace facts weir needs.
+//!
+//! `setns(CLONE_NEWNET)` changes the namespace of the calling thread only. Everything here acts on
+//! the calling thread's current namespace, so the datapath thread enters a pod with [`enter`] and
+//! calls these (and [`crate::netlink`]) while the guard lives.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::marker::PhantomData;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+
+use netlink_packet_route::link::{LinkAttribute, LinkFlags};
+use nix::sched::{setns, CloneFlags};
+use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType};
+
+/// The calling thread's network namespace, as a path that resolves per thread (`/proc/self` would
+/// name the main thread's).
+const THREAD_NETNS: &str = "/proc/thread-self/ns/net";
+
+/// The calling thread is inside another network namespace until this is dropped, which switches it
+/// back to the one it came from.
+///
+/// If switching back fails, the process aborts: the thread would otherwise go on in the pod's
+/// namespace, and whatever it did next for another pod or for the node (map updates keyed by the
+/// wrong cookie, routes in the wrong pod) would silently corrupt state. A panic is not enough, as
+/// the thread can survive it (`catch_unwind`, a pool that respawns tasks), and a restarted agent
+/// rebuilds its state idempotently anyway. Switching to a namespace whose fd we hold open has no
+/// failure mode in practice short of the kernel running out of memory.
+///
+/// Not `Send`: it must be dropped on the thread that entered.
+#[must_use = "the thread leaves the namespace again when the guard is dropped"]
+pub struct NetnsGuard {
+    home: OwnedFd,
+    _not_send: PhantomData<*const ()>,
+}
+
+/// Moves the calling thread into the network namespace `target` (an fd of `/proc/<pid>/ns/net` or a
+/// bind mount of one) until the returned guard is dropped. On error the thread has not moved.
+pub fn enter(target: BorrowedFd<'_>) -> io::Result<NetnsGuard> {
+    let home = File::open(THREAD_NETNS)?.into();
+    setns(target, CloneFlags::CLONE_NEWNET)?;
+    Ok(NetnsGuard {
+        home,
+        _not_send: PhantomData,
+    })
+}
+
+impl Drop for NetnsGuard {
+    fn drop(&mut self) {
+        if let Err(err) = setns(&self.home, CloneFlags::CLONE_NEWNET) {
+            tracing::error!(%err, "cannot switch this thread back to its network namespace; aborting");
+            std::process::abort();
+        }
+    }
+}
+
+/// The cookie of the calling thread's network namespace: what `bpf_get_netns_cookie` returns for
+/// sockets in it.
+pub fn current_cookie() -> io::Result<u64> {
+    // A socket belongs to the namespace of the thread that creates it.
+    let probe = socket(
+        AddressFamily::Inet,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    let mut cookie = 0u64;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `cookie` and `len` are valid for writes and `len` is `cookie`'s size.
+    let rc = unsafe {
+        libc::getsockopt(
+            probe.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
+/// Sets `net.ipv4.tcp_fwmark_accept` (which covers IPv6 too) in the calling thread's network
+/// namespace: accepted sockets then inherit the mark of the SYN, which is how the app's replies to
+/// ztunnel's source-preserving dials carry the return mark. `/proc/sys/net` resolves against the
+/// namespace of the task that opens it, so on the datapath thread this is the pod's sysctl.
+pub fn set_tcp_fwmark_accept() -> io::Result<()> {
+    OpenOptions::new()
+        .write(true)
+        .open("/proc/sys/net/ipv4/tcp_fwmark_accept")?
+        .write_all(b"1")
+}
+
+/// `(ifindex, name)` of every link but loopback in the calling thread's network namespace. Read over
+/// netlink, not `/sys/class/net`, which shows the namespace `/sys` was mounted in.
+pub fn non_loopback_interfaces() -> io::Result<Vec<(u32, String)>> {
+    let links = crate::netlink::links()?;
+    Ok(links
+        .into_iter()
+        .filter(|link| !link.header.flags.contains(LinkFlags::Loopback))
+        .filter_map(|link| {
+            let name = link
+                .attributes
+                .into_iter()
+                .find_map(|attribute| match attribute {
+                    LinkAttribute::IfName(name) => Some(name),
+                    _ => None,
+                })?;
+            Some((link.header.index, name))
+        })
+        .collect())
+}
+
+/// Throwaway namespaces for tests; the machine's own namespaces are never touched.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::fs::File;
+    use std::os::fd::OwnedFd;
+    use std::process::Command;
+
+    use nix::sched::{unshare, CloneFlags};
+
+    /// Whether the test can run: these tests need root. They skip without it, except in CI.
+    pub(crate) fn privileged() -> bool {
+        // SAFETY: geteuid cannot fail and touches no memory.
+        if unsafe { libc::geteuid() } == 0 {
+            return true;
+        }
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "netns tests need root"
+        );
+        eprintln!("skipping: netns tests need root");
+        false
+    }
+
+    /// A fresh network namespace with `lo` up, as a pod has it. It lives as long as the fd.
+    pub(crate) fn scratch_netns() -> OwnedFd {
+        std::thread::spawn(|| {
+            unshare(CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+            ip(&["link", "set", "lo", "up"]);
+            File::open(super::THREAD_NETNS)
+                .expect("open own netns")
+                .into()
+        })
+        .join()
+        .expect("netns thread")
+    }
+
+    /// Runs `ip` in the calling thread's namespace (a child inherits its parent thread's).
+    pub(crate) fn ip(args: &[&str]) -> String {
+        let out = Command::new("ip").args(args).output().expect("run ip");
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+
+    use super::testing::{ip, privileged, scratch_netns};
+    use super::*;
+
+    fn fwmark_accept() -> String {
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_fwmark_accept").unwrap()
+    }
+
+    #[test]
+    fn enter_switches_and_restores() {
+        if !privileged() {
+            return;
+        }
+        let home = current_cookie().unwrap();
+        let (a, b) = (scratch_netns(), scratch_netns());
+        let cookie_a = {
+            let _guard = enter(a.as_fd()).unwrap();
+            let here = std::fs::metadata(THREAD_NETNS).unwrap().ino();
+            assert_eq!(
+                here,
+                File::from(a.try_clone().unwrap()).metadata().unwrap().ino()
+            );
+            let cookie = current_cookie().unwrap();
+            assert_eq!(
+                cookie,
+                current_cookie().unwrap(),
+                "stable within a namespace"
+            );
+            assert_ne!(cookie, home);
+            cookie
+        };
+        assert_eq!(current_cookie().unwrap(), home, "back home after drop");
+        let cookie_b = {
+            let _guard = enter(b.as_fd()).unwrap();
+            current_cookie().unwrap()
+        };
+        assert_ne!(cookie_a, cookie_b);
+        assert_eq!(current_cookie().unwrap(), home);
+
+        // Not a namespace: refused, and the thread stays where it was.
+        let not_netns = File::open("/").unwrap();
+        assert!(enter(not_netns.as_fd()).is_err());
+        assert_eq!(current_cookie().unwrap(), home);
+    }
+
+    #[test]
+    fn tcp_fwmark_accept_is_per_namespace() {
+        if !privileged() {
+            return;
+        }
+        let home = fwmark_accept();
+        let (a, b) = (scratch_netns(), scratch_netns());
+        {
+            let _guard = enter(a.as_fd()).unwrap();
+            set_tcp_fwmark_accept().unwrap();
+            assert_eq!(fwmark_accept().trim(), "1");
+        }
+        assert_eq!(
+            fwmark_accept(),
+            home,
+            "the test's own namespace is untouched"
+        );
+        let _guard = enter(b.as_fd()).unwrap();
+        assert_eq!(
+            fwmark_accept().trim(),
+            "0",
+            "another namespace is untouched"
+        );
+    }
+
+    #[test]
+    fn non_loopback_interfaces_are_this_namespaces() {
+        if !privileged() {
+            return;
+        }
+        let netns = scratch_netns();
+        let _guard = enter(netns.as_fd()).unwrap();
+        assert_eq!(non_loopback_interfaces().unwrap(), []);
+
+        ip(&[
+            "link", "add", "weir-t0", "type", "veth", "peer", "name", "weir-t1",
+        ]);
+        let index = |name: &str| -> u32 {
+            let line = ip(&["-o", "link", "show", "dev", name]);
+            line.split(':').next().unwrap().parse().unwrap()
+        };
+        let mut found = non_loopback_interfaces().unwrap();
+        let mut expected = ["weir-t0", "weir-t1"].map(|name| (index(name), name.to_owned()));
+        found.sort();
+        expected.sort();
+        assert_eq!(found, expected);
+    }
+}

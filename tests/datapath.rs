@@ -1,0 +1,602 @@
+//! The datapath in this kernel: real programs, pods wired by the real CNI plugins, bytes flowing
+//! through the ztunnel stand-in. Each test has its own node netns and pin directory, so tests run
+//! in parallel; the datapath is uninstalled when a test ends, also when it fails.
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener},
+    os::fd::AsRawFd,
+    path::PathBuf,
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+    thread,
+    time::Duration,
+};
+
+use weir_agent::datapath::{Datapath, DatapathConfig, PodOptions, PodSpec};
+use weir_common::{
+    PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
+    PROBE_SOURCE_V4, PROBE_SOURCE_V6,
+};
+use weir_tests::{
+    require_privileges, sockopt, tcp_request, udp_request, udp_request_connected,
+    ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
+    EchoServer, Pod, TestNode, UdpEchoServer, ZtunnelStandIn,
+};
+
+const WAIT: Duration = Duration::from_secs(2);
+const APP_PORT: u16 = 8080;
+
+/// A node netns with its own datapath pin directory; uninstalls whatever datapath is left there
+/// when dropped.
+struct Fixture {
+    node: TestNode,
+    config: DatapathConfig,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let node = TestNode::new().expect("test node");
+        let config = DatapathConfig {
+            pin_root: PathBuf::from("/sys/fs/bpf").join(node.netns().name()),
+            cgroup: None,
+            node_netns: Some(node.netns().path().to_path_buf()),
+            probe_bypass: true,
+        };
+        Self { node, config }
+    }
+
+    fn start(&self) -> Datapath {
+        Datapath::start(self.config.clone()).expect("datapath starts")
+    }
+
+    fn pod(&self, name: &str) -> Pod {
+        self.node.add_pod(name).expect("pod")
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if self.config.pin_root.exists() {
+            let cleanup = Datapath::start(self.config.clone()).and_then(Datapath::uninstall);
+            if let Err(error) = cleanup {
+                eprintln!("cleaning up {}: {error:#}", self.config.pin_root.display());
+            }
+        }
+    }
+}
+
+fn spec(pod: &Pod, options: PodOptions) -> PodSpec {
+    PodSpec {
+        uid: pod.uid().to_owned(),
+        netns: pod.netns_path().to_path_buf(),
+        ips: pod.ips().to_vec(),
+        options,
+    }
+}
+
+fn v4_mapped(ip: Ipv4Addr) -> IpAddr {
+    IpAddr::V6(ip.to_ipv6_mapped())
+}
+
+fn counters(datapath: &Datapath, pod: &Pod) -> PodCounters {
+    datapath
+        .counters(pod.uid())
+        .unwrap()
+        .expect("pod is enrolled")
+}
+
+/// An echo server on the pod's wildcard address, both families.
+fn app(pod: &Pod) -> EchoServer {
+    EchoServer::start(
+        pod.netns(),
+        pod.name(),
+        (Ipv6Addr::UNSPECIFIED, APP_PORT).into(),
+    )
+    .expect("app server")
+}
+
+#[test]
+fn outbound_tcp_lands_on_15001_with_the_original_destination() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (client, server) = (fixture.pod("client"), fixture.pod("server"));
+    let echo = app(&server);
+    let ztunnel = ZtunnelStandIn::start(&client).unwrap();
+    let datapath = fixture.start();
+    datapath
+        .enroll(spec(&client, PodOptions::default()))
+        .unwrap();
+
+    let destinations = [
+        IpAddr::V4(server.ipv4()),
+        IpAddr::V6(server.ipv6()),
+        // An AF_INET6 socket to a v4-mapped address fires connect6 only.
+        v4_mapped(server.ipv4()),
+    ];
+    for destination in destinations {
+        let target = SocketAddr::new(destination, APP_PORT);
+        let reply = client
+            .run(|| tcp_request(target, "hello"))
+            .unwrap_or_else(|e| panic!("request to {target}: {e}"));
+        assert_eq!(reply.response, echo.reply_to("hello"), "to {target}");
+        // The app sees the address it asked for, as with iptables REDIRECT.
+        assert_eq!(reply.peer_seen_by_client, target);
+
+        let expected = SocketAddr::new(destination.to_canonical(), APP_PORT);
+        let seen = ztunnel
+            .wait_for(
+                |s| s.listener == OUTBOUND_PORT && s.peer == sockopt::canonical(reply.local),
+                WAIT,
+            )
+            .unwrap_or_else(|| panic!("connection to {target} never reached 15001"));
+        assert_eq!(seen.original_dst, Some(expected), "SO_ORIGINAL_DST");
+        // ztunnel sees the pod as the source, not loopback.
+        assert_eq!(seen.peer.ip(), sockopt::canonical(reply.local).ip());
+        assert!(client.ips().contains(&seen.peer.ip()), "{seen:?}");
+        // ...and dialed the real destination from the pod's own address.
+        let received = echo
+            .wait_for(|r| r.line == "hello" && r.local.ip() == expected.ip(), WAIT)
+            .expect("server got the bytes");
+        assert!(client.ips().contains(&received.peer.ip()), "{received:?}");
+    }
+    assert_eq!(counters(&datapath, &client).outbound, 3);
+    datapath.uninstall().unwrap();
+}
+
+#[test]
+fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (client, server) = (fixture.pod("client"), fixture.pod("server"));
+    let echo = app(&server);
+    let ztunnel = ZtunnelStandIn::start(&server).unwrap();
+    let datapath = fixture.start();
+    datapath
+        .enroll(spec(&server, PodOptions::default()))
+        .unwrap();
+
+    for (source, destination) in [
+        (IpAddr::V4(client.ipv4()), IpAddr::V4(server.ipv4())),
+        (IpAddr::V6(client.ipv6()), IpAddr::V6(server.ipv6())),
+    ] {
+        let target = SocketAddr::new(destination, APP_PORT);
+        let reply = client
+            .run(|| tcp_request(target, "inbound"))
+            .unwrap_or_else(|e| panic!("request to {target}: {e}"));
+        // The answer came back: the app's replies reached ztunnel's transparent socket.
+        assert_eq!(reply.response, echo.reply_to("inbound"));
+        let seen = ztunnel
+            .wait_for(
+                |s| s.listener == INBOUND_PORT && s.peer.ip() == source,
+                WAIT,
+            )
+            .unwrap_or_else(|| panic!("connection to {target} never reached 15006"));
+        // TPROXY semantics: the accepted socket's local address is the original destination.
+        assert_eq!(seen.local, target);
+        assert_eq!(seen.destination(), target);
+        // ztunnel dialed the app keeping the client's address.
+        let received = echo
+            .wait_for(|r| r.line == "inbound" && r.local.ip() == destination, WAIT)
+            .unwrap();
+        assert_eq!(received.peer.ip(), source);
+    }
+
+    // HBONE reaches 15008 directly.
+    let hbone = SocketAddr::new(IpAddr::V4(server.ipv4()), HBONE_PORT);
+    let reply = client.run(|| tcp_request(hbone, "connect")).unwrap();
+    assert_eq!(reply.response, HBONE_REPLY);
+    assert!(ztunnel
+        .wait_for(|s| s.listener == HBONE_PORT && s.local == hbone, WAIT)
+        .is_some());
+    assert_eq!(counters(&datapath, &server).inbound, 2);
+    datapath.uninstall().unwrap();
+}
+
+#[test]
+fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let pod = fixture.pod("app");
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let resolver = SocketAddr::new(IpAddr::V4(fixture.node.gateway_v4()), DNS_PORT);
+    let resolver_v6 = SocketAddr::new(IpAddr::V6(fixture.node.gateway_v6()), DNS_PORT);
+    let real_resolver = UdpEchoServer::start(fixture.node.netns(), "node-dns", resolver).unwrap();
+    let datapath = fixture.start();
+    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+
+    for target in [resolver, resolver_v6] {
+        let unconnected = pod.run(|| udp_request(target, "query")).unwrap();
+        assert_eq!(unconnected.response, format!("{DNS_REPLY_PREFIX}query"));
+        assert_eq!(
+            unconnected.from, target,
+            "answer appears to come from the resolver"
+        );
+
+        let connected = pod.run(|| udp_request_connected(target, "query")).unwrap();
+        assert_eq!(connected.response, format!("{DNS_REPLY_PREFIX}query"));
+        assert_eq!(connected.from, target);
+        assert_eq!(
+            connected.peer,
+            Some(target),
+            "getpeername shows the resolver"
+        );
+
+        let tcp = pod.run(|| tcp_request(target, "query")).unwrap();
+        assert!(tcp.response.starts_with(DNS_REPLY_PREFIX), "{tcp:?}");
+        assert_eq!(tcp.peer_seen_by_client, target);
+    }
+    let at_proxy = ztunnel
+        .seen()
+        .into_iter()
+        .filter(|s| s.listener == DNS_PROXY_PORT)
+        .count();
+    assert_eq!(at_proxy, 6);
+    assert_eq!(counters(&datapath, &pod).dns, 6);
+    assert!(real_resolver.received().is_empty());
+
+    // DNS capture off for this pod: the query reaches the real resolver.
+    datapath
+        .enroll(spec(
+            &pod,
+            PodOptions {
+                dns_capture: false,
+                ..PodOptions::default()
+            },
+        ))
+        .unwrap();
+    let direct = pod.run(|| udp_request(resolver, "query")).unwrap();
+    assert_eq!(direct.response, real_resolver.reply_to("query"));
+    assert_eq!(direct.from, resolver);
+    datapath.uninstall().unwrap();
+}
+
+#[test]
+fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let own = app(&pod);
+    let other_app = app(&other);
+    let datapath = fixture.start();
+    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+
+    // Loopback and the pod's own address, v4 and v6: direct.
+    for target in [
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), APP_PORT),
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), APP_PORT),
+        SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT),
+        SocketAddr::new(IpAddr::V6(pod.ipv6()), APP_PORT),
+    ] {
+        let reply = pod.run(|| tcp_request(target, "local")).unwrap();
+        assert_eq!(reply.response, own.reply_to("local"), "to {target}");
+    }
+    // A socket marked like ztunnel's goes where it was sent.
+    let target = SocketAddr::new(IpAddr::V4(other.ipv4()), APP_PORT);
+    let reply = pod.run(|| marked_tcp_request(target, "marked")).unwrap();
+    assert_eq!(reply, other_app.reply_to("marked"));
+    assert!(
+        ztunnel
+            .seen()
+            .iter()
+            .all(|s| s.listener != OUTBOUND_PORT && s.listener != INBOUND_PORT),
+        "nothing reached ztunnel: {:?}",
+        ztunnel.seen()
+    );
+    assert_eq!(counters(&datapath, &pod).outbound, 0);
+    datapath.uninstall().unwrap();
+}
+
+#[test]
+fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (pod, plain, server) = (
+        fixture.pod("app"),
+        fixture.pod("plain"),
+        fixture.pod("server"),
+    );
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let plain_ztunnel = ZtunnelStandIn::start(&plain).unwrap();
+    let echo = app(&server);
+    let plain_app = app(&plain);
+    let datapath = fixture.start();
+    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+
+    // A pod that is not enrolled talks directly, both ways.
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = plain.run(|| tcp_request(target, "plain")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("plain"));
+    let to_plain = SocketAddr::new(IpAddr::V6(plain.ipv6()), APP_PORT);
+    let reply = server.run(|| tcp_request(to_plain, "in")).unwrap();
+    assert_eq!(reply.response, plain_app.reply_to("in"));
+    assert!(
+        plain_ztunnel.seen().is_empty(),
+        "{:?}",
+        plain_ztunnel.seen()
+    );
+
+    // The enrolled pod is redirected...
+    pod.run(|| tcp_request(target, "via ztunnel")).unwrap();
+    assert!(ztunnel
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .is_some());
+    // ...until it is unenrolled; a second unenroll is a no-op.
+    assert!(datapath.unenroll(pod.uid()).unwrap());
+    assert!(!datapath.unenroll(pod.uid()).unwrap());
+    let before = ztunnel.seen().len();
+    let reply = pod.run(|| tcp_request(target, "direct")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("direct"));
+    let received = echo.wait_for(|r| r.line == "direct", WAIT).unwrap();
+    assert_eq!(received.peer.ip(), IpAddr::V4(pod.ipv4()));
+    assert_eq!(ztunnel.seen().len(), before, "{:?}", ztunnel.seen());
+    assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
+    datapath.uninstall().unwrap();
+}
+
+#[test]
+fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let echo = app(&pod);
+    let datapath = fixture.start();
+    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+
+    for (destination, probe_source) in [
+        (IpAddr::V4(pod.ipv4()), IpAddr::V4(PROBE_SOURCE_V4.into())),
+        (IpAddr::V6(pod.ipv6()), IpAddr::V6(PROBE_SOURCE_V6.into())),
+    ] {
+        let target = SocketAddr::new(destination, APP_PORT);
+        let reply = fixture
+            .node
+            .run(|| tcp_request(target, "probe"))
+            .unwrap_or_else(|e| panic!("probe to {target}: {e}"));
+        assert_eq!(reply.response, echo.reply_to("probe"));
+        let received = echo
+            .wait_for(|r| r.line == "probe" && r.local.ip() == destination, WAIT)
+            .unwrap();
+        assert_eq!(received.peer.ip(), probe_source);
+    }
+    assert!(ztunnel.seen().iter().all(|s| s.listener != INBOUND_PORT));
+    assert_eq!(counters(&datapath, &pod).bypassed, 2);
+
+    // Another pod's traffic is still captured.
+    let target = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    other.run(|| tcp_request(target, "pod")).unwrap();
+    assert!(ztunnel
+        .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
+        .is_some());
+    datapath.uninstall().unwrap();
+}
+
+#[test]
+fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let echo = app(&pod);
+    let other_app = app(&other);
+    let datapath = fixture.start();
+    let options = PodOptions {
+        inbound_bypass: true,
+        ..PodOptions::default()
+    };
+    datapath.enroll(spec(&pod, options)).unwrap();
+
+    let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let reply = other.run(|| tcp_request(inbound, "in")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("in"));
+    let received = echo.wait_for(|r| r.line == "in", WAIT).unwrap();
+    assert_eq!(received.peer.ip(), IpAddr::V4(other.ipv4()));
+
+    let outbound = SocketAddr::new(IpAddr::V4(other.ipv4()), APP_PORT);
+    let reply = pod.run(|| tcp_request(outbound, "out")).unwrap();
+    assert_eq!(reply.response, other_app.reply_to("out"));
+    assert!(ztunnel
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .is_some());
+    assert!(ztunnel.seen().iter().all(|s| s.listener != INBOUND_PORT));
+    let counted = counters(&datapath, &pod);
+    assert_eq!(
+        (counted.inbound, counted.bypassed, counted.outbound),
+        (0, 1, 1)
+    );
+    datapath.uninstall().unwrap();
+}
+
+/// The getsockopt hook sees every getsockopt on the node: all calls it does not own must come
+/// back exactly as the kernel answers them.
+#[test]
+fn getsockopt_hook_leaves_other_calls_untouched() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let pod = fixture.pod("app");
+    let listener = pod
+        .run(|| TcpListener::bind((Ipv6Addr::UNSPECIFIED, 0)))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let target = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
+    let client = pod.run(|| std::net::TcpStream::connect(target)).unwrap();
+    let (accepted, _) = listener.accept().unwrap();
+
+    let before = getsockopt_answers(&accepted, &client);
+    let datapath = fixture.start();
+    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+    let after = getsockopt_answers(&accepted, &client);
+    assert_eq!(before, after);
+    datapath.uninstall().unwrap();
+}
+
+/// A TCP request from a socket marked like ztunnel's.
+fn marked_tcp_request(target: SocketAddr, msg: &str) -> std::io::Result<String> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(target),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    socket.set_mark(weir_common::ZTUNNEL_MARK)?;
+    socket.connect_timeout(&target.into(), WAIT)?;
+    let mut stream = std::net::TcpStream::from(socket);
+    stream.set_read_timeout(Some(WAIT))?;
+    writeln!(stream, "{msg}")?;
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line)?;
+    Ok(line.trim_end().to_owned())
+}
+
+/// What a handful of getsockopt calls return: SO_ORIGINAL_DST on sockets weir did not redirect
+/// (both levels), a plain option, and a large-buffer call (optlen above a page).
+fn getsockopt_answers(accepted: &impl AsRawFd, client: &impl AsRawFd) -> Vec<(i32, Vec<u8>)> {
+    let calls = [
+        (accepted.as_raw_fd(), libc::SOL_IP, 80, 128),
+        (accepted.as_raw_fd(), libc::SOL_IPV6, 80, 128),
+        (client.as_raw_fd(), libc::SOL_SOCKET, libc::SO_TYPE, 4),
+        (client.as_raw_fd(), libc::SOL_IP, libc::IP_TOS, 4),
+        (
+            client.as_raw_fd(),
+            libc::SOL_TCP,
+            libc::TCP_CONGESTION,
+            8192,
+        ),
+    ];
+    calls
+        .into_iter()
+        .map(|(fd, level, name, len)| {
+            let mut buf = vec![0u8; len];
+            let mut optlen = len as libc::socklen_t;
+            // SAFETY: buf holds optlen bytes.
+            let ret =
+                unsafe { libc::getsockopt(fd, level, name, buf.as_mut_ptr().cast(), &mut optlen) };
+            let result = if ret == 0 {
+                0
+            } else {
+                std::io::Error::last_os_error().raw_os_error().unwrap()
+            };
+            buf.truncate(optlen as usize);
+            (result, buf)
+        })
+        .collect()
+}
+
+/// A datapath owner in another process, driven over its stdin.
+struct Owner {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Owner {
+    fn spawn(config: &DatapathConfig) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_weir-datapath-owner"))
+            .arg(&config.pin_root)
+            .arg(config.node_netns.as_ref().unwrap())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("owner process");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut ready = String::new();
+        stdout.read_line(&mut ready).unwrap();
+        assert_eq!(ready.trim(), "ready");
+        Self {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    fn send(&mut self, command: &str) -> String {
+        writeln!(self.stdin, "{command}").unwrap();
+        let mut answer = String::new();
+        self.stdout.read_line(&mut answer).unwrap();
+        answer.trim().to_owned()
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+#[test]
+fn redirection_survives_owner_restart_without_a_gap() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let echo = app(&server);
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+
+    let mut first = Owner::spawn(&fixture.config);
+    let pod_spec = serde_json::to_string(&spec(&pod, PodOptions::default())).unwrap();
+    assert_eq!(first.send(&format!("enroll {pod_spec}")), "ok");
+
+    // Connections keep flowing while the owner crashes and another takes over.
+    let stop = Arc::new(AtomicBool::new(false));
+    let made = Arc::new(AtomicUsize::new(0));
+    let traffic = {
+        let (stop, made) = (stop.clone(), made.clone());
+        let pod_netns = pod.netns().open().unwrap();
+        let expected = echo.reply_to("loop");
+        thread::spawn(move || {
+            weir_tests::netns::run_in(std::os::fd::AsFd::as_fd(&pod_netns), || {
+                while !stop.load(Ordering::Relaxed) {
+                    let reply = tcp_request(target, "loop").expect("connection during restart");
+                    assert_eq!(reply.response, expected);
+                    assert_eq!(reply.peer_seen_by_client, target);
+                    made.fetch_add(1, Ordering::Relaxed);
+                    thread::sleep(Duration::from_millis(10));
+                }
+            })
+        })
+    };
+    thread::sleep(Duration::from_millis(200));
+    first.kill();
+    thread::sleep(Duration::from_millis(200));
+    let mut second = Owner::spawn(&fixture.config);
+    thread::sleep(Duration::from_millis(200));
+    stop.store(true, Ordering::Relaxed);
+    traffic.join().expect("traffic thread");
+
+    let made = made.load(Ordering::Relaxed);
+    assert!(made > 10, "only {made} connections");
+    let redirected = ztunnel
+        .seen()
+        .iter()
+        .filter(|s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target))
+        .count();
+    assert_eq!(redirected, made, "every connection went through ztunnel");
+
+    // The new owner recovered the pod from the pinned maps: it can unenroll it by uid.
+    assert_eq!(second.send(&format!("unenroll {}", pod.uid())), "ok true");
+    let before = ztunnel.seen().len();
+    pod.run(|| tcp_request(target, "direct")).unwrap();
+    assert_eq!(ztunnel.seen().len(), before);
+    assert_eq!(second.send("uninstall"), "ok");
+    second.child.wait().unwrap();
+}

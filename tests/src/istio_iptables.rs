@@ -1,0 +1,163 @@
+//! istio-cni's in-pod redirection, with iptables and policy routing: the behaviour weir
+//! reproduces with eBPF, applied as istio applies it (`iptables-restore --noflush` inside the
+//! pod, IPv4 and IPv6). The harness uses it to check the ztunnel stand-in against the real
+//! contract without weir, and it is the comparator for weir's datapath.
+//!
+//! Host side, istio also SNATs kubelet probes to 169.254.7.127 (an ipset of enrolled pod IPs);
+//! that rule is not here.
+
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context, Result};
+use weir_common::{
+    DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT, PROBE_SOURCE_V4,
+    PROBE_SOURCE_V6, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+};
+
+use crate::netns::{self, NetNs};
+
+/// istio's connmark for connections ztunnel dialed into the pod, and the policy routing table
+/// that brings the app's replies to them back to ztunnel.
+pub const CONNMARK: u32 = 0x111;
+pub const ROUTE_TABLE: u32 = 100;
+
+/// Installs the rules and routes in the pod's namespace `pod`.
+pub fn apply(pod: &NetNs) -> Result<()> {
+    for family in [Family::V4, Family::V6] {
+        restore(pod, family)?;
+        let (table, mark, mask) = (ROUTE_TABLE.to_string(), CONNMARK, ZTUNNEL_MARK_MASK);
+        let fwmark = format!("{mark:#x}/{mask:#x}");
+        let any = family.any();
+        netns::ip(&[
+            "-n",
+            pod.name(),
+            family.flag(),
+            "rule",
+            "add",
+            "fwmark",
+            &fwmark,
+            "lookup",
+            &table,
+        ])?;
+        netns::ip(&[
+            "-n",
+            pod.name(),
+            family.flag(),
+            "route",
+            "add",
+            "local",
+            &any,
+            "dev",
+            "lo",
+            "table",
+            &table,
+        ])?;
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn flag(self) -> &'static str {
+        match self {
+            Family::V4 => "-4",
+            Family::V6 => "-6",
+        }
+    }
+
+    fn restore_command(self) -> &'static str {
+        match self {
+            Family::V4 => "iptables-restore",
+            Family::V6 => "ip6tables-restore",
+        }
+    }
+
+    fn loopback(self) -> String {
+        match self {
+            Family::V4 => format!("{}/32", Ipv4Addr::LOCALHOST),
+            Family::V6 => format!("{}/128", Ipv6Addr::LOCALHOST),
+        }
+    }
+
+    fn probe_source(self) -> IpAddr {
+        match self {
+            Family::V4 => PROBE_SOURCE_V4.into(),
+            Family::V6 => PROBE_SOURCE_V6.into(),
+        }
+    }
+
+    fn any(self) -> String {
+        match self {
+            Family::V4 => "0.0.0.0/0".into(),
+            Family::V6 => "::/0".into(),
+        }
+    }
+}
+
+/// istio-cni's in-pod rule set (`iptables-restore` input) for one family.
+fn rules(family: Family) -> String {
+    let lo = family.loopback();
+    let probe = family.probe_source();
+    let mark = format!("{ZTUNNEL_MARK:#x}/{ZTUNNEL_MARK_MASK:#x}");
+    let connmark = format!("{CONNMARK:#x}/{ZTUNNEL_MARK_MASK:#x}");
+    format!(
+        "\
+*mangle
+:ISTIO_PRERT - [0:0]
+:ISTIO_OUTPUT - [0:0]
+-A PREROUTING -j ISTIO_PRERT
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_PRERT -m mark --mark {mark} -j CONNMARK --set-xmark {connmark}
+-A ISTIO_OUTPUT -m connmark --mark {connmark} -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff
+COMMIT
+*nat
+:ISTIO_PRERT - [0:0]
+:ISTIO_OUTPUT - [0:0]
+-A PREROUTING -j ISTIO_PRERT
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_PRERT -s {probe} -p tcp -m tcp -j ACCEPT
+-A ISTIO_OUTPUT -d {probe} -p tcp -m tcp -j ACCEPT
+-A ISTIO_PRERT ! -d {lo} -p tcp ! --dport {HBONE_PORT} -m mark ! --mark {mark} -j REDIRECT --to-ports {INBOUND_PORT}
+-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark {mark} -m udp --dport {DNS_PORT} -j REDIRECT --to-port {DNS_PROXY_PORT}
+-A ISTIO_OUTPUT ! -d {lo} -p tcp --dport {DNS_PORT} -m mark ! --mark {mark} -j REDIRECT --to-ports {DNS_PROXY_PORT}
+-A ISTIO_OUTPUT -p tcp -m mark --mark {connmark} -j ACCEPT
+-A ISTIO_OUTPUT ! -d {lo} -o lo -j ACCEPT
+-A ISTIO_OUTPUT ! -d {lo} -p tcp -m mark ! --mark {mark} -j REDIRECT --to-ports {OUTBOUND_PORT}
+COMMIT
+"
+    )
+}
+
+fn restore(pod: &NetNs, family: Family) -> Result<()> {
+    let command = family.restore_command();
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", pod.name(), command, "--noflush"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run {command}"))?;
+    let written = child
+        .stdin
+        .take()
+        .expect("stdin is piped")
+        .write_all(rules(family).as_bytes());
+    let out = child.wait_with_output()?;
+    written.with_context(|| format!("cannot feed {command}"))?;
+    if !out.status.success() {
+        bail!(
+            "{command} in {} failed ({}): {}",
+            pod.name(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}

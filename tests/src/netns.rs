@@ -1,0 +1,179 @@
+//! Named network namespaces, and running code inside one.
+//!
+//! `setns` changes the namespace of the calling thread only, so code "inside" a namespace runs on
+//! a fresh OS thread that enters it first; the test's own thread never moves. Sockets belong to
+//! the namespace of the thread that created them and keep it wherever they are used afterwards,
+//! and threads spawned from an entered thread start in its namespace.
+
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::thread::{self, JoinHandle};
+
+use anyhow::{bail, Context, Result};
+use nix::sched::CloneFlags;
+
+use crate::ids;
+
+/// Where `ip netns` keeps its bind mounts.
+pub const NETNS_DIR: &str = "/var/run/netns";
+
+/// `SO_NETNS_COOKIE` (Linux 5.14): the 64-bit cookie of the socket's network namespace, the key
+/// weir's eBPF programs find a pod by (`bpf_get_netns_cookie`).
+const SO_NETNS_COOKIE: libc::c_int = 71;
+
+/// A named network namespace (`/var/run/netns/<name>`), deleted on drop.
+#[derive(Debug)]
+pub struct NetNs {
+    name: String,
+    path: PathBuf,
+    file: File,
+}
+
+impl NetNs {
+    /// Creates `weir-t-<unique id>-<role>` with `ip netns add`. Only `lo` exists in it, down.
+    pub fn create(role: &str) -> Result<Self> {
+        let name = ids::unique_name(role);
+        ip(&["netns", "add", &name])?;
+        let path = Path::new(NETNS_DIR).join(&name);
+        match File::open(&path) {
+            Ok(file) => Ok(Self { name, path, file }),
+            Err(err) => {
+                let _ = ip(&["netns", "del", &name]);
+                Err(err).with_context(|| format!("cannot open {}", path.display()))
+            }
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `/var/run/netns/<name>`: what a runtime passes plugins as `CNI_NETNS`.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A new handle on the namespace, e.g. to hand it to a ztunnel (stand-in) as ZDS does.
+    pub fn open(&self) -> io::Result<File> {
+        self.file.try_clone()
+    }
+
+    /// Runs `f` inside the namespace, on a fresh thread, and returns its result; a panic in `f`
+    /// propagates to the caller.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        run_in(self.as_fd(), f)
+    }
+
+    /// Starts `f` inside the namespace on a named thread that outlives this call (servers).
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        thread_name: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> io::Result<JoinHandle<T>> {
+        spawn_in(self.as_fd().try_clone_to_owned()?, thread_name, f)
+    }
+
+    /// The namespace's cookie, read with `getsockopt(SO_NETNS_COOKIE)` on a socket made inside.
+    pub fn cookie(&self) -> io::Result<u64> {
+        self.run(|| {
+            let probe = std::net::UdpSocket::bind("127.0.0.1:0")?;
+            netns_cookie(&probe)
+        })
+    }
+
+    /// Writes a sysctl of this namespace (`net.ipv6.conf.all.accept_dad` style key): `/proc/sys/net`
+    /// shows the namespace of the thread that opens it, so the write happens from inside.
+    pub fn sysctl(&self, key: &str, value: &str) -> io::Result<()> {
+        let path = Path::new("/proc/sys").join(key.replace('.', "/"));
+        self.run(|| fs::write(&path, value))
+            .map_err(|err| io::Error::new(err.kind(), format!("{}: {err}", path.display())))
+    }
+}
+
+impl AsFd for NetNs {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        if let Err(err) = ip(&["netns", "del", &self.name]) {
+            eprintln!("warning: {err:#}");
+        }
+    }
+}
+
+/// Moves the calling thread into the network namespace `netns`.
+pub fn enter(netns: BorrowedFd<'_>) -> io::Result<()> {
+    nix::sched::setns(netns, CloneFlags::CLONE_NEWNET).map_err(io::Error::from)
+}
+
+/// Runs `f` on a fresh thread inside `netns` and returns its result; panics propagate.
+pub fn run_in<T: Send>(netns: BorrowedFd<'_>, f: impl FnOnce() -> T + Send) -> T {
+    thread::scope(|scope| {
+        let inside = scope.spawn(move || {
+            enter(netns).unwrap_or_else(|err| panic!("cannot enter network namespace: {err}"));
+            f()
+        });
+        inside
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+/// Starts `f` on a named thread inside `netns`; the thread keeps the namespace alive while it runs.
+pub fn spawn_in<T: Send + 'static>(
+    netns: OwnedFd,
+    thread_name: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> io::Result<JoinHandle<T>> {
+    thread::Builder::new()
+        .name(thread_name.to_owned())
+        .spawn(move || {
+            enter(netns.as_fd())
+                .unwrap_or_else(|err| panic!("cannot enter network namespace: {err}"));
+            drop(netns);
+            f()
+        })
+}
+
+/// The cookie of the network namespace `socket` belongs to.
+pub fn netns_cookie(socket: &impl AsFd) -> io::Result<u64> {
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: the buffer is a valid u64 and `len` holds its size.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_fd().as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
+/// Runs `ip <args>`, failing with its stderr.
+pub(crate) fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("cannot run `ip` (iproute2)")?;
+    if !out.status.success() {
+        bail!(
+            "`ip {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,367 @@
+//! A node and its pods, wired the way a node's container runtime wires them.
+//!
+//! The node is a network namespace standing in for the node's root namespace: kubelet probes and
+//! "other hosts" live there, and the CNI plugins run there. Each pod is a namespace of its own,
+//! given `lo` by the `loopback` plugin and `eth0` (a veth on the node's `cni0` bridge, one IPv4
+//! and one IPv6 address from host-local IPAM) by the `bridge` plugin.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use anyhow::{anyhow, Context, Result};
+use serde_json::{json, Map, Value};
+use tempfile::TempDir;
+
+use crate::cni::{self, NetworkConfigList, RuntimeConf};
+use crate::ids;
+use crate::netns::{self, NetNs};
+
+/// The pod network's bridge on every node.
+pub const BRIDGE: &str = "cni0";
+/// The conflist's network name.
+pub const NETWORK_NAME: &str = "weir-test";
+
+/// Knobs for [`TestNode::with_options`].
+#[derive(Clone, Debug, Default)]
+pub struct NodeOptions {
+    /// Plugins chained after `bridge` in the node's conflist, in order (e.g. weir's CNI plugin).
+    pub chained_plugins: Vec<Value>,
+    /// Directories searched for plugin binaries before the reference plugins' (`CNI_PATH`).
+    pub plugin_dirs: Vec<PathBuf>,
+}
+
+/// What a pod is, as far as the runtime and the CNI plugins can tell.
+#[derive(Clone, Debug)]
+pub struct PodSpec {
+    pub name: String,
+    pub namespace: String,
+    /// Passed to plugins that declare the `io.kubernetes.cri.pod-annotations` capability.
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl PodSpec {
+    pub fn new(name: &str) -> Self {
+        Self {
+            name: name.to_owned(),
+            namespace: "default".to_owned(),
+            annotations: BTreeMap::new(),
+        }
+    }
+}
+
+/// A node: its namespace, its IPAM state and its CNI configuration. Pods keep the node alive
+/// (its namespace is deleted after the last pod is torn down), so drop order never matters.
+pub struct TestNode {
+    shared: Arc<Node>,
+}
+
+struct Node {
+    netns: NetNs,
+    /// host-local's `dataDir`: IPAM state private to this node, never `/var/lib/cni`.
+    ipam_dir: TempDir,
+    subnet: u8,
+    network: NetworkConfigList,
+    /// containerd runs the loopback plugin as a network of its own, with `CNI_IFNAME=lo`.
+    loopback: NetworkConfigList,
+    cni_path: Vec<PathBuf>,
+}
+
+impl TestNode {
+    pub fn new() -> Result<Self> {
+        Self::with_options(NodeOptions::default())
+    }
+
+    pub fn with_options(options: NodeOptions) -> Result<Self> {
+        // Distinct subnets for the nodes of one process: isolated by namespaces anyway, but
+        // addresses in a failure message then say which node they belong to.
+        static SUBNETS: AtomicU8 = AtomicU8::new(0);
+        let subnet = SUBNETS.fetch_add(1, Ordering::Relaxed);
+
+        let netns = NetNs::create("node")?;
+        // DAD would hold new IPv6 addresses "tentative" (unusable) for a second or more.
+        for (key, value) in [
+            ("net.ipv6.conf.all.accept_dad", "0"),
+            ("net.ipv6.conf.default.accept_dad", "0"),
+            ("net.ipv4.ip_forward", "1"),
+            ("net.ipv6.conf.all.forwarding", "1"),
+        ] {
+            netns.sysctl(key, value)?;
+        }
+        netns::ip(&["-n", netns.name(), "link", "set", "lo", "up"])?;
+
+        let ipam_dir = tempfile::Builder::new()
+            .prefix(ids::PREFIX)
+            .tempdir()
+            .context("cannot create the IPAM data directory")?;
+        let bridge = json!({
+            "type": "bridge",
+            "bridge": BRIDGE,
+            "isGateway": true,
+            "ipMasq": false,
+            "hairpinMode": true,
+            "ipam": {
+                "type": "host-local",
+                "dataDir": ipam_dir.path(),
+                "ranges": [
+                    [{ "subnet": format!("{}/24", subnet_v4(subnet, 0)) }],
+                    [{ "subnet": format!("{}/64", subnet_v6(subnet, 0)) }],
+                ],
+                "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }],
+            },
+        });
+        let plugins = std::iter::once(bridge)
+            .chain(options.chained_plugins)
+            .collect();
+        let cni_path = options
+            .plugin_dirs
+            .into_iter()
+            .chain([PathBuf::from(cni::REFERENCE_PLUGIN_DIR)])
+            .collect();
+        Ok(Self {
+            shared: Arc::new(Node {
+                netns,
+                ipam_dir,
+                subnet,
+                network: NetworkConfigList::new(NETWORK_NAME, plugins),
+                loopback: NetworkConfigList::new("cni-loopback", vec![json!({"type": "loopback"})]),
+                cni_path,
+            }),
+        })
+    }
+
+    /// The node's namespace ("the host").
+    pub fn netns(&self) -> &NetNs {
+        &self.shared.netns
+    }
+
+    /// Runs `f` on the node, where kubelet probes and other hosts' servers live.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        self.shared.netns.run(f)
+    }
+
+    /// The bridge's IPv4 address (the pods' gateway; host-local hands out `.1` as gateway and the
+    /// bridge plugin assigns it on the first pod's ADD).
+    pub fn gateway_v4(&self) -> Ipv4Addr {
+        subnet_v4(self.shared.subnet, 1)
+    }
+
+    /// The bridge's IPv6 address, `fd00:10:244:<n>::1`.
+    pub fn gateway_v6(&self) -> Ipv6Addr {
+        subnet_v6(self.shared.subnet, 1)
+    }
+
+    /// The conflist pods are wired with (the bridge plugin, then [`NodeOptions::chained_plugins`]).
+    pub fn network(&self) -> &NetworkConfigList {
+        &self.shared.network
+    }
+
+    /// `CNI_PATH`.
+    pub fn cni_path(&self) -> &[PathBuf] {
+        &self.shared.cni_path
+    }
+
+    /// host-local's `dataDir`.
+    pub fn ipam_dir(&self) -> &Path {
+        self.shared.ipam_dir.path()
+    }
+
+    /// Creates pod `name` in namespace `default`.
+    pub fn add_pod(&self, name: &str) -> Result<Pod> {
+        self.add_pod_with(PodSpec::new(name))
+    }
+
+    /// Creates the pod's namespace and runs CNI ADD for it: `loopback`, then the conflist.
+    pub fn add_pod_with(&self, spec: PodSpec) -> Result<Pod> {
+        let netns = NetNs::create(&spec.name)?;
+        for key in [
+            "net.ipv6.conf.all.accept_dad",
+            "net.ipv6.conf.default.accept_dad",
+        ] {
+            netns.sysctl(key, "0")?;
+        }
+        let uid = ids::uuid_v4();
+        let container_id = ids::container_id();
+        let annotations: Map<String, Value> = spec
+            .annotations
+            .iter()
+            .map(|(key, value)| (key.clone(), value.clone().into()))
+            .collect();
+        let runtime = RuntimeConf {
+            container_id: container_id.clone(),
+            netns: Some(netns.path().to_owned()),
+            ifname: "eth0".to_owned(),
+            args: [
+                ("IgnoreUnknown", "1"),
+                ("K8S_POD_NAMESPACE", &spec.namespace),
+                ("K8S_POD_NAME", &spec.name),
+                ("K8S_POD_INFRA_CONTAINER_ID", &container_id),
+                ("K8S_POD_UID", &uid),
+            ]
+            .map(|(key, value)| (key.to_owned(), value.to_owned()))
+            .into(),
+            path: self.shared.cni_path.clone(),
+            capability_args: Map::from_iter([(
+                "io.kubernetes.cri.pod-annotations".to_owned(),
+                annotations.into(),
+            )]),
+        };
+        // From here on the wiring's Drop undoes whatever part of the ADD happened.
+        let mut wiring = Wiring {
+            netns,
+            runtime,
+            result: None,
+            node: self.shared.clone(),
+        };
+        let node = &self.shared;
+        let loopback = RuntimeConf {
+            ifname: "lo".to_owned(),
+            ..wiring.runtime.clone()
+        };
+        node.loopback
+            .add(&loopback, &node.netns)
+            .with_context(|| format!("loopback ADD for pod {}", spec.name))?;
+        let result = node
+            .network
+            .add(&wiring.runtime, &node.netns)
+            .with_context(|| format!("CNI ADD for pod {}", spec.name))?;
+        let result = wiring.result.insert(result);
+        let ipv4 = pod_ip(result, |ip| match ip {
+            IpAddr::V4(ip) => Some(ip),
+            IpAddr::V6(_) => None,
+        })?;
+        let ipv6 = pod_ip(result, |ip| match ip {
+            IpAddr::V6(ip) => Some(ip),
+            IpAddr::V4(_) => None,
+        })?;
+        Ok(Pod {
+            spec,
+            uid,
+            container_id,
+            ipv4,
+            ipv6,
+            wiring,
+        })
+    }
+}
+
+/// A pod: a namespace with `lo` and `eth0` wired by CNI. Dropping it runs CNI DEL (`bridge`
+/// releases the address and deletes the veth) and deletes the namespace.
+pub struct Pod {
+    spec: PodSpec,
+    uid: String,
+    container_id: String,
+    ipv4: Ipv4Addr,
+    ipv6: Ipv6Addr,
+    wiring: Wiring,
+}
+
+impl Pod {
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.spec.namespace
+    }
+
+    /// `metadata.uid`.
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+
+    /// The sandbox's container id (`CNI_CONTAINERID`).
+    pub fn container_id(&self) -> &str {
+        &self.container_id
+    }
+
+    pub fn ipv4(&self) -> Ipv4Addr {
+        self.ipv4
+    }
+
+    pub fn ipv6(&self) -> Ipv6Addr {
+        self.ipv6
+    }
+
+    /// Both addresses, IPv4 first.
+    pub fn ips(&self) -> [IpAddr; 2] {
+        [self.ipv4.into(), self.ipv6.into()]
+    }
+
+    pub fn netns(&self) -> &NetNs {
+        &self.wiring.netns
+    }
+
+    pub fn netns_path(&self) -> &Path {
+        self.wiring.netns.path()
+    }
+
+    /// Runs `f` inside the pod.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        self.wiring.netns.run(f)
+    }
+
+    /// The parameters the pod's CNI calls were made with (to chain further calls the same way).
+    pub fn runtime_conf(&self) -> &RuntimeConf {
+        &self.wiring.runtime
+    }
+
+    /// The result of the pod's CNI ADD, as a runtime caches it and passes it on as `prevResult`.
+    pub fn prev_result(&self) -> &Value {
+        self.wiring
+            .result
+            .as_ref()
+            .expect("a pod exists only after a successful ADD")
+    }
+}
+
+/// The part of a pod that must be undone: declared so that the pod's namespace goes before the
+/// node reference (fields drop in order, after `Drop::drop`).
+struct Wiring {
+    netns: NetNs,
+    runtime: RuntimeConf,
+    result: Option<Value>,
+    node: Arc<Node>,
+}
+
+impl Drop for Wiring {
+    fn drop(&mut self) {
+        let node = &self.node;
+        let loopback = RuntimeConf {
+            ifname: "lo".to_owned(),
+            ..self.runtime.clone()
+        };
+        // Both DELs run whatever the other did, as a runtime would.
+        let results = [
+            node.network
+                .del(&self.runtime, self.result.as_ref(), &node.netns),
+            node.loopback.del(&loopback, None, &node.netns),
+        ];
+        for err in results.into_iter().filter_map(Result::err) {
+            eprintln!("warning: CNI DEL of {}: {err}", self.netns.name());
+        }
+    }
+}
+
+/// The first address `pick` accepts (one family) among a CNI result's `ips`.
+fn pod_ip<T>(result: &Value, pick: fn(IpAddr) -> Option<T>) -> Result<T> {
+    result["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|ip| ip["address"].as_str()?.split('/').next()?.parse().ok())
+        .find_map(pick)
+        .ok_or_else(|| anyhow!("an address family is missing from the CNI result {result}"))
+}
+
+/// `10.244.<subnet>.<host>`.
+fn subnet_v4(subnet: u8, host: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244, subnet, host)
+}
+
+/// `fd00:10:244:<subnet>::<host>`.
+fn subnet_v6(subnet: u8, host: u8) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x10, 0x244, subnet.into(), 0, 0, 0, host.into())
+}

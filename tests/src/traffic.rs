@@ -1,0 +1,274 @@
+//! Small blocking servers and clients: one line (TCP) or one datagram (UDP) each way, every step
+//! bounded by [`IO_TIMEOUT`], so a broken datapath fails a test instead of hanging it.
+//!
+//! Servers record what they saw, with addresses canonical (an IPv4 peer of a dual-stack socket is
+//! recorded as IPv4). Clients report what the kernel told them, untouched: whether the app sees
+//! the right peer is what the tests check.
+
+use std::io::{self, BufRead, BufReader, Write};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::server::{Listener, Log, Server};
+use crate::sockopt::canonical;
+use crate::{NetNs, IO_TIMEOUT};
+
+/// One connection (TCP) or datagram (UDP) as a server saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Received {
+    pub peer: SocketAddr,
+    pub local: SocketAddr,
+    /// The line (TCP, without the newline) or datagram (UDP) received.
+    pub line: String,
+}
+
+/// What an echo server named `name` answers to `msg`.
+fn echo(name: &str, msg: &str) -> String {
+    format!("echo {msg} from {name}")
+}
+
+/// A TCP server: for each connection, reads a line and answers `echo <line> from <name>`.
+pub struct EchoServer {
+    name: String,
+    addr: SocketAddr,
+    received: Arc<Log<Received>>,
+    _server: Server,
+}
+
+impl EchoServer {
+    /// Listens on `addr` inside `netns` (port 0 picks one; see [`EchoServer::addr`]).
+    pub fn start(netns: &NetNs, name: &str, addr: SocketAddr) -> io::Result<Self> {
+        let listener = netns.run(|| TcpListener::bind(addr))?;
+        let addr = listener.local_addr()?;
+        let received = Arc::new(Log::default());
+        let handler = {
+            let (name, received) = (name.to_owned(), received.clone());
+            Arc::new(move |stream: TcpStream, _: &_| {
+                if let Err(err) = serve_echo(&stream, &name, &received) {
+                    eprintln!("echo server {name}: {err}");
+                }
+            })
+        };
+        let server = Server::start(
+            netns.as_fd(),
+            &format!("echo-{name}"),
+            vec![Listener::Tcp(listener, handler)],
+        )?;
+        Ok(Self {
+            name: name.to_owned(),
+            addr,
+            received,
+            _server: server,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// What it answers to `msg`.
+    pub fn reply_to(&self, msg: &str) -> String {
+        echo(&self.name, msg)
+    }
+
+    /// Every connection so far.
+    pub fn received(&self) -> Vec<Received> {
+        self.received.entries()
+    }
+
+    /// The first connection matching `predicate`, waiting up to `timeout` for it.
+    pub fn wait_for(
+        &self,
+        predicate: impl Fn(&Received) -> bool,
+        timeout: Duration,
+    ) -> Option<Received> {
+        self.received.wait_for(predicate, timeout)
+    }
+}
+
+fn serve_echo(stream: &TcpStream, name: &str, received: &Log<Received>) -> io::Result<()> {
+    set_timeouts(stream)?;
+    let peer = canonical(stream.peer_addr()?);
+    let local = canonical(stream.local_addr()?);
+    let line = read_line(stream);
+    received.push(Received {
+        peer,
+        local,
+        line: line.as_ref().cloned().unwrap_or_default(),
+    });
+    write_line(stream, &echo(name, &line?))
+}
+
+/// A UDP server: answers each datagram `echo <datagram> from <name>`, to the sender.
+pub struct UdpEchoServer {
+    name: String,
+    addr: SocketAddr,
+    received: Arc<Log<Received>>,
+    _server: Server,
+}
+
+impl UdpEchoServer {
+    /// Binds `addr` inside `netns` (port 0 picks one). Bind a specific address, not a wildcard:
+    /// `local` in the records is the bound address, and replies leave from it.
+    pub fn start(netns: &NetNs, name: &str, addr: SocketAddr) -> io::Result<Self> {
+        let socket = netns.run(|| UdpSocket::bind(addr))?;
+        let addr = socket.local_addr()?;
+        let received = Arc::new(Log::default());
+        let handler = {
+            let (name, received) = (name.to_owned(), received.clone());
+            Box::new(
+                move |socket: &UdpSocket, datagram: &[u8], from: SocketAddr| {
+                    let line = String::from_utf8_lossy(datagram).into_owned();
+                    let reply = echo(&name, &line);
+                    received.push(Received {
+                        peer: canonical(from),
+                        local: canonical(addr),
+                        line,
+                    });
+                    if let Err(err) = socket.send_to(reply.as_bytes(), from) {
+                        eprintln!("udp echo server {name}: {err}");
+                    }
+                },
+            )
+        };
+        let server = Server::start(
+            netns.as_fd(),
+            &format!("udp-echo-{name}"),
+            vec![Listener::Udp(socket, handler)],
+        )?;
+        Ok(Self {
+            name: name.to_owned(),
+            addr,
+            received,
+            _server: server,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn reply_to(&self, msg: &str) -> String {
+        echo(&self.name, msg)
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.received.entries()
+    }
+
+    pub fn wait_for(
+        &self,
+        predicate: impl Fn(&Received) -> bool,
+        timeout: Duration,
+    ) -> Option<Received> {
+        self.received.wait_for(predicate, timeout)
+    }
+}
+
+/// A TCP exchange as the client saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    /// `getpeername()` of the client's socket: where the app believes it is connected.
+    pub peer_seen_by_client: SocketAddr,
+    /// `getsockname()` of the client's socket.
+    pub local: SocketAddr,
+    /// The line the server answered, without the newline.
+    pub response: String,
+}
+
+/// Connects to `addr`, sends `msg` as a line and reads one line back. Run it inside a pod
+/// (`pod.run(|| tcp_request(..))`). A connection closed without an answer is `UnexpectedEof`.
+pub fn tcp_request(addr: SocketAddr, msg: &str) -> io::Result<Reply> {
+    let stream = TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
+    set_timeouts(&stream)?;
+    let peer_seen_by_client = stream.peer_addr()?;
+    let local = stream.local_addr()?;
+    write_line(&stream, msg)?;
+    Ok(Reply {
+        peer_seen_by_client,
+        local,
+        response: read_line(&stream)?,
+    })
+}
+
+/// A UDP exchange as the client saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UdpReply {
+    /// The answer datagram.
+    pub response: String,
+    /// Its source, from `recvfrom()`.
+    pub from: SocketAddr,
+    /// `getpeername()`, for a connected socket.
+    pub peer: Option<SocketAddr>,
+    /// `getsockname()` after sending.
+    pub local: SocketAddr,
+}
+
+/// Sends `msg` to `addr` from an unconnected socket (`sendto`) and waits for one answer
+/// (`recvfrom`).
+pub fn udp_request(addr: SocketAddr, msg: &str) -> io::Result<UdpReply> {
+    udp_exchange(addr, msg, false)
+}
+
+/// Same over a connected socket (`connect` + `send`), as glibc's resolver does.
+pub fn udp_request_connected(addr: SocketAddr, msg: &str) -> io::Result<UdpReply> {
+    udp_exchange(addr, msg, true)
+}
+
+fn udp_exchange(addr: SocketAddr, msg: &str, connected: bool) -> io::Result<UdpReply> {
+    let any: SocketAddr = match addr {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = UdpSocket::bind(any)?;
+    socket.set_read_timeout(Some(IO_TIMEOUT))?;
+    if connected {
+        socket.connect(addr)?;
+        socket.send(msg.as_bytes())?;
+    } else {
+        socket.send_to(msg.as_bytes(), addr)?;
+    }
+    let mut buf = vec![0; 64 * 1024];
+    let (len, from) = socket.recv_from(&mut buf)?;
+    Ok(UdpReply {
+        response: String::from_utf8_lossy(&buf[..len]).into_owned(),
+        from,
+        peer: connected.then(|| socket.peer_addr()).transpose()?,
+        local: socket.local_addr()?,
+    })
+}
+
+pub(crate) fn set_timeouts(stream: &TcpStream) -> io::Result<()> {
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(IO_TIMEOUT))
+}
+
+/// Reads one line, without its newline; EOF before any byte is `UnexpectedEof`.
+pub(crate) fn read_line(stream: &TcpStream) -> io::Result<String> {
+    let mut line = String::new();
+    if BufReader::new(stream).read_line(&mut line)? == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "connection closed before a full line",
+        ));
+    }
+    if line.ends_with('\n') {
+        line.pop();
+    }
+    Ok(line)
+}
+
+pub(crate) fn write_line(mut stream: &TcpStream, line: &str) -> io::Result<()> {
+    stream.write_all(format!("{line}\n").as_bytes())
+}

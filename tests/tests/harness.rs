@@ -1,0 +1,391 @@
+//! The harness checked against itself, with no weir datapath: pods wired by CNI reach each other
+//! and the node, and the ztunnel stand-in behaves as ztunnel does, including (with istio's own
+//! iptables redirection in place of weir) the original-destination lookup, the relays and the
+//! source-preserving inbound dial.
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY};
+use weir_tests::{
+    istio_iptables, require_privileges, tcp_request, udp_request, udp_request_connected,
+    EchoServer, Pod, TestNode, UdpEchoServer, ZtunnelStandIn,
+};
+
+const APP_PORT: u16 = 8080;
+/// A cluster DNS service address: not routed anywhere, only reachable through redirection.
+const CLUSTER_DNS: [IpAddr; 2] = [
+    IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)),
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa)),
+];
+const WAIT: Duration = Duration::from_secs(2);
+
+fn node_with_pods(names: &[&str]) -> (TestNode, Vec<Pod>) {
+    let node = TestNode::new().expect("node");
+    let pods = names
+        .iter()
+        .map(|name| node.add_pod(name).expect("pod"))
+        .collect();
+    (node, pods)
+}
+
+/// The same-family address pairs of two pods: (a's IPv4, b's IPv4), (a's IPv6, b's IPv6).
+fn address_pairs(a: &Pod, b: &Pod) -> [(IpAddr, IpAddr); 2] {
+    [
+        (a.ipv4().into(), b.ipv4().into()),
+        (a.ipv6().into(), b.ipv6().into()),
+    ]
+}
+
+#[test]
+fn pods_talk_directly_over_ipv4_and_ipv6() {
+    if !require_privileges() {
+        return;
+    }
+    let (_node, pods) = node_with_pods(&["a", "b"]);
+    let (a, b) = (&pods[0], &pods[1]);
+    for (a_ip, b_ip) in address_pairs(a, b) {
+        let echo = EchoServer::start(b.netns(), "b", (b_ip, APP_PORT).into()).unwrap();
+        let reply = a.run(|| tcp_request(echo.addr(), "hello")).unwrap();
+        assert_eq!(reply.response, echo.reply_to("hello"));
+        assert_eq!(reply.peer_seen_by_client, echo.addr());
+        assert_eq!(reply.local.ip(), a_ip);
+        let received = echo.received();
+        assert_eq!(received.len(), 1);
+        assert_eq!(received[0].peer, reply.local);
+        assert_eq!(received[0].local, echo.addr());
+        assert_eq!(received[0].line, "hello");
+    }
+}
+
+#[test]
+fn udp_between_pods_connected_and_not() {
+    if !require_privileges() {
+        return;
+    }
+    let (_node, pods) = node_with_pods(&["a", "b"]);
+    let (a, b) = (&pods[0], &pods[1]);
+    for (a_ip, b_ip) in address_pairs(a, b) {
+        let echo = UdpEchoServer::start(b.netns(), "b", (b_ip, 5353).into()).unwrap();
+        let unconnected = a.run(|| udp_request(echo.addr(), "q1")).unwrap();
+        assert_eq!(unconnected.response, echo.reply_to("q1"));
+        assert_eq!(unconnected.from, echo.addr());
+        assert_eq!(unconnected.peer, None);
+        let connected = a.run(|| udp_request_connected(echo.addr(), "q2")).unwrap();
+        assert_eq!(connected.response, echo.reply_to("q2"));
+        assert_eq!(connected.from, echo.addr());
+        assert_eq!(connected.peer, Some(echo.addr()));
+        assert_eq!(connected.local.ip(), a_ip);
+        let peers: Vec<IpAddr> = echo.received().iter().map(|r| r.peer.ip()).collect();
+        assert_eq!(peers, [a_ip, a_ip]);
+    }
+}
+
+#[test]
+fn node_and_pods_reach_each_other() {
+    if !require_privileges() {
+        return;
+    }
+    let (node, pods) = node_with_pods(&["a"]);
+    let pod = &pods[0];
+    let gateways: [IpAddr; 2] = [node.gateway_v4().into(), node.gateway_v6().into()];
+    for (pod_ip, gateway) in pod.ips().into_iter().zip(gateways) {
+        // The node (kubelet) to the pod: it comes from the bridge's address.
+        let in_pod = EchoServer::start(pod.netns(), "pod", (pod_ip, APP_PORT).into()).unwrap();
+        let reply = node.run(|| tcp_request(in_pod.addr(), "probe")).unwrap();
+        assert_eq!(reply.response, in_pod.reply_to("probe"));
+        assert_eq!(in_pod.received()[0].peer.ip(), gateway);
+
+        // The pod to a server on the node ("another host").
+        let remote = EchoServer::start(node.netns(), "remote", (gateway, APP_PORT).into()).unwrap();
+        let reply = pod.run(|| tcp_request(remote.addr(), "out")).unwrap();
+        assert_eq!(reply.response, remote.reply_to("out"));
+        assert_eq!(remote.received()[0].peer.ip(), pod_ip);
+    }
+}
+
+#[test]
+fn pods_have_their_own_netns_cookies_and_identities() {
+    if !require_privileges() {
+        return;
+    }
+    let (node, pods) = node_with_pods(&["a", "b"]);
+    let cookies = [
+        node.netns().cookie().unwrap(),
+        pods[0].netns().cookie().unwrap(),
+        pods[1].netns().cookie().unwrap(),
+    ];
+    assert!(cookies.iter().all(|cookie| *cookie != 0), "{cookies:?}");
+    assert!(cookies[0] != cookies[1] && cookies[1] != cookies[2] && cookies[0] != cookies[2]);
+    assert_ne!(pods[0].uid(), pods[1].uid());
+    assert_ne!(pods[0].ipv4(), pods[1].ipv4());
+    assert_eq!(pods[0].namespace(), "default");
+    // The CNI result is kept, as a runtime passes it on as prevResult.
+    let ips = pods[0].prev_result()["ips"].as_array().unwrap();
+    assert_eq!(ips.len(), 2);
+    assert_eq!(ips[0]["gateway"], node.gateway_v4().to_string());
+}
+
+#[test]
+fn teardown_leaves_nothing_behind() {
+    if !require_privileges() {
+        return;
+    }
+    let var_lib_cni = Path::new("/var/lib/cni").exists();
+    let (node, pods) = node_with_pods(&["a"]);
+    let netns_paths = [
+        node.netns().path().to_owned(),
+        pods[0].netns_path().to_owned(),
+    ];
+    let ipam_dir = node.ipam_dir().to_owned();
+    assert!(
+        ipam_dir.join("weir-test").read_dir().unwrap().count() > 0,
+        "host-local keeps its state in the node's dataDir"
+    );
+    // Pods keep the node alive: dropping the node first defers its teardown to the last pod.
+    drop(node);
+    assert!(netns_paths[0].exists());
+    drop(pods);
+    for path in netns_paths.iter().chain([&ipam_dir]) {
+        assert!(!path.exists(), "{} is left behind", path.display());
+    }
+    assert_eq!(Path::new("/var/lib/cni").exists(), var_lib_cni);
+}
+
+#[test]
+fn teardown_runs_when_a_test_panics() {
+    if !require_privileges() {
+        return;
+    }
+    let mut left = Vec::new();
+    let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let (node, pods) = node_with_pods(&["a"]);
+        let _ztunnel = ZtunnelStandIn::start(&pods[0]).unwrap();
+        left.extend([
+            node.netns().path().to_owned(),
+            pods[0].netns_path().to_owned(),
+            node.ipam_dir().to_owned(),
+        ]);
+        panic!("a failing test");
+    }));
+    assert!(failed.is_err());
+    for path in &left {
+        assert!(!path.exists(), "{} is left behind", path.display());
+    }
+}
+
+#[test]
+fn standin_listeners_take_direct_connections() {
+    if !require_privileges() {
+        return;
+    }
+    let (_node, pods) = node_with_pods(&["a", "b"]);
+    let (a, b) = (&pods[0], &pods[1]);
+    let ztunnel = ZtunnelStandIn::start(a).unwrap();
+    for (a_ip, b_ip) in address_pairs(a, b) {
+        // HBONE is reached directly, from other pods (ztunnels).
+        let reply = b
+            .run(|| tcp_request((a_ip, HBONE_PORT).into(), "CONNECT"))
+            .unwrap();
+        assert_eq!(reply.response, HBONE_REPLY);
+        let seen = ztunnel
+            .wait_for(|s| s.listener == HBONE_PORT && s.peer.ip() == b_ip, WAIT)
+            .unwrap();
+        assert_eq!(seen.local, (a_ip, HBONE_PORT).into());
+
+        // Straight to podIP:15001: no original destination, so the local address is the
+        // destination, which is ztunnel itself: a self-call, refused (the connection closes,
+        // with a reset when our line was still unread).
+        let refused = a.run(|| tcp_request((a_ip, OUTBOUND_PORT).into(), "loop"));
+        let kind = refused.unwrap_err().kind();
+        assert!(
+            matches!(
+                kind,
+                io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+            ),
+            "{kind:?}"
+        );
+        let seen = ztunnel
+            .wait_for(|s| s.listener == OUTBOUND_PORT && s.peer.ip() == a_ip, WAIT)
+            .unwrap();
+        assert_eq!(seen.original_dst, None);
+        assert_eq!(seen.destination(), (a_ip, OUTBOUND_PORT).into());
+        let dial = ztunnel
+            .wait_for_dial(|d| d.peer == seen.peer, WAIT)
+            .unwrap();
+        assert!(dial.error.unwrap().contains("self-call"));
+    }
+}
+
+#[test]
+fn standin_dns_proxy_answers_on_localhost() {
+    if !require_privileges() {
+        return;
+    }
+    let (_node, pods) = node_with_pods(&["a"]);
+    let pod = &pods[0];
+    let ztunnel = ZtunnelStandIn::start(pod).unwrap();
+    for localhost in [
+        IpAddr::from(Ipv4Addr::LOCALHOST),
+        Ipv6Addr::LOCALHOST.into(),
+    ] {
+        let proxy: SocketAddr = (localhost, DNS_PROXY_PORT).into();
+        let expected = format!("{DNS_REPLY_PREFIX}query");
+        for reply in [
+            pod.run(|| udp_request(proxy, "query")).unwrap(),
+            pod.run(|| udp_request_connected(proxy, "query")).unwrap(),
+        ] {
+            assert_eq!(reply.response, expected);
+            assert_eq!(reply.from, proxy);
+        }
+        let tcp = pod.run(|| tcp_request(proxy, "query")).unwrap();
+        assert_eq!(tcp.response, expected);
+        let queries = ztunnel
+            .seen()
+            .into_iter()
+            .filter(|s| s.listener == DNS_PROXY_PORT && s.local == proxy)
+            .count();
+        assert_eq!(queries, 3);
+    }
+}
+
+/// The outbound path with istio's iptables as the datapath: the app's connection is redirected to
+/// 15001, the stand-in finds the original destination with SO_ORIGINAL_DST and relays to it from
+/// the pod's address.
+#[test]
+fn standin_relays_outbound_to_the_original_destination() {
+    if !require_privileges() {
+        return;
+    }
+    let (_node, pods) = node_with_pods(&["client", "server"]);
+    let (client, server) = (&pods[0], &pods[1]);
+    let ztunnel = ZtunnelStandIn::start(client).unwrap();
+    istio_iptables::apply(client.netns()).unwrap();
+    for (client_ip, server_ip) in address_pairs(client, server) {
+        let echo =
+            EchoServer::start(server.netns(), "server", (server_ip, APP_PORT).into()).unwrap();
+        let reply = client.run(|| tcp_request(echo.addr(), "out")).unwrap();
+        assert_eq!(reply.response, echo.reply_to("out"));
+        // REDIRECT rewrites back: the app believes it talks to the server.
+        assert_eq!(reply.peer_seen_by_client, echo.addr());
+
+        let seen = ztunnel
+            .wait_for(
+                |s| s.listener == OUTBOUND_PORT && s.peer == reply.local,
+                WAIT,
+            )
+            .unwrap();
+        assert_eq!(seen.original_dst, Some(echo.addr()));
+        let dial = ztunnel
+            .wait_for_dial(|d| d.peer == seen.peer, WAIT)
+            .unwrap();
+        assert_eq!((dial.target, dial.error), (echo.addr(), None));
+        assert_eq!(dial.source.unwrap().ip(), client_ip);
+        assert_eq!(echo.received()[0].peer, dial.source.unwrap());
+    }
+}
+
+/// The inbound path with istio's iptables: redirected to 15006, dialed to the app from the
+/// client's address (transparent), and the app's replies routed back to the stand-in.
+#[test]
+fn standin_inbound_keeps_the_client_address() {
+    if !require_privileges() {
+        return;
+    }
+    let (_node, pods) = node_with_pods(&["client", "server"]);
+    let (client, server) = (&pods[0], &pods[1]);
+    let ztunnel = ZtunnelStandIn::start(server).unwrap();
+    istio_iptables::apply(server.netns()).unwrap();
+    for (client_ip, server_ip) in address_pairs(client, server) {
+        let echo = EchoServer::start(server.netns(), "app", (server_ip, APP_PORT).into()).unwrap();
+        let reply = client.run(|| tcp_request(echo.addr(), "in")).unwrap();
+        assert_eq!(reply.response, echo.reply_to("in"));
+
+        let seen = ztunnel
+            .wait_for(
+                |s| s.listener == INBOUND_PORT && s.peer == reply.local,
+                WAIT,
+            )
+            .unwrap();
+        assert_eq!(seen.original_dst, Some(echo.addr()));
+        let dial = ztunnel
+            .wait_for_dial(|d| d.peer == seen.peer, WAIT)
+            .unwrap();
+        assert_eq!(dial.error, None);
+        assert_eq!(dial.source.unwrap().ip(), client_ip);
+        // The app sees the client, not ztunnel.
+        assert_eq!(echo.received()[0].peer.ip(), client_ip);
+    }
+}
+
+/// DNS with istio's iptables: queries to the cluster DNS service (UDP and TCP port 53) land on the
+/// stand-in's localhost listeners, and answers come back from the address the app asked.
+#[test]
+fn standin_dns_proxy_takes_redirected_queries() {
+    if !require_privileges() {
+        return;
+    }
+    let (_node, pods) = node_with_pods(&["a"]);
+    let pod = &pods[0];
+    let ztunnel = ZtunnelStandIn::start(pod).unwrap();
+    istio_iptables::apply(pod.netns()).unwrap();
+    for dns in CLUSTER_DNS {
+        let service: SocketAddr = (dns, 53).into();
+        let expected = format!("{DNS_REPLY_PREFIX}lookup");
+        let udp = pod.run(|| udp_request(service, "lookup")).unwrap();
+        assert_eq!((udp.response, udp.from), (expected.clone(), service));
+        let connected = pod
+            .run(|| udp_request_connected(service, "lookup"))
+            .unwrap();
+        assert_eq!(
+            (connected.response, connected.from),
+            (expected.clone(), service)
+        );
+        let tcp = pod.run(|| tcp_request(service, "lookup")).unwrap();
+        assert_eq!(tcp.response, expected);
+        let localhost = if dns.is_ipv4() {
+            IpAddr::from(Ipv4Addr::LOCALHOST)
+        } else {
+            Ipv6Addr::LOCALHOST.into()
+        };
+        let on_localhost = ztunnel
+            .seen()
+            .into_iter()
+            .filter(|s| s.listener == DNS_PROXY_PORT && s.local.ip() == localhost)
+            .count();
+        assert_eq!(on_localhost, 3);
+    }
+}
+
+#[test]
+fn standin_stops_promptly_with_connections_open() {
+    if !require_privileges() {
+        return;
+    }
+    let (_node, pods) = node_with_pods(&["a"]);
+    let pod = &pods[0];
+    let ztunnel = ZtunnelStandIn::start(pod).unwrap();
+    // An idle connection to the DNS proxy: its handler waits for a line.
+    let _idle = pod
+        .run(|| std::net::TcpStream::connect((Ipv4Addr::LOCALHOST, DNS_PROXY_PORT)))
+        .unwrap();
+    ztunnel
+        .wait_for(|s| s.listener == DNS_PROXY_PORT, WAIT)
+        .unwrap();
+    let started = Instant::now();
+    ztunnel.stop();
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+    // The listeners are gone with it.
+    let refused = pod.run(|| tcp_request((pod.ipv4(), HBONE_PORT).into(), "x"));
+    assert_eq!(
+        refused.unwrap_err().kind(),
+        io::ErrorKind::ConnectionRefused
+    );
+}
