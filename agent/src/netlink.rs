@@ -544,33 +544,4 @@ mod tests {
         remove_probe_source().unwrap();
     }
 
-    /// Prints what the datapath thread pays per pod for the return path; not an assertion.
-    #[test]
-    #[ignore = "timing: cargo test -p weir-agent --lib -- --ignored --nocapture return_path_cost"]
-    fn return_path_cost() {
-        if !privileged() {
-            return;
-        }
-        let time = |f: fn() -> io::Result<()>| {
-            let start = Instant::now();
-            f().unwrap();
-            start.elapsed()
-        };
-        let mut samples: Vec<[Duration; 2]> = (0..50)
-            .map(|_| {
-                let netns = scratch_netns();
-                let _guard = enter(netns.as_fd()).unwrap();
-                [time(install_return_path), time(set_tcp_fwmark_accept)]
-            })
-            .collect();
-        let mut median = |key: fn(&[Duration; 2]) -> Duration| {
-            samples.sort_by_key(key);
-            key(&samples[samples.len() / 2])
-        };
-        let parts = [median(|s| s[0]), median(|s| s[1]), median(|s| s[0] + s[1])];
-        println!(
-            "median of 50: install_return_path {:?}, set_tcp_fwmark_accept {:?}, both {:?}",
-            parts[0], parts[1], parts[2]
-        );
-    }
 }

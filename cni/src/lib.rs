@@ -1,0 +1,2 @@
+//! weir's chained CNI plugin.
+pub mod protocol;

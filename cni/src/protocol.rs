@@ -1,0 +1,95 @@
+//! The plugin ↔ agent protocol: one JSON request line, one JSON response line, over the agent's
+//! unix socket (root only). Shared by both sides so the wire format is defined once.
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Default path of the agent's socket for plugin events.
+pub const DEFAULT_AGENT_SOCKET: &str = "/var/run/weir/cni.sock";
+/// Default path of the verdict cache the agent keeps for when it cannot be reached.
+pub const DEFAULT_VERDICT_CACHE: &str = "/var/run/weir/verdicts.json";
+/// Requests larger than this are refused: a CNI request is a few KiB.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Command {
+    Add,
+    Del,
+    Check,
+}
+
+/// The pod as the runtime names it in `CNI_ARGS`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodRef {
+    pub namespace: String,
+    pub name: String,
+    /// `K8S_POD_UID`; empty when the runtime does not pass it.
+    #[serde(default)]
+    pub uid: String,
+}
+
+/// One address from the primary plugin's result.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodIp {
+    /// CIDR form, as in the CNI result (`10.244.1.5/24`).
+    pub address: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interface: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub command: Command,
+    pub container_id: String,
+    /// `CNI_NETNS`; empty on the runtime's second DEL (RemovePodSandbox).
+    #[serde(default)]
+    pub netns: String,
+    pub ifname: String,
+    pub pod: PodRef,
+    /// From `prevResult` (ADD, CHECK); empty when there is none.
+    #[serde(default)]
+    pub ips: Vec<PodIp>,
+    /// Pod annotations, when the runtime passes them (`io.kubernetes.cri.pod-annotations`).
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// The agent's verdict on a request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum Response {
+    /// Done: the pod was enrolled (ADD), is not ambient, was removed (DEL) or checks out.
+    Ok { enrolled: bool },
+    /// Failed, with a CNI error code (spec: 11 = try again later, 999 = plugin-specific).
+    Error {
+        code: u32,
+        msg: String,
+        #[serde(default)]
+        details: String,
+    },
+}
+
+/// What the agent last knew of the ambient policy, for the plugin to decide alone when the agent
+/// cannot be reached: pods it names as ambient (or in an ambient namespace, unless opted out)
+/// must not start; every other pod starts unredirected.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerdictCache {
+    pub ambient_namespaces: Vec<String>,
+    /// `namespace/name` of pods labelled ambient outside ambient namespaces.
+    pub ambient_pods: Vec<String>,
+    /// `namespace/name` of pods opted out inside ambient namespaces.
+    pub opted_out_pods: Vec<String>,
+}
+
+impl VerdictCache {
+    pub fn is_ambient(&self, pod: &PodRef) -> bool {
+        let key = format!("{}/{}", pod.namespace, pod.name);
+        if self.ambient_pods.contains(&key) {
+            return true;
+        }
+        self.ambient_namespaces.contains(&pod.namespace) && !self.opted_out_pods.contains(&key)
+    }
+}
