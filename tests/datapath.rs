@@ -60,7 +60,8 @@ impl Fixture {
 impl Drop for Fixture {
     fn drop(&mut self) {
         if self.config.pin_root.exists() {
-            let cleanup = Datapath::start(self.config.clone()).and_then(Datapath::uninstall);
+            let cleanup =
+                Datapath::start(self.config.clone()).and_then(|datapath| datapath.uninstall());
             if let Err(error) = cleanup {
                 eprintln!("cleaning up {}: {error:#}", self.config.pin_root.display());
             }

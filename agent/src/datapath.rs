@@ -130,7 +130,7 @@ enum Command {
 /// Handle to the datapath owner thread.
 pub struct Datapath {
     commands: mpsc::Sender<Command>,
-    thread: Option<thread::JoinHandle<()>>,
+    thread: std::sync::Mutex<Option<thread::JoinHandle<()>>>,
 }
 
 impl Datapath {
@@ -155,7 +155,7 @@ impl Datapath {
             .map_err(|_| anyhow!("the datapath thread died while starting"))??;
         Ok(Self {
             commands,
-            thread: Some(thread),
+            thread: std::sync::Mutex::new(Some(thread)),
         })
     }
 
@@ -191,18 +191,18 @@ impl Datapath {
 
     /// Stops the owner and leaves the datapath in place: pods stay redirected, and the next
     /// start takes over. This is what an agent restart or upgrade does.
-    pub fn shutdown(self) -> Result<()> {
+    pub fn shutdown(&self) -> Result<()> {
         self.stop(false)
     }
 
     /// Unenrolls every pod, detaches every program and removes all pins.
-    pub fn uninstall(self) -> Result<()> {
+    pub fn uninstall(&self) -> Result<()> {
         self.stop(true)
     }
 
-    fn stop(mut self, uninstall: bool) -> Result<()> {
+    fn stop(&self, uninstall: bool) -> Result<()> {
         let result = self.ask(|reply| Command::Stop { uninstall, reply });
-        if let Some(thread) = self.thread.take() {
+        if let Some(thread) = self.thread.lock().unwrap().take() {
             let _ = thread.join();
         }
         result

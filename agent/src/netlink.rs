@@ -405,11 +405,10 @@ impl Rtnl {
 mod tests {
     use std::net::{SocketAddr, TcpListener};
     use std::os::fd::AsFd;
-    use std::time::{Duration, Instant};
 
     use super::*;
+    use crate::netns::enter;
     use crate::netns::testing::{ip, privileged, scratch_netns};
-    use crate::netns::{enter, set_tcp_fwmark_accept};
 
     const FAMILIES: [&str; 2] = ["-4", "-6"];
 
@@ -543,5 +542,4 @@ mod tests {
         remove_return_path().unwrap();
         remove_probe_source().unwrap();
     }
-
 }

@@ -1,7 +1,36 @@
-//! `cargo xtask bench`: measurements of weir's datapath.
+//! `cargo xtask bench`: weir's datapath side by side with istio-cni's iptables rules, in one run
+//! on a throwaway node (release build; medians and ratios).
 
-use anyhow::{bail, Result};
+use std::process::Command;
+
+use anyhow::Result;
+
+use crate::{ebpf, step, system};
 
 pub fn run() -> Result<()> {
-    bail!("`cargo xtask bench` is not yet implemented")
+    let object = ebpf::build(false)?;
+    step("building the benchmark (release)");
+    system::run(
+        system::cargo()
+            .current_dir(crate::workspace_root())
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "weir-tests",
+                "--bin",
+                "weir-bench",
+            ])
+            .env("WEIR_EBPF_OBJECT", &object),
+    )?;
+    step("running it: a throwaway node, weir and iptables side by side");
+    let bench = crate::workspace_root().join("target/release/weir-bench");
+    let mut command = if system::is_root() {
+        Command::new(bench)
+    } else {
+        let mut sudo = Command::new("sudo");
+        sudo.arg("-E").arg(bench);
+        sudo
+    };
+    system::run(&mut command)
 }
