@@ -1,2 +1,72 @@
-//! weir's chained CNI plugin.
+//! weir's chained CNI plugin: tells the node agent about pod network events so it can put
+//! ambient pods into the mesh, and otherwise stays out of the way.
+//!
+//! The runtime runs the plugin last in the chain (the installer appends it to the conflist). It
+//! speaks CNI 0.3.0 to 1.1.0 and keeps no state: each run reads `CNI_*` from the environment
+//! and the network config from stdin, asks the agent over its unix socket
+//! ([`protocol`]: one JSON request line, one JSON response line) and prints the result on
+//! stdout. Logs never go to stdout.
+//!
+//! # Commands
+//!
+//! - `ADD`: sends the pod (from `CNI_ARGS`), netns, container id, the addresses from
+//!   `prevResult` and the pod annotations (from `runtimeConfig`, capability
+//!   `io.kubernetes.cri.pod-annotations`) to the agent. On `ok` it prints `prevResult`
+//!   unchanged; an agent `error` becomes a CNI error. Pods in `exclude_namespaces` are passed
+//!   through without asking the agent.
+//! - `DEL`: tells the agent; works from the container id and pod alone (the runtime's second
+//!   DEL has no netns and no `prevResult`). Only malformed input fails a DEL: never the agent.
+//! - `CHECK`: asks the agent, like ADD, and prints nothing on success.
+//! - `STATUS`: always ready (logged when the agent is down): a failed STATUS would stop every
+//!   new pod on the node, and weir must never block pods that are not ambient.
+//! - `GC`: nothing to collect (the agent tracks pods itself).
+//! - `VERSION`: the supported spec versions.
+//!
+//! # When the agent cannot be reached
+//!
+//! (socket missing or refusing, or no answer within `timeout_seconds`): ADD and CHECK fall back
+//! to the verdict cache the agent keeps on disk ([`protocol::VerdictCache`]).
+//! - A pod the cache names ambient fails with code 11 ("try again later"): it must not start
+//!   unredirected, and the runtime retries until the agent is back (fail closed).
+//! - A pod the cache does not name ambient goes ahead without redirection, with a warning in
+//!   the log: weir being down never stops pods that are not in the mesh.
+//! - A missing or unreadable cache fails every pod with code 11. The agent writes the cache
+//!   before it installs the plugin, so a missing cache means weir is broken, and then nobody
+//!   can tell which pods are ambient.
+//!
+//! An answer that is not a valid response (garbage, over 16 KiB) is a bug and fails with 999.
+//!
+//! # Configuration (weir-cni's entry in the conflist)
+//!
+//! | field | default | meaning |
+//! |---|---|---|
+//! | `type` | | `"weir-cni"`, the binary's name |
+//! | `agent_socket` | [`protocol::DEFAULT_AGENT_SOCKET`] | the agent's unix socket |
+//! | `verdict_cache` | [`protocol::DEFAULT_VERDICT_CACHE`] | the agent's verdict cache, read only when the agent does not answer |
+//! | `exclude_namespaces` | `["kube-system"]` | namespaces whose pods never reach the agent |
+//! | `timeout_seconds` | `5` | bound on the whole exchange with the agent (connect, send, answer); at least 1 |
+//! | `log_file` | none: stderr | file to append log lines to |
+//! | `log_level` | `"info"` | `"error"`, `"warn"`, `"info"` or `"debug"` |
+//!
+//! plus the standard `cniVersion` (required), `name`, `capabilities` (the installer declares
+//! `{"io.kubernetes.cri.pod-annotations": true}`) and, filled in by the runtime, `prevResult` and
+//! `runtimeConfig`.
+//!
+//! # Errors
+//!
+//! Failures print `{"cniVersion", "code", "msg", "details"}` and exit 1, with the spec's codes:
+//! 1 incompatible version, 4 bad `CNI_*` variable (including a missing pod name on ADD),
+//! 5 stdin unreadable, 6 undecodable JSON, 7 invalid config (including ADD without
+//! `prevResult`), 11 try again later, 999 anything else; an agent
+//! `error` keeps the agent's code.
 pub mod protocol;
+
+mod agent;
+mod config;
+mod env;
+mod error;
+mod log;
+mod plugin;
+
+pub use env::CniEnv;
+pub use plugin::{run, Outcome};

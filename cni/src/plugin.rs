@@ -1,0 +1,389 @@
+//! What each CNI command does. See the crate docs for the policy.
+use std::io::Read;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::agent::{self, Failure};
+use crate::config::{self, NetConf, PrevResult, LATEST_VERSION, SUPPORTED_VERSIONS};
+use crate::env::{self, CniEnv};
+use crate::error::{self, code, CniError};
+use crate::log::Log;
+use crate::protocol::{Command, PodRef, Request, Response, VerdictCache};
+
+/// What to print on stdout and how to exit.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Outcome {
+    pub stdout: String,
+    pub exit_code: u8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CniCommand {
+    Add,
+    Del,
+    Check,
+    Status,
+    Gc,
+    Version,
+}
+
+impl CniCommand {
+    fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "ADD" => Self::Add,
+            "DEL" => Self::Del,
+            "CHECK" => Self::Check,
+            "STATUS" => Self::Status,
+            "GC" => Self::Gc,
+            "VERSION" => Self::Version,
+            _ => return None,
+        })
+    }
+
+    /// The first spec version that has the command.
+    fn since(self) -> &'static str {
+        match self {
+            Self::Check => "0.4.0",
+            Self::Status | Self::Gc => "1.1.0",
+            Self::Add | Self::Del | Self::Version => "0.3.0",
+        }
+    }
+}
+
+/// Runs one plugin invocation. Never panics: every failure becomes a CNI error result.
+pub fn run(env: &CniEnv, mut stdin: impl Read) -> Outcome {
+    let mut log = Log::stderr();
+    let mut input = Vec::new();
+    let result = match stdin.read_to_end(&mut input) {
+        Ok(_) => dispatch(env, &input, &mut log),
+        Err(e) => {
+            Err(CniError::new(code::IO_FAILURE, "cannot read stdin").with_details(e.to_string()))
+        }
+    };
+    match result {
+        Ok(stdout) => Outcome {
+            stdout,
+            exit_code: 0,
+        },
+        Err(err) => {
+            log.error(&err);
+            // Errors answer in the version the runtime asked for, whatever else was wrong.
+            let version = requested_version(&input).unwrap_or_else(|| LATEST_VERSION.into());
+            Outcome {
+                stdout: err.to_json(&version) + "\n",
+                exit_code: 1,
+            }
+        }
+    }
+}
+
+/// Returns what to print: a result, or nothing (empty) for commands that have none.
+fn dispatch(env: &CniEnv, stdin: &[u8], log: &mut Log) -> Result<String, CniError> {
+    let name = env::require(&env.command, "CNI_COMMAND")?;
+    log.add_context(name);
+    let command = CniCommand::parse(name).ok_or_else(|| {
+        CniError::new(
+            code::INVALID_ENVIRONMENT,
+            format!("unknown CNI_COMMAND {name:?}"),
+        )
+        .with_details("weir-cni supports ADD, DEL, CHECK, STATUS, GC and VERSION")
+    })?;
+    if command == CniCommand::Version {
+        return version_info(stdin);
+    }
+    let conf = NetConf::parse(stdin)?;
+    log.configure(conf.log_level, conf.log_file.as_deref());
+    if !config::version_at_least(&conf.cni_version, command.since()) {
+        return Err(config::incompatible(format!(
+            "{name} needs cniVersion {} or later, the config has {}",
+            command.since(),
+            conf.cni_version
+        )));
+    }
+    match command {
+        CniCommand::Add => add(&conf, env, log),
+        CniCommand::Del => del(&conf, env, log).map(|()| String::new()),
+        CniCommand::Check => check(&conf, env, log).map(|()| String::new()),
+        CniCommand::Status => status(&conf, log).map(|()| String::new()),
+        CniCommand::Gc | CniCommand::Version => Ok(String::new()),
+    }
+}
+
+#[derive(Deserialize)]
+struct Versioned {
+    #[serde(rename = "cniVersion")]
+    cni_version: Option<String>,
+}
+
+fn requested_version(stdin: &[u8]) -> Option<String> {
+    serde_json::from_slice::<Versioned>(stdin).ok()?.cni_version
+}
+
+/// VERSION's stdin is `{"cniVersion": ...}`; runtimes may also send nothing.
+fn version_info(stdin: &[u8]) -> Result<String, CniError> {
+    let requested = if stdin.trim_ascii().is_empty() {
+        None
+    } else {
+        serde_json::from_slice::<Versioned>(stdin)
+            .map_err(|e| error::from_decode("VERSION input", e))?
+            .cni_version
+    };
+    let info = serde_json::json!({
+        "cniVersion": requested.as_deref().unwrap_or(LATEST_VERSION),
+        "supportedVersions": SUPPORTED_VERSIONS,
+    });
+    Ok(info.to_string() + "\n")
+}
+
+fn add(conf: &NetConf, env: &CniEnv, log: &mut Log) -> Result<String, CniError> {
+    let raw = conf.prev_result.as_deref().ok_or_else(|| {
+        CniError::new(code::INVALID_CONFIG, "ADD without prevResult").with_details(
+            "weir-cni is a chained plugin: list it after the plugin that sets up the pod network",
+        )
+    })?;
+    let prev = PrevResult::parse(raw)?;
+    let request = request(Command::Add, conf, env, Some(&prev), log)?;
+    // Converted before the agent is asked, so a result that cannot be printed enrolls nothing.
+    let result = prev.in_version(&conf.cni_version)? + "\n";
+    if request.pod.namespace.is_empty() || request.pod.name.is_empty() {
+        // Not a Kubernetes pod (no K8S_POD_* in CNI_ARGS): never ambient, never blocked.
+        log.info("not a Kubernetes pod: passed through");
+        return Ok(result);
+    }
+    ask_agent(conf, &request, log)?;
+    Ok(result)
+}
+
+fn check(conf: &NetConf, env: &CniEnv, log: &mut Log) -> Result<(), CniError> {
+    let prev = conf
+        .prev_result
+        .as_deref()
+        .map(PrevResult::parse)
+        .transpose()?;
+    let request = request(Command::Check, conf, env, prev.as_ref(), log)?;
+    ask_agent(conf, &request, log)
+}
+
+/// DEL fails only on malformed input, never because of the agent: a failing DEL would keep the
+/// runtime from tearing the pod down, and the agent removes pods on its own (pod watcher).
+fn del(conf: &NetConf, env: &CniEnv, log: &mut Log) -> Result<(), CniError> {
+    let request = request(Command::Del, conf, env, None, log)?;
+    if conf.is_excluded(&request.pod.namespace) {
+        log.debug("namespace excluded: agent not asked");
+        return Ok(());
+    }
+    let socket = conf.agent_socket.display();
+    match agent::call(&conf.agent_socket, &request, conf.timeout()) {
+        Ok(Response::Ok { .. }) => log.info("removed"),
+        Ok(Response::Error { code, msg, details }) => log.warn(format!(
+            "agent failed DEL (error {code}: {msg} {details}); teardown goes on"
+        )),
+        Err(Failure::Unreachable(why)) => log.warn(format!(
+            "weir agent unreachable at {socket} ({why}); teardown goes on, the agent cleans up when back"
+        )),
+        Err(Failure::Invalid(why)) => log.warn(format!("{why}; teardown goes on")),
+    }
+    Ok(())
+}
+
+/// Always ready: a runtime that acts on STATUS stops every new pod on the node when it fails,
+/// and weir being down must never stop pods that are not ambient (ambient ones fail their ADD).
+fn status(conf: &NetConf, log: &mut Log) -> Result<(), CniError> {
+    if let Err(why) = agent::probe(&conf.agent_socket, conf.timeout()) {
+        log.warn(format!(
+            "weir agent unreachable at {} ({why}): ambient pods will wait",
+            conf.agent_socket.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Builds the agent request from the environment, checking what the spec requires, and names
+/// the pod in the log from here on.
+fn request(
+    command: Command,
+    conf: &NetConf,
+    env: &CniEnv,
+    prev: Option<&PrevResult>,
+    log: &mut Log,
+) -> Result<Request, CniError> {
+    let container_id = env::require(&env.container_id, "CNI_CONTAINERID")?;
+    let pod = env::parse_cni_args(env.args.as_deref().unwrap_or_default())?;
+    log.add_context(&format!(
+        "{}/{} container={}",
+        pod.namespace,
+        pod.name,
+        container_id.get(..12).unwrap_or(container_id)
+    ));
+    let netns = match command {
+        // The runtime's second DEL (RemovePodSandbox) has no netns left.
+        Command::Del => env.netns.clone().unwrap_or_default(),
+        Command::Add | Command::Check => env::require(&env.netns, "CNI_NETNS")?.to_owned(),
+    };
+    Ok(Request {
+        command,
+        container_id: container_id.to_owned(),
+        netns,
+        ifname: env::require(&env.ifname, "CNI_IFNAME")?.to_owned(),
+        pod,
+        ips: prev.map(PrevResult::ips).unwrap_or_default(),
+        annotations: conf.runtime_config.pod_annotations.clone(),
+    })
+}
+
+/// ADD and CHECK: the agent's verdict, or the verdict cache's when the agent does not answer.
+fn ask_agent(conf: &NetConf, request: &Request, log: &Log) -> Result<(), CniError> {
+    if conf.is_excluded(&request.pod.namespace) {
+        log.info("namespace excluded: agent not asked");
+        return Ok(());
+    }
+    match agent::call(&conf.agent_socket, request, conf.timeout()) {
+        Ok(Response::Ok { enrolled }) => {
+            log.info(if enrolled { "enrolled" } else { "not ambient" });
+            Ok(())
+        }
+        Ok(Response::Error { code, msg, details }) => Err(CniError { code, msg, details }),
+        Err(Failure::Invalid(why)) => Err(CniError::new(code::PLUGIN_SPECIFIC, why)),
+        Err(Failure::Unreachable(why)) => {
+            let cache = agent::load_verdicts(&conf.verdict_cache);
+            decide_offline(&conf.agent_socket, &why, cache, request)?;
+            log.warn(format!(
+                "weir agent unreachable at {} ({why}); not ambient per the verdict cache: \
+                 starting without redirection",
+                conf.agent_socket.display()
+            ));
+            Ok(())
+        }
+    }
+}
+
+/// Without the agent, only a pod the verdict cache knows to be non-ambient may go ahead. An
+/// ambient pod, or any pod when the cache cannot be read, fails with "try again later": it
+/// must not run unredirected, and the runtime retries until the agent is back.
+fn decide_offline(
+    socket: &Path,
+    why: &str,
+    cache: Result<VerdictCache, String>,
+    request: &Request,
+) -> Result<(), CniError> {
+    let PodRef {
+        namespace, name, ..
+    } = &request.pod;
+    let unreachable = format!("weir agent unreachable at {}", socket.display());
+    let consequence = if request.command == Command::Check {
+        "cannot be checked"
+    } else {
+        "cannot start without redirection"
+    };
+    match cache {
+        Ok(cache) if !cache.is_ambient(&request.pod) => Ok(()),
+        Ok(_) => Err(CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!("{unreachable}: ambient pod {namespace}/{name} {consequence}"),
+        )
+        .with_details(why)),
+        Err(cache_error) => Err(CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!(
+                "{unreachable} and its verdict cache is unreadable: pod {namespace}/{name} \
+                 may be ambient and {consequence}"
+            ),
+        )
+        .with_details(format!("agent: {why}; verdict cache: {cache_error}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn add_request(namespace: &str, name: &str) -> Request {
+        Request {
+            command: Command::Add,
+            container_id: "c".into(),
+            netns: "/var/run/netns/x".into(),
+            ifname: "eth0".into(),
+            pod: PodRef {
+                namespace: namespace.into(),
+                name: name.into(),
+                uid: String::new(),
+            },
+            ips: vec![],
+            annotations: Default::default(),
+        }
+    }
+
+    fn decide(cache: Result<VerdictCache, String>, request: &Request) -> Result<(), CniError> {
+        decide_offline(Path::new("/run/weir.sock"), "refused", cache, request)
+    }
+
+    #[test]
+    fn offline_only_non_ambient_pods_start() {
+        let cache = VerdictCache {
+            ambient_namespaces: vec!["mesh".into()],
+            ambient_pods: vec!["plain/labelled".into()],
+            opted_out_pods: vec!["mesh/opted-out".into()],
+        };
+        for (ns, name) in [("plain", "other"), ("mesh", "opted-out")] {
+            assert_eq!(decide(Ok(cache.clone()), &add_request(ns, name)), Ok(()));
+        }
+        for (ns, name) in [("mesh", "app"), ("plain", "labelled")] {
+            let err = decide(Ok(cache.clone()), &add_request(ns, name)).unwrap_err();
+            assert_eq!(err.code, code::TRY_AGAIN_LATER);
+            assert_eq!(
+                err.msg,
+                format!(
+                    "weir agent unreachable at /run/weir.sock: ambient pod {ns}/{name} \
+                     cannot start without redirection"
+                )
+            );
+            assert_eq!(err.details, "refused");
+        }
+    }
+
+    #[test]
+    fn offline_without_a_cache_fails_closed() {
+        let err = decide(Err("no such file".into()), &add_request("plain", "p")).unwrap_err();
+        assert_eq!(err.code, code::TRY_AGAIN_LATER);
+        assert!(err.details.contains("no such file"));
+    }
+
+    fn run_with(command: &str, stdin: &str) -> Outcome {
+        let env = CniEnv {
+            command: Some(command.into()),
+            ..CniEnv::default()
+        };
+        run(&env, stdin.as_bytes())
+    }
+
+    #[test]
+    fn version_reports_the_requested_version() {
+        let out = run_with("VERSION", r#"{"cniVersion":"0.4.0"}"#);
+        let info: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+        assert_eq!(info["cniVersion"], "0.4.0");
+        assert_eq!(info["supportedVersions"].as_array().unwrap().len(), 5);
+        let info: serde_json::Value =
+            serde_json::from_str(&run_with("VERSION", "").stdout).unwrap();
+        assert_eq!(info["cniVersion"], LATEST_VERSION);
+    }
+
+    #[test]
+    fn commands_newer_than_the_config_are_refused() {
+        let out = run_with("GC", r#"{"cniVersion":"1.0.0"}"#);
+        assert_eq!(out.exit_code, 1);
+        let err: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+        assert_eq!(err["code"], code::INCOMPATIBLE_VERSION);
+        assert_eq!(err["cniVersion"], "1.0.0");
+        assert_eq!(run_with("GC", r#"{"cniVersion":"1.1.0"}"#).exit_code, 0);
+        let check = run_with("CHECK", r#"{"cniVersion":"0.3.1"}"#);
+        assert!(check.stdout.contains("\"code\":1"));
+    }
+
+    #[test]
+    fn unknown_and_missing_commands_are_environment_errors() {
+        assert!(run_with("FROB", "{}").stdout.contains("\"code\":4"));
+        let out = run(&CniEnv::default(), &b"{}"[..]);
+        assert!(out.stdout.contains("\"code\":4") && out.stdout.contains("CNI_COMMAND"));
+    }
+}
