@@ -5,7 +5,6 @@ use std::{
     io::{BufRead, BufReader, Write},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener},
     os::fd::AsRawFd,
-    path::PathBuf,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -40,7 +39,7 @@ impl Fixture {
     fn new() -> Self {
         let node = TestNode::new().expect("test node");
         let config = DatapathConfig {
-            pin_root: PathBuf::from("/sys/fs/bpf").join(node.netns().name()),
+            pin_root: weir_tests::agent::pin_root(node.netns()),
             cgroup: None,
             node_netns: Some(node.netns().path().to_path_buf()),
             probe_bypass: true,

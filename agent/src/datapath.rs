@@ -123,6 +123,7 @@ enum Command {
     Enroll(PodSpec, Reply<()>),
     Unenroll(String, Reply<bool>),
     Counters(String, Reply<Option<PodCounters>>),
+    IsRedirected(String, Reply<bool>),
     Enrolled(Reply<Vec<String>>),
     Stop { uninstall: bool, reply: Reply<()> },
 }
@@ -182,6 +183,11 @@ impl Datapath {
     /// The pod's counters summed over CPUs, `None` when it is not enrolled.
     pub fn counters(&self, uid: &str) -> Result<Option<PodCounters>> {
         self.ask(|reply| Command::Counters(uid.to_owned(), reply))
+    }
+
+    /// Whether the pod's redirection is in the kernel as enrolled (its map entries are intact).
+    pub fn is_redirected(&self, uid: &str) -> Result<bool> {
+        self.ask(|reply| Command::IsRedirected(uid.to_owned(), reply))
     }
 
     /// Uids of the enrolled pods.
@@ -310,6 +316,9 @@ impl Owner {
                 }
                 Command::Counters(uid, reply) => {
                     let _ = reply.send(self.pod_counters(&uid));
+                }
+                Command::IsRedirected(uid, reply) => {
+                    let _ = reply.send(Ok(self.is_redirected(&uid)));
                 }
                 Command::Enrolled(reply) => {
                     let _ = reply.send(Ok(self.pods.keys().cloned().collect()));
@@ -445,6 +454,21 @@ impl Owner {
                 bypassed: sum.bypassed + c.bypassed,
             },
         )))
+    }
+
+    fn is_redirected(&self, uid: &str) -> bool {
+        let Some(pod) = self.pods.get(uid) else {
+            return false;
+        };
+        let config_intact = self
+            .pods_map
+            .get(&pod.netns_cookie, 0)
+            .is_ok_and(|config| config.uid.starts_with(uid.as_bytes()));
+        config_intact
+            && pod
+                .ips
+                .iter()
+                .all(|ip| self.pod_ips.get(ip, 0).ok() == Some(pod.netns_cookie))
     }
 
     fn inbound_program(&mut self) -> Result<&mut SchedClassifier> {

@@ -1,9 +1,21 @@
 //! weir's node agent: enrolls Istio ambient pods into ztunnel with eBPF instead of iptables.
 //!
-//! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod.
+//! - [`app`]: the agent as a whole, its parts started in order.
+//! - [`enroll`]: the one path a pod takes into the mesh and out (`Enroller::enroll`).
+//! - [`policy`]: which pods are ambient, with which options (istio's rules).
+//! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
 //! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
 //! - [`bpf_link`]: pinned cgroup links that outlive the agent.
+//! - [`cni_server`], [`zds`], [`install`], [`http`]: the edges: the CNI plugin, ztunnel, the
+//!   node's CNI configuration, health and metrics.
+pub mod app;
 pub mod bpf_link;
+pub mod cni_server;
 pub mod datapath;
+pub mod enroll;
+pub mod http;
+pub mod install;
 pub mod netlink;
 pub mod netns;
+pub mod policy;
+pub mod zds;

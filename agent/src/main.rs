@@ -1,11 +1,16 @@
 //! weir-agent: the node agent binary.
-use std::path::PathBuf;
+use std::{net::SocketAddr, path::PathBuf};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use nix::sys::signal::{SigSet, Signal};
+use tokio::signal::unix::{signal, SignalKind};
 use tracing::info;
-use weir_agent::datapath::{Datapath, DatapathConfig};
+use weir_agent::{
+    app::{self, AgentConfig},
+    datapath::{Datapath, DatapathConfig},
+    policy::PolicyConfig,
+};
+use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
 
 #[derive(Parser)]
 #[command(
@@ -48,11 +53,67 @@ impl DatapathArgs {
     }
 }
 
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Ambient policy for a node without an API server: namespaces' and pods' labels and
+    /// annotations (JSON, see the README). Re-read on every pod event.
+    #[arg(long, env = "WEIR_POLICY_FILE")]
+    policy_file: PathBuf,
+    /// Namespaces never enrolled.
+    #[arg(
+        long,
+        env = "WEIR_EXCLUDE_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system"
+    )]
+    exclude_namespaces: Vec<String>,
+    /// The Istio system namespace (ztunnel's own pods are never enrolled).
+    #[arg(long, env = "WEIR_SYSTEM_NAMESPACE", default_value = "istio-system")]
+    system_namespace: String,
+    /// Node default for DNS capture (`ambient.istio.io/dns-capture` overrides it per pod).
+    #[arg(long, env = "WEIR_DNS_CAPTURE", default_value_t = true, action = clap::ArgAction::Set)]
+    dns_capture: bool,
+    /// Unix socket the CNI plugin talks to.
+    #[arg(long, env = "WEIR_CNI_SOCKET", default_value = DEFAULT_AGENT_SOCKET)]
+    cni_socket: PathBuf,
+    /// Where the plugin finds the last known ambient verdicts while the agent is away.
+    #[arg(long, env = "WEIR_VERDICT_CACHE", default_value = DEFAULT_VERDICT_CACHE)]
+    verdict_cache: PathBuf,
+    /// ZDS socket ztunnel connects to.
+    #[arg(
+        long,
+        env = "WEIR_ZDS_SOCKET",
+        default_value = "/var/run/ztunnel/ztunnel.sock"
+    )]
+    zds_socket: PathBuf,
+    /// Host CNI binary directory.
+    #[arg(long, env = "WEIR_CNI_BIN_DIR", default_value = "/opt/cni/bin")]
+    cni_bin_dir: PathBuf,
+    /// Host CNI network configuration directory.
+    #[arg(long, env = "WEIR_CNI_NET_DIR", default_value = "/etc/cni/net.d")]
+    cni_net_dir: PathBuf,
+    /// The weir-cni binary to install (default: next to this executable).
+    #[arg(long, env = "WEIR_CNI_PLUGIN")]
+    cni_plugin: Option<PathBuf>,
+    /// Log file for the plugin on the host (default: its stderr, which the runtime logs).
+    #[arg(long, env = "WEIR_CNI_PLUGIN_LOG")]
+    cni_plugin_log: Option<PathBuf>,
+    /// Address for /healthz and /readyz.
+    #[arg(long, env = "WEIR_HEALTH_ADDR", default_value = "0.0.0.0:8000")]
+    health_addr: SocketAddr,
+    /// Address for /metrics.
+    #[arg(long, env = "WEIR_METRICS_ADDR", default_value = "0.0.0.0:15014")]
+    metrics_addr: SocketAddr,
+    /// On exit, remove weir from the node (plugin, config entry, datapath) instead of leaving it
+    /// in place for the next agent (an upgrade or restart).
+    #[arg(long, env = "WEIR_UNINSTALL_ON_EXIT")]
+    uninstall_on_exit: bool,
+}
+
 #[derive(Subcommand)]
 enum Command {
-    /// Load (or take over) the datapath and serve until SIGTERM/SIGINT; pods stay redirected
-    /// after exit, and the next start takes over without a gap.
-    Run,
+    /// Run the node agent until SIGTERM/SIGINT.
+    Run(Box<RunArgs>),
     /// Remove weir's datapath from this node: unenroll every pod, detach, unpin.
     Uninstall,
 }
@@ -66,25 +127,48 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    // Blocked before any thread starts, so every thread inherits the mask and the signal waits
-    // for `sigwait` instead of killing the process mid-operation.
-    let termination = termination_signals();
-    termination.thread_block()?;
-    let datapath = Datapath::start(cli.datapath.config())?;
     match cli.command {
-        Command::Run => {
-            let signal = termination.wait()?;
-            info!(%signal, "signal received");
-            info!("stopping; the datapath stays in place");
-            datapath.shutdown()
+        Command::Run(args) => {
+            let config = args.config(cli.datapath.config())?;
+            tokio::runtime::Runtime::new()?.block_on(app::run(config, terminated()))
         }
-        Command::Uninstall => datapath.uninstall(),
+        Command::Uninstall => Datapath::start(cli.datapath.config())?.uninstall(),
     }
 }
 
-fn termination_signals() -> SigSet {
-    let mut signals = SigSet::empty();
-    signals.add(Signal::SIGTERM);
-    signals.add(Signal::SIGINT);
-    signals
+impl RunArgs {
+    fn config(self, datapath: DatapathConfig) -> Result<AgentConfig> {
+        Ok(AgentConfig {
+            datapath,
+            policy: PolicyConfig {
+                exclude_namespaces: self.exclude_namespaces,
+                system_namespace: self.system_namespace,
+                dns_capture: self.dns_capture,
+            },
+            policy_file: self.policy_file,
+            cni_socket: self.cni_socket,
+            verdict_cache: self.verdict_cache,
+            zds_socket: self.zds_socket,
+            cni_bin_dir: self.cni_bin_dir,
+            cni_net_dir: self.cni_net_dir,
+            cni_plugin: match self.cni_plugin {
+                Some(path) => path,
+                None => std::env::current_exe()?.with_file_name("weir-cni"),
+            },
+            cni_plugin_log: self.cni_plugin_log,
+            health_addr: self.health_addr,
+            metrics_addr: self.metrics_addr,
+            uninstall_on_exit: self.uninstall_on_exit,
+        })
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn terminated() {
+    let mut terminate = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut interrupt = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = terminate.recv() => info!("SIGTERM"),
+        _ = interrupt.recv() => info!("SIGINT"),
+    }
 }

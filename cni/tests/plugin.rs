@@ -534,4 +534,3 @@ fn agent_hanging_up_without_answer_counts_as_unreachable() {
     node.write_verdicts(&ambient_namespace_cache());
     cni_error(&node.exec(add, no_extra()), 11);
 }
-

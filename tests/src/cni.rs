@@ -197,6 +197,15 @@ impl NetworkConfigList {
         }
     }
 
+    /// A list as a runtime reads it from a `.conflist` file.
+    pub fn from_json(list: &Value) -> Option<Self> {
+        Some(Self {
+            name: list["name"].as_str()?.to_owned(),
+            cni_version: list["cniVersion"].as_str()?.to_owned(),
+            plugins: list["plugins"].as_array()?.clone(),
+        })
+    }
+
     /// The list as a runtime reads it from the CNI config directory.
     pub fn to_json(&self) -> Value {
         json!({ "cniVersion": self.cni_version, "name": self.name, "plugins": self.plugins })

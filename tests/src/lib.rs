@@ -20,12 +20,14 @@
 
 use std::time::Duration;
 
+pub mod agent;
 pub mod cni;
 pub mod istio_iptables;
 pub mod netns;
 pub mod node;
 pub mod sockopt;
 pub mod traffic;
+pub mod zds_client;
 pub mod ztunnel;
 
 mod ids;
@@ -37,6 +39,7 @@ pub use traffic::{
     tcp_request, udp_request, udp_request_connected, EchoServer, Received, Reply, UdpEchoServer,
     UdpReply,
 };
+pub use zds_client::{NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
 pub use ztunnel::{Dial, Seen, ZtunnelStandIn};
 
 /// How long any single network operation of the harness (connect, read, write, receive) may take.

@@ -31,6 +31,10 @@ pub struct NodeOptions {
     pub chained_plugins: Vec<Value>,
     /// Directories searched for plugin binaries before the reference plugins' (`CNI_PATH`).
     pub plugin_dirs: Vec<PathBuf>,
+    /// A CNI config directory, as on a real node: the node writes its conflist there (as the
+    /// primary CNI does), and reads the first conflist there for every pod (as the runtime
+    /// does), so a plugin another component inserts into it (weir's installer) is chained.
+    pub conflist_dir: Option<PathBuf>,
 }
 
 /// What a pod is, as far as the runtime and the CNI plugins can tell.
@@ -58,12 +62,35 @@ pub struct TestNode {
     shared: Arc<Node>,
 }
 
+impl Node {
+    /// The conflist a runtime would use now: the first in the config directory, if the node has
+    /// one, else its own.
+    fn network(&self) -> Result<NetworkConfigList> {
+        let Some(dir) = &self.conflist_dir else {
+            return Ok(self.network.clone());
+        };
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .filter(|path| path.extension().is_some_and(|ext| ext == "conflist"))
+            .collect();
+        files.sort();
+        let file = files
+            .first()
+            .with_context(|| format!("no conflist in {}", dir.display()))?;
+        let list: Value = serde_json::from_slice(&std::fs::read(file)?)
+            .with_context(|| format!("parsing {}", file.display()))?;
+        NetworkConfigList::from_json(&list)
+            .with_context(|| format!("{} is not a conflist", file.display()))
+    }
+}
+
 struct Node {
     netns: NetNs,
     /// host-local's `dataDir`: IPAM state private to this node, never `/var/lib/cni`.
     ipam_dir: TempDir,
     subnet: u8,
     network: NetworkConfigList,
+    conflist_dir: Option<PathBuf>,
     /// containerd runs the loopback plugin as a network of its own, with `CNI_IFNAME=lo`.
     loopback: NetworkConfigList,
     cni_path: Vec<PathBuf>,
@@ -115,6 +142,12 @@ impl TestNode {
         let plugins = std::iter::once(bridge)
             .chain(options.chained_plugins)
             .collect();
+        let network = NetworkConfigList::new(NETWORK_NAME, plugins);
+        if let Some(dir) = &options.conflist_dir {
+            let file = dir.join(format!("10-{NETWORK_NAME}.conflist"));
+            std::fs::write(&file, serde_json::to_vec_pretty(&network.to_json())?)
+                .with_context(|| format!("writing {}", file.display()))?;
+        }
         let cni_path = options
             .plugin_dirs
             .into_iter()
@@ -125,7 +158,8 @@ impl TestNode {
                 netns,
                 ipam_dir,
                 subnet,
-                network: NetworkConfigList::new(NETWORK_NAME, plugins),
+                network,
+                conflist_dir: options.conflist_dir,
                 loopback: NetworkConfigList::new("cni-loopback", vec![json!({"type": "loopback"})]),
                 cni_path,
             }),
@@ -224,7 +258,7 @@ impl TestNode {
             .add(&loopback, &node.netns)
             .with_context(|| format!("loopback ADD for pod {}", spec.name))?;
         let result = node
-            .network
+            .network()?
             .add(&wiring.runtime, &node.netns)
             .with_context(|| format!("CNI ADD for pod {}", spec.name))?;
         let result = wiring.result.insert(result);
@@ -256,6 +290,17 @@ pub struct Pod {
     ipv4: Ipv4Addr,
     ipv6: Ipv6Addr,
     wiring: Wiring,
+}
+
+impl std::fmt::Debug for Pod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pod")
+            .field("namespace", &self.spec.namespace)
+            .field("name", &self.spec.name)
+            .field("uid", &self.uid)
+            .field("ips", &self.ips())
+            .finish()
+    }
 }
 
 impl Pod {
@@ -334,9 +379,12 @@ impl Drop for Wiring {
             ..self.runtime.clone()
         };
         // Both DELs run whatever the other did, as a runtime would.
+        let network = node.network().unwrap_or_else(|error| {
+            eprintln!("CNI DEL with the node's own conflist: {error:#}");
+            node.network.clone()
+        });
         let results = [
-            node.network
-                .del(&self.runtime, self.result.as_ref(), &node.netns),
+            network.del(&self.runtime, self.result.as_ref(), &node.netns),
             node.loopback.del(&loopback, None, &node.netns),
         ];
         for err in results.into_iter().filter_map(Result::err) {

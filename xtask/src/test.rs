@@ -39,6 +39,9 @@ pub fn run(test_args: &[String]) -> Result<()> {
         "warnings",
     ]))?;
 
+    step("building the binaries the tests run (weir-cni, weir-agent)");
+    system::run(with_object(cargo()).args(["build", "--workspace", "--bins"]))?;
+
     let mut test = with_object(cargo());
     test.args(["test", "--workspace"]);
     privileged_test_runner(&mut test)?;

@@ -9,7 +9,6 @@
 //! - conntrack: entries the pod's netns holds after the connections (weir keeps none).
 use std::{
     net::SocketAddr,
-    path::PathBuf,
     time::{Duration, Instant},
 };
 
@@ -37,7 +36,7 @@ fn main() -> Result<()> {
     let echo = EchoServer::start(server.netns(), "server", (server.ipv4(), APP_PORT).into())?;
 
     let config = DatapathConfig {
-        pin_root: PathBuf::from("/sys/fs/bpf").join(node.netns().name()),
+        pin_root: weir_tests::agent::pin_root(node.netns()),
         cgroup: None,
         node_netns: Some(node.netns().path().to_path_buf()),
         probe_bypass: true,

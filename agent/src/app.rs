@@ -1,0 +1,137 @@
+//! The agent as a whole: every part started in the right order, stopped on request.
+use std::{
+    future::Future,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+
+use anyhow::{Context, Result};
+use prometheus_client::registry::Registry;
+use tracing::{info, warn};
+
+use crate::{
+    cni_server::CniServer,
+    datapath::{Datapath, DatapathConfig},
+    enroll::{Enroller, PolicySource},
+    http,
+    install::{InstallConfig, Installer},
+    policy::PolicyConfig,
+    zds::{self, ZdsConfig},
+};
+
+/// Everything the agent is told; `weir-agent run` fills it from flags and environment.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub datapath: DatapathConfig,
+    pub policy: PolicyConfig,
+    pub policy_file: PathBuf,
+    pub cni_socket: PathBuf,
+    pub verdict_cache: PathBuf,
+    pub zds_socket: PathBuf,
+    pub cni_bin_dir: PathBuf,
+    pub cni_net_dir: PathBuf,
+    pub cni_plugin: PathBuf,
+    pub cni_plugin_log: Option<PathBuf>,
+    pub health_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub uninstall_on_exit: bool,
+}
+
+/// Runs the agent until `shutdown` resolves.
+pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
+    let mut registry = Registry::default();
+
+    // The order matters: everything that serves pods is up before the plugin is installed, so
+    // the first ADD the runtime sends can be answered.
+    let datapath = Arc::new(Datapath::start(config.datapath.clone())?);
+    let (zds, zds_serve) = zds::start(
+        ZdsConfig {
+            socket_path: config.zds_socket.clone(),
+        },
+        &mut registry,
+    )
+    .context("starting the ZDS server")?;
+    let policy = PolicySource::new(
+        config.policy.clone(),
+        config.policy_file.clone(),
+        config.verdict_cache.clone(),
+    );
+    let enroller = Enroller::new(datapath.clone(), zds, policy)?;
+    enroller.register_metrics(&mut registry);
+    let cni_server = CniServer::bind(&config.cni_socket)?;
+    let installer = Arc::new(Installer::new(InstallConfig {
+        cni_bin_dir: config.cni_bin_dir.clone(),
+        cni_net_dir: config.cni_net_dir.clone(),
+        plugin_binary: config.cni_plugin.clone(),
+        plugin_name: "weir-cni".into(),
+        plugin_config: plugin_config(&config),
+    }));
+    installer.register_metrics(&mut registry);
+    let registry = Arc::new(Mutex::new(registry));
+
+    let (ready_tx, ready) = tokio::sync::watch::channel(false);
+    let mut install_status = installer.status();
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(zds_serve);
+    tasks.spawn(cni_server.serve(enroller.clone()));
+    tasks.spawn(enroller.clone().follow_acks());
+    tasks.spawn(async move {
+        loop {
+            let installed = install_status.borrow_and_update().ready();
+            ready_tx.send_replace(installed);
+            if install_status.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    for addr in [config.health_addr, config.metrics_addr] {
+        let (ready, registry) = (ready.clone(), registry.clone());
+        tasks.spawn(async move {
+            if let Err(error) = http::serve(addr, ready, registry).await {
+                warn!(%error, "http server stopped");
+            }
+        });
+    }
+    let (stop_install, install_stopped) = tokio::sync::oneshot::channel::<()>();
+    let watcher = {
+        let installer = installer.clone();
+        tokio::spawn(async move {
+            installer
+                .watch(async {
+                    let _ = install_stopped.await;
+                })
+                .await
+        })
+    };
+
+    shutdown.await;
+    let _ = stop_install.send(());
+    if let Err(error) = watcher.await? {
+        warn!(%error, "installer watch");
+    }
+    tasks.abort_all();
+    while tasks.join_next().await.is_some() {}
+    if config.uninstall_on_exit {
+        installer.uninstall().context("removing the CNI plugin")?;
+        datapath.uninstall()?;
+        info!("weir removed from this node");
+    } else {
+        datapath.shutdown()?;
+        info!("stopped; redirection and the plugin stay in place for the next agent");
+    }
+    Ok(())
+}
+
+/// weir's entry in the node's conflist.
+fn plugin_config(config: &AgentConfig) -> serde_json::Value {
+    let mut entry = serde_json::json!({
+        "agent_socket": config.cni_socket,
+        "verdict_cache": config.verdict_cache,
+        "exclude_namespaces": config.policy.exclude_namespaces,
+    });
+    if let Some(log) = &config.cni_plugin_log {
+        entry["log_file"] = serde_json::json!(log);
+    }
+    entry
+}

@@ -1,0 +1,344 @@
+//! Enrollment: the one path every pod takes into the mesh and out of it.
+//!
+//! [`Enroller::enroll`] is where a pod is enrolled, whatever asked for it (a CNI ADD now; label
+//! changes and the start-up reconcile later): redirection first, then ztunnel's Ack, then the
+//! pod is reported enabled. [`Enroller::unenroll`] undoes it. Both are idempotent, and the steps
+//! for one pod never interleave (a per-pod lock), while different pods proceed in parallel.
+use std::{
+    collections::HashMap,
+    net::IpAddr,
+    os::fd::OwnedFd,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+
+use anyhow::{anyhow, Context, Result};
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family},
+    registry::Registry,
+};
+use tracing::{info, warn};
+use weir_cni::protocol::{Command, Request, Response, VerdictCache};
+
+use crate::{
+    datapath::{Datapath, PodOptions, PodSpec},
+    policy::{write_verdict_cache, Labels, LocalPolicy, PolicyConfig},
+    zds::{WorkloadInfo, ZdsError, ZdsHandle},
+};
+
+/// CNI error code for "try again later": the runtime retries the ADD.
+const TRY_AGAIN_LATER: u32 = 11;
+/// CNI error code for failures specific to this plugin.
+const PLUGIN_ERROR: u32 = 999;
+
+/// Where ambient policy comes from on a node without an API server.
+pub struct PolicySource {
+    pub config: PolicyConfig,
+    pub file: PathBuf,
+    /// Kept current for the plugin, which decides alone while the agent is down.
+    pub verdict_cache: PathBuf,
+    /// What was last written there: rewritten only on change, one writer at a time.
+    pub written: Mutex<Option<VerdictCache>>,
+}
+
+impl PolicySource {
+    pub fn new(config: PolicyConfig, file: PathBuf, verdict_cache: PathBuf) -> Self {
+        Self {
+            config,
+            file,
+            verdict_cache,
+            written: Mutex::new(None),
+        }
+    }
+
+    fn load(&self) -> Result<LocalPolicy> {
+        let policy = LocalPolicy::load(&self.file)?;
+        let verdicts = policy.verdict_cache(&self.config);
+        let mut written = self.written.lock().unwrap();
+        if written.as_ref() != Some(&verdicts) {
+            write_verdict_cache(&self.verdict_cache, &verdicts)?;
+            *written = Some(verdicts);
+        }
+        Ok(policy)
+    }
+}
+
+/// A pod as the agent knows it.
+#[derive(Clone, Debug)]
+pub struct Pod {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    pub netns: PathBuf,
+    pub ips: Vec<IpAddr>,
+    pub options: PodOptions,
+    pub service_account: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    /// Redirected, waiting for ztunnel's Ack (istio's `ambient.istio.io/redirection=pending`).
+    Pending,
+    /// Redirected and acked by ztunnel (`enabled`).
+    Enabled,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    event: &'static str,
+    result: &'static str,
+}
+
+pub struct Enroller {
+    datapath: Arc<Datapath>,
+    zds: ZdsHandle,
+    policy: PolicySource,
+    status: Mutex<HashMap<String, Status>>,
+    /// One async lock per pod uid: ADD/DEL for one pod are ordered.
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    events: Family<EventLabels, Counter>,
+}
+
+impl Enroller {
+    pub fn new(datapath: Arc<Datapath>, zds: ZdsHandle, policy: PolicySource) -> Result<Arc<Self>> {
+        policy.load().context("loading the ambient policy")?;
+        Ok(Arc::new(Self {
+            datapath,
+            zds,
+            policy,
+            status: Mutex::new(HashMap::new()),
+            locks: Mutex::new(HashMap::new()),
+            events: Family::default(),
+        }))
+    }
+
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        registry.register(
+            "nodeagent_reconcile_events",
+            "Pod events handled by the node agent, by event and result",
+            self.events.clone(),
+        );
+    }
+
+    /// Completes pods that were pending when ztunnel acks them in a snapshot.
+    pub async fn follow_acks(self: Arc<Self>) {
+        let mut acked = self.zds.acked();
+        loop {
+            match acked.recv().await {
+                Ok(uid) => {
+                    if let Some(status) = self.status.lock().unwrap().get_mut(&uid) {
+                        *status = Status::Enabled;
+                        info!(uid, "ztunnel acked the pod: redirection enabled");
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    }
+
+    pub fn status(&self, uid: &str) -> Option<Status> {
+        self.status.lock().unwrap().get(uid).copied()
+    }
+
+    /// Serves one plugin request.
+    pub async fn handle(&self, request: &Request) -> Response {
+        let key = if request.pod.uid.is_empty() {
+            &request.container_id
+        } else {
+            &request.pod.uid
+        };
+        let lock = self.lock_for(key);
+        let _ordered = lock.lock().await;
+        let (event, result) = match request.command {
+            Command::Add => ("add", self.cni_add(request).await),
+            Command::Del => ("del", self.cni_del(request).await),
+            Command::Check => ("check", self.cni_check(request).await),
+        };
+        let outcome = if matches!(result, Response::Ok { .. }) {
+            "ok"
+        } else {
+            "error"
+        };
+        self.events
+            .get_or_create(&EventLabels {
+                event,
+                result: outcome,
+            })
+            .inc();
+        result
+    }
+
+    fn lock_for(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.locks
+            .lock()
+            .unwrap()
+            .entry(key.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Decides from policy; returns the pod to enroll, or `None` when it is not ambient.
+    fn ambient_pod(&self, request: &Request) -> Result<Option<Pod>> {
+        let policy = self.policy.load()?;
+        let annotations: Labels = request.annotations.clone().into_iter().collect();
+        let facts = policy.facts(&request.pod.namespace, &request.pod.name, &annotations);
+        if !self.policy.config.is_ambient(&facts) {
+            return Ok(None);
+        }
+        let (options, problems) = self.policy.config.options(&facts.annotations);
+        for problem in problems {
+            warn!(
+                pod = %format!("{}/{}", request.pod.namespace, request.pod.name),
+                annotation = problem.annotation,
+                value = problem.value,
+                used = problem.used,
+                "invalid annotation value, using the default"
+            );
+        }
+        let ips = request
+            .ips
+            .iter()
+            .map(|ip| {
+                let address = ip.address.split('/').next().unwrap_or_default();
+                address
+                    .parse()
+                    .with_context(|| format!("pod IP {:?}", ip.address))
+            })
+            .collect::<Result<Vec<IpAddr>>>()?;
+        let service_account = policy
+            .pods
+            .get(&format!("{}/{}", request.pod.namespace, request.pod.name))
+            .and_then(|p| p.annotations.get("weir.dev/service-account").cloned())
+            .unwrap_or_else(|| "default".into());
+        Ok(Some(Pod {
+            uid: request.pod.uid.clone(),
+            name: request.pod.name.clone(),
+            namespace: request.pod.namespace.clone(),
+            netns: PathBuf::from(&request.netns),
+            ips,
+            options,
+            service_account,
+        }))
+    }
+
+    async fn cni_add(&self, request: &Request) -> Response {
+        let pod = match self.ambient_pod(request) {
+            Ok(Some(pod)) => pod,
+            Ok(None) => return Response::Ok { enrolled: false },
+            Err(error) => return error_response(PLUGIN_ERROR, "cannot decide", &error),
+        };
+        if pod.uid.is_empty() || pod.ips.is_empty() || request.netns.is_empty() {
+            return error_response(
+                PLUGIN_ERROR,
+                "incomplete ADD",
+                &anyhow!("an ambient pod needs K8S_POD_UID, a netns and IPs from prevResult"),
+            );
+        }
+        match self.enroll(&pod).await {
+            Ok(Status::Enabled) => Response::Ok { enrolled: true },
+            Ok(Status::Pending) => Response::Error {
+                code: TRY_AGAIN_LATER,
+                msg: format!(
+                    "ztunnel has not acknowledged pod {}/{}: redirection is in place and pending",
+                    pod.namespace, pod.name
+                ),
+                details: "the runtime retries; the pod completes when ztunnel connects".into(),
+            },
+            Err(error) => error_response(TRY_AGAIN_LATER, "enrollment failed", &error),
+        }
+    }
+
+    async fn cni_del(&self, request: &Request) -> Response {
+        if request.pod.uid.is_empty() {
+            // Nothing names the pod: its maps entries go when its netns does.
+            return Response::Ok { enrolled: false };
+        }
+        match self.unenroll(&request.pod.uid).await {
+            Ok(was) => Response::Ok { enrolled: was },
+            Err(error) => error_response(PLUGIN_ERROR, "unenroll failed", &error),
+        }
+    }
+
+    async fn cni_check(&self, request: &Request) -> Response {
+        match self.ambient_pod(request) {
+            Ok(None) => Response::Ok { enrolled: false },
+            Ok(Some(pod)) => match self.datapath_call(move |d| d.is_redirected(&pod.uid)).await {
+                Ok(true) => Response::Ok { enrolled: true },
+                Ok(false) => Response::Error {
+                    code: PLUGIN_ERROR,
+                    msg: format!(
+                        "ambient pod {}/{} has no redirection",
+                        request.pod.namespace, request.pod.name
+                    ),
+                    details: String::new(),
+                },
+                Err(error) => error_response(PLUGIN_ERROR, "check failed", &error),
+            },
+            Err(error) => error_response(PLUGIN_ERROR, "cannot decide", &error),
+        }
+    }
+
+    /// Where a pod is enrolled: redirection in place, then ztunnel's Ack, then enabled.
+    pub async fn enroll(&self, pod: &Pod) -> Result<Status> {
+        let spec = PodSpec {
+            uid: pod.uid.clone(),
+            netns: pod.netns.clone(),
+            ips: pod.ips.clone(),
+            options: pod.options,
+        };
+        self.datapath_call(move |d| d.enroll(spec)).await?;
+        let netns: OwnedFd = std::fs::File::open(&pod.netns)
+            .with_context(|| format!("opening {}", pod.netns.display()))?
+            .into();
+        let info = WorkloadInfo {
+            name: pod.name.clone(),
+            namespace: pod.namespace.clone(),
+            service_account: pod.service_account.clone(),
+        };
+        let status = match self.zds.add(&pod.uid, info, Some(Arc::new(netns))).await {
+            Ok(()) => Status::Enabled,
+            Err(ZdsError::NotConnected) => Status::Pending,
+            Err(error) => {
+                warn!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), %error, "ztunnel did not accept the pod");
+                Status::Pending
+            }
+        };
+        self.status.lock().unwrap().insert(pod.uid.clone(), status);
+        info!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ?status, "pod enrolled");
+        Ok(status)
+    }
+
+    /// Takes a pod out: ztunnel first (so it stops proxying), then redirection. Returns whether
+    /// the pod was enrolled.
+    pub async fn unenroll(&self, uid: &str) -> Result<bool> {
+        if let Err(error) = self.zds.del(uid).await {
+            warn!(uid, %error, "ztunnel Del");
+        }
+        self.status.lock().unwrap().remove(uid);
+        let owned = uid.to_owned();
+        let was = self.datapath_call(move |d| d.unenroll(&owned)).await?;
+        if was {
+            info!(uid, "pod unenrolled");
+        }
+        Ok(was)
+    }
+
+    /// Runs a datapath call off the async workers: the datapath answers from its own thread.
+    async fn datapath_call<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&Datapath) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let datapath = self.datapath.clone();
+        tokio::task::spawn_blocking(move || call(&datapath)).await?
+    }
+}
+
+fn error_response(code: u32, msg: &str, error: &anyhow::Error) -> Response {
+    Response::Error {
+        code,
+        msg: msg.to_owned(),
+        details: format!("{error:#}"),
+    }
+}

@@ -1,0 +1,413 @@
+//! The node installer: puts weir's chained CNI plugin into the node's CNI configuration and keeps
+//! it there, as istio-cni's install does.
+//!
+//! [`Installer::install`] copies the plugin binary into the host's CNI bin dir and adds weir as
+//! the last plugin of the network config the runtime loads: the first file, in lexical order, of
+//! the `*.conflist`/`*.conf`/`*.json` in the net dir that libcni accepts. A lone `.conf`/`.json`
+//! becomes a `.conflist`. [`Installer::watch`] puts both back whenever another component (the
+//! primary CNI restarting, Cilium with `cni.exclusive=true`, an admin) removes them or writes a
+//! higher-priority file. [`Installer::uninstall`] takes them out again.
+//!
+//! Only weir's own entry is ever changed: every other field keeps its meaning, and the other
+//! plugins keep their order. Key order and formatting are not kept (the file is re-serialized,
+//! pretty-printed), as with istio-cni.
+mod conflist;
+mod files;
+mod watch;
+
+use std::{
+    future::Future,
+    io,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+};
+
+use anyhow::{Context, Result};
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::Registry,
+};
+use serde_json::Value;
+use tokio::sync::watch as status_channel;
+use tracing::{error, info};
+
+use self::{
+    conflist::{Format, NetworkConfig, Object},
+    files::FileAttrs,
+};
+
+/// Where and what to install.
+#[derive(Clone, Debug)]
+pub struct InstallConfig {
+    /// The host's CNI bin dir, e.g. `/opt/cni/bin`.
+    pub cni_bin_dir: PathBuf,
+    /// The host's CNI net dir, e.g. `/etc/cni/net.d`.
+    pub cni_net_dir: PathBuf,
+    /// The weir-cni binary to copy into `cni_bin_dir`.
+    pub plugin_binary: PathBuf,
+    /// The plugin's name: its binary's name in `cni_bin_dir` and its `type` in the conflist.
+    pub plugin_name: String,
+    /// Further fields of weir's conflist entry (`agent_socket`, `log_file`, ...): a JSON object,
+    /// or null. The installer sets `type`, a default `name`, and the pod-annotations capability
+    /// (merged into any `capabilities` given); a `cniVersion` is dropped (the list's applies).
+    pub plugin_config: Value,
+}
+
+/// What [`Installer::install`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum InstallOutcome {
+    /// Binary and entry were already in place; nothing was written.
+    AlreadyInstalled { file: PathBuf },
+    /// Something was written.
+    Installed {
+        /// The conflist that now holds weir's entry.
+        file: PathBuf,
+        /// The conflist was (re)written.
+        config_changed: bool,
+        /// The binary was (re)written.
+        binary_changed: bool,
+    },
+}
+
+impl InstallOutcome {
+    /// The conflist holding weir's entry.
+    pub fn file(&self) -> &Path {
+        match self {
+            Self::AlreadyInstalled { file } | Self::Installed { file, .. } => file,
+        }
+    }
+}
+
+/// The installer's state, published through [`Installer::status`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InstallStatus {
+    /// weir's binary and entry were in place at the last check.
+    pub installed: bool,
+    /// The conflist holding weir's entry, when installed.
+    pub config_file: Option<PathBuf>,
+    /// How often [`Installer::watch`] had to put something back that another component removed.
+    pub reinstalls: u64,
+    /// [`Installer::watch`] is running, so a removal will be repaired.
+    pub watching: bool,
+}
+
+impl InstallStatus {
+    /// Installed and watched: what readiness means for istio-cni's installer.
+    pub fn ready(&self) -> bool {
+        self.installed && self.watching
+    }
+}
+
+/// The net dir holds no network config libcni would load yet: the primary CNI has not written
+/// one. Retry later (or let [`Installer::watch`] do it).
+#[derive(Debug, thiserror::Error)]
+#[error("no valid CNI network config in {} yet (has the primary CNI written one?)", dir.display())]
+pub struct NoNetworkConfig {
+    pub dir: PathBuf,
+}
+
+/// Installs weir's CNI plugin and keeps it installed. Cheap to clone; clones share state.
+#[derive(Clone)]
+pub struct Installer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: InstallConfig,
+    status: status_channel::Sender<InstallStatus>,
+    metrics: Metrics,
+    /// Set by the first successful install: later repairs count as reinstalls.
+    ever_installed: AtomicBool,
+    /// Serializes install and uninstall: each reads a file, then replaces it.
+    file_lock: Mutex<()>,
+}
+
+impl Installer {
+    pub fn new(config: InstallConfig) -> Self {
+        let (status, _) = status_channel::channel(InstallStatus::default());
+        Self {
+            inner: Arc::new(Inner {
+                config,
+                status,
+                metrics: Metrics::default(),
+                ever_installed: AtomicBool::new(false),
+                file_lock: Mutex::new(()),
+            }),
+        }
+    }
+
+    /// Copies the binary (only when its content differs), then makes weir the last plugin of the
+    /// network config the runtime loads, wrapping a lone `.conf`/`.json` into a `.conflist` (the
+    /// new file is written before the old one is removed, so the runtime always finds one).
+    /// Idempotent: weir's entry is updated in place, moved last if it is not, never duplicated,
+    /// and nothing is written when all is in place. Files that do not parse are reported and left
+    /// alone. Fails with [`NoNetworkConfig`] while the net dir has no valid config.
+    ///
+    /// Blocking file I/O: from async code, use `spawn_blocking` (or [`Installer::watch`]).
+    pub fn install(&self) -> Result<InstallOutcome> {
+        self.inner.install()
+    }
+
+    /// Watches the net dir and the bin dir and re-installs (see [`Installer::install`]) whenever
+    /// weir's entry or binary goes missing or stops being in the file the runtime loads; also
+    /// checks every 30 s in case an event was missed. Keeps trying while the net dir has no
+    /// config, so it may be started before the primary CNI is up. Runs until `shutdown` resolves;
+    /// fails only if the directories cannot be watched.
+    pub async fn watch(&self, shutdown: impl Future<Output = ()>) -> Result<()> {
+        watch::run(self, shutdown).await
+    }
+
+    /// The installer's state, updated on every install, repair and uninstall.
+    pub fn status(&self) -> status_channel::Receiver<InstallStatus> {
+        self.inner.status.subscribe()
+    }
+
+    /// Removes weir's entry from every conflist in the net dir that holds one, leaving the rest
+    /// of each as it was, then the binary. A conflist left with no plugin (it held only weir) is
+    /// deleted, since runtimes reject an empty list. A conflist that install made out of a lone
+    /// `.conf` stays a conflist (with the original plugin as its only entry, which libcni loads
+    /// exactly as it loaded the `.conf`): nothing records that it was wrapped. Idempotent. Stop
+    /// [`Installer::watch`] first, or it puts everything back.
+    pub fn uninstall(&self) -> Result<()> {
+        self.inner.uninstall()
+    }
+
+    /// Registers `istio_cni_installs_total{result}` and `istio_cni_install_ready` (istio-cni's
+    /// names and meaning) and `weir_cni_config_rewrites_total`.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        let metrics = &self.inner.metrics;
+        // prometheus-client appends `_total` to counters itself.
+        registry.register(
+            "istio_cni_installs",
+            "Total number of CNI plugins installed by the Istio CNI installer",
+            metrics.installs.clone(),
+        );
+        registry.register(
+            "istio_cni_install_ready",
+            "Whether the CNI plugin installation is ready or not",
+            metrics.ready.clone(),
+        );
+        registry.register(
+            "weir_cni_config_rewrites",
+            "Times weir re-inserted its CNI plugin after another component rewrote the CNI config",
+            metrics.config_rewrites.clone(),
+        );
+    }
+}
+
+impl Inner {
+    fn install(&self) -> Result<InstallOutcome> {
+        let _guard = self.file_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let binary_changed = self
+            .install_binary()
+            .map_err(|e| self.install_failed(Some(RESULT_COPY_BINARIES_FAILURE), e))?;
+        let (file, config_changed) = self.insert_entry().map_err(|e| {
+            let waiting = e.is::<NoNetworkConfig>();
+            // Waiting for the primary CNI is not a failure (istio-cni does not count it either).
+            self.install_failed((!waiting).then_some(RESULT_CREATE_CNI_CONFIG_FAILURE), e)
+        })?;
+        let outcome = if binary_changed || config_changed {
+            info!(file = %file.display(), config_changed, binary_changed, "installed weir's CNI plugin");
+            InstallOutcome::Installed {
+                file,
+                config_changed,
+                binary_changed,
+            }
+        } else {
+            InstallOutcome::AlreadyInstalled { file }
+        };
+        self.install_succeeded(&outcome);
+        Ok(outcome)
+    }
+
+    fn install_binary(&self) -> Result<bool> {
+        let source = &self.config.plugin_binary;
+        let dest = self.binary_path();
+        files::install_binary(source, &dest)
+            .with_context(|| format!("copying {} to {}", source.display(), dest.display()))
+    }
+
+    /// Puts weir's entry last in the active config; returns the file holding it and whether it
+    /// was written.
+    fn insert_entry(&self) -> Result<(PathBuf, bool)> {
+        let entry = conflist::plugin_entry(&self.config.plugin_name, &self.config.plugin_config)?;
+        let (path, config) = self.active_config()?;
+        if config.holds_last(&entry) {
+            return Ok((path, false));
+        }
+        let is_single = matches!(config, NetworkConfig::Single(_));
+        let contents = to_json(&config.with_last(entry));
+        let file = if is_single {
+            wrap_into_list(&path, &contents)?
+        } else {
+            rewrite_list(&path, &contents)?;
+            path
+        };
+        Ok((file, true))
+    }
+
+    /// The network config the runtime loads, as libcni picks it: the first file in lexical order
+    /// that parses.
+    fn active_config(&self) -> Result<(PathBuf, NetworkConfig)> {
+        let dir = &self.config.cni_net_dir;
+        for (path, format) in self.config_files()? {
+            match files::read_config(&path, format) {
+                Ok(config) => return Ok((path, config)),
+                // The runtime does not load this file either; it is its owner's to fix, so
+                // weir leaves it as it is.
+                Err(e) => error!("skipping an invalid CNI config file: {e:#}"),
+            }
+        }
+        Err(NoNetworkConfig { dir: dir.clone() }.into())
+    }
+
+    fn uninstall(&self) -> Result<()> {
+        let _guard = self.file_lock.lock().unwrap_or_else(|e| e.into_inner());
+        for (path, format) in self.config_files()? {
+            match files::read_config(&path, format) {
+                Ok(NetworkConfig::List(list)) => self.remove_entry(&path, list)?,
+                Ok(NetworkConfig::Single(_)) => {}
+                Err(e) => error!("cannot check an invalid CNI config file for weir's entry: {e:#}"),
+            }
+        }
+        let binary = self.binary_path();
+        if files::remove_if_present(&binary)
+            .with_context(|| format!("removing {}", binary.display()))?
+        {
+            info!(binary = %binary.display(), "removed weir's CNI plugin binary");
+        }
+        self.publish(|status| {
+            status.installed = false;
+            status.config_file = None;
+        });
+        Ok(())
+    }
+
+    fn remove_entry(&self, path: &Path, mut list: Object) -> Result<()> {
+        if conflist::remove_plugins(&mut list, &self.config.plugin_name) == 0 {
+            return Ok(());
+        }
+        if conflist::plugin_count(&list) == 0 {
+            files::remove_if_present(path)
+                .with_context(|| format!("removing {}", path.display()))?;
+            info!(file = %path.display(), "removed a CNI config that held only weir's entry");
+        } else {
+            rewrite_list(path, &to_json(&list))?;
+            info!(file = %path.display(), "removed weir's entry from the CNI config");
+        }
+        Ok(())
+    }
+
+    /// The net dir's config files; none while the dir does not exist (the primary CNI, or the
+    /// kubelet's hostPath mount, creates it).
+    fn config_files(&self) -> Result<Vec<(PathBuf, Format)>> {
+        let dir = &self.config.cni_net_dir;
+        match files::config_files(dir) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+            listed => listed.with_context(|| format!("listing {}", dir.display())),
+        }
+    }
+
+    fn binary_path(&self) -> PathBuf {
+        self.config.cni_bin_dir.join(&self.config.plugin_name)
+    }
+
+    fn install_succeeded(&self, outcome: &InstallOutcome) {
+        let was_installed = self.status.borrow().installed;
+        // Like istio-cni, count each time a valid install is reached, not each check.
+        if !was_installed || matches!(outcome, InstallOutcome::Installed { .. }) {
+            self.metrics.count_install(RESULT_SUCCESS);
+        }
+        self.ever_installed.store(true, Ordering::Relaxed);
+        self.publish(|status| {
+            status.installed = true;
+            status.config_file = Some(outcome.file().to_owned());
+        });
+    }
+
+    fn install_failed(&self, result: Option<&'static str>, error: anyhow::Error) -> anyhow::Error {
+        if let Some(result) = result {
+            self.metrics.count_install(result);
+        }
+        self.publish(|status| {
+            status.installed = false;
+            status.config_file = None;
+        });
+        error
+    }
+
+    /// Updates the status and the readiness gauge that mirrors it.
+    fn publish(&self, update: impl FnOnce(&mut InstallStatus)) {
+        self.status.send_modify(update);
+        let ready = self.status.borrow().ready();
+        self.metrics.ready.set(i64::from(ready));
+    }
+}
+
+/// Rewrites a conflist in place. A symlink is followed, as libcni follows it to read, so the link
+/// stays and its target gets the change; the target's mode and owner are kept.
+fn rewrite_list(path: &Path, contents: &[u8]) -> Result<()> {
+    let target = path
+        .canonicalize()
+        .with_context(|| format!("resolving {}", path.display()))?;
+    let attrs = FileAttrs::of(&target).with_context(|| format!("reading {}", target.display()))?;
+    files::write_atomically(&target, contents, &attrs)
+        .with_context(|| format!("writing {}", target.display()))
+}
+
+/// Turns the lone plugin config at `path` into `<stem>.conflist` holding `contents`, with its
+/// mode and owner, and returns the new path. The new file is written before the old one goes, so
+/// the runtime always finds a config: `x.conf` sorts before `x.conflist`, so until it goes the
+/// runtime keeps loading it; `x.conflist` sorts before `x.json`, so it takes over at once. A
+/// symlinked `.conf` is replaced by a regular `.conflist` (the link's target is not touched).
+fn wrap_into_list(path: &Path, contents: &[u8]) -> Result<PathBuf> {
+    let list_path = path.with_extension("conflist");
+    if list_path.exists() {
+        // Shadowed by `path` until now, so no runtime was loading it: typically weir's own
+        // earlier wrap, from before the primary CNI wrote its `.conf` again.
+        info!(file = %list_path.display(), "replacing a CNI config shadowed by {}", path.display());
+    }
+    let attrs = FileAttrs::of(path).with_context(|| format!("reading {}", path.display()))?;
+    files::write_atomically(&list_path, contents, &attrs)
+        .with_context(|| format!("writing {}", list_path.display()))?;
+    files::remove_if_present(path).with_context(|| format!("removing {}", path.display()))?;
+    info!(from = %path.display(), to = %list_path.display(), "wrapped a lone CNI config into a conflist");
+    Ok(list_path)
+}
+
+/// A config file's content: pretty-printed (as CNIs write them) with a final newline.
+fn to_json(list: &Object) -> Vec<u8> {
+    let mut json = serde_json::to_vec_pretty(list).expect("a JSON object always serializes");
+    json.push(b'\n');
+    json
+}
+
+// The values of the `result` label of `istio_cni_installs_total`: istio-cni's.
+const RESULT_SUCCESS: &str = "SUCCESS";
+const RESULT_COPY_BINARIES_FAILURE: &str = "COPY_BINARIES_FAILURE";
+const RESULT_CREATE_CNI_CONFIG_FAILURE: &str = "CREATE_CNI_CONFIG_FAILURE";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
+#[derive(Default)]
+struct Metrics {
+    installs: Family<ResultLabel, Counter>,
+    ready: Gauge,
+    config_rewrites: Counter,
+}
+
+impl Metrics {
+    fn count_install(&self, result: &'static str) {
+        self.installs.get_or_create(&ResultLabel { result }).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,472 @@
+//! The ZDS server: how weir hands pods to ztunnel, wire-identical to istio-cni's node agent
+//! (`cni/pkg/nodeagent/ztunnelserver.go`), so an unmodified ztunnel in in-pod mode can use it.
+//!
+//! ztunnel connects to a SOCK_SEQPACKET Unix socket (default `/var/run/ztunnel/ztunnel.sock`)
+//! and says [`ZdsHello`]; weir answers with a snapshot of every pod it has handed over (`Add`
+//! with the pod's netns fd, or `Keep` when weir holds no netns for the pod) closed by
+//! `SnapshotSent`, then streams `Add`s (to the newest connection) and `Del`s (to every
+//! connection) as pods come and go. Every request waits for one [`Ack`]; requests on one
+//! connection never overlap, because acks are matched to requests only by order.
+//!
+//! How weir differs from istio where istio's choice is not visible on the wire:
+//! - A connection counts (for [`ZdsHandle::connections`], the `ztunnel_connected` gauge and as
+//!   "newest") from its hello on, not from `accept`: the snapshot is taken at that moment under
+//!   the same lock as the registry, so a pod registered concurrently is sent exactly once, in
+//!   the snapshot or after it.
+//! - A request that is not acked in time closes the connection (istio keeps it, and the late
+//!   ack would then be taken as the next request's); ztunnel reconnects and gets a snapshot.
+//! - Liveness: the socket is watched while idle, so a closed peer (or one that sends anything
+//!   unasked) is seen at once instead of at istio's periodic short read.
+//! - An empty datagram reads as the peer's close, as it does for ztunnel.
+//!
+//! [`Ack`]: proto::Ack
+
+mod connection;
+mod packet;
+pub mod proto;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::{counter::Counter, family::Family, gauge::Gauge};
+use prometheus_client::registry::Registry;
+use prost::Message;
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::task::JoinSet;
+use tracing::{debug, error, info, warn};
+
+pub use packet::MAX_DATAGRAM;
+use proto::workload_request::Payload;
+use proto::{AddWorkload, DelWorkload, WorkloadRequest};
+pub use proto::{WorkloadInfo, ZdsHello};
+
+/// Where istio-cni listens and ztunnel connects by default.
+pub const DEFAULT_SOCKET_PATH: &str = "/var/run/ztunnel/ztunnel.sock";
+
+/// The hello, write and ack deadlines (istio's `readWriteDeadline`).
+const IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// At most one accept per interval (istio: a 5/s rate limiter): a ztunnel reconnecting in a
+/// tight loop cannot make the agent spin.
+const ACCEPT_INTERVAL: Duration = Duration::from_millis(200);
+/// Connections served at once; more wait in the listen backlog. Two is the normal maximum
+/// (rolling upgrade); connections that never say hello leave after [`IO_TIMEOUT`].
+const MAX_CONNECTIONS: usize = 8;
+/// Snapshot acks kept for slow [`ZdsHandle::acked`] receivers.
+const ACKED_CAPACITY: usize = 1024;
+
+pub struct ZdsConfig {
+    pub socket_path: PathBuf,
+}
+
+impl Default for ZdsConfig {
+    fn default() -> Self {
+        Self {
+            socket_path: DEFAULT_SOCKET_PATH.into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ZdsError {
+    #[error("no ztunnel is connected")]
+    NotConnected,
+    #[error("ztunnel refused: {0}")]
+    Nack(String),
+    #[error("ztunnel did not answer within {IO_TIMEOUT:?}")]
+    Timeout,
+    #[error("the ztunnel connection closed before the request was answered")]
+    ConnectionClosed,
+    #[error("ztunnel protocol error: {0}")]
+    Protocol(String),
+    #[error("the message would take {0} bytes, more than a ZDS datagram's {MAX_DATAGRAM}")]
+    TooLarge(usize),
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+impl ZdsError {
+    /// Whether the connection cannot be used after this error: the request/ack pairing is lost.
+    fn is_fatal(&self) -> bool {
+        !matches!(self, ZdsError::Nack(_) | ZdsError::TooLarge(_))
+    }
+
+    /// The `reason` label of `weir_zds_errors`.
+    fn reason(&self) -> &'static str {
+        match self {
+            ZdsError::NotConnected => "not_connected",
+            ZdsError::Nack(_) => "nack",
+            ZdsError::Timeout => "timeout",
+            ZdsError::ConnectionClosed => "closed",
+            ZdsError::Protocol(_) => "protocol",
+            ZdsError::TooLarge(_) => "too_large",
+            ZdsError::Io(_) => "io",
+        }
+    }
+}
+
+/// The agent's side of ZDS: the registry of pods handed to ztunnel, and the connections.
+#[derive(Clone)]
+pub struct ZdsHandle {
+    shared: Arc<Shared>,
+}
+
+/// Binds the socket and returns the handle and the future that serves it (until dropped or
+/// aborted, which also closes every connection). Needs no runtime until the future is polled.
+pub fn start(
+    config: ZdsConfig,
+    registry: &mut Registry,
+) -> io::Result<(ZdsHandle, impl Future<Output = ()>)> {
+    let listener = packet::bind_listener(&config.socket_path)?;
+    info!(socket = %config.socket_path.display(), "ZDS server listening");
+    let shared = Arc::new(Shared {
+        state: Mutex::default(),
+        connected: watch::Sender::new(0),
+        acked: broadcast::Sender::new(ACKED_CAPACITY),
+        metrics: Metrics::register(registry),
+    });
+    let handle = ZdsHandle {
+        shared: shared.clone(),
+    };
+    Ok((handle, serve(listener, shared)))
+}
+
+impl ZdsHandle {
+    /// Registers the pod (so every future snapshot names it) and, if a ztunnel is connected,
+    /// sends Add + fd to the newest connection and waits for its Ack. Err(NotConnected) when no
+    /// ztunnel is connected (the pod stays registered and is sent on the next connect).
+    ///
+    /// With `netns: None` the pod is only registered: ZDS has no Add without an fd, so
+    /// snapshots name it with Keep (ztunnel keeps a proxy it already has) and this returns Ok.
+    /// Registering a uid again replaces its info and netns.
+    pub async fn add(
+        &self,
+        uid: &str,
+        info: WorkloadInfo,
+        netns: Option<Arc<OwnedFd>>,
+    ) -> Result<(), ZdsError> {
+        let payload = Payload::Add(AddWorkload {
+            uid: uid.to_owned(),
+            workload_info: Some(info.clone()),
+        });
+        // Refused before registering: a pod that cannot be encoded would fail every snapshot.
+        let len = request_len(&payload);
+        if len > MAX_DATAGRAM {
+            self.shared.metrics.error("add", "too_large");
+            return Err(ZdsError::TooLarge(len));
+        }
+        let pod = format!("{}/{}", info.namespace, info.name);
+        let reply = {
+            let mut state = self.shared.lock();
+            state.pods.insert(
+                uid.to_owned(),
+                Pod {
+                    info,
+                    netns: netns.clone(),
+                },
+            );
+            let Some(netns) = netns else {
+                info!(
+                    uid,
+                    pod, "pod registered without a netns: ztunnel is told to keep it"
+                );
+                return Ok(());
+            };
+            let Some(newest) = state.connections.last() else {
+                info!(
+                    uid,
+                    pod, "no ztunnel connected: the pod is sent when one connects"
+                );
+                return Err(ZdsError::NotConnected);
+            };
+            debug!(uid, pod, conn = newest.id, "queueing Add");
+            newest.send(payload, Some(netns))
+        };
+        let result = reply.await;
+        match &result {
+            Ok(()) => info!(uid, pod, "ztunnel acked the Add"),
+            Err(error) => warn!(uid, pod, %error, "Add failed"),
+        }
+        result
+    }
+
+    /// Unregisters the pod and sends Del to every connection (best effort, waits for acks with
+    /// the deadline). Del is sent even for a uid that was not registered (ztunnel ignores
+    /// unknown uids). Returns the first failure; without connections there is nothing to do.
+    pub async fn del(&self, uid: &str) -> Result<(), ZdsError> {
+        let replies: Vec<_> = {
+            let mut state = self.shared.lock();
+            state.pods.remove(uid);
+            state
+                .connections
+                .iter()
+                .map(|connection| {
+                    let payload = Payload::Del(DelWorkload {
+                        uid: uid.to_owned(),
+                    });
+                    (connection.id, connection.send(payload, None))
+                })
+                .collect()
+        };
+        let mut first_error = None;
+        for (conn, reply) in replies {
+            match reply.await {
+                Ok(()) => debug!(uid, conn, "ztunnel acked the Del"),
+                Err(error) => {
+                    warn!(uid, conn, %error, "Del failed");
+                    first_error.get_or_insert(error);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// Number of connected ztunnels, as a watch so callers can wait for one.
+    pub fn connections(&self) -> watch::Receiver<usize> {
+        self.shared.connected.subscribe()
+    }
+
+    /// Uids acked by a ztunnel through a snapshot (pods that were pending when it connected).
+    /// Only Adds: a Keep ack does not mean ztunnel proxies the pod.
+    pub fn acked(&self) -> broadcast::Receiver<String> {
+        self.shared.acked.subscribe()
+    }
+}
+
+fn request_len(payload: &Payload) -> usize {
+    WorkloadRequest {
+        payload: Some(payload.clone()),
+    }
+    .encoded_len()
+}
+
+/// State shared by the handle, the accept loop and the connections.
+struct Shared {
+    state: Mutex<State>,
+    connected: watch::Sender<usize>,
+    acked: broadcast::Sender<String>,
+    metrics: Metrics,
+}
+
+#[derive(Default)]
+struct State {
+    /// Every pod handed to ztunnel, by uid; ordered so snapshots are deterministic.
+    pods: BTreeMap<String, Pod>,
+    /// Connections past their hello, oldest first.
+    connections: Vec<Connection>,
+    next_id: u64,
+}
+
+#[derive(Clone)]
+struct Pod {
+    info: WorkloadInfo,
+    netns: Option<Arc<OwnedFd>>,
+}
+
+/// A connection's request queue, served in order by its task.
+struct Connection {
+    id: u64,
+    requests: mpsc::UnboundedSender<Request>,
+}
+
+impl Connection {
+    /// Queues a request; the returned future resolves with its outcome.
+    fn send(
+        &self,
+        payload: Payload,
+        netns: Option<Arc<OwnedFd>>,
+    ) -> impl Future<Output = Result<(), ZdsError>> {
+        let (reply, outcome) = oneshot::channel();
+        let queued = self.requests.send(Request {
+            payload,
+            netns,
+            reply,
+        });
+        async move {
+            queued.map_err(|_| ZdsError::ConnectionClosed)?;
+            // Dropped unanswered: the connection ended first.
+            outcome.await.unwrap_or(Err(ZdsError::ConnectionClosed))
+        }
+    }
+}
+
+struct Request {
+    payload: Payload,
+    netns: Option<Arc<OwnedFd>>,
+    reply: oneshot::Sender<Result<(), ZdsError>>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes a connection that said hello the newest one and returns its snapshot, atomically
+    /// with respect to the registry: every pod is either in the snapshot or queued after it.
+    fn register(
+        self: &Arc<Self>,
+        requests: mpsc::UnboundedSender<Request>,
+    ) -> (Registration, Vec<(String, Pod)>) {
+        let mut state = self.lock();
+        state.next_id += 1;
+        let id = state.next_id;
+        state.connections.push(Connection { id, requests });
+        let snapshot = state
+            .pods
+            .iter()
+            .map(|(uid, pod)| (uid.clone(), pod.clone()))
+            .collect();
+        self.count(state.connections.len());
+        let registration = Registration {
+            shared: self.clone(),
+            id,
+        };
+        (registration, snapshot)
+    }
+
+    fn count(&self, connections: usize) {
+        // The gauge first: whoever the watch wakes sees the same number in the metrics.
+        self.metrics
+            .connected
+            .set(i64::try_from(connections).unwrap_or(i64::MAX));
+        self.connected.send_replace(connections);
+    }
+}
+
+/// A connection's place in [`State::connections`], given up on drop (however its task ends).
+struct Registration {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        state
+            .connections
+            .retain(|connection| connection.id != self.id);
+        self.shared.count(state.connections.len());
+        info!(
+            conn = self.id,
+            connected = state.connections.len(),
+            "ztunnel disconnected"
+        );
+    }
+}
+
+/// Accepts connections at a bounded rate and serves each on a task of its own; the tasks are
+/// aborted when this future is dropped.
+async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
+    let listener = match packet::Listener::new(listener) {
+        Ok(listener) => listener,
+        Err(err) => {
+            error!(%err, "cannot serve ZDS: the socket cannot be registered with the runtime");
+            return;
+        }
+    };
+    let mut connections = JoinSet::new();
+    let mut pace = tokio::time::interval(ACCEPT_INTERVAL);
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        pace.tick().await;
+        while connections.len() >= MAX_CONNECTIONS {
+            connections.join_next().await;
+        }
+        let accepted = loop {
+            tokio::select! {
+                accepted = listener.accept() => break accepted,
+                // Reap finished connections while waiting.
+                Some(_) = connections.join_next() => {}
+            }
+        };
+        match accepted {
+            Ok(packet) => {
+                debug!("ztunnel connection accepted");
+                connections.spawn(connection::serve(packet, shared.clone()));
+            }
+            // E.g. EMFILE; the pace keeps a persistent failure from spinning.
+            Err(err) => warn!(%err, "ZDS accept failed"),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MessageLabels {
+    message: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    message: &'static str,
+    reason: &'static str,
+}
+
+struct Metrics {
+    connected: Gauge,
+    requests: Family<MessageLabels, Counter>,
+    acks: Family<MessageLabels, Counter>,
+    errors: Family<ErrorLabels, Counter>,
+}
+
+impl Metrics {
+    fn register(registry: &mut Registry) -> Self {
+        let metrics = Self {
+            connected: Gauge::default(),
+            requests: Family::default(),
+            acks: Family::default(),
+            errors: Family::default(),
+        };
+        registry.register(
+            "ztunnel_connected",
+            "Number of connections to ztunnel",
+            metrics.connected.clone(),
+        );
+        registry.register(
+            "weir_zds_requests",
+            "ZDS requests sent to ztunnel, by message",
+            metrics.requests.clone(),
+        );
+        registry.register(
+            "weir_zds_acks",
+            "ZDS requests ztunnel acked without error, by message",
+            metrics.acks.clone(),
+        );
+        registry.register(
+            "weir_zds_errors",
+            "ZDS failures, by message (or hello, unsolicited) and reason",
+            metrics.errors.clone(),
+        );
+        metrics
+    }
+
+    fn request(&self, message: &'static str) {
+        self.requests
+            .get_or_create(&MessageLabels { message })
+            .inc();
+    }
+
+    fn ack(&self, message: &'static str) {
+        self.acks.get_or_create(&MessageLabels { message }).inc();
+    }
+
+    fn error(&self, message: &'static str, reason: &'static str) {
+        self.errors
+            .get_or_create(&ErrorLabels { message, reason })
+            .inc();
+    }
+}
+
+/// The `message` label of a request.
+fn message_name(payload: &Payload) -> &'static str {
+    match payload {
+        Payload::Add(_) => "add",
+        Payload::Keep(_) => "keep",
+        Payload::Del(_) => "del",
+        Payload::SnapshotSent(_) => "snapshot_sent",
+    }
+}

@@ -1,0 +1,166 @@
+//! SOCK_SEQPACKET Unix sockets on tokio: the listener and one connection, whole datagrams with
+//! or without a file descriptor (SCM_RIGHTS). tokio has no seqpacket type, so the sockets are
+//! nix sockets registered with the reactor through [`AsyncFd`].
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+use nix::sys::socket::{
+    accept4, bind, listen, recvmsg, sendmsg, socket, AddressFamily, Backlog, ControlMessage,
+    ControlMessageOwned, MsgFlags, SockFlag, SockType, UnixAddr,
+};
+use tokio::io::unix::AsyncFd;
+
+/// The largest datagram either side sends: ztunnel and istio read into 1024-byte buffers.
+pub const MAX_DATAGRAM: usize = 1024;
+
+/// Connections waiting to be accepted. ztunnel connects once (twice during an upgrade).
+const BACKLOG: i32 = 16;
+
+/// Binds and listens on `path`: creates the parent directory and removes a stale socket left
+/// by a previous run first (binding fails on an existing file). Needs no runtime.
+pub fn bind_listener(path: &Path) -> io::Result<OwnedFd> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::remove_file(path) {
+        Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
+        _ => {}
+    }
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    listen(&fd, Backlog::new(BACKLOG)?)?;
+    Ok(fd)
+}
+
+/// A listening seqpacket socket.
+pub struct Listener(AsyncFd<OwnedFd>);
+
+impl Listener {
+    /// Registers `fd` (from [`bind_listener`]) with the current runtime.
+    pub fn new(fd: OwnedFd) -> io::Result<Self> {
+        register(fd).map(Self)
+    }
+
+    pub async fn accept(&self) -> io::Result<Packet> {
+        let accepted = self
+            .0
+            .async_io(tokio::io::Interest::READABLE, |fd| {
+                let flags = SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC;
+                Ok(accept4(fd.as_raw_fd(), flags)?)
+            })
+            .await?;
+        // SAFETY: accept4 returned a new descriptor that nothing else owns.
+        Packet::new(unsafe { OwnedFd::from_raw_fd(accepted) })
+    }
+}
+
+/// One datagram as received.
+pub struct Datagram {
+    pub bytes: Vec<u8>,
+    /// The datagram did not fit [`MAX_DATAGRAM`] bytes (its tail was discarded), or it carried
+    /// more descriptors than there was room for (the kernel closed the rest).
+    pub truncated: bool,
+    /// Descriptors that came with it, owned (closed on drop) so a misbehaving peer cannot make
+    /// the agent leak them.
+    pub fds: Vec<OwnedFd>,
+}
+
+impl Datagram {
+    /// A zero-length read: on a seqpacket socket, the peer closed (or sent an empty datagram,
+    /// which no ZDS message encodes to).
+    pub fn is_eof(&self) -> bool {
+        self.bytes.is_empty() && self.fds.is_empty() && !self.truncated
+    }
+}
+
+/// A connected seqpacket socket.
+pub struct Packet(AsyncFd<OwnedFd>);
+
+impl Packet {
+    pub fn new(fd: OwnedFd) -> io::Result<Self> {
+        register(fd).map(Self)
+    }
+
+    /// Sends `bytes` as one datagram, with `fd` attached when given.
+    pub async fn send(&self, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
+        let rights: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
+        self.0
+            .async_io(tokio::io::Interest::WRITABLE, |socket| {
+                let iov = [IoSlice::new(bytes)];
+                let cmsgs: &[ControlMessage] = if rights.is_empty() {
+                    &[]
+                } else {
+                    &[ControlMessage::ScmRights(&rights)]
+                };
+                // MSG_NOSIGNAL: a peer gone mid-send is EPIPE here, never a SIGPIPE.
+                sendmsg::<()>(
+                    socket.as_raw_fd(),
+                    &iov,
+                    cmsgs,
+                    MsgFlags::MSG_NOSIGNAL,
+                    None,
+                )?;
+                Ok(())
+            })
+            .await
+    }
+
+    /// Receives one datagram. Cancel safe: the datagram is consumed only in the synchronous
+    /// `recvmsg` after the socket turned readable.
+    pub async fn recv(&self) -> io::Result<Datagram> {
+        self.0
+            .async_io(tokio::io::Interest::READABLE, |socket| {
+                recv_datagram(socket.as_fd())
+            })
+            .await
+    }
+}
+
+/// Registers `fd` with the current runtime's reactor.
+fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: an `OwnedFd` is open and stays open, with the same number, until the `AsyncFd`
+    // that owns it drops.
+    Ok(unsafe { AsyncFd::register(fd) }?)
+}
+
+fn recv_datagram(socket: BorrowedFd<'_>) -> io::Result<Datagram> {
+    let mut buf = vec![0; MAX_DATAGRAM];
+    // Room for a few descriptors, so that a peer sending several is seen (and refused) rather
+    // than only truncated.
+    let mut space = nix::cmsg_space!([RawFd; 4]);
+    let mut iov = [IoSliceMut::new(&mut buf)];
+    let msg = recvmsg::<()>(
+        socket.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
+    let mut fds = Vec::new();
+    for cmsg in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(received) = cmsg {
+            // SAFETY: the kernel installed these descriptors for us; nothing else owns them.
+            fds.extend(
+                received
+                    .into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    let truncated = msg
+        .flags
+        .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
+    let len = msg.bytes;
+    buf.truncate(len);
+    Ok(Datagram {
+        bytes: buf,
+        truncated,
+        fds,
+    })
+}

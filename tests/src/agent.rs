@@ -1,0 +1,230 @@
+//! weir-agent on a test node: the real agent (`weir_agent::app::run`) in this process, on its
+//! own thread and tokio runtime, with every path (sockets, CNI directories, pins) private to the
+//! node, so tests run in parallel.
+use std::{
+    net::{SocketAddr, TcpListener},
+    path::{Path, PathBuf},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use tempfile::TempDir;
+use weir_agent::{
+    app::{self, AgentConfig},
+    datapath::{Datapath, DatapathConfig},
+    policy::{LocalPolicy, PolicyConfig},
+};
+
+use crate::{NetNs, NodeOptions, TestNode};
+
+/// A built binary of this workspace (`weir-cni`, `weir-agent`), next to the test executable's
+/// directory. `cargo xtask test` builds them before the tests run.
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> or target/<profile>/<bin>
+    let profile_dir = exe
+        .ancestors()
+        .find(|dir| dir.join(name).exists())
+        .map(Path::to_path_buf);
+    match profile_dir {
+        Some(dir) => dir.join(name),
+        None => panic!(
+            "{name} is not built next to {}: run `cargo build --workspace --bins` first \
+             (`cargo xtask test` does)",
+            exe.display()
+        ),
+    }
+}
+
+/// A node's CNI directories and weir's files, as a real node has them.
+pub struct NodeFiles {
+    dir: TempDir,
+}
+
+impl NodeFiles {
+    pub fn new() -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("weir-t-node-").tempdir()?;
+        for sub in ["net.d", "bin", "run"] {
+            std::fs::create_dir(dir.path().join(sub))?;
+        }
+        Ok(Self { dir })
+    }
+
+    pub fn net_dir(&self) -> PathBuf {
+        self.dir.path().join("net.d")
+    }
+
+    pub fn bin_dir(&self) -> PathBuf {
+        self.dir.path().join("bin")
+    }
+
+    pub fn run_dir(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    pub fn policy_file(&self) -> PathBuf {
+        self.dir.path().join("policy.json")
+    }
+
+    pub fn write_policy(&self, policy: &LocalPolicy) -> Result<()> {
+        std::fs::write(self.policy_file(), serde_json::to_vec_pretty(policy)?)?;
+        Ok(())
+    }
+
+    /// A test node whose runtime reads the CNI config from `net.d` and finds plugins in `bin`,
+    /// as kubelet's runtime does on a real node.
+    pub fn node(&self) -> Result<TestNode> {
+        TestNode::with_options(NodeOptions {
+            plugin_dirs: vec![self.bin_dir()],
+            conflist_dir: Some(self.net_dir()),
+            ..NodeOptions::default()
+        })
+    }
+
+    /// The agent's configuration for `node`.
+    pub fn agent_config(&self, node: &NetNs) -> Result<AgentConfig> {
+        let run = self.run_dir();
+        Ok(AgentConfig {
+            datapath: DatapathConfig {
+                pin_root: pin_root(node),
+                cgroup: None,
+                node_netns: Some(node.path().to_path_buf()),
+                probe_bypass: true,
+            },
+            policy: PolicyConfig::default(),
+            policy_file: self.policy_file(),
+            cni_socket: run.join("cni.sock"),
+            verdict_cache: run.join("verdicts.json"),
+            zds_socket: run.join("ztunnel.sock"),
+            cni_bin_dir: self.bin_dir(),
+            cni_net_dir: self.net_dir(),
+            cni_plugin: workspace_binary("weir-cni"),
+            cni_plugin_log: Some(run.join("weir-cni.log")),
+            health_addr: free_port()?,
+            metrics_addr: free_port()?,
+            uninstall_on_exit: false,
+        })
+    }
+}
+
+/// The node's private bpffs pin directory (swept by `cargo xtask sweep` if a run is killed).
+pub fn pin_root(node: &NetNs) -> PathBuf {
+    PathBuf::from("/sys/fs/bpf").join(node.name())
+}
+
+/// Removes whatever datapath is pinned at `pin_root` (programs detached, pins gone): what a test
+/// leaves when its agent stopped the way an upgrade does, keeping redirection in place.
+pub fn remove_datapath(pin_root: &Path) {
+    if !pin_root.exists() {
+        return;
+    }
+    let config = DatapathConfig {
+        pin_root: pin_root.to_path_buf(),
+        cgroup: None,
+        node_netns: None,
+        probe_bypass: false,
+    };
+    if let Err(error) = Datapath::start(config).and_then(|datapath| datapath.uninstall()) {
+        eprintln!("removing the datapath at {}: {error:#}", pin_root.display());
+    }
+}
+
+fn free_port() -> Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// A running agent; stopped (SIGTERM-like: leaves the datapath in place) by [`Agent::stop`].
+pub struct Agent {
+    pub config: AgentConfig,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<thread::JoinHandle<Result<()>>>,
+}
+
+impl Agent {
+    /// Starts the agent and waits until it reports ready (plugin installed, serving).
+    pub fn start(config: AgentConfig) -> Result<Self> {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run_config = config.clone();
+        let thread = thread::Builder::new()
+            .name("weir-agent".into())
+            .spawn(move || {
+                tokio::runtime::Runtime::new()?.block_on(app::run(run_config, async {
+                    let _ = stopped.await;
+                }))
+            })?;
+        let agent = Self {
+            config,
+            stop: Some(stop),
+            thread: Some(thread),
+        };
+        agent.wait_ready(Duration::from_secs(10))?;
+        Ok(agent)
+    }
+
+    fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
+                bail!("the agent exited while starting");
+            }
+            if http_status(self.config.health_addr, "/readyz").ok() == Some(200) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the agent was not ready within {timeout:?}");
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops the agent as SIGTERM does and returns its result.
+    pub fn stop(mut self) -> Result<()> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match self.thread.take() {
+            Some(thread) => thread
+                .join()
+                .map_err(|_| anyhow::anyhow!("the agent thread panicked"))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Err(error) = self.shutdown() {
+            eprintln!("stopping the agent: {error:#}");
+        }
+    }
+}
+
+/// A plain HTTP/1.0 GET on loopback; returns the status code.
+pub fn http_status(addr: SocketAddr, path: &str) -> Result<u16> {
+    Ok(http_get(addr, path)?.0)
+}
+
+/// A plain HTTP/1.0 GET on loopback; returns the status code and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .context("no HTTP status")?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
