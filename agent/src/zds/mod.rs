@@ -60,7 +60,9 @@ const MAX_CONNECTIONS: usize = 8;
 /// Snapshot acks kept for slow [`ZdsHandle::acked`] receivers.
 const ACKED_CAPACITY: usize = 1024;
 
+#[derive(Clone, Debug)]
 pub struct ZdsConfig {
+    /// The Unix socket ztunnel connects to; its directory is created if missing.
     pub socket_path: PathBuf,
 }
 
