@@ -15,7 +15,7 @@ use weir_tests::{
     agent::{http_get, Agent, NodeFiles},
     cni::{Command, RuntimeConf},
     require_privileges, tcp_request,
-    zds_client::ZdsZtunnel,
+    zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
     EchoServer, Pod, PodSpec, TestNode,
 };
 
@@ -352,5 +352,56 @@ fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
     assert!(stand_in
         .wait_for(|s| s.listener == INBOUND_PORT && s.local == target, WAIT)
         .is_some());
+    agent.stop().unwrap();
+}
+
+#[test]
+fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
+    if !require_privileges() {
+        return;
+    }
+    let node = Node::new();
+    let agent = node.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let server = node.pod("default", "server").unwrap();
+    let echo = app(&server);
+    let pod = node.pod(MESH, "app").unwrap();
+    ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    agent.stop().unwrap();
+    assert!(ztunnel.wait_for_close(WAIT), "ztunnel saw the agent go");
+    drop(ztunnel);
+
+    // The next agent takes the pod back from the pinned maps and finds its netns again.
+    let agent = node.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    assert!(ztunnel.wait_for_snapshot(WAIT));
+    let expected = NetnsId::of(pod.netns().open().unwrap()).unwrap();
+    let events = ztunnel.events();
+    let add = events
+        .iter()
+        .find(|e| e.uid() == Some(pod.uid()))
+        .expect("the snapshot names the pod");
+    match add {
+        ZdsEvent::Add { info, netns, .. } => {
+            assert_eq!(*netns, Some(expected), "with the pod's own netns");
+            let info = info.as_ref().unwrap();
+            assert_eq!((info.namespace.as_str(), info.name.as_str()), (MESH, "app"));
+        }
+        other => panic!("expected Add with the netns, got {other:?}"),
+    }
+    let stand_in = ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = pod.run(|| tcp_request(target, "after restart")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("after restart"));
+    assert!(stand_in
+        .wait_for(|s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target), WAIT)
+        .is_some());
+
+    // DEL after the restart removes everything, as before it.
+    weir_only(&node, Command::Del, pod.runtime_conf(), Some(pod.prev_result())).unwrap();
+    assert!(ztunnel.wait_for_del(pod.uid(), WAIT));
+    let before = stand_in.seen().len();
+    pod.run(|| tcp_request(target, "direct")).unwrap();
+    assert_eq!(stand_in.seen().len(), before);
     agent.stop().unwrap();
 }

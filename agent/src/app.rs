@@ -28,6 +28,8 @@ pub struct AgentConfig {
     pub policy_file: PathBuf,
     pub cni_socket: PathBuf,
     pub verdict_cache: PathBuf,
+    /// Enrolled pods' names and netns paths, for the next agent after a restart.
+    pub state_file: PathBuf,
     pub zds_socket: PathBuf,
     pub cni_bin_dir: PathBuf,
     pub cni_net_dir: PathBuf,
@@ -57,8 +59,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         config.policy_file.clone(),
         config.verdict_cache.clone(),
     );
-    let enroller = Enroller::new(datapath.clone(), zds, policy)?;
+    let enroller = Enroller::new(datapath.clone(), zds, policy, config.state_file.clone())?;
     enroller.register_metrics(&mut registry);
+    enroller.recover().await.context("recovering enrolled pods")?;
     let cni_server = CniServer::bind(&config.cni_socket)?;
     let installer = Arc::new(Installer::new(InstallConfig {
         cni_bin_dir: config.cni_bin_dir.clone(),

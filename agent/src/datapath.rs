@@ -14,7 +14,7 @@ use std::{
     fs::{self, File},
     io,
     net::IpAddr,
-    os::fd::AsFd,
+    os::fd::{AsFd, AsRawFd, OwnedFd},
     path::{Path, PathBuf},
     sync::mpsc,
     thread,
@@ -124,6 +124,7 @@ enum Command {
     Unenroll(String, Reply<bool>),
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
+    Adopt(String, Option<PathBuf>, Reply<Option<OwnedFd>>),
     Enrolled(Reply<Vec<String>>),
     Stop { uninstall: bool, reply: Reply<()> },
 }
@@ -188,6 +189,15 @@ impl Datapath {
     /// Whether the pod's redirection is in the kernel as enrolled (its map entries are intact).
     pub fn is_redirected(&self, uid: &str) -> Result<bool> {
         self.ask(|reply| Command::IsRedirected(uid.to_owned(), reply))
+    }
+
+    /// Finds the network namespace of a pod recovered from the pinned maps (after an agent
+    /// restart), holds it, and returns a handle for ztunnel; `None` when it is gone. `hint` is
+    /// the netns path recorded at enrollment; without it, or when it no longer matches, the
+    /// runtime's named namespaces (/var/run/netns) and every process's netns under /proc are
+    /// checked. A match is by netns cookie, which is exact.
+    pub fn adopt(&self, uid: &str, hint: Option<PathBuf>) -> Result<Option<OwnedFd>> {
+        self.ask(|reply| Command::Adopt(uid.to_owned(), hint, reply))
     }
 
     /// Uids of the enrolled pods.
@@ -316,6 +326,9 @@ impl Owner {
                 }
                 Command::Counters(uid, reply) => {
                     let _ = reply.send(self.pod_counters(&uid));
+                }
+                Command::Adopt(uid, hint, reply) => {
+                    let _ = reply.send(self.adopt(&uid, hint.as_deref()));
                 }
                 Command::IsRedirected(uid, reply) => {
                     let _ = reply.send(Ok(self.is_redirected(&uid)));
@@ -454,6 +467,40 @@ impl Owner {
                 bypassed: sum.bypassed + c.bypassed,
             },
         )))
+    }
+
+    fn adopt(&mut self, uid: &str, hint: Option<&Path>) -> Result<Option<OwnedFd>> {
+        let Some(pod) = self.pods.get_mut(uid) else {
+            return Ok(None);
+        };
+        let cookie = pod.netns_cookie;
+        let candidates = hint
+            .map(Path::to_path_buf)
+            .into_iter()
+            .chain(named_namespaces())
+            .chain(process_namespaces());
+        let mut seen = std::collections::HashSet::new();
+        for path in candidates {
+            let Ok(file) = File::open(&path) else {
+                continue;
+            };
+            let Ok(stat) = nix::sys::stat::fstat(file.as_raw_fd()) else {
+                continue;
+            };
+            if !seen.insert((stat.st_dev, stat.st_ino)) {
+                continue;
+            }
+            let matches = netns::enter(file.as_fd())
+                .and_then(|_inside| netns::current_cookie())
+                .is_ok_and(|found| found == cookie);
+            if matches {
+                debug!(uid, path = %path.display(), "pod netns recovered");
+                let handle = file.try_clone()?.into();
+                pod.netns = Some(file);
+                return Ok(Some(handle));
+            }
+        }
+        Ok(None)
     }
 
     fn is_redirected(&self, uid: &str) -> bool {
@@ -669,6 +716,25 @@ fn recover_pods(
             )
         })
         .collect()
+}
+
+/// The namespaces runtimes name under /var/run/netns (containerd's `cni-<uuid>`).
+fn named_namespaces() -> impl Iterator<Item = PathBuf> {
+    fs::read_dir("/var/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+}
+
+/// Every process's network namespace, as `/proc/<pid>/ns/net` paths.
+fn process_namespaces() -> impl Iterator<Item = PathBuf> {
+    fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+        .map(|entry| entry.path().join("ns/net"))
 }
 
 /// The cgroup v2 mount point (e.g. /sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid hosts).

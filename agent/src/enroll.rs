@@ -5,7 +5,7 @@
 //! pod is reported enabled. [`Enroller::unenroll`] undoes it. Both are idempotent, and the steps
 //! for one pod never interleave (a per-pod lock), while different pods proceed in parallel.
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     net::IpAddr,
     os::fd::OwnedFd,
     path::PathBuf,
@@ -18,6 +18,7 @@ use prometheus_client::{
     metrics::{counter::Counter, family::Family},
     registry::Registry,
 };
+use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 use weir_cni::protocol::{Command, Request, Response, VerdictCache};
 
@@ -90,24 +91,44 @@ struct EventLabels {
     result: &'static str,
 }
 
+/// What the agent remembers of an enrolled pod across its own restarts (the pinned maps hold
+/// the redirection; ztunnel needs the pod's name and netns again).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct PodRecord {
+    name: String,
+    namespace: String,
+    service_account: String,
+    netns: PathBuf,
+}
+
 pub struct Enroller {
     datapath: Arc<Datapath>,
     zds: ZdsHandle,
     policy: PolicySource,
     status: Mutex<HashMap<String, Status>>,
+    /// Enrolled pods by uid, mirrored to `state_file` on every change.
+    records: Mutex<BTreeMap<String, PodRecord>>,
+    state_file: PathBuf,
     /// One async lock per pod uid: ADD/DEL for one pod are ordered.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     events: Family<EventLabels, Counter>,
 }
 
 impl Enroller {
-    pub fn new(datapath: Arc<Datapath>, zds: ZdsHandle, policy: PolicySource) -> Result<Arc<Self>> {
+    pub fn new(
+        datapath: Arc<Datapath>,
+        zds: ZdsHandle,
+        policy: PolicySource,
+        state_file: PathBuf,
+    ) -> Result<Arc<Self>> {
         policy.load().context("loading the ambient policy")?;
         Ok(Arc::new(Self {
             datapath,
             zds,
             policy,
             status: Mutex::new(HashMap::new()),
+            records: Mutex::new(BTreeMap::new()),
+            state_file,
             locks: Mutex::new(HashMap::new()),
             events: Family::default(),
         }))
@@ -119,6 +140,58 @@ impl Enroller {
             "Pod events handled by the node agent, by event and result",
             self.events.clone(),
         );
+    }
+
+    /// After an agent restart: the pods the pinned maps still redirect are taken back, their
+    /// netns found again, and registered with the ZDS server, so ztunnel's next snapshot names
+    /// them (Add with the netns, or Keep when it cannot be found). They stay pending until
+    /// ztunnel acks them.
+    pub async fn recover(&self) -> Result<()> {
+        let mut records: BTreeMap<String, PodRecord> = match std::fs::read(&self.state_file) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|error| {
+                warn!(file = %self.state_file.display(), %error, "unreadable pod state: ignored");
+                BTreeMap::new()
+            }),
+            Err(_) => BTreeMap::new(),
+        };
+        let enrolled = self.datapath_call(|d| d.enrolled()).await?;
+        records.retain(|uid, _| enrolled.contains(uid));
+        for uid in enrolled {
+            let record = records.get(&uid).cloned();
+            let (hint, owned_uid) = (record.as_ref().map(|r| r.netns.clone()), uid.clone());
+            let netns = self
+                .datapath_call(move |d| d.adopt(&owned_uid, hint))
+                .await?;
+            let info = record
+                .map(|r| WorkloadInfo {
+                    name: r.name,
+                    namespace: r.namespace,
+                    service_account: r.service_account,
+                })
+                .unwrap_or_default();
+            info!(uid, netns_found = netns.is_some(), "recovered an enrolled pod");
+            match self.zds.add(&uid, info, netns.map(Arc::new)).await {
+                Ok(()) => self.set_status(&uid, Status::Enabled),
+                Err(_) => self.set_status(&uid, Status::Pending),
+            }
+        }
+        *self.records.lock().unwrap() = records;
+        self.save_records()
+    }
+
+    fn set_status(&self, uid: &str, status: Status) {
+        self.status.lock().unwrap().insert(uid.to_owned(), status);
+    }
+
+    fn save_records(&self) -> Result<()> {
+        let records = self.records.lock().unwrap();
+        if let Some(dir) = self.state_file.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let temp = self.state_file.with_extension("tmp");
+        std::fs::write(&temp, serde_json::to_vec(&*records)?)?;
+        std::fs::rename(&temp, &self.state_file)
+            .with_context(|| format!("writing {}", self.state_file.display()))
     }
 
     /// Completes pods that were pending when ztunnel acks them in a snapshot.
@@ -305,7 +378,17 @@ impl Enroller {
                 Status::Pending
             }
         };
-        self.status.lock().unwrap().insert(pod.uid.clone(), status);
+        self.set_status(&pod.uid, status);
+        self.records.lock().unwrap().insert(
+            pod.uid.clone(),
+            PodRecord {
+                name: pod.name.clone(),
+                namespace: pod.namespace.clone(),
+                service_account: pod.service_account.clone(),
+                netns: pod.netns.clone(),
+            },
+        );
+        self.save_records()?;
         info!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ?status, "pod enrolled");
         Ok(status)
     }
@@ -319,6 +402,9 @@ impl Enroller {
         self.status.lock().unwrap().remove(uid);
         let owned = uid.to_owned();
         let was = self.datapath_call(move |d| d.unenroll(&owned)).await?;
+        if self.records.lock().unwrap().remove(uid).is_some() {
+            self.save_records()?;
+        }
         if was {
             info!(uid, "pod unenrolled");
         }

@@ -79,6 +79,10 @@ struct RunArgs {
     /// Where the plugin finds the last known ambient verdicts while the agent is away.
     #[arg(long, env = "WEIR_VERDICT_CACHE", default_value = DEFAULT_VERDICT_CACHE)]
     verdict_cache: PathBuf,
+    /// Where the agent remembers enrolled pods for its next start (tmpfs: gone at reboot, as the
+    /// pods are).
+    #[arg(long, env = "WEIR_STATE_FILE", default_value = "/var/run/weir/pods.json")]
+    state_file: PathBuf,
     /// ZDS socket ztunnel connects to.
     #[arg(
         long,
@@ -148,6 +152,7 @@ impl RunArgs {
             policy_file: self.policy_file,
             cni_socket: self.cni_socket,
             verdict_cache: self.verdict_cache,
+            state_file: self.state_file,
             zds_socket: self.zds_socket,
             cni_bin_dir: self.cni_bin_dir,
             cni_net_dir: self.cni_net_dir,

@@ -96,6 +96,7 @@ impl NodeFiles {
             policy_file: self.policy_file(),
             cni_socket: run.join("cni.sock"),
             verdict_cache: run.join("verdicts.json"),
+            state_file: run.join("pods.json"),
             zds_socket: run.join("ztunnel.sock"),
             cni_bin_dir: self.bin_dir(),
             cni_net_dir: self.net_dir(),
