@@ -394,11 +394,20 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
     let reply = pod.run(|| tcp_request(target, "after restart")).unwrap();
     assert_eq!(reply.response, echo.reply_to("after restart"));
     assert!(stand_in
-        .wait_for(|s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target), WAIT)
+        .wait_for(
+            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
+            WAIT
+        )
         .is_some());
 
     // DEL after the restart removes everything, as before it.
-    weir_only(&node, Command::Del, pod.runtime_conf(), Some(pod.prev_result())).unwrap();
+    weir_only(
+        &node,
+        Command::Del,
+        pod.runtime_conf(),
+        Some(pod.prev_result()),
+    )
+    .unwrap();
     assert!(ztunnel.wait_for_del(pod.uid(), WAIT));
     let before = stand_in.seen().len();
     pod.run(|| tcp_request(target, "direct")).unwrap();

@@ -20,6 +20,9 @@ use crate::{
     zds::{self, ZdsConfig},
 };
 
+/// The plugin's binary name in the CNI bin dir, and its `type` in the conflist.
+pub const PLUGIN_NAME: &str = "weir-cni";
+
 /// Everything the agent is told; `weir-agent run` fills it from flags and environment.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
@@ -61,13 +64,16 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     );
     let enroller = Enroller::new(datapath.clone(), zds, policy, config.state_file.clone())?;
     enroller.register_metrics(&mut registry);
-    enroller.recover().await.context("recovering enrolled pods")?;
+    enroller
+        .recover()
+        .await
+        .context("recovering enrolled pods")?;
     let cni_server = CniServer::bind(&config.cni_socket)?;
     let installer = Arc::new(Installer::new(InstallConfig {
         cni_bin_dir: config.cni_bin_dir.clone(),
         cni_net_dir: config.cni_net_dir.clone(),
         plugin_binary: config.cni_plugin.clone(),
-        plugin_name: "weir-cni".into(),
+        plugin_name: PLUGIN_NAME.into(),
         plugin_config: plugin_config(&config),
     }));
     installer.register_metrics(&mut registry);

@@ -169,7 +169,11 @@ impl Enroller {
                     service_account: r.service_account,
                 })
                 .unwrap_or_default();
-            info!(uid, netns_found = netns.is_some(), "recovered an enrolled pod");
+            info!(
+                uid,
+                netns_found = netns.is_some(),
+                "recovered an enrolled pod"
+            );
             match self.zds.add(&uid, info, netns.map(Arc::new)).await {
                 Ok(()) => self.set_status(&uid, Status::Enabled),
                 Err(_) => self.set_status(&uid, Status::Pending),

@@ -6,8 +6,10 @@ use clap::{Parser, Subcommand};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::info;
 use weir_agent::{
+    app::PLUGIN_NAME,
     app::{self, AgentConfig},
     datapath::{Datapath, DatapathConfig},
+    install::{InstallConfig, Installer},
     policy::PolicyConfig,
 };
 use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
@@ -81,7 +83,11 @@ struct RunArgs {
     verdict_cache: PathBuf,
     /// Where the agent remembers enrolled pods for its next start (tmpfs: gone at reboot, as the
     /// pods are).
-    #[arg(long, env = "WEIR_STATE_FILE", default_value = "/var/run/weir/pods.json")]
+    #[arg(
+        long,
+        env = "WEIR_STATE_FILE",
+        default_value = "/var/run/weir/pods.json"
+    )]
     state_file: PathBuf,
     /// ZDS socket ztunnel connects to.
     #[arg(
@@ -90,12 +96,8 @@ struct RunArgs {
         default_value = "/var/run/ztunnel/ztunnel.sock"
     )]
     zds_socket: PathBuf,
-    /// Host CNI binary directory.
-    #[arg(long, env = "WEIR_CNI_BIN_DIR", default_value = "/opt/cni/bin")]
-    cni_bin_dir: PathBuf,
-    /// Host CNI network configuration directory.
-    #[arg(long, env = "WEIR_CNI_NET_DIR", default_value = "/etc/cni/net.d")]
-    cni_net_dir: PathBuf,
+    #[command(flatten)]
+    cni_dirs: CniDirs,
     /// The weir-cni binary to install (default: next to this executable).
     #[arg(long, env = "WEIR_CNI_PLUGIN")]
     cni_plugin: Option<PathBuf>,
@@ -114,12 +116,24 @@ struct RunArgs {
     uninstall_on_exit: bool,
 }
 
+/// Where the node's CNI plugins and configuration live.
+#[derive(clap::Args)]
+struct CniDirs {
+    /// Host CNI binary directory.
+    #[arg(long, env = "WEIR_CNI_BIN_DIR", default_value = "/opt/cni/bin")]
+    cni_bin_dir: PathBuf,
+    /// Host CNI network configuration directory.
+    #[arg(long, env = "WEIR_CNI_NET_DIR", default_value = "/etc/cni/net.d")]
+    cni_net_dir: PathBuf,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the node agent until SIGTERM/SIGINT.
     Run(Box<RunArgs>),
-    /// Remove weir's datapath from this node: unenroll every pod, detach, unpin.
-    Uninstall,
+    /// Remove weir from this node: weir-cni from the CNI config and bin dir, then the datapath
+    /// (every pod unenrolled, programs detached, pins removed).
+    Uninstall(CniDirs),
 }
 
 fn main() -> Result<()> {
@@ -136,7 +150,17 @@ fn main() -> Result<()> {
             let config = args.config(cli.datapath.config())?;
             tokio::runtime::Runtime::new()?.block_on(app::run(config, terminated()))
         }
-        Command::Uninstall => Datapath::start(cli.datapath.config())?.uninstall(),
+        Command::Uninstall(dirs) => {
+            Installer::new(InstallConfig {
+                cni_bin_dir: dirs.cni_bin_dir,
+                cni_net_dir: dirs.cni_net_dir,
+                plugin_binary: PathBuf::new(),
+                plugin_name: PLUGIN_NAME.into(),
+                plugin_config: serde_json::Value::Null,
+            })
+            .uninstall()?;
+            Datapath::start(cli.datapath.config())?.uninstall()
+        }
     }
 }
 
@@ -154,8 +178,8 @@ impl RunArgs {
             verdict_cache: self.verdict_cache,
             state_file: self.state_file,
             zds_socket: self.zds_socket,
-            cni_bin_dir: self.cni_bin_dir,
-            cni_net_dir: self.cni_net_dir,
+            cni_bin_dir: self.cni_dirs.cni_bin_dir,
+            cni_net_dir: self.cni_dirs.cni_net_dir,
             cni_plugin: match self.cni_plugin {
                 Some(path) => path,
                 None => std::env::current_exe()?.with_file_name("weir-cni"),

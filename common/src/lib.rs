@@ -149,6 +149,12 @@ pub mod maps {
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
 }
 
+/// Global variables in the object file, set by the loader before the programs load.
+pub mod globals {
+    /// `u8`: non-zero turns on the programs' aya-log diagnostics (`weir-agent --bpf-log`).
+    pub const LOG_ENABLED: &str = "LOG_ENABLED";
+}
+
 /// Program names in the object file.
 pub mod programs {
     pub const CONNECT4: &str = "weir_connect4";

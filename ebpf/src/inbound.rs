@@ -20,6 +20,7 @@ use weir_common::{
 };
 
 use crate::{
+    diag::diag,
     maps::{count, PODS, POD_IPS},
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
 };
@@ -99,6 +100,15 @@ fn steer(ctx: &TcContext) -> Result<i32, ()> {
     let listener = lookup(ctx, &mut tuple, segment.tuple_len);
     if listener.is_null() {
         // ztunnel is not listening in this pod (yet): refuse to deliver around it.
+        diag!(
+            warn,
+            ctx,
+            "netns {}: drop {:i} to {:i}:{}: ztunnel not listening on 15006",
+            netns,
+            segment.source.octets,
+            segment.destination.octets,
+            segment.dport
+        );
         return Ok(TC_ACT_SHOT as i32);
     }
     // SAFETY: non-null socket from a lookup, released on every path below.
@@ -112,8 +122,26 @@ fn steer(ctx: &TcContext) -> Result<i32, ()> {
         assigned
     };
     if !assigned {
+        diag!(
+            warn,
+            ctx,
+            "netns {}: drop {:i} to {:i}:{}: ztunnel's 15006 socket not assignable",
+            netns,
+            segment.source.octets,
+            segment.destination.octets,
+            segment.dport
+        );
         return Ok(TC_ACT_SHOT as i32);
     }
+    diag!(
+        debug,
+        ctx,
+        "netns {}: inbound {:i} to {:i}:{} assigned to 15006",
+        netns,
+        segment.source.octets,
+        segment.destination.octets,
+        segment.dport
+    );
     count(netns, |c: &mut PodCounters| &mut c.inbound);
     Ok(TC_ACT_OK as i32)
 }

@@ -14,6 +14,7 @@
 #![no_std]
 #![no_main]
 
+mod diag;
 mod maps;
 mod net;
 

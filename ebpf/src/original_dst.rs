@@ -12,6 +12,7 @@ use aya_ebpf::{
 use weir_common::{ConnectionKey, Endpoint};
 
 use crate::{
+    diag::diag,
     maps::{CONN_ORIG_DST, SOCKET_ORIG_DST},
     net::{
         ctx_read, ip_from_v4_word, ip_from_v6_words, is_v4_mapped, AF_INET, AF_INET6, ALLOW,
@@ -83,12 +84,12 @@ fn remember_connection(ctx: &SockOpsContext) {
 #[cgroup_sockopt(getsockopt)]
 pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
     // SAFETY: the context pointer is valid for the program's run.
-    unsafe { answer_original_dst(ctx) };
+    unsafe { answer_original_dst(&ctx) };
     ALLOW
 }
 
 #[inline(always)]
-unsafe fn answer_original_dst(ctx: SockoptContext) {
+unsafe fn answer_original_dst(ctx: &SockoptContext) {
     let opt = ctx.sockopt;
     let level = ctx_read!(opt, level);
     if ctx_read!(opt, optname) != SO_ORIGINAL_DST || (level != SOL_IP && level != SOL_IPV6) {
@@ -132,32 +133,45 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
     // destination (also on ztunnel's IPv4-mapped AF_INET6 sockets), SOL_IPV6 for an IPv6 one.
     let v4 = is_v4_mapped(&original.ip);
     let port = original.port.to_be_bytes();
-    if level == SOL_IP && v4 {
+    let answered = if level == SOL_IP && v4 {
         let mut sin = [0u8; SOCKADDR_IN_LEN];
         sin[..2].copy_from_slice(&(AF_INET as u16).to_ne_bytes());
         sin[2..4].copy_from_slice(&port);
         sin[4..8].copy_from_slice(&original.ip.octets[12..16]);
-        write_answer(opt, &sin);
+        write_answer(opt, &sin)
     } else if level == SOL_IPV6 && !v4 {
         let mut sin6 = [0u8; SOCKADDR_IN6_LEN];
         sin6[..2].copy_from_slice(&(AF_INET6 as u16).to_ne_bytes());
         sin6[2..4].copy_from_slice(&port);
         sin6[8..24].copy_from_slice(&original.ip.octets);
-        write_answer(opt, &sin6);
+        write_answer(opt, &sin6)
+    } else {
+        false
+    };
+    if answered {
+        diag!(
+            debug,
+            ctx,
+            "SO_ORIGINAL_DST for {:i}:{}: {:i}:{}",
+            key.client.ip.octets,
+            key.client.port,
+            original.ip.octets,
+            original.port
+        );
     }
 }
 
-/// Writes a sockaddr as the call's result, if the caller's buffer holds it. The length is a
-/// constant per call site so the verifier can check the bound.
+/// Writes a sockaddr as the call's result, if the caller's buffer holds it; returns whether it
+/// did. The length is a constant per call site so the verifier can check the bound.
 #[inline(always)]
-unsafe fn write_answer<const N: usize>(opt: *mut bpf_sockopt, answer: &[u8; N]) {
+unsafe fn write_answer<const N: usize>(opt: *mut bpf_sockopt, answer: &[u8; N]) -> bool {
     if (ctx_read!(opt, optlen) as usize) < N {
-        return;
+        return false;
     }
     let optval = ctx_read!(opt, __bindgen_anon_2.optval) as *mut u8;
     let optval_end = ctx_read!(opt, __bindgen_anon_3.optval_end) as *mut u8;
     if optval.add(N) > optval_end {
-        return;
+        return false;
     }
     let mut i = 0;
     while i < N {
@@ -166,4 +180,5 @@ unsafe fn write_answer<const N: usize>(opt: *mut bpf_sockopt, answer: &[u8; N]) 
     }
     core::ptr::write_volatile(core::ptr::addr_of_mut!((*opt).optlen), N as i32);
     core::ptr::write_volatile(core::ptr::addr_of_mut!((*opt).retval), 0);
+    true
 }

@@ -14,6 +14,7 @@ use weir_common::{
 };
 
 use crate::{
+    diag::diag,
     maps::{count, NODE_CONFIG, PODS, POD_IPS, SOCKET_ORIG_DST},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, AF_INET, AF_INET6, ALLOW,
@@ -164,9 +165,27 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
         // Without the record ztunnel could not learn the destination: leave the socket alone
         // rather than hand ztunnel a connection it would misroute. An LRU map only fails here
         // under memory pressure.
+        diag!(
+            warn,
+            sa,
+            "netns {}: {:i}:{} not redirected: no room to record it",
+            netns,
+            dst.ip.octets,
+            dst.port
+        );
         return;
     }
     sa.set_user_endpoint(&target);
+    diag!(
+        debug,
+        sa,
+        "netns {}: redirect {:i}:{} to {:i}:{}",
+        netns,
+        dst.ip.octets,
+        dst.port,
+        target.ip.octets,
+        target.port
+    );
     if is_dns {
         count(netns, |c| &mut c.dns);
     } else {
@@ -193,7 +212,7 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
         return;
     }
     // Counted as bypassed by the pod's inbound program when the SYN arrives.
-    if !sa.v6 {
+    let bound = if !sa.v6 {
         let mut addr = SockaddrIn {
             family: AF_INET as u16,
             port: 0,
@@ -222,16 +241,25 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
             sa,
             &mut addr as *mut SockaddrIn6 as *mut sockaddr,
             size_of::<SockaddrIn6>(),
-        );
-    }
+        )
+    };
+    diag!(
+        debug,
+        sa,
+        "node to {:i}:{}: probe source bind {}",
+        dst.ip.octets,
+        dst.port,
+        bound
+    );
 }
 
 /// A socket that is already bound gets EINVAL here and keeps its source: it is then captured
 /// like any other traffic, which fails toward the mesh, not toward a bypass.
+/// Returns the helper's result: 0, or a negative errno.
 #[inline(always)]
-fn bind(sa: &SockAddr, addr: *mut sockaddr, len: usize) {
+fn bind(sa: &SockAddr, addr: *mut sockaddr, len: usize) -> i64 {
     // SAFETY: bpf_bind is allowed in connect hooks; `addr` points to a stack sockaddr of `len`.
-    unsafe { bpf_bind(sa.ctx, addr, len as i32) };
+    unsafe { bpf_bind(sa.ctx, addr, len as i32) }
 }
 
 /// getpeername and recvmsg: show the app the address it asked for, not ztunnel's listener.

@@ -1,8 +1,6 @@
 //! `cargo xtask bench`: weir's datapath side by side with istio-cni's iptables rules, in one run
 //! on a throwaway node (release build; medians and ratios).
 
-use std::process::Command;
-
 use anyhow::Result;
 
 use crate::{ebpf, step, system};
@@ -25,12 +23,5 @@ pub fn run() -> Result<()> {
     )?;
     step("running it: a throwaway node, weir and iptables side by side");
     let bench = crate::workspace_root().join("target/release/weir-bench");
-    let mut command = if system::is_root() {
-        Command::new(bench)
-    } else {
-        let mut sudo = Command::new("sudo");
-        sudo.arg("-E").arg(bench);
-        sudo
-    };
-    system::run(&mut command)
+    system::run(&mut system::as_root(bench))
 }

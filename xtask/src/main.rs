@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod ebpf;
+mod run;
 mod sweep;
 mod system;
 mod test;
@@ -39,7 +40,17 @@ enum Command {
     },
     /// Run weir's main job on a throwaway demo node.
     Demo,
-    /// Measure weir's datapath.
+    /// Run weir-agent on this machine as a local node agent (needs root).
+    Run {
+        /// Directory for the node's CNI config (net.d/), plugins (bin/), sockets (run/) and
+        /// the ambient policy (policy.json).
+        #[arg(long, default_value = "target/weir-run")]
+        dir: PathBuf,
+        /// Extra arguments for `weir-agent run`, after `--`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Measure weir's datapath against istio's iptables rules, side by side.
     Bench,
     /// Remove leftovers of killed test runs: `weir-t-*` network namespaces and bpffs pins (needs root).
     Sweep,
@@ -52,6 +63,7 @@ fn main() -> ExitCode {
         }
         Command::Test { args } => test::run(&args),
         Command::Demo => demo::run(),
+        Command::Run { dir, args } => run::run(&dir, &args),
         Command::Bench => bench::run(),
         Command::Sweep => sweep::run(),
     };

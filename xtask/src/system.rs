@@ -103,6 +103,17 @@ pub fn apt_install(packages: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// A command for `program` that runs as root: directly when we are root, else under `sudo -E`.
+pub fn as_root(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    if is_root() {
+        Command::new(program)
+    } else {
+        let mut sudo = Command::new("sudo");
+        sudo.arg("-E").arg(program);
+        sudo
+    }
+}
+
 /// Run a command to completion, failing unless it exits successfully.
 pub fn run(cmd: &mut Command) -> Result<()> {
     let status = cmd
