@@ -175,6 +175,22 @@ fn del_unenrolls_and_is_idempotent() {
     agent.stop().unwrap();
 }
 
+/// Waits until the agent's /metrics shows `line`.
+fn wait_for_metric(agent: &Agent, line: &str) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
+        if metrics.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {line} in\n{metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The node's conflist as the installer left it: bridge, then weir-cni.
 fn weir_conflist(node: &Node) -> weir_tests::cni::NetworkConfigList {
     let list: serde_json::Value = serde_json::from_slice(
@@ -390,6 +406,8 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
         other => panic!("expected Add with the netns, got {other:?}"),
     }
     let stand_in = ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    // Pending after the restart until ztunnel acked the snapshot's Add, then enabled.
+    wait_for_metric(&agent, r#"weir_enrolled_pods{status="enabled"} 1"#);
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
     let reply = pod.run(|| tcp_request(target, "after restart")).unwrap();
     assert_eq!(reply.response, echo.reply_to("after restart"));

@@ -15,7 +15,7 @@ use std::{
 use anyhow::{anyhow, Context, Result};
 use prometheus_client::{
     encoding::EncodeLabelSet,
-    metrics::{counter::Counter, family::Family},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
     registry::Registry,
 };
 use serde::{Deserialize, Serialize};
@@ -86,6 +86,11 @@ pub enum Status {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StatusLabels {
+    status: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EventLabels {
     event: &'static str,
     result: &'static str,
@@ -112,6 +117,8 @@ pub struct Enroller {
     /// One async lock per pod uid: ADD/DEL for one pod are ordered.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     events: Family<EventLabels, Counter>,
+    /// Enrolled pods by status (istio's `ambient.istio.io/redirection` values).
+    pods: Family<StatusLabels, Gauge>,
 }
 
 impl Enroller {
@@ -131,6 +138,7 @@ impl Enroller {
             state_file,
             locks: Mutex::new(HashMap::new()),
             events: Family::default(),
+            pods: Family::default(),
         }))
     }
 
@@ -139,6 +147,11 @@ impl Enroller {
             "nodeagent_reconcile_events",
             "Pod events handled by the node agent, by event and result",
             self.events.clone(),
+        );
+        registry.register(
+            "weir_enrolled_pods",
+            "Enrolled pods by status: pending (redirected, ztunnel has not acked) or enabled",
+            self.pods.clone(),
         );
     }
 
@@ -175,16 +188,27 @@ impl Enroller {
                 "recovered an enrolled pod"
             );
             match self.zds.add(&uid, info, netns.map(Arc::new)).await {
-                Ok(()) => self.set_status(&uid, Status::Enabled),
-                Err(_) => self.set_status(&uid, Status::Pending),
+                Ok(()) => self.set_status(&uid, Some(Status::Enabled)),
+                Err(_) => self.set_status(&uid, Some(Status::Pending)),
             }
         }
         *self.records.lock().unwrap() = records;
         self.save_records()
     }
 
-    fn set_status(&self, uid: &str, status: Status) {
-        self.status.lock().unwrap().insert(uid.to_owned(), status);
+    /// Records a pod's status (`None`: no longer enrolled) and updates the per-status gauge.
+    fn set_status(&self, uid: &str, status: Option<Status>) {
+        let mut statuses = self.status.lock().unwrap();
+        match status {
+            Some(status) => statuses.insert(uid.to_owned(), status),
+            None => statuses.remove(uid),
+        };
+        for (label, wanted) in [("pending", Status::Pending), ("enabled", Status::Enabled)] {
+            let count = statuses.values().filter(|s| **s == wanted).count();
+            self.pods
+                .get_or_create(&StatusLabels { status: label })
+                .set(count as i64);
+        }
     }
 
     fn save_records(&self) -> Result<()> {
@@ -204,8 +228,8 @@ impl Enroller {
         loop {
             match acked.recv().await {
                 Ok(uid) => {
-                    if let Some(status) = self.status.lock().unwrap().get_mut(&uid) {
-                        *status = Status::Enabled;
+                    if self.status(&uid).is_some() {
+                        self.set_status(&uid, Some(Status::Enabled));
                         info!(uid, "ztunnel acked the pod: redirection enabled");
                     }
                 }
@@ -382,7 +406,7 @@ impl Enroller {
                 Status::Pending
             }
         };
-        self.set_status(&pod.uid, status);
+        self.set_status(&pod.uid, Some(status));
         self.records.lock().unwrap().insert(
             pod.uid.clone(),
             PodRecord {
@@ -403,7 +427,7 @@ impl Enroller {
         if let Err(error) = self.zds.del(uid).await {
             warn!(uid, %error, "ztunnel Del");
         }
-        self.status.lock().unwrap().remove(uid);
+        self.set_status(uid, None);
         let owned = uid.to_owned();
         let was = self.datapath_call(move |d| d.unenroll(&owned)).await?;
         if self.records.lock().unwrap().remove(uid).is_some() {
