@@ -43,6 +43,7 @@ impl Fixture {
             cgroup: None,
             node_netns: Some(node.netns().path().to_path_buf()),
             probe_bypass: true,
+            bpf_log: false,
         };
         Self { node, config }
     }

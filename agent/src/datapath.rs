@@ -32,8 +32,8 @@ use aya::{
 use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 use weir_common::{
-    maps, programs, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION, POD_DNS_CAPTURE,
-    POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS, POD_UID_LEN,
+    globals, maps, programs, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION,
+    POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS, POD_UID_LEN,
 };
 
 use crate::{bpf_link, netlink, netns};
@@ -74,6 +74,9 @@ pub struct DatapathConfig {
     pub node_netns: Option<PathBuf>,
     /// Give TCP from the node to enrolled pods the probe source, so kubelet probes reach the app.
     pub probe_bypass: bool,
+    /// Turn on the programs' diagnostics (aya-log): their records go to the `log` crate, at
+    /// target `weir_ebpf::<module>`. Off, they cost one load and one branch.
+    pub bpf_log: bool,
 }
 
 impl Default for DatapathConfig {
@@ -83,6 +86,7 @@ impl Default for DatapathConfig {
             cgroup: None,
             node_netns: None,
             probe_bypass: true,
+            bpf_log: false,
         }
     }
 }
@@ -237,6 +241,8 @@ struct Enrolled {
 struct Owner {
     /// Keeps the programs loaded (and the tc program attachable) for the owner's lifetime.
     ebpf: Ebpf,
+    /// Reads the programs' log records while logging is on; dropped with the owner.
+    _bpf_log: Option<tokio::runtime::Runtime>,
     pods_map: HashMap<MapData, u64, PodConfig>,
     pod_ips: HashMap<MapData, IpKey, u64>,
     counters: PerCpuHashMap<MapData, u64, PodCounters>,
@@ -259,10 +265,18 @@ impl Owner {
         for dir in [&maps_dir, &links_dir] {
             fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let mut ebpf = EbpfLoader::new()
-            .map_pin_path(&maps_dir)
+        let mut loader = EbpfLoader::new();
+        loader.map_pin_path(&maps_dir);
+        if config.bpf_log {
+            loader.set_global(globals::LOG_ENABLED, &1u8, true);
+        }
+        let mut ebpf = loader
             .load(EBPF_OBJECT)
             .context("loading weir's eBPF object")?;
+        let bpf_log = config
+            .bpf_log
+            .then(|| read_bpf_log(&mut ebpf))
+            .transpose()?;
 
         let cgroup_path = match &config.cgroup {
             Some(path) => path.clone(),
@@ -306,6 +320,7 @@ impl Owner {
         );
         Ok(Self {
             ebpf,
+            _bpf_log: bpf_log,
             pods_map,
             pod_ips,
             counters,
@@ -543,6 +558,23 @@ impl Owner {
         info!(pin_root = %self.pin_root.display(), "datapath uninstalled");
         Ok(())
     }
+}
+
+/// Forwards the programs' aya-log records to the `log` crate. aya-log reads them in tokio tasks
+/// and this thread has no runtime, so the reader gets a one-worker runtime of its own.
+fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("weir-bpf-log")
+        .enable_io()
+        .build()
+        .context("starting the eBPF log reader")?;
+    {
+        let _entered = runtime.enter();
+        aya_log::EbpfLogger::init(ebpf).context("reading the eBPF programs' logs")?;
+    }
+    info!("eBPF diagnostics on (log target weir_ebpf)");
+    Ok(runtime)
 }
 
 /// Per-pod setup inside the pod's netns (the calling thread is in it).

@@ -42,6 +42,11 @@ struct DatapathArgs {
     /// Do not give node-local TCP to enrolled pods (kubelet probes) the probe source address.
     #[arg(long, env = "WEIR_NO_PROBE_BYPASS", global = true)]
     no_probe_bypass: bool,
+    /// Log the eBPF programs' decisions (redirects, inbound assignments and drops, original
+    /// destinations, probe sources) at debug level, target `weir_ebpf`. Costs a record per
+    /// decision: for debugging, not for production.
+    #[arg(long, env = "WEIR_BPF_LOG", global = true)]
+    bpf_log: bool,
 }
 
 impl DatapathArgs {
@@ -51,6 +56,7 @@ impl DatapathArgs {
             cgroup: self.cgroup.clone(),
             node_netns: None,
             probe_bypass: !self.no_probe_bypass,
+            bpf_log: self.bpf_log,
         }
     }
 }
@@ -137,14 +143,18 @@ enum Command {
 }
 
 fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if cli.datapath.bpf_log {
+        // The programs' records arrive through the `log` crate at debug level.
+        filter = filter.add_directive("weir_ebpf=debug".parse()?);
+    }
+    // `init` also installs tracing-log's LogTracer: `log` records (aya-log's) become events.
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     match cli.command {
         Command::Run(args) => {
             let config = args.config(cli.datapath.config())?;

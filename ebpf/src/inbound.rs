@@ -20,7 +20,7 @@ use weir_common::{
 };
 
 use crate::{
-    diag::diag,
+    diag::{diag, ip},
     maps::{count, PODS, POD_IPS},
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
 };
@@ -101,12 +101,12 @@ fn steer(ctx: &TcContext) -> Result<i32, ()> {
     if listener.is_null() {
         // ztunnel is not listening in this pod (yet): refuse to deliver around it.
         diag!(
-            warn,
-            ctx,
+            by_ref warn,
+            ctx.skb.skb,
             "netns {}: drop {:i} to {:i}:{}: ztunnel not listening on 15006",
             netns,
-            segment.source.octets,
-            segment.destination.octets,
+            ip(&segment.source),
+            ip(&segment.destination),
             segment.dport
         );
         return Ok(TC_ACT_SHOT as i32);
@@ -123,23 +123,23 @@ fn steer(ctx: &TcContext) -> Result<i32, ()> {
     };
     if !assigned {
         diag!(
-            warn,
-            ctx,
+            by_ref warn,
+            ctx.skb.skb,
             "netns {}: drop {:i} to {:i}:{}: ztunnel's 15006 socket not assignable",
             netns,
-            segment.source.octets,
-            segment.destination.octets,
+            ip(&segment.source),
+            ip(&segment.destination),
             segment.dport
         );
         return Ok(TC_ACT_SHOT as i32);
     }
     diag!(
-        debug,
-        ctx,
+        by_ref debug,
+        ctx.skb.skb,
         "netns {}: inbound {:i} to {:i}:{} assigned to 15006",
         netns,
-        segment.source.octets,
-        segment.destination.octets,
+        ip(&segment.source),
+        ip(&segment.destination),
         segment.dport
     );
     count(netns, |c: &mut PodCounters| &mut c.inbound);

@@ -12,7 +12,7 @@ use aya_ebpf::{
 use weir_common::{ConnectionKey, Endpoint};
 
 use crate::{
-    diag::diag,
+    diag::{diag, ip},
     maps::{CONN_ORIG_DST, SOCKET_ORIG_DST},
     net::{
         ctx_read, ip_from_v4_word, ip_from_v6_words, is_v4_mapped, AF_INET, AF_INET6, ALLOW,
@@ -84,12 +84,12 @@ fn remember_connection(ctx: &SockOpsContext) {
 #[cgroup_sockopt(getsockopt)]
 pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
     // SAFETY: the context pointer is valid for the program's run.
-    unsafe { answer_original_dst(&ctx) };
+    unsafe { answer_original_dst(ctx) };
     ALLOW
 }
 
 #[inline(always)]
-unsafe fn answer_original_dst(ctx: &SockoptContext) {
+unsafe fn answer_original_dst(ctx: SockoptContext) {
     let opt = ctx.sockopt;
     let level = ctx_read!(opt, level);
     if ctx_read!(opt, optname) != SO_ORIGINAL_DST || (level != SOL_IP && level != SOL_IPV6) {
@@ -151,11 +151,11 @@ unsafe fn answer_original_dst(ctx: &SockoptContext) {
     if answered {
         diag!(
             debug,
-            ctx,
+            opt,
             "SO_ORIGINAL_DST for {:i}:{}: {:i}:{}",
-            key.client.ip.octets,
+            ip(&key.client.ip),
             key.client.port,
-            original.ip.octets,
+            ip(&original.ip),
             original.port
         );
     }

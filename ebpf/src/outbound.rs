@@ -14,7 +14,7 @@ use weir_common::{
 };
 
 use crate::{
-    diag::diag,
+    diag::{diag, ip},
     maps::{count, NODE_CONFIG, PODS, POD_IPS, SOCKET_ORIG_DST},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, AF_INET, AF_INET6, ALLOW,
@@ -167,10 +167,10 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
         // under memory pressure.
         diag!(
             warn,
-            sa,
+            sa.ctx,
             "netns {}: {:i}:{} not redirected: no room to record it",
             netns,
-            dst.ip.octets,
+            ip(&dst.ip),
             dst.port
         );
         return;
@@ -178,12 +178,12 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
     sa.set_user_endpoint(&target);
     diag!(
         debug,
-        sa,
+        sa.ctx,
         "netns {}: redirect {:i}:{} to {:i}:{}",
         netns,
-        dst.ip.octets,
+        ip(&dst.ip),
         dst.port,
-        target.ip.octets,
+        ip(&target.ip),
         target.port
     );
     if is_dns {
@@ -245,9 +245,9 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
     };
     diag!(
         debug,
-        sa,
+        sa.ctx,
         "node to {:i}:{}: probe source bind {}",
-        dst.ip.octets,
+        ip(&dst.ip),
         dst.port,
         bound
     );

@@ -91,6 +91,7 @@ impl NodeFiles {
                 cgroup: None,
                 node_netns: Some(node.path().to_path_buf()),
                 probe_bypass: true,
+                bpf_log: false,
             },
             policy: PolicyConfig::default(),
             policy_file: self.policy_file(),
@@ -125,6 +126,7 @@ pub fn remove_datapath(pin_root: &Path) {
         cgroup: None,
         node_netns: None,
         probe_bypass: false,
+        bpf_log: false,
     };
     if let Err(error) = Datapath::start(config).and_then(|datapath| datapath.uninstall()) {
         eprintln!("removing the datapath at {}: {error:#}", pin_root.display());

@@ -40,6 +40,7 @@ fn main() -> Result<()> {
         cgroup: None,
         node_netns: Some(node.netns().path().to_path_buf()),
         probe_bypass: true,
+        bpf_log: false,
     };
     let datapath = Datapath::start(config)?;
     let result = compare(&datapath, &weir_pods, &iptables_pods, &plain, &echo);

@@ -18,6 +18,7 @@ fn main() -> anyhow::Result<()> {
         cgroup: None,
         node_netns: Some(node_netns.into()),
         probe_bypass: true,
+        bpf_log: false,
     })?;
     let mut out = io::stdout().lock();
     writeln!(out, "ready")?;
