@@ -53,6 +53,13 @@ impl Node {
         Agent::start(self.files.agent_config(self.node.netns()).unwrap()).expect("agent ready")
     }
 
+    /// The agent, with ztunnel connected to it.
+    fn start_agent_and_ztunnel(&self) -> (Agent, ZdsZtunnel) {
+        let agent = self.start_agent();
+        let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
+        (agent, ztunnel)
+    }
+
     fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<Pod> {
         self.node.add_pod_with(PodSpec {
             namespace: namespace.into(),
@@ -104,8 +111,7 @@ fn add_enrolls_an_ambient_pod_and_hands_it_to_ztunnel() {
         return;
     }
     let node = Node::new();
-    let agent = node.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let server = node.pod("default", "server").unwrap();
     let echo = app(&server);
     let client = node.pod(MESH, "client").unwrap();
@@ -143,8 +149,7 @@ fn del_unenrolls_and_is_idempotent() {
         return;
     }
     let node = Node::new();
-    let agent = node.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let server = node.pod("default", "server").unwrap();
     let echo = app(&server);
     let client = node.pod(MESH, "client").unwrap();
@@ -230,8 +235,7 @@ fn check_detects_missing_redirection() {
         return;
     }
     let node = Node::new();
-    let agent = node.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let pod = node.pod(MESH, "app").unwrap();
     ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
     check(&node, &pod).expect("CHECK passes while redirected");
@@ -297,8 +301,7 @@ fn hundred_concurrent_adds_all_enroll() {
         return;
     }
     let node = Node::new();
-    let agent = node.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let pods: Vec<Pod> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..100)
             .map(|i| {
@@ -356,8 +359,7 @@ fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
         return;
     }
     let node = Node::new();
-    let agent = node.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let server = node.pod(MESH, "server").unwrap();
     let echo = app(&server);
     let client = node.pod("default", "client").unwrap();
@@ -377,8 +379,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
         return;
     }
     let node = Node::new();
-    let agent = node.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let server = node.pod("default", "server").unwrap();
     let echo = app(&server);
     let pod = node.pod(MESH, "app").unwrap();
@@ -388,8 +389,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
     drop(ztunnel);
 
     // The next agent takes the pod back from the pinned maps and finds its netns again.
-    let agent = node.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
     assert!(ztunnel.wait_for_snapshot(WAIT));
     let expected = NetnsId::of(pod.netns().open().unwrap()).unwrap();
     let events = ztunnel.events();

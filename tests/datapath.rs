@@ -22,7 +22,7 @@ use weir_common::{
 use weir_tests::{
     require_privileges, sockopt, tcp_request, udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
-    EchoServer, Pod, TestNode, UdpEchoServer, ZtunnelStandIn,
+    EchoServer, Pod, TestNode, ZtunnelStandIn,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
@@ -50,6 +50,13 @@ impl Fixture {
 
     fn start(&self) -> Datapath {
         Datapath::start(self.config.clone()).expect("datapath starts")
+    }
+
+    /// A datapath with `pod` enrolled.
+    fn enrolled(&self, pod: &Pod, options: PodOptions) -> Datapath {
+        let datapath = self.start();
+        datapath.enroll(spec(pod, options)).expect("pod enrolled");
+        datapath
     }
 
     fn pod(&self, name: &str) -> Pod {
@@ -108,10 +115,7 @@ fn outbound_tcp_lands_on_15001_with_the_original_destination() {
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = app(&server);
     let ztunnel = ZtunnelStandIn::start(&client).unwrap();
-    let datapath = fixture.start();
-    datapath
-        .enroll(spec(&client, PodOptions::default()))
-        .unwrap();
+    let datapath = fixture.enrolled(&client, PodOptions::default());
 
     let destinations = [
         IpAddr::V4(server.ipv4()),
@@ -158,10 +162,7 @@ fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = app(&server);
     let ztunnel = ZtunnelStandIn::start(&server).unwrap();
-    let datapath = fixture.start();
-    datapath
-        .enroll(spec(&server, PodOptions::default()))
-        .unwrap();
+    let datapath = fixture.enrolled(&server, PodOptions::default());
 
     for (source, destination) in [
         (IpAddr::V4(client.ipv4()), IpAddr::V4(server.ipv4())),
@@ -210,9 +211,8 @@ fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let resolver = SocketAddr::new(IpAddr::V4(fixture.node.gateway_v4()), DNS_PORT);
     let resolver_v6 = SocketAddr::new(IpAddr::V6(fixture.node.gateway_v6()), DNS_PORT);
-    let real_resolver = UdpEchoServer::start(fixture.node.netns(), "node-dns", resolver).unwrap();
-    let datapath = fixture.start();
-    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+    let real_resolver = EchoServer::start_udp(fixture.node.netns(), "node-dns", resolver).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     for target in [resolver, resolver_v6] {
         let unconnected = pod.run(|| udp_request(target, "query")).unwrap();
@@ -270,8 +270,7 @@ fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let own = app(&pod);
     let other_app = app(&other);
-    let datapath = fixture.start();
-    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     // Loopback and the pod's own address, v4 and v6: direct.
     for target in [
@@ -314,8 +313,7 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
     let plain_ztunnel = ZtunnelStandIn::start(&plain).unwrap();
     let echo = app(&server);
     let plain_app = app(&plain);
-    let datapath = fixture.start();
-    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     // A pod that is not enrolled talks directly, both ways.
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
@@ -357,8 +355,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = app(&pod);
-    let datapath = fixture.start();
-    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     for (destination, probe_source) in [
         (IpAddr::V4(pod.ipv4()), IpAddr::V4(PROBE_SOURCE_V4.into())),
@@ -397,12 +394,11 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = app(&pod);
     let other_app = app(&other);
-    let datapath = fixture.start();
     let options = PodOptions {
         inbound_bypass: true,
         ..PodOptions::default()
     };
-    datapath.enroll(spec(&pod, options)).unwrap();
+    let datapath = fixture.enrolled(&pod, options);
 
     let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
     let reply = other.run(|| tcp_request(inbound, "in")).unwrap();
@@ -443,8 +439,7 @@ fn getsockopt_hook_leaves_other_calls_untouched() {
     let (accepted, _) = listener.accept().unwrap();
 
     let before = getsockopt_answers(&accepted, &client);
-    let datapath = fixture.start();
-    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
     let after = getsockopt_answers(&accepted, &client);
     assert_eq!(before, after);
     datapath.uninstall().unwrap();

@@ -36,8 +36,7 @@ mod server;
 pub use netns::NetNs;
 pub use node::{NodeOptions, Pod, PodSpec, TestNode};
 pub use traffic::{
-    tcp_request, udp_request, udp_request_connected, EchoServer, Received, Reply, UdpEchoServer,
-    UdpReply,
+    tcp_request, udp_request, udp_request_connected, EchoServer, Received, Reply, UdpReply,
 };
 pub use zds_client::{NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
 pub use ztunnel::{Dial, Seen, ZtunnelStandIn};

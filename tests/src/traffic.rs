@@ -29,7 +29,8 @@ fn echo(name: &str, msg: &str) -> String {
     format!("echo {msg} from {name}")
 }
 
-/// A TCP server: for each connection, reads a line and answers `echo <line> from <name>`.
+/// An echo server: over TCP, reads a line per connection and answers `echo <line> from <name>`;
+/// over UDP ([`EchoServer::start_udp`]), answers each datagram the same way.
 pub struct EchoServer {
     name: String,
     addr: SocketAddr,
@@ -106,18 +107,11 @@ fn serve_echo(stream: &TcpStream, name: &str, received: &Log<Received>) -> io::R
     write_line(stream, &echo(name, &line?))
 }
 
-/// A UDP server: answers each datagram `echo <datagram> from <name>`, to the sender.
-pub struct UdpEchoServer {
-    name: String,
-    addr: SocketAddr,
-    received: Arc<Log<Received>>,
-    _server: Server,
-}
-
-impl UdpEchoServer {
+impl EchoServer {
+    /// The UDP flavour: answers each datagram `echo <datagram> from <name>`, to the sender.
     /// Binds `addr` inside `netns` (port 0 picks one). Bind a specific address, not a wildcard:
     /// `local` in the records is the bound address, and replies leave from it.
-    pub fn start(netns: &NetNs, name: &str, addr: SocketAddr) -> io::Result<Self> {
+    pub fn start_udp(netns: &NetNs, name: &str, addr: SocketAddr) -> io::Result<Self> {
         let socket = netns.run(|| UdpSocket::bind(addr))?;
         let addr = socket.local_addr()?;
         let received = Arc::new(Log::default());
@@ -149,30 +143,6 @@ impl UdpEchoServer {
             received,
             _server: server,
         })
-    }
-
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    pub fn reply_to(&self, msg: &str) -> String {
-        echo(&self.name, msg)
-    }
-
-    pub fn received(&self) -> Vec<Received> {
-        self.received.entries()
-    }
-
-    pub fn wait_for(
-        &self,
-        predicate: impl Fn(&Received) -> bool,
-        timeout: Duration,
-    ) -> Option<Received> {
-        self.received.wait_for(predicate, timeout)
     }
 }
 

@@ -12,7 +12,7 @@ use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY};
 use weir_tests::{
     istio_iptables, require_privileges, tcp_request, udp_request, udp_request_connected,
-    EchoServer, Pod, TestNode, UdpEchoServer, ZtunnelStandIn,
+    EchoServer, Pod, TestNode, ZtunnelStandIn,
 };
 
 const APP_PORT: u16 = 8080;
@@ -69,7 +69,7 @@ fn udp_between_pods_connected_and_not() {
     let (_node, pods) = node_with_pods(&["a", "b"]);
     let (a, b) = (&pods[0], &pods[1]);
     for (a_ip, b_ip) in address_pairs(a, b) {
-        let echo = UdpEchoServer::start(b.netns(), "b", (b_ip, 5353).into()).unwrap();
+        let echo = EchoServer::start_udp(b.netns(), "b", (b_ip, 5353).into()).unwrap();
         let unconnected = a.run(|| udp_request(echo.addr(), "q1")).unwrap();
         assert_eq!(unconnected.response, echo.reply_to("q1"));
         assert_eq!(unconnected.from, echo.addr());
