@@ -268,7 +268,19 @@ impl Enroller {
                 result: outcome,
             })
             .inc();
+        if request.command == Command::Del {
+            self.forget_lock(key, &lock);
+        }
         result
+    }
+
+    /// A deleted pod's lock goes, unless another request for it is already waiting on it.
+    fn forget_lock(&self, key: &str, lock: &Arc<tokio::sync::Mutex<()>>) {
+        let mut locks = self.locks.lock().unwrap();
+        // Held by the map and by this request only.
+        if Arc::strong_count(lock) == 2 {
+            locks.remove(key);
+        }
     }
 
     fn lock_for(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
