@@ -187,10 +187,13 @@ impl Enroller {
                 netns_found = netns.is_some(),
                 "recovered an enrolled pod"
             );
-            match self.zds.add(&uid, info, netns.map(Arc::new)).await {
-                Ok(()) => self.set_status(&uid, Some(Status::Enabled)),
-                Err(_) => self.set_status(&uid, Some(Status::Pending)),
-            }
+            let handed_over = netns.is_some();
+            // Without its netns the pod is only named in snapshots (Keep): not confirmed.
+            let status = match self.zds.add(&uid, info, netns.map(Arc::new)).await {
+                Ok(()) if handed_over => Status::Enabled,
+                _ => Status::Pending,
+            };
+            self.set_status(&uid, Some(status));
         }
         *self.records.lock().unwrap() = records;
         self.save_records()
