@@ -243,7 +243,11 @@ fn check_detects_missing_redirection() {
     // Someone deletes the pod's entry behind weir's back (bpftool, as an operator would).
     let cookie = pod.netns().cookie().unwrap();
     let key: Vec<String> = cookie.to_ne_bytes().iter().map(|b| b.to_string()).collect();
-    let pods_map = agent.config.datapath.pin_root.join("abi-1/PODS");
+    let pods_map = agent
+        .config
+        .datapath
+        .pin_root
+        .join(format!("abi-{}/PODS", weir_common::ABI_VERSION));
     let status = std::process::Command::new("bpftool")
         .args(["map", "delete", "pinned"])
         .arg(&pods_map)

@@ -266,7 +266,8 @@ impl Owner {
             fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
         let mut loader = EbpfLoader::new();
-        loader.map_pin_path(&maps_dir);
+        // Socket storage (SOCKET_ORIG_DST) is kernel-only: aya has no userspace type for it.
+        loader.map_pin_path(&maps_dir).allow_unsupported_maps();
         if config.bpf_log {
             loader.set_global(globals::LOG_ENABLED, &1u8, true);
         }

@@ -1,5 +1,5 @@
 //! Addresses as the kernel hands them to programs, converted to and from the ABI's `Endpoint`.
-use aya_ebpf::bindings::bpf_sock_addr;
+use aya_ebpf::bindings::{bpf_sock, bpf_sock_addr};
 use weir_common::{Endpoint, IpKey};
 
 pub const AF_INET: u32 = 2;
@@ -156,16 +156,21 @@ impl SockAddr {
         unsafe { ctx_read!(self.ctx, type_) }
     }
 
+    /// The socket the call is made on (always set in the sock_addr hooks).
+    #[inline(always)]
+    pub fn sk(&self) -> *mut bpf_sock {
+        // SAFETY: valid context.
+        unsafe { ctx_read!(self.ctx, __bindgen_anon_1.sk) }
+    }
+
     /// The socket's `SO_MARK`.
     #[inline(always)]
     pub fn mark(&self) -> u32 {
-        // SAFETY: valid context; `sk` is always set for sock_addr hooks.
-        unsafe {
-            let sk = ctx_read!(self.ctx, __bindgen_anon_1.sk);
-            if sk.is_null() {
-                return 0;
-            }
-            ctx_read!(sk, mark)
+        let sk = self.sk();
+        if sk.is_null() {
+            return 0;
         }
+        // SAFETY: non-null socket pointer from the context.
+        unsafe { ctx_read!(sk, mark) }
     }
 }

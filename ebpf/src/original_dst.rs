@@ -1,11 +1,8 @@
 //! Original destination: ztunnel asks `getsockopt(SO_ORIGINAL_DST)` on the socket it accepted on
 //! 15001. That socket is not the app's, so the record made at connect time (by socket cookie) is
 //! moved, once the connection has its source port, under the tuple ztunnel's side sees.
-use core::ffi::c_void;
-
 use aya_ebpf::{
     bindings::{bpf_sock, bpf_sockopt, BPF_SOCK_OPS_TCP_CONNECT_CB},
-    helpers::gen::bpf_get_socket_cookie,
     macros::{cgroup_sockopt, sock_ops},
     programs::{SockOpsContext, SockoptContext},
 };
@@ -37,13 +34,15 @@ pub fn weir_sockops(ctx: SockOpsContext) -> u32 {
 
 #[inline(always)]
 fn remember_connection(ctx: &SockOpsContext) {
-    // SAFETY: helper valid in sockops programs.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.ops as *mut c_void) };
-    let Some(original) = SOCKET_ORIG_DST.get(&cookie) else {
+    let ops = ctx.ops;
+    // SAFETY: valid context; `sk` may be null and is checked.
+    let sk = unsafe { ctx_read!(ops, __bindgen_anon_2.sk) };
+    if sk.is_null() {
+        return;
+    }
+    let Some(original) = SOCKET_ORIG_DST.of(sk) else {
         return;
     };
-    let original = *original;
-    let ops = ctx.ops;
     // SAFETY: valid context. Every field is loaded unconditionally and the family picks among
     // the values afterwards: loads inside family branches let LLVM merge the field addresses,
     // and the verifier rejects a dereference of a computed context pointer.
@@ -149,6 +148,8 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
         false
     };
     if answered {
+        // Asked once per accepted connection: the entry has served its purpose.
+        let _ = CONN_ORIG_DST.remove(&key);
         diag!(
             debug,
             opt,

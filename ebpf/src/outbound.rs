@@ -3,7 +3,7 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::sockaddr,
-    helpers::gen::{bpf_bind, bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_setsockopt},
+    helpers::gen::{bpf_bind, bpf_get_netns_cookie, bpf_setsockopt},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
@@ -159,12 +159,10 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
     } else {
         return;
     };
-    // SAFETY: helper valid in sock_addr programs.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.ctx as *mut c_void) };
-    if SOCKET_ORIG_DST.insert(&cookie, &dst).is_err() {
+    if !SOCKET_ORIG_DST.set(sa.sk(), &dst) {
         // Without the record ztunnel could not learn the destination: leave the socket alone
-        // rather than hand ztunnel a connection it would misroute. An LRU map only fails here
-        // under memory pressure.
+        // rather than hand ztunnel a connection it would misroute. Only fails under memory
+        // pressure.
         diag!(
             warn,
             sa.ctx,
@@ -269,10 +267,7 @@ fn show_original_peer(sa: SockAddr) -> i32 {
     if shown.port != OUTBOUND_PORT && shown.port != DNS_PROXY_PORT {
         return ALLOW;
     }
-    // SAFETY: helper valid in sock_addr programs.
-    let cookie = unsafe { bpf_get_socket_cookie(sa.ctx as *mut c_void) };
-    if let Some(original) = SOCKET_ORIG_DST.get(&cookie) {
-        let original = *original;
+    if let Some(original) = SOCKET_ORIG_DST.of(sa.sk()) {
         sa.set_user_endpoint(&original);
     }
     ALLOW

@@ -42,14 +42,26 @@ fn main() -> Result<()> {
         probe_bypass: true,
         bpf_log: false,
     };
+    let maps = config
+        .pin_root
+        .join(format!("abi-{}", weir_common::ABI_VERSION));
     let datapath = Datapath::start(config)?;
     let result = compare(&datapath, &weir_pods, &iptables_pods, &plain, &echo);
+    println!(
+        "{:<34} {:>12}  (all maps, {PODS} pods enrolled; bpftool's bytes_memlock)",
+        "kernel memory of weir's maps",
+        map_memory(&maps).map_or("-".into(), |bytes| format!(
+            "{:.1}MiB",
+            bytes as f64 / 1048576.0
+        ))
+    );
     datapath.uninstall()?;
     result
 }
 
 fn compare(
     datapath: &Datapath,
+    maps: &std::path::Path,
     weir_pods: &[Pod],
     iptables_pods: &[Pod],
     plain: &Pod,
@@ -67,6 +79,7 @@ fn compare(
     let iptables_connect = connections(iptables_client, target)?;
     let direct_connect = connections(plain, target)?;
 
+    let memory = map_memory(maps);
     let weir_unenroll = timed(&weir_pods[1..], |pod| {
         datapath.unenroll(pod.uid()).map(drop)
     })?;
@@ -97,6 +110,14 @@ fn compare(
         "conntrack entries in the pod",
         conntrack_count(weir_client),
         conntrack_count(iptables_client)
+    );
+    println!(
+        "{:<34} {:>12}  (all maps with {PODS} pods enrolled; bpftool's bytes_memlock)",
+        "kernel memory of weir's maps",
+        memory.map_or("-".into(), |bytes| format!(
+            "{:.1}MiB",
+            bytes as f64 / 1048576.0
+        ))
     );
     println!(
         "\n{PODS} pods enrolled each way, {CONNECTIONS} requests each; medians over the samples."
@@ -165,6 +186,20 @@ fn row(name: &str, weir: &[Duration], iptables: &[Duration]) {
         show(iptables),
         ratio
     );
+}
+
+/// Sum of `bytes_memlock` over the pinned maps in `dir`, as bpftool reports them.
+fn map_memory(dir: &std::path::Path) -> Result<u64> {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let output = std::process::Command::new("bpftool")
+            .args(["-j", "map", "show", "pinned"])
+            .arg(entry?.path())
+            .output()?;
+        let info: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+        total += info["bytes_memlock"].as_u64().unwrap_or(0);
+    }
+    Ok(total)
 }
 
 /// The pod's conntrack table size (`-` when conntrack is not loaded in the kernel at all).

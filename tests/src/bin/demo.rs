@@ -212,7 +212,11 @@ fn demo(interrupted: &AtomicBool) -> Result<()> {
     drop(legacy_app);
 
     n.step("What the datapath holds (bpftool)")?;
-    let maps = agent.config.datapath.pin_root.join("abi-1");
+    let maps = agent
+        .config
+        .datapath
+        .pin_root
+        .join(format!("abi-{}", weir_common::ABI_VERSION));
     for map in ["PODS", "POD_COUNTERS"] {
         let path = maps.join(map);
         n.say(format!("$ bpftool map dump pinned {}", path.display()));
