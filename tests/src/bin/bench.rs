@@ -46,15 +46,7 @@ fn main() -> Result<()> {
         .pin_root
         .join(format!("abi-{}", weir_common::ABI_VERSION));
     let datapath = Datapath::start(config)?;
-    let result = compare(&datapath, &weir_pods, &iptables_pods, &plain, &echo);
-    println!(
-        "{:<34} {:>12}  (all maps, {PODS} pods enrolled; bpftool's bytes_memlock)",
-        "kernel memory of weir's maps",
-        map_memory(&maps).map_or("-".into(), |bytes| format!(
-            "{:.1}MiB",
-            bytes as f64 / 1048576.0
-        ))
-    );
+    let result = compare(&datapath, &maps, &weir_pods, &iptables_pods, &plain, &echo);
     datapath.uninstall()?;
     result
 }
