@@ -421,6 +421,14 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
             WAIT
         )
         .is_some());
+    // Inbound too, through the tc program the new agent put in place of the old one's.
+    let pod_app = app(&pod);
+    let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let reply = server.run(|| tcp_request(inbound, "in")).unwrap();
+    assert_eq!(reply.response, pod_app.reply_to("in"));
+    assert!(stand_in
+        .wait_for(|s| s.listener == INBOUND_PORT && s.local == inbound, WAIT)
+        .is_some());
 
     // DEL after the restart removes everything, as before it.
     weir_only(

@@ -513,10 +513,22 @@ impl Owner {
                 debug!(uid, path = %path.display(), "pod netns recovered");
                 let handle = file.try_clone()?.into();
                 pod.netns = Some(file);
+                self.refresh_pod_netns(uid)?;
                 return Ok(Some(handle));
             }
         }
         Ok(None)
+    }
+
+    /// Puts this agent's tc program on a recovered pod (replacing the previous agent's in
+    /// place, so an upgrade reaches running pods) and makes sure its return path is there.
+    fn refresh_pod_netns(&mut self, uid: &str) -> Result<()> {
+        let netns = match self.pods.get(uid).and_then(|pod| pod.netns.as_ref()) {
+            Some(netns) => netns.try_clone()?,
+            None => return Ok(()),
+        };
+        let _inside = netns::enter(netns.as_fd()).context("entering the pod netns")?;
+        prepare_pod_netns(self.inbound_program()?)
     }
 
     fn is_redirected(&self, uid: &str) -> bool {
