@@ -596,3 +596,61 @@ fn redirection_survives_owner_restart_without_a_gap() {
     assert_eq!(second.send("uninstall"), "ok");
     second.child.wait().unwrap();
 }
+
+/// A fault while enrolling leaves nothing behind: no map entry, no tc filter, no redirection.
+#[test]
+fn failed_enrollment_leaves_nothing_behind() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let echo = app(&server);
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    // With `lo` down the return-path route cannot be added: enrollment fails midway, after the
+    // tc filter went on.
+    let ip = |args: &[&str]| {
+        let status = Command::new("ip")
+            .args(["-n", pod.netns().name()])
+            .args(args)
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    ip(&["link", "set", "lo", "down"]);
+    let datapath = fixture.start();
+    datapath
+        .enroll(spec(&pod, PodOptions::default()))
+        .expect_err("enrollment fails");
+    assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
+    assert!(!datapath.is_redirected(pod.uid()).unwrap());
+    let filters = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            pod.netns().name(),
+            "tc",
+            "filter",
+            "show",
+            "dev",
+            "eth0",
+            "ingress",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        filters.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&filters.stdout)
+    );
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = pod.run(|| tcp_request(target, "direct")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("direct"));
+    assert!(ztunnel.seen().is_empty());
+
+    // Once the fault is gone the same pod enrolls.
+    ip(&["link", "set", "lo", "up"]);
+    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+    assert!(datapath.is_redirected(pod.uid()).unwrap());
+    datapath.uninstall().unwrap();
+}

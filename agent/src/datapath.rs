@@ -369,13 +369,15 @@ impl Owner {
             .with_context(|| format!("opening pod netns {}", pod.netns.display()))?;
 
         // 1. Inside the pod: the tc program (inert until the maps name the pod) and the reply
-        //    path. On failure, undo what was done here; the maps were not touched yet.
+        //    path. On failure, undo what was done here, and take out a pod that was enrolled
+        //    before: never half-redirected.
         let netns_cookie = {
             let _inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
             let cookie = netns::current_cookie()?;
-            let inbound = self.inbound_program()?;
-            if let Err(error) = prepare_pod_netns(inbound) {
+            let prepared = prepare_pod_netns(self.inbound_program()?);
+            if let Err(error) = prepared {
                 undo_pod_netns();
+                self.remove_map_entries(&pod.uid);
                 return Err(error.context(format!("preparing pod {}", pod.uid)));
             }
             cookie
@@ -392,7 +394,9 @@ impl Owner {
         //    index last since the tc program looks pods up through it.
         let written = self.write_map_entries(netns_cookie, &config, &ips);
         if let Err(error) = written {
+            // All or nothing: the pod is now not enrolled at all (also if it was before).
             self.remove_entries(netns_cookie, &ips);
+            self.pods.remove(&pod.uid);
             let _inside = netns::enter(netns_file.as_fd())?;
             undo_pod_netns();
             return Err(error.context(format!("writing the maps for pod {}", pod.uid)));
