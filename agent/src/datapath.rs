@@ -261,7 +261,9 @@ impl Owner {
         }
         ensure_bpffs(&config.pin_root)?;
         let maps_dir = config.pin_root.join(format!("abi-{ABI_VERSION}"));
-        let links_dir = config.pin_root.join("links");
+        // Links are versioned with the maps: an agent with another layout attaches its own set
+        // and never takes over programs that read maps it does not write.
+        let links_dir = maps_dir.join("links");
         for dir in [&maps_dir, &links_dir] {
             fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
