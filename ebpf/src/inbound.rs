@@ -30,6 +30,7 @@ const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_TCP: u8 = 6;
 const IPV6_HLEN: usize = 40;
+const IPV4_FRAGMENT_OFFSET: u16 = 0x1fff;
 const TCP_FLAGS_OFFSET: usize = 13;
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
@@ -179,6 +180,11 @@ fn parse(ctx: &TcContext) -> Result<Option<Segment>, ()> {
         ETH_P_IP => {
             let version_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| ())?;
             if ctx.load::<u8>(ETH_HLEN + 9).map_err(|_| ())? != IPPROTO_TCP {
+                return Ok(None);
+            }
+            // A later fragment carries no TCP header: what would be read as ports is payload.
+            let fragment = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).map_err(|_| ())?);
+            if fragment & IPV4_FRAGMENT_OFFSET != 0 {
                 return Ok(None);
             }
             let saddr: u32 = ctx.load(ETH_HLEN + 12).map_err(|_| ())?;
