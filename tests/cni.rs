@@ -327,6 +327,14 @@ fn hundred_concurrent_adds_all_enroll() {
         metrics.contains(r#"nodeagent_reconcile_events_total{event="add",result="ok"} 100"#),
         "{metrics}"
     );
+    assert!(
+        metrics.contains("weir_redirect_seconds_count 100"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"weir_enrolled_pods{status="enabled"} 100"#),
+        "{metrics}"
+    );
     agent.stop().unwrap();
 }
 
