@@ -145,7 +145,8 @@ enum Command {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // aya warns about the socket-storage map it has no type for, although it is allowed.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,aya::bpf=error"));
     if cli.datapath.bpf_log {
         // The programs' records arrive through the `log` crate at debug level.
         filter = filter.add_directive("weir_ebpf=debug".parse()?);

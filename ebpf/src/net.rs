@@ -17,8 +17,9 @@ macro_rules! ctx_read {
 }
 pub(crate) use ctx_read;
 
-/// Program return codes for cgroup hooks: 1 lets the operation proceed.
+/// Program return codes for cgroup hooks: 1 lets the operation proceed, 0 refuses it (EPERM).
 pub const ALLOW: i32 = 1;
+pub const DENY: i32 = 0;
 
 #[inline(always)]
 pub fn ip_from_v4_word(word: u32) -> IpKey {

@@ -17,7 +17,7 @@ use crate::{
     diag::{diag, ip},
     maps::{count, NODE_CONFIG, PODS, POD_IPS, SOCKET_ORIG_DST},
     net::{
-        is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, AF_INET, AF_INET6, ALLOW,
+        is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, AF_INET, AF_INET6, ALLOW, DENY,
         SOCK_STREAM,
     },
 };
@@ -114,16 +114,17 @@ fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
     // SAFETY: helper valid in sock_addr programs.
     let netns = unsafe { bpf_get_netns_cookie(sa.ctx as *mut c_void) };
     match PODS.get(&netns) {
-        Some(pod) => redirect(&sa, netns, pod, hook),
+        Some(pod) => return redirect(&sa, netns, pod, hook),
         None if hook == Hook::Connect => give_probe_source(&sa, netns),
         None => {}
     }
     ALLOW
 }
 
-/// The in-pod decision, istio's ISTIO_OUTPUT chain without conntrack.
+/// The in-pod decision, istio's ISTIO_OUTPUT chain without conntrack. Returns the hook's
+/// verdict: the call proceeds (redirected or not), or is refused.
 #[inline(always)]
-fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
+fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
     let dst = sa.user_endpoint();
     if sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
         // ztunnel's own socket: never redirected. Its source-preserving dials to the app in
@@ -141,10 +142,10 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
                 );
             }
         }
-        return;
+        return ALLOW;
     }
     if is_loopback(&dst.ip) || pod_owns(pod, &dst.ip) || is_probe_source(&dst.ip) {
-        return;
+        return ALLOW;
     }
     let is_dns = dst.port == DNS_PORT && pod.has(POD_DNS_CAPTURE);
     let target = if is_dns {
@@ -154,24 +155,25 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
         // The pod's own address (not 127.0.0.1): ztunnel must see the pod as the source.
         match pod_address_like(pod, &dst.ip) {
             Some(ip) => Endpoint::new(ip, OUTBOUND_PORT),
-            None => return,
+            // No address of that family in the pod: the connect fails on its own.
+            None => return ALLOW,
         }
     } else {
-        return;
+        return ALLOW;
     };
     if !SOCKET_ORIG_DST.set(sa.sk(), &dst) {
-        // Without the record ztunnel could not learn the destination: leave the socket alone
-        // rather than hand ztunnel a connection it would misroute. Only fails under memory
-        // pressure.
+        // Without the record ztunnel could not learn the destination, and a direct connection
+        // would bypass the mesh's policy: refuse the call (EPERM; the app retries). Only
+        // happens when the kernel cannot allocate the socket's storage.
         diag!(
             warn,
             sa.ctx,
-            "netns {}: {:i}:{} not redirected: no room to record it",
+            "netns {}: {:i}:{} refused: no room to record its destination",
             netns,
             ip(&dst.ip),
             dst.port
         );
-        return;
+        return DENY;
     }
     sa.set_user_endpoint(&target);
     diag!(
@@ -189,6 +191,7 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) {
     } else {
         count(netns, |c| &mut c.outbound);
     }
+    ALLOW
 }
 
 /// Node side: TCP from the node's own netns to an enrolled pod (kubelet probes) is bound to the
