@@ -16,7 +16,7 @@ use weir_tests::{
     cni::{Command, RuntimeConf},
     require_privileges, tcp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    EchoServer, Pod, PodSpec, TestNode,
+    EchoServer, Pod, PodSpec, TestNode, ZtunnelStandIn,
 };
 
 const WAIT: Duration = Duration::from_secs(3);
@@ -450,5 +450,54 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
     let before = stand_in.seen().len();
     pod.run(|| tcp_request(target, "direct")).unwrap();
     assert_eq!(stand_in.seen().len(), before);
+    agent.stop().unwrap();
+}
+
+/// An upgrade to an agent with another map layout: the old layout's programs keep redirecting
+/// until the new agent has enrolled the pod into its own maps, then the old layout is retired.
+#[test]
+fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
+    if !require_privileges() {
+        return;
+    }
+    let node = Node::new();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let server = node.pod("default", "server").unwrap();
+    let echo = app(&server);
+    let pod = node.pod(MESH, "app").unwrap();
+    ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    let pin_root = agent.config.datapath.pin_root.clone();
+    agent.stop().unwrap();
+    drop(ztunnel);
+
+    // What the previous version left: its maps and links under an older layout's directory.
+    let current = pin_root.join(format!("abi-{}", weir_common::ABI_VERSION));
+    let older = pin_root.join("abi-0");
+    std::fs::rename(&current, &older).unwrap();
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let stand_in = ZtunnelStandIn::start(&pod).unwrap();
+    pod.run(|| tcp_request(target, "old layout")).unwrap();
+    assert!(
+        stand_in
+            .wait_for(|s| s.original_dst == Some(target), WAIT)
+            .is_some(),
+        "the old layout's programs still redirect"
+    );
+    drop(stand_in);
+
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    assert!(
+        !older.exists(),
+        "the older layout is retired once its pod moved"
+    );
+    let stand_in = ztunnel
+        .wait_for_pod(pod.uid(), WAIT)
+        .expect("handed to ztunnel");
+    let reply = pod.run(|| tcp_request(target, "new layout")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("new layout"));
+    assert!(stand_in
+        .wait_for(|s| s.original_dst == Some(target), WAIT)
+        .is_some());
+    check(&node, &pod).expect("the pod is redirected by the new layout");
     agent.stop().unwrap();
 }

@@ -36,7 +36,7 @@ use weir_common::{
     POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS, POD_UID_LEN,
 };
 
-use crate::{bpf_link, netlink, netns};
+use crate::{bpf_sys, netlink, netns};
 
 /// The compiled kernel side, embedded so the agent is one self-contained binary.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT"));
@@ -129,6 +129,7 @@ enum Command {
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
     Adopt(String, Option<PathBuf>, Reply<Option<OwnedFd>>),
+    RetireOtherLayouts(Reply<()>),
     Enrolled(Reply<Vec<String>>),
     Stop { uninstall: bool, reply: Reply<()> },
 }
@@ -202,6 +203,13 @@ impl Datapath {
     /// checked. A match is by netns cookie, which is exact.
     pub fn adopt(&self, uid: &str, hint: Option<PathBuf>) -> Result<Option<OwnedFd>> {
         self.ask(|reply| Command::Adopt(uid.to_owned(), hint, reply))
+    }
+
+    /// After an upgrade across map layouts: removes every pod this datapath now holds from the
+    /// other layouts' maps, and each other layout (its maps and links) once no pod is left in it.
+    /// Until then its programs keep redirecting the pods only it knows: never a gap.
+    pub fn retire_other_layouts(&self) -> Result<()> {
+        self.ask(Command::RetireOtherLayouts)
     }
 
     /// Uids of the enrolled pods.
@@ -347,6 +355,9 @@ impl Owner {
                 }
                 Command::Adopt(uid, hint, reply) => {
                     let _ = reply.send(self.adopt(&uid, hint.as_deref()));
+                }
+                Command::RetireOtherLayouts(reply) => {
+                    let _ = reply.send(self.retire_other_layouts());
                 }
                 Command::IsRedirected(uid, reply) => {
                     let _ = reply.send(Ok(self.is_redirected(&uid)));
@@ -537,6 +548,41 @@ impl Owner {
         prepare_pod_netns(self.inbound_program()?)
     }
 
+    fn retire_other_layouts(&self) -> Result<()> {
+        let current = format!("abi-{ABI_VERSION}");
+        for entry in fs::read_dir(&self.pin_root)? {
+            let dir = entry?.path();
+            let name = dir
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            if !name.starts_with("abi-") || name == current {
+                continue;
+            }
+            // Every layout keys PODS by netns cookie (see weir_common::maps::PODS).
+            let pods = bpf_sys::open_pinned(&dir.join(maps::PODS))
+                .with_context(|| format!("opening {}/{}", dir.display(), maps::PODS))?;
+            for pod in self.pods.values() {
+                bpf_sys::map_delete(pods.as_fd(), &pod.netns_cookie.to_ne_bytes())?;
+            }
+            if bpf_sys::map_is_empty(pods.as_fd(), size_of::<u64>())? {
+                fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+                info!(
+                    layout = name,
+                    "retired an older map layout: its pods are migrated"
+                );
+            } else {
+                warn!(
+                    layout = name,
+                    "pods this agent does not know are still enrolled in an older map layout: \
+                     kept (their redirection stays) until they are gone"
+                );
+            }
+        }
+        Ok(())
+    }
+
     fn is_redirected(&self, uid: &str) -> bool {
         let Some(pod) = self.pods.get(uid) else {
             return false;
@@ -663,12 +709,12 @@ fn attach_pinned(
     attach_type: u32,
     pin: &Path,
 ) -> Result<()> {
-    match bpf_link::open_pinned(pin) {
-        Ok(link) => bpf_link::update(link.as_fd(), prog).context("BPF_LINK_UPDATE"),
+    match bpf_sys::open_pinned(pin) {
+        Ok(link) => bpf_sys::update(link.as_fd(), prog).context("BPF_LINK_UPDATE"),
         Err(error) if error.kind() == io::ErrorKind::NotFound => {
             let link =
-                bpf_link::create(prog, cgroup.as_fd(), attach_type).context("BPF_LINK_CREATE")?;
-            bpf_link::pin(link.as_fd(), pin).context("pinning the link")
+                bpf_sys::create(prog, cgroup.as_fd(), attach_type).context("BPF_LINK_CREATE")?;
+            bpf_sys::pin(link.as_fd(), pin).context("pinning the link")
         }
         Err(error) => Err(error).context("opening the pinned link"),
     }

@@ -70,8 +70,10 @@ impl PolicySource {
     }
 }
 
-/// A pod as the agent knows it.
-#[derive(Clone, Debug)]
+/// A pod as the agent knows it; also what it remembers of enrolled pods across its own restarts
+/// (the pinned maps hold the redirection, ztunnel needs the pod's name and netns again, and an
+/// upgrade to another map layout enrolls the pod again).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pod {
     pub uid: String,
     pub name: String,
@@ -101,23 +103,13 @@ struct EventLabels {
     result: &'static str,
 }
 
-/// What the agent remembers of an enrolled pod across its own restarts (the pinned maps hold
-/// the redirection; ztunnel needs the pod's name and netns again).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct PodRecord {
-    name: String,
-    namespace: String,
-    service_account: String,
-    netns: PathBuf,
-}
-
 pub struct Enroller {
     datapath: Arc<Datapath>,
     zds: ZdsHandle,
     policy: PolicySource,
     status: Mutex<HashMap<String, Status>>,
     /// Enrolled pods by uid, mirrored to `state_file` on every change.
-    records: Mutex<BTreeMap<String, PodRecord>>,
+    records: Mutex<BTreeMap<String, Pod>>,
     state_file: PathBuf,
     /// One async lock per pod uid: ADD/DEL for one pod are ordered.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -174,7 +166,7 @@ impl Enroller {
     /// them (Add with the netns, or Keep when it cannot be found). They stay pending until
     /// ztunnel acks them.
     pub async fn recover(&self) -> Result<()> {
-        let mut records: BTreeMap<String, PodRecord> = match std::fs::read(&self.state_file) {
+        let mut records: BTreeMap<String, Pod> = match std::fs::read(&self.state_file) {
             Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|error| {
                 warn!(file = %self.state_file.display(), %error, "unreadable pod state: ignored");
                 BTreeMap::new()
@@ -182,7 +174,15 @@ impl Enroller {
             Err(_) => BTreeMap::new(),
         };
         let enrolled = self.datapath_call(|d| d.enrolled()).await?;
+        // Known to the state file but not to these maps: enrolled by an agent with another map
+        // layout (an upgrade). They are enrolled again, into this one.
+        let migrate: Vec<Pod> = records
+            .values()
+            .filter(|pod| !enrolled.contains(&pod.uid))
+            .cloned()
+            .collect();
         records.retain(|uid, _| enrolled.contains(uid));
+        *self.records.lock().unwrap() = records.clone();
         for uid in enrolled {
             let record = records.get(&uid).cloned();
             let (hint, owned_uid) = (record.as_ref().map(|r| r.netns.clone()), uid.clone());
@@ -209,7 +209,18 @@ impl Enroller {
             };
             self.set_status(&uid, Some(status));
         }
-        *self.records.lock().unwrap() = records;
+        for pod in migrate.iter().filter(|pod| pod.netns.exists()) {
+            match self.enroll(pod).await {
+                Ok(_) => info!(uid = pod.uid, "pod moved to this agent's map layout"),
+                Err(error) => warn!(
+                    uid = pod.uid,
+                    "moving the pod to this map layout: {error:#}"
+                ),
+            }
+        }
+        if let Err(error) = self.datapath_call(|d| d.retire_other_layouts()).await {
+            warn!("retiring older map layouts: {error:#}");
+        }
         self.save_records()
     }
 
@@ -439,15 +450,10 @@ impl Enroller {
             }
         };
         self.set_status(&pod.uid, Some(status));
-        self.records.lock().unwrap().insert(
-            pod.uid.clone(),
-            PodRecord {
-                name: pod.name.clone(),
-                namespace: pod.namespace.clone(),
-                service_account: pod.service_account.clone(),
-                netns: pod.netns.clone(),
-            },
-        );
+        self.records
+            .lock()
+            .unwrap()
+            .insert(pod.uid.clone(), pod.clone());
         self.save_records()?;
         info!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ?status, "pod enrolled");
         Ok(status)

@@ -5,11 +5,11 @@
 //! - [`policy`]: which pods are ambient, with which options (istio's rules).
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
 //! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
-//! - [`bpf_link`]: pinned cgroup links that outlive the agent.
+//! - [`bpf_sys`]: the bpf syscalls aya 0.13 lacks (pinned cgroup links, other layouts' maps).
 //! - [`cni_server`], [`zds`], [`install`], [`http`]: the edges: the CNI plugin, ztunnel, the
 //!   node's CNI configuration, health and metrics.
 pub mod app;
-pub mod bpf_link;
+pub mod bpf_sys;
 pub mod cni_server;
 pub mod datapath;
 pub mod enroll;

@@ -141,6 +141,8 @@ pub struct NodeConfig {
 
 /// Map names, as pinned under `<pin root>/abi-<ABI_VERSION>/`.
 pub mod maps {
+    /// Keyed by the pod's netns cookie (`u64`) in every layout version, whatever its value: a
+    /// newer agent retires an older layout by deleting the pods it migrated from it.
     pub const PODS: &str = "PODS";
     pub const POD_IPS: &str = "POD_IPS";
     pub const POD_COUNTERS: &str = "POD_COUNTERS";

@@ -1,7 +1,11 @@
-//! cgroup bpf_links that outlive the agent. aya 0.13 detaches cgroup links on drop and cannot
-//! pin them, so weir makes them itself: `BPF_LINK_CREATE`, pinned with `BPF_OBJ_PIN`, reopened
-//! with `BPF_OBJ_GET`, and moved to a new program with `BPF_LINK_UPDATE` on upgrade, which swaps
-//! the program atomically: there is never a moment with no program attached.
+//! The bpf syscalls weir needs and aya 0.13 does not offer.
+//!
+//! - cgroup bpf_links that outlive the agent. aya 0.13 detaches cgroup links on drop and cannot
+//!   pin them, so weir makes them itself: `BPF_LINK_CREATE`, pinned with `BPF_OBJ_PIN`, reopened
+//!   with `BPF_OBJ_GET`, and moved to a new program with `BPF_LINK_UPDATE` on upgrade, which
+//!   swaps the program atomically: there is never a moment with no program attached.
+//! - Raw key access to a pinned map of another layout version (whose value type this build does
+//!   not know), to retire it once its pods are migrated.
 use std::{
     ffi::CString,
     io,
@@ -12,6 +16,8 @@ use std::{
     path::Path,
 };
 
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_LINK_CREATE: libc::c_long = 28;
@@ -32,6 +38,16 @@ struct ObjAttr {
     pathname: u64,
     bpf_fd: u32,
     file_flags: u32,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct MapKeyAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    next_key: u64,
+    flags: u64,
 }
 
 #[repr(C)]
@@ -113,4 +129,33 @@ pub fn update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()> {
         ..Default::default()
     };
     bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+}
+
+/// Deletes `key` from the map; a missing key is not an error.
+pub fn map_delete(map: BorrowedFd<'_>, key: &[u8]) -> io::Result<()> {
+    let mut attr = MapKeyAttr {
+        map_fd: map.as_raw_fd() as u32,
+        key: key.as_ptr() as u64,
+        ..Default::default()
+    };
+    match bpf(BPF_MAP_DELETE_ELEM, &mut attr) {
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other.map(drop),
+    }
+}
+
+/// Whether a hash map with keys of `key_size` bytes has no entry left.
+pub fn map_is_empty(map: BorrowedFd<'_>, key_size: usize) -> io::Result<bool> {
+    let mut next = vec![0u8; key_size];
+    let mut attr = MapKeyAttr {
+        map_fd: map.as_raw_fd() as u32,
+        key: 0,
+        next_key: next.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+        Ok(_) => Ok(false),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(true),
+        Err(error) => Err(error),
+    }
 }
