@@ -6,6 +6,7 @@ use std::{
     io::{BufRead, BufReader, Write},
     net::{IpAddr, Ipv6Addr, SocketAddr},
     os::unix::net::UnixStream,
+    sync::Arc,
     time::Duration,
 };
 
@@ -51,6 +52,21 @@ impl Node {
 
     fn start_agent(&self) -> Agent {
         Agent::start(self.files.agent_config(self.node.netns()).unwrap()).expect("agent ready")
+    }
+
+    /// A plain `server` pod with an echo app, and an ambient pod `name` that ztunnel received.
+    fn server_and_ambient_pod(
+        &self,
+        ztunnel: &ZdsZtunnel,
+        name: &str,
+    ) -> (Pod, EchoServer, Pod, Arc<ZtunnelStandIn>) {
+        let server = self.pod("default", "server").unwrap();
+        let echo = app(&server);
+        let pod = self.pod(MESH, name).unwrap();
+        let stand_in = ztunnel
+            .wait_for_pod(pod.uid(), WAIT)
+            .expect("ztunnel got the pod's netns over ZDS");
+        (server, echo, pod, stand_in)
     }
 
     /// The agent, with ztunnel connected to it.
@@ -150,10 +166,7 @@ fn del_unenrolls_and_is_idempotent() {
     }
     let node = Node::new();
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
-    let server = node.pod("default", "server").unwrap();
-    let echo = app(&server);
-    let client = node.pod(MESH, "client").unwrap();
-    let stand_in = ztunnel.wait_for_pod(client.uid(), WAIT).unwrap();
+    let (server, echo, client, stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
 
     // The runtime's two DELs reach weir-cni: StopPodSandbox (netns, prevResult), then
     // RemovePodSandbox (neither). Only weir's part of the chain runs here, so the pod keeps its
@@ -392,10 +405,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
     }
     let node = Node::new();
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
-    let server = node.pod("default", "server").unwrap();
-    let echo = app(&server);
-    let pod = node.pod(MESH, "app").unwrap();
-    ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    let (server, echo, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     agent.stop().unwrap();
     assert!(ztunnel.wait_for_close(WAIT), "ztunnel saw the agent go");
     drop(ztunnel);
@@ -462,10 +472,7 @@ fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
     }
     let node = Node::new();
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
-    let server = node.pod("default", "server").unwrap();
-    let echo = app(&server);
-    let pod = node.pod(MESH, "app").unwrap();
-    ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    let (server, echo, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     let pin_root = agent.config.datapath.pin_root.clone();
     agent.stop().unwrap();
     drop(ztunnel);
