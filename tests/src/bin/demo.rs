@@ -211,6 +211,47 @@ fn demo(interrupted: &AtomicBool) -> Result<()> {
     ));
     drop(legacy_app);
 
+    n.step("Per-pod counters (POD_COUNTERS, summed over CPUs)")?;
+    let counters = agent
+        .config
+        .datapath
+        .pin_root
+        .join(format!("abi-{}/POD_COUNTERS", weir_common::ABI_VERSION));
+    let output = Command::new("bpftool")
+        .args(["-j", "map", "dump", "pinned"])
+        .arg(&counters)
+        .output()?;
+    let entries: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let reviews_cookie = reviews.netns().cookie()?;
+    // With BTF, bpftool's JSON carries the typed entry under "formatted".
+    for entry in entries
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| &e["formatted"])
+    {
+        let sum = |field: &str| -> u64 {
+            entry["values"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|cpu| cpu["value"][field].as_u64().unwrap_or(0))
+                .sum()
+        };
+        let pod = if entry["key"].as_u64() == Some(reviews_cookie) {
+            "bookinfo/reviews"
+        } else {
+            "?"
+        };
+        n.say(format!(
+            "{pod}: outbound {}, inbound {}, dns {}, bypassed {}",
+            sum("outbound"),
+            sum("inbound"),
+            sum("dns"),
+            sum("bypassed")
+        ));
+    }
+
     n.step("What the datapath holds (bpftool)")?;
     let maps = agent
         .config
