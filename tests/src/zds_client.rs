@@ -15,24 +15,24 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io::{self, IoSlice};
 use std::net::IpAddr;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
 use nix::sys::socket::{
-    connect, recvmsg, sendmsg, shutdown, socket, AddressFamily, ControlMessage,
-    ControlMessageOwned, MsgFlags, Shutdown, SockFlag, SockType, UnixAddr,
+    connect, sendmsg, shutdown, socket, AddressFamily, ControlMessage, MsgFlags, Shutdown,
+    SockFlag, SockType, UnixAddr,
 };
 use prost::Message;
 use weir_agent::zds::proto::{
     workload_request::Payload, workload_response, Ack, Version, WorkloadInfo, WorkloadRequest,
     WorkloadResponse, ZdsHello,
 };
-use weir_agent::zds::MAX_DATAGRAM;
+use weir_agent::zds::{recv_datagram, Datagram, MAX_DATAGRAM};
 
 use crate::netns;
 use crate::server::Log;
@@ -290,7 +290,11 @@ impl Shared {
 /// Serves the connection until it ends: one request at a time, answered before the next is read.
 fn read_loop(socket: &OwnedFd, shared: &Shared) {
     loop {
-        let (bytes, fds, truncated) = match recv(socket.as_fd()) {
+        let Datagram {
+            bytes,
+            fds,
+            truncated,
+        } = match recv_datagram(socket.as_fd()) {
             Ok(received) => received,
             // The agent closed with our datagram unread (it refused it): an end like any other.
             Err(err) if err.raw_os_error() == Some(libc::ECONNRESET) => break,
@@ -423,36 +427,6 @@ fn send(socket: BorrowedFd<'_>, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io:
         None,
     )?;
     Ok(())
-}
-
-/// One datagram (blocking): its bytes, the fds that came with it, whether it was truncated.
-fn recv(socket: BorrowedFd<'_>) -> io::Result<(Vec<u8>, Vec<OwnedFd>, bool)> {
-    let mut buf = vec![0; MAX_DATAGRAM];
-    let mut space = nix::cmsg_space!([RawFd; 4]);
-    let mut iov = [IoSliceMut::new(&mut buf)];
-    let msg = recvmsg::<()>(
-        socket.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    )?;
-    let mut fds = Vec::new();
-    for cmsg in msg.cmsgs()? {
-        if let ControlMessageOwned::ScmRights(received) = cmsg {
-            // SAFETY: the kernel installed these descriptors for this process; nothing owns them.
-            fds.extend(
-                received
-                    .into_iter()
-                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-            );
-        }
-    }
-    let truncated = msg
-        .flags
-        .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
-    let len = msg.bytes;
-    buf.truncate(len);
-    Ok((buf, fds, truncated))
 }
 
 /// The pod's addresses, read inside its namespace (ZDS carries none): every interface address

@@ -41,7 +41,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, error, info, warn};
 
-pub use packet::MAX_DATAGRAM;
+pub use packet::{recv_datagram, Datagram, MAX_DATAGRAM};
 use proto::workload_request::Payload;
 use proto::{AddWorkload, DelWorkload, WorkloadRequest};
 pub use proto::{WorkloadInfo, ZdsHello};

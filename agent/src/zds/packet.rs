@@ -130,7 +130,8 @@ fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
     Ok(unsafe { AsyncFd::register(fd) }?)
 }
 
-fn recv_datagram(socket: BorrowedFd<'_>) -> io::Result<Datagram> {
+/// Receives one datagram (blocking on a blocking socket) with the descriptors that came with it.
+pub fn recv_datagram(socket: BorrowedFd<'_>) -> io::Result<Datagram> {
     let mut buf = vec![0; MAX_DATAGRAM];
     // Room for a few descriptors, so that a peer sending several is seen (and refused) rather
     // than only truncated.
