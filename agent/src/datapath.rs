@@ -124,7 +124,7 @@ impl Default for PodOptions {
 type Reply<T> = mpsc::SyncSender<Result<T>>;
 
 enum Command {
-    Enroll(PodSpec, Reply<()>),
+    Enroll(PodSpec, Reply<OwnedFd>),
     Unenroll(String, Reply<bool>),
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
@@ -177,7 +177,8 @@ impl Datapath {
     }
 
     /// Redirects the pod's traffic to ztunnel. Idempotent: enrolling again applies new options.
-    pub fn enroll(&self, pod: PodSpec) -> Result<()> {
+    /// Returns a handle on the pod's netns (the one the datapath holds), for ztunnel.
+    pub fn enroll(&self, pod: PodSpec) -> Result<OwnedFd> {
         self.ask(|reply| Command::Enroll(pod, reply))
     }
 
@@ -375,7 +376,7 @@ impl Owner {
     }
 
     /// Where a pod is enrolled.
-    fn enroll(&mut self, pod: &PodSpec) -> Result<()> {
+    fn enroll(&mut self, pod: &PodSpec) -> Result<OwnedFd> {
         let config = pod_config(pod)?;
         let ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
         let netns_file = File::open(&pod.netns)
@@ -415,6 +416,7 @@ impl Owner {
             return Err(error.context(format!("writing the maps for pod {}", pod.uid)));
         }
         debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
+        let handle = netns_file.try_clone()?.into();
         self.pods.insert(
             pod.uid.clone(),
             Enrolled {
@@ -423,7 +425,7 @@ impl Owner {
                 netns: Some(netns_file),
             },
         );
-        Ok(())
+        Ok(handle)
     }
 
     fn write_map_entries(
@@ -776,7 +778,7 @@ fn pod_config(pod: &PodSpec) -> Result<PodConfig> {
     Ok(config)
 }
 
-pub fn ip_key(ip: IpAddr) -> IpKey {
+fn ip_key(ip: IpAddr) -> IpKey {
     match ip {
         IpAddr::V4(v4) => IpKey::from_v4(v4.octets()),
         IpAddr::V6(v6) => IpKey::from_v6(v6.octets()),

@@ -7,7 +7,6 @@
 use std::{
     collections::{BTreeMap, HashMap},
     net::IpAddr,
-    os::fd::OwnedFd,
     path::PathBuf,
     sync::{Arc, Mutex},
 };
@@ -430,12 +429,9 @@ impl Enroller {
             options: pod.options,
         };
         let started = std::time::Instant::now();
-        self.datapath_call(move |d| d.enroll(spec)).await?;
+        let netns = self.datapath_call(move |d| d.enroll(spec)).await?;
         self.redirect_seconds
             .observe(started.elapsed().as_secs_f64());
-        let netns: OwnedFd = std::fs::File::open(&pod.netns)
-            .with_context(|| format!("opening {}", pod.netns.display()))?
-            .into();
         let info = WorkloadInfo {
             name: pod.name.clone(),
             namespace: pod.namespace.clone(),

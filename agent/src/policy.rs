@@ -1,10 +1,7 @@
 //! Which pods are ambient, and with which options: istio's rules, in one place, over labels and
 //! annotations, whatever their source (the Kubernetes API, or a local policy file for a node
 //! without one).
-use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
-};
+use std::{collections::BTreeMap, path::Path};
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -189,7 +186,7 @@ impl LocalPolicy {
 }
 
 /// Writes the verdict cache atomically (temp file + rename): the plugin may read it any time.
-pub fn write_verdict_cache(path: &PathBuf, cache: &VerdictCache) -> Result<()> {
+pub fn write_verdict_cache(path: &Path, cache: &VerdictCache) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }

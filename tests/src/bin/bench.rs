@@ -59,7 +59,7 @@ fn compare(
     plain: &Pod,
     echo: &EchoServer,
 ) -> Result<()> {
-    let weir_enroll = timed(weir_pods, |pod| datapath.enroll(spec(pod)))?;
+    let weir_enroll = timed(weir_pods, |pod| datapath.enroll(spec(pod)).map(drop))?;
     let iptables_enroll = timed(iptables_pods, |pod| istio_iptables::apply(pod.netns()))?;
 
     let target = echo.addr();

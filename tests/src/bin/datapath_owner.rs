@@ -29,7 +29,7 @@ fn main() -> anyhow::Result<()> {
             "enroll" => serde_json::from_str::<PodSpec>(argument)
                 .map_err(anyhow::Error::from)
                 .and_then(|pod| datapath.enroll(pod))
-                .map(|()| String::new()),
+                .map(|_netns| String::new()),
             "unenroll" => datapath.unenroll(argument).map(|was| was.to_string()),
             "uninstall" => {
                 datapath.uninstall()?;
