@@ -2,7 +2,7 @@
 //! through the ztunnel stand-in. Each test has its own node netns and pin directory, so tests run
 //! in parallel; the datapath is uninstalled when a test ends, also when it fails.
 use std::{
-    io::{BufRead, BufReader, Write},
+    io::{BufRead, BufReader, ErrorKind, Write},
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener},
     os::fd::AsRawFd,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
@@ -20,6 +20,7 @@ use weir_common::{
     PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 use weir_tests::{
+    raw::{self, Answer},
     require_privileges, sockopt, tcp_request, udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
     EchoServer, Pod, TestNode, ZtunnelStandIn,
@@ -27,6 +28,8 @@ use weir_tests::{
 
 const WAIT: Duration = Duration::from_secs(2);
 const APP_PORT: u16 = 8080;
+/// A port nothing in the test pods listens on.
+const CLOSED_PORT: u16 = 8081;
 
 /// A node netns with its own datapath pin directory; uninstalls whatever datapath is left there
 /// when dropped.
@@ -418,6 +421,160 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
         (counted.inbound, counted.bypassed, counted.outbound),
         (0, 1, 1)
     );
+    datapath.uninstall().unwrap();
+}
+
+/// Hand-made SYNs from another pod, as an attacker with `CAP_NET_RAW` sends them: whatever their
+/// shape, none reaches the pod's kernel around ztunnel. A SYN is either handed to ztunnel (which
+/// answers SYN-ACK, also for a port nobody else listens on) or dropped and counted (no answer at
+/// all); the app's listener and the kernel's RST for a closed port never answer.
+#[test]
+fn no_packet_shape_reaches_the_pod_around_ztunnel() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (attacker, pod) = (fixture.pod("attacker"), fixture.pod("app"));
+    let _echo = app(&pod);
+    let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+
+    let v4 = [
+        (raw::Whole, Answer::SynAck),
+        (raw::Ipv4Options, Answer::SynAck),
+        // The first fragment carries only the ports; then one that also carries the flags.
+        (raw::Fragmented(8), Answer::Nothing),
+        (raw::Fragmented(16), Answer::Nothing),
+    ];
+    let v6 = [
+        (raw::Whole, Answer::SynAck),
+        (raw::Ipv6Extensions(raw::HOP_BY_HOP), Answer::SynAck),
+        (
+            raw::Ipv6Extensions(raw::DESTINATION_OPTIONS),
+            Answer::SynAck,
+        ),
+        (
+            raw::Ipv6Extensions(raw::HOP_BY_HOP_AND_DESTINATION_OPTIONS),
+            Answer::SynAck,
+        ),
+        // The kernel itself drops an IPv6 first fragment without the whole TCP header.
+        (raw::Fragmented(24), Answer::Nothing),
+    ];
+    let mut syns = Vec::new();
+    let mut expected = Vec::new();
+    let mut source_port = 41000;
+    // A port with the app listening, and one with nothing listening.
+    for port in [APP_PORT, CLOSED_PORT] {
+        let families = [
+            (IpAddr::V4(attacker.ipv4()), IpAddr::V4(pod.ipv4()), &v4[..]),
+            (IpAddr::V6(attacker.ipv6()), IpAddr::V6(pod.ipv6()), &v6[..]),
+        ];
+        for (source, destination, shapes) in families {
+            for (shape, answer) in shapes {
+                source_port += 1;
+                syns.push(raw::Syn {
+                    source: SocketAddr::new(source, source_port),
+                    destination: SocketAddr::new(destination, port),
+                    shape: *shape,
+                });
+                expected.push(*answer);
+            }
+        }
+    }
+    let answers = attacker
+        .run(|| raw::probe(&syns, Duration::from_secs(1)))
+        .unwrap();
+    let report: Vec<_> = syns
+        .iter()
+        .zip(&answers)
+        .map(|(syn, answer)| format!("{:?} to {}: {answer:?}", syn.shape, syn.destination))
+        .collect();
+    assert_eq!(answers, expected, "{report:#?}");
+
+    let counted = counters(&datapath, &pod);
+    let steered = expected.iter().filter(|a| **a == Answer::SynAck).count();
+    assert_eq!(counted.inbound as usize, steered, "{counted:?}");
+    // Every fragmented SYN reached the pod and was dropped there, not somewhere on the way.
+    assert_eq!(
+        counted.dropped as usize,
+        expected.len() - steered,
+        "{counted:?}"
+    );
+    datapath.uninstall().unwrap();
+}
+
+/// A connection to a port nobody listens on in an ambient pod fails at once, as without the
+/// mesh: the kernel's RST for ztunnel's source-preserving dial returns to ztunnel (it carries the
+/// dial's mark) instead of leaving toward the client's address, so ztunnel sees "refused" rather
+/// than waiting out its connect deadline, and closes the client's connection.
+#[test]
+fn a_closed_port_in_an_ambient_pod_refuses_at_once() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+
+    for destination in [IpAddr::V4(pod.ipv4()), IpAddr::V6(pod.ipv6())] {
+        let target = SocketAddr::new(destination, CLOSED_PORT);
+        let error = client
+            .run(|| tcp_request(target, "anyone?"))
+            .expect_err("nothing listens there");
+        assert!(
+            matches!(
+                error.kind(),
+                ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
+            ),
+            "to {target}: the connection is closed, not left to time out: {error}"
+        );
+        let dial = ztunnel
+            .wait_for_dial(|d| d.target == target, WAIT)
+            .unwrap_or_else(|| panic!("ztunnel never dialed {target}"));
+        let why = dial.error.unwrap_or_default();
+        assert!(
+            why.contains("Connection refused"),
+            "ztunnel's dial to {target} was refused, not timed out: {why}"
+        );
+    }
+    datapath.uninstall().unwrap();
+}
+
+/// What the inbound program must leave alone: large transfers through ztunnel, and fragmented
+/// datagrams of protocols weir does not capture.
+#[test]
+fn large_transfers_and_fragmented_udp_are_unaffected() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
+    let echo = app(&pod);
+    let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+
+    let large = "x".repeat(4 << 20);
+    // Larger than the link's MTU: sent as IP fragments, both ways.
+    let datagram = "u".repeat(4000);
+    for destination in [IpAddr::V4(pod.ipv4()), IpAddr::V6(pod.ipv6())] {
+        let target = SocketAddr::new(destination, APP_PORT);
+        let reply = client
+            .run(|| tcp_request(target, &large))
+            .unwrap_or_else(|e| panic!("4 MiB to {target}: {e}"));
+        assert!(
+            reply.response == echo.reply_to(&large),
+            "4 MiB to {target} came back whole"
+        );
+
+        let udp =
+            EchoServer::start_udp(pod.netns(), "udp", SocketAddr::new(destination, 0)).unwrap();
+        let reply = client
+            .run(|| udp_request(udp.addr(), &datagram))
+            .unwrap_or_else(|e| panic!("4000-byte datagram to {}: {e}", udp.addr()));
+        assert_eq!(reply.response, udp.reply_to(&datagram));
+    }
+    assert_eq!(counters(&datapath, &pod).dropped, 0);
     datapath.uninstall().unwrap();
 }
 

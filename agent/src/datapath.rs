@@ -500,6 +500,7 @@ impl Owner {
                 inbound: sum.inbound + c.inbound,
                 dns: sum.dns + c.dns,
                 bypassed: sum.bypassed + c.bypassed,
+                dropped: sum.dropped + c.dropped,
             },
         )))
     }
@@ -650,7 +651,7 @@ fn prepare_pod_netns(inbound: &mut SchedClassifier) -> Result<()> {
         attach_inbound(inbound, &interface).with_context(|| format!("tc on {interface}"))?;
     }
     netlink::install_return_path().context("return-path routing")?;
-    netns::set_tcp_fwmark_accept().context("tcp_fwmark_accept")?;
+    netns::set_reply_mark_sysctls().context("reply-mark sysctls")?;
     Ok(())
 }
 

@@ -82,15 +82,36 @@ pub fn current_cookie() -> io::Result<u64> {
     Ok(cookie)
 }
 
-/// Sets `net.ipv4.tcp_fwmark_accept` (which covers IPv6 too) in the calling thread's network
-/// namespace: accepted sockets then inherit the mark of the SYN, which is how the app's replies to
-/// ztunnel's source-preserving dials carry the return mark. `/proc/sys/net` resolves against the
-/// namespace of the task that opens it, so on the datapath thread this is the pod's sysctl.
-pub fn set_tcp_fwmark_accept() -> io::Result<()> {
-    OpenOptions::new()
-        .write(true)
-        .open("/proc/sys/net/ipv4/tcp_fwmark_accept")?
-        .write_all(b"1")
+/// The sysctls that carry marks across the pod's reply path, each set to 1:
+/// - `tcp_fwmark_accept` (it covers IPv6 too): accepted sockets inherit the mark of the SYN, so
+///   the app's replies to ztunnel's source-preserving dials carry the return mark;
+/// - `fwmark_reflect`, v4 and v6: the kernel's own replies (the RST of a closed port, ICMP errors)
+///   carry the mark of the packet they answer, so a refusal of ztunnel's dial returns to ztunnel
+///   at once instead of leaving by eth0 toward the client's address (istio's connmark restore
+///   does the same; without it ztunnel waits out its connect deadline).
+pub const REPLY_MARK_SYSCTLS: [&str; 3] = [
+    "/proc/sys/net/ipv4/tcp_fwmark_accept",
+    "/proc/sys/net/ipv4/fwmark_reflect",
+    "/proc/sys/net/ipv6/fwmark_reflect",
+];
+
+/// Sets [`REPLY_MARK_SYSCTLS`] in the calling thread's network namespace. `/proc/sys/net`
+/// resolves against the namespace of the task that opens it, so on the datapath thread these are
+/// the pod's sysctls.
+pub fn set_reply_mark_sysctls() -> io::Result<()> {
+    for sysctl in REPLY_MARK_SYSCTLS {
+        let written = OpenOptions::new()
+            .write(true)
+            .open(sysctl)
+            .and_then(|mut file| file.write_all(b"1"));
+        match written {
+            // A kernel without IPv6 has no IPv6 replies to mark.
+            Err(error) if error.kind() == io::ErrorKind::NotFound && sysctl.contains("/ipv6/") => {}
+            Err(error) => return Err(io::Error::new(error.kind(), format!("{sysctl}: {error}"))),
+            Ok(()) => {}
+        }
+    }
+    Ok(())
 }
 
 /// `(ifindex, name)` of every link but loopback in the calling thread's network namespace. Read over
@@ -169,8 +190,11 @@ mod tests {
     use super::testing::{ip, privileged, scratch_netns};
     use super::*;
 
-    fn fwmark_accept() -> String {
-        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_fwmark_accept").unwrap()
+    fn reply_mark_sysctls() -> Vec<String> {
+        REPLY_MARK_SYSCTLS
+            .iter()
+            .map(|path| std::fs::read_to_string(path).unwrap().trim().to_owned())
+            .collect()
     }
 
     #[test]
@@ -211,26 +235,26 @@ mod tests {
     }
 
     #[test]
-    fn tcp_fwmark_accept_is_per_namespace() {
+    fn reply_mark_sysctls_are_per_namespace() {
         if !privileged() {
             return;
         }
-        let home = fwmark_accept();
+        let home = reply_mark_sysctls();
         let (a, b) = (scratch_netns(), scratch_netns());
         {
             let _guard = enter(a.as_fd()).unwrap();
-            set_tcp_fwmark_accept().unwrap();
-            assert_eq!(fwmark_accept().trim(), "1");
+            set_reply_mark_sysctls().unwrap();
+            assert_eq!(reply_mark_sysctls(), ["1", "1", "1"]);
         }
         assert_eq!(
-            fwmark_accept(),
+            reply_mark_sysctls(),
             home,
             "the test's own namespace is untouched"
         );
         let _guard = enter(b.as_fd()).unwrap();
         assert_eq!(
-            fwmark_accept().trim(),
-            "0",
+            reply_mark_sysctls(),
+            ["0", "0", "0"],
             "another namespace is untouched"
         );
     }

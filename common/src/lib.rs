@@ -7,7 +7,7 @@
 #![no_std]
 
 /// Version of the map layouts below; part of the pin path (`<pin root>/abi-<N>`).
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 
 /// ztunnel marks every socket it opens inside a pod with this `SO_MARK`...
 pub const ZTUNNEL_MARK: u32 = 0x539;
@@ -128,6 +128,10 @@ pub struct PodCounters {
     pub dns: u64,
     /// Connections let through uncaptured: probes from the node, inbound bypass.
     pub bypassed: u64,
+    /// Inbound packets dropped because they could not be steered to ztunnel: fragmented TCP for
+    /// no connection, headers the program cannot walk, new connections while ztunnel is not
+    /// listening.
+    pub dropped: u64,
 }
 
 /// Node-wide settings, the single entry of the `NODE_CONFIG` array.
@@ -194,7 +198,7 @@ mod tests {
         assert_eq!(size_of::<Endpoint>(), 20);
         assert_eq!(size_of::<ConnectionKey>(), 40);
         assert_eq!(size_of::<PodConfig>(), 4 + 4 + 16 + POD_UID_LEN);
-        assert_eq!(size_of::<PodCounters>(), 32);
+        assert_eq!(size_of::<PodCounters>(), 40);
     }
 
     #[test]

@@ -3,6 +3,18 @@
 //! ztunnel's accepted socket has the original destination as its local address (TPROXY
 //! semantics; no NAT, no conntrack). Established connections, HBONE (15008) and the node's probes
 //! pass untouched.
+//!
+//! Nothing addressed to the pod may reach it around ztunnel, and this program sees packets before
+//! the kernel reassembles them, where an `sk_assign` would not survive reassembly. So for a pod:
+//! - a first TCP fragment passes only when a connection already owns its ports (the reassembled
+//!   segment goes to that socket); otherwise it is dropped, and its later fragments, which carry
+//!   no ports, can never be reassembled;
+//! - IPv6 extension headers are walked (a bounded number) to find TCP behind them;
+//! - a TCP packet whose headers cannot be read or walked is dropped;
+//! - a SYN for a tuple in TIME_WAIT is steered too: the kernel would hand it to the app's
+//!   listener.
+//!
+//! Every drop is counted in the pod's `dropped` counter.
 use core::ffi::c_void;
 
 use aya_ebpf::{
@@ -28,123 +40,332 @@ use crate::{
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
-const IPPROTO_TCP: u8 = 6;
+const IPV4_HLEN_MIN: usize = 20;
 const IPV6_HLEN: usize = 40;
 const IPV4_FRAGMENT_OFFSET: u16 = 0x1fff;
+const IPV4_MORE_FRAGMENTS: u16 = 0x2000;
+const IPV6_FRAGMENT_OFFSET: u16 = 0xfff8;
+/// IPv6 next-header values of the extension headers walked to reach TCP.
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_AH: u8 = 51;
+const IPPROTO_DSTOPTS: u8 = 60;
+/// More extension headers than any real packet carries: a longer chain is dropped, not guessed.
+const MAX_EXTENSION_HEADERS: usize = 8;
 const TCP_FLAGS_OFFSET: usize = 13;
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
+/// `bpf_sock.state` values (the kernel's `TCP_*` states).
+const TCP_TIME_WAIT: u32 = 6;
 const TCP_LISTEN: u32 = 10;
+const TCP_NEW_SYN_RECV: u32 = 12;
 /// Sizes of the IPv4 and IPv6 parts of `bpf_sock_tuple`.
 const IPV4_TUPLE_LEN: u32 = 12;
 const IPV6_TUPLE_LEN: u32 = 36;
 /// Look sockets up in the netns the packet is in (the pod's).
 const BPF_F_CURRENT_NETNS: u64 = u64::MAX;
 
+const PASS: i32 = TC_ACT_OK as i32;
+const DROP: i32 = TC_ACT_SHOT as i32;
+
 #[classifier]
 pub fn weir_inbound(ctx: TcContext) -> i32 {
-    match steer(&ctx) {
+    let Ok(Some(packet)) = network_header(&ctx) else {
+        // Not IP, or an IP header too short to hold the addresses: the kernel drops the latter.
+        return PASS;
+    };
+    let Some(netns) = POD_IPS.get(&packet.destination).copied() else {
+        return PASS;
+    };
+    match decide(&ctx, &packet, netns) {
         Ok(verdict) => verdict,
-        Err(()) => TC_ACT_OK as i32,
+        Err(()) => {
+            diag!(
+                by_ref warn,
+                ctx.skb.skb,
+                "netns {}: drop {:i} to {:i}: headers not readable",
+                netns,
+                ip(&packet.source),
+                ip(&packet.destination)
+            );
+            count(netns, |c: &mut PodCounters| &mut c.dropped);
+            DROP
+        }
     }
 }
 
-/// A parsed inbound TCP segment: the lookup tuple in network order, and what the decision needs.
-struct Segment {
-    tuple: bpf_sock_tuple,
-    tuple_len: u32,
+/// Whether a packet is a fragment, as far as this program can act on it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fragment {
+    /// A whole packet.
+    No,
+    /// The fragment at offset 0: it carries the transport header.
+    First,
+    /// A fragment past offset 0: payload only, useless without its first fragment.
+    Later,
+}
+
+/// The network header of a packet: its addresses, and where and what its transport is.
+struct NetworkHeader {
+    v6: bool,
     source: IpKey,
     destination: IpKey,
-    dport: u16,
-    flags: u8,
+}
+
+/// The addresses of an IP packet, or `None` for anything else.
+#[inline(always)]
+fn network_header(ctx: &TcContext) -> Result<Option<NetworkHeader>, ()> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| ())?);
+    match ethertype {
+        ETH_P_IP => {
+            let saddr: u32 = ctx.load(ETH_HLEN + 12).map_err(|_| ())?;
+            let daddr: u32 = ctx.load(ETH_HLEN + 16).map_err(|_| ())?;
+            Ok(Some(NetworkHeader {
+                v6: false,
+                source: ip_from_v4_word(saddr),
+                destination: ip_from_v4_word(daddr),
+            }))
+        }
+        ETH_P_IPV6 => {
+            Ok(Some(NetworkHeader {
+                v6: true,
+                source: IpKey::from_v6(ctx.load(ETH_HLEN + 8).map_err(|_| ())?),
+                destination: IpKey::from_v6(ctx.load(ETH_HLEN + 24).map_err(|_| ())?),
+            }))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Where the transport header is, which protocol it is, and whether the packet is a fragment.
+struct Transport {
+    protocol: u8,
+    offset: usize,
+    fragment: Fragment,
 }
 
 #[inline(always)]
-fn steer(ctx: &TcContext) -> Result<i32, ()> {
-    let Some(segment) = parse(ctx)? else {
-        return Ok(TC_ACT_OK as i32);
-    };
-    if segment.dport == HBONE_PORT {
-        return Ok(TC_ACT_OK as i32);
+fn transport(ctx: &TcContext, v6: bool) -> Result<Transport, ()> {
+    if !v6 {
+        let version_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| ())?;
+        let header_len = ((version_ihl & 0x0f) as usize) * 4;
+        if header_len < IPV4_HLEN_MIN {
+            return Err(());
+        }
+        let flags_offset = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).map_err(|_| ())?);
+        let fragment = if flags_offset & IPV4_FRAGMENT_OFFSET != 0 {
+            Fragment::Later
+        } else if flags_offset & IPV4_MORE_FRAGMENTS != 0 {
+            Fragment::First
+        } else {
+            Fragment::No
+        };
+        return Ok(Transport {
+            protocol: ctx.load(ETH_HLEN + 9).map_err(|_| ())?,
+            offset: ETH_HLEN + header_len,
+            fragment,
+        });
     }
-    let Some(netns) = POD_IPS.get(&segment.destination).copied() else {
-        return Ok(TC_ACT_OK as i32);
-    };
+    let mut next: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| ())?;
+    let mut offset = ETH_HLEN + IPV6_HLEN;
+    let mut fragment = Fragment::No;
+    for _ in 0..MAX_EXTENSION_HEADERS {
+        match next {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                let [next_header, length]: [u8; 2] = ctx.load(offset).map_err(|_| ())?;
+                next = next_header;
+                offset += (length as usize + 1) * 8;
+            }
+            IPPROTO_AH => {
+                let [next_header, length]: [u8; 2] = ctx.load(offset).map_err(|_| ())?;
+                next = next_header;
+                offset += (length as usize + 2) * 4;
+            }
+            IPPROTO_FRAGMENT => {
+                next = ctx.load(offset).map_err(|_| ())?;
+                let offset_flags = u16::from_be(ctx.load::<u16>(offset + 2).map_err(|_| ())?);
+                if offset_flags & IPV6_FRAGMENT_OFFSET != 0 {
+                    fragment = Fragment::Later;
+                    break;
+                }
+                // Offset 0, with or without more to come (an atomic fragment is reassembled
+                // alone): the first fragment, where the rest of the chain and TCP must be.
+                fragment = Fragment::First;
+                offset += 8;
+            }
+            protocol => {
+                return Ok(Transport {
+                    protocol,
+                    offset,
+                    fragment,
+                })
+            }
+        }
+    }
+    if fragment == Fragment::Later {
+        return Ok(Transport {
+            protocol: next,
+            offset,
+            fragment,
+        });
+    }
+    // A chain longer than any real packet's: what it carries is unknown.
+    Err(())
+}
+
+/// The verdict on a packet for the pod whose netns cookie is `netns`; `Err` when its headers
+/// cannot be read, which drops it.
+#[inline(always)]
+fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()> {
+    let transport = transport(ctx, packet.v6)?;
+    // Payload-only fragments need their first fragment, which is judged below; other protocols
+    // are not captured inbound (istio redirects TCP only).
+    if transport.fragment == Fragment::Later || transport.protocol != IPPROTO_TCP {
+        return Ok(PASS);
+    }
     let Some(pod) = PODS.get(&netns) else {
-        return Ok(TC_ACT_OK as i32);
+        return Ok(PASS);
     };
-    let opens = segment.flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-    let from_node_probe = same_ip(&segment.source, &IpKey::from_v4(PROBE_SOURCE_V4))
-        || same_ip(&segment.source, &IpKey::from_v6(PROBE_SOURCE_V6));
-    if from_node_probe || pod.has(POD_INBOUND_BYPASS) {
+    let (sport, dport): (u16, u16) = (
+        ctx.load(transport.offset).map_err(|_| ())?,
+        ctx.load(transport.offset + 2).map_err(|_| ())?,
+    );
+    if u16::from_be(dport) == HBONE_PORT {
+        return Ok(PASS);
+    }
+    // The node's probes and bypassing pods: whole packets and fragments alike, as istio's ACCEPT.
+    let from_node_probe = same_ip(&packet.source, &IpKey::from_v4(PROBE_SOURCE_V4))
+        || same_ip(&packet.source, &IpKey::from_v6(PROBE_SOURCE_V6));
+    let bypass = from_node_probe || pod.has(POD_INBOUND_BYPASS);
+
+    let (mut tuple, tuple_len) = sock_tuple(packet, sport, dport);
+    // Who owns this tuple now: a connection (established, half-open, or ztunnel's own), a
+    // listener, a TIME_WAIT remnant, or nothing.
+    let owner = socket_state(ctx, &mut tuple, tuple_len);
+    let connected =
+        matches!(owner, Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT);
+
+    if transport.fragment == Fragment::First {
+        // Reassembly happens after this program; only a connection's own socket can be trusted
+        // to receive the whole segment (the kernel drops overlapping fragments).
+        if bypass || (connected && owner != Some(TCP_NEW_SYN_RECV)) {
+            return Ok(PASS);
+        }
+        diag!(
+            by_ref warn,
+            ctx.skb.skb,
+            "netns {}: drop fragmented TCP {:i} to {:i}:{}: no connection owns it",
+            netns,
+            ip(&packet.source),
+            ip(&packet.destination),
+            u16::from_be(dport)
+        );
+        count(netns, |c: &mut PodCounters| &mut c.dropped);
+        return Ok(DROP);
+    }
+
+    let flags: u8 = ctx.load(transport.offset + TCP_FLAGS_OFFSET).map_err(|_| ())?;
+    let opens = flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    if bypass {
         if opens {
             count(netns, |c: &mut PodCounters| &mut c.bypassed);
         }
-        return Ok(TC_ACT_OK as i32);
+        return Ok(PASS);
     }
-    let mut tuple = segment.tuple;
-    // A socket already owns this tuple (an established or half-open connection, or ztunnel's
-    // own): the kernel delivers it. Only a listener, or nothing, means a new connection.
-    let existing = lookup(ctx, &mut tuple, segment.tuple_len);
-    if !existing.is_null() {
-        // SAFETY: non-null socket from a lookup; released right after reading its state.
-        let state = unsafe { ctx_read!(existing, state) };
-        unsafe { bpf_sk_release(existing as *mut c_void) };
-        if state != TCP_LISTEN {
-            return Ok(TC_ACT_OK as i32);
-        }
+    if connected || !opens {
+        return Ok(PASS);
     }
-    if !opens {
-        return Ok(TC_ACT_OK as i32);
-    }
-    set_dport(&mut tuple, segment.tuple_len, INBOUND_PORT.to_be());
-    let listener = lookup(ctx, &mut tuple, segment.tuple_len);
-    if listener.is_null() {
-        // ztunnel is not listening in this pod (yet): refuse to deliver around it.
+    if assign_to_ztunnel(ctx, &mut tuple, tuple_len) {
         diag!(
-            by_ref warn,
+            by_ref debug,
             ctx.skb.skb,
-            "netns {}: drop {:i} to {:i}:{}: ztunnel not listening on 15006",
+            "netns {}: inbound {:i} to {:i}:{} assigned to 15006",
             netns,
-            ip(&segment.source),
-            ip(&segment.destination),
-            segment.dport
+            ip(&packet.source),
+            ip(&packet.destination),
+            u16::from_be(dport)
         );
-        return Ok(TC_ACT_SHOT as i32);
+        count(netns, |c: &mut PodCounters| &mut c.inbound);
+        return Ok(PASS);
     }
-    // SAFETY: non-null socket from a lookup, released on every path below.
-    let assigned = unsafe {
-        let assigned = if ctx_read!(listener, state) == TCP_LISTEN {
-            bpf_sk_assign(ctx.skb.skb as *mut c_void, listener as *mut c_void, 0) == 0
-        } else {
-            false
+    // ztunnel is not listening in this pod (yet): refuse to deliver around it.
+    diag!(
+        by_ref warn,
+        ctx.skb.skb,
+        "netns {}: drop {:i} to {:i}:{}: ztunnel's 15006 listener not found",
+        netns,
+        ip(&packet.source),
+        ip(&packet.destination),
+        u16::from_be(dport)
+    );
+    count(netns, |c: &mut PodCounters| &mut c.dropped);
+    Ok(DROP)
+}
+
+/// The socket lookup tuple for a segment (ports in network order) and the length of its
+/// family's part.
+#[inline(always)]
+fn sock_tuple(packet: &NetworkHeader, sport: u16, dport: u16) -> (bpf_sock_tuple, u32) {
+    // SAFETY: an all-zero tuple is a valid value of this plain C union.
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    // Network order; an IPv4 address is the last word of its v4-mapped key.
+    let (saddr, daddr) = (v6_words(&packet.source), v6_words(&packet.destination));
+    if packet.v6 {
+        tuple.__bindgen_anon_1.ipv6 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {
+            saddr,
+            daddr,
+            sport,
+            dport,
         };
+        (tuple, IPV6_TUPLE_LEN)
+    } else {
+        tuple.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
+            saddr: saddr[3],
+            daddr: daddr[3],
+            sport,
+            dport,
+        };
+        (tuple, IPV4_TUPLE_LEN)
+    }
+}
+
+/// The TCP state of the socket the kernel would deliver `tuple` to, if any.
+#[inline(always)]
+fn socket_state(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> Option<u32> {
+    let socket = lookup(ctx, tuple, len);
+    if socket.is_null() {
+        return None;
+    }
+    // SAFETY: non-null socket from a lookup; released right after reading its state.
+    unsafe {
+        let state = ctx_read!(socket, state);
+        bpf_sk_release(socket as *mut c_void);
+        Some(state)
+    }
+}
+
+/// Hands the packet to ztunnel's 15006 listener in this netns; false when there is none.
+#[inline(always)]
+fn assign_to_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> bool {
+    // The member written is the one `len` says is in use.
+    if len == IPV4_TUPLE_LEN {
+        tuple.__bindgen_anon_1.ipv4.dport = INBOUND_PORT.to_be();
+    } else {
+        tuple.__bindgen_anon_1.ipv6.dport = INBOUND_PORT.to_be();
+    }
+    let listener = lookup(ctx, tuple, len);
+    if listener.is_null() {
+        return false;
+    }
+    // SAFETY: non-null socket from a lookup, released before returning.
+    unsafe {
+        let assigned = ctx_read!(listener, state) == TCP_LISTEN
+            && bpf_sk_assign(ctx.skb.skb as *mut c_void, listener as *mut c_void, 0) == 0;
         bpf_sk_release(listener as *mut c_void);
         assigned
-    };
-    if !assigned {
-        diag!(
-            by_ref warn,
-            ctx.skb.skb,
-            "netns {}: drop {:i} to {:i}:{}: ztunnel's 15006 socket not assignable",
-            netns,
-            ip(&segment.source),
-            ip(&segment.destination),
-            segment.dport
-        );
-        return Ok(TC_ACT_SHOT as i32);
     }
-    diag!(
-        by_ref debug,
-        ctx.skb.skb,
-        "netns {}: inbound {:i} to {:i}:{} assigned to 15006",
-        netns,
-        ip(&segment.source),
-        ip(&segment.destination),
-        segment.dport
-    );
-    count(netns, |c: &mut PodCounters| &mut c.inbound);
-    Ok(TC_ACT_OK as i32)
 }
 
 #[inline(always)]
@@ -159,85 +380,4 @@ fn lookup(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> *mut bpf_soc
             0,
         )
     }
-}
-
-#[inline(always)]
-fn set_dport(tuple: &mut bpf_sock_tuple, len: u32, dport_be: u16) {
-    // The member written is the one `len` says is in use.
-    if len == IPV4_TUPLE_LEN {
-        tuple.__bindgen_anon_1.ipv4.dport = dport_be;
-    } else {
-        tuple.__bindgen_anon_1.ipv6.dport = dport_be;
-    }
-}
-
-#[inline(always)]
-fn parse(ctx: &TcContext) -> Result<Option<Segment>, ()> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| ())?);
-    // SAFETY: an all-zero tuple is a valid value of this plain C union.
-    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    let (tuple_len, source, destination, dport_be, l4) = match ethertype {
-        ETH_P_IP => {
-            let version_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| ())?;
-            if ctx.load::<u8>(ETH_HLEN + 9).map_err(|_| ())? != IPPROTO_TCP {
-                return Ok(None);
-            }
-            // A later fragment carries no TCP header: what would be read as ports is payload.
-            let fragment = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).map_err(|_| ())?);
-            if fragment & IPV4_FRAGMENT_OFFSET != 0 {
-                return Ok(None);
-            }
-            let saddr: u32 = ctx.load(ETH_HLEN + 12).map_err(|_| ())?;
-            let daddr: u32 = ctx.load(ETH_HLEN + 16).map_err(|_| ())?;
-            let l4 = ETH_HLEN + ((version_ihl & 0x0f) as usize) * 4;
-            let (sport, dport): (u16, u16) = (
-                ctx.load(l4).map_err(|_| ())?,
-                ctx.load(l4 + 2).map_err(|_| ())?,
-            );
-            tuple.__bindgen_anon_1.ipv4 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1 {
-                saddr,
-                daddr,
-                sport,
-                dport,
-            };
-            (
-                IPV4_TUPLE_LEN,
-                ip_from_v4_word(saddr),
-                ip_from_v4_word(daddr),
-                dport,
-                l4,
-            )
-        }
-        ETH_P_IPV6 => {
-            // Extension headers before TCP are left to the kernel.
-            if ctx.load::<u8>(ETH_HLEN + 6).map_err(|_| ())? != IPPROTO_TCP {
-                return Ok(None);
-            }
-            let saddr: [u8; 16] = ctx.load(ETH_HLEN + 8).map_err(|_| ())?;
-            let daddr: [u8; 16] = ctx.load(ETH_HLEN + 24).map_err(|_| ())?;
-            let l4 = ETH_HLEN + IPV6_HLEN;
-            let (sport, dport): (u16, u16) = (
-                ctx.load(l4).map_err(|_| ())?,
-                ctx.load(l4 + 2).map_err(|_| ())?,
-            );
-            let (source, destination) = (IpKey::from_v6(saddr), IpKey::from_v6(daddr));
-            tuple.__bindgen_anon_1.ipv6 = bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2 {
-                saddr: v6_words(&source),
-                daddr: v6_words(&destination),
-                sport,
-                dport,
-            };
-            (IPV6_TUPLE_LEN, source, destination, dport, l4)
-        }
-        _ => return Ok(None),
-    };
-    let flags: u8 = ctx.load(l4 + TCP_FLAGS_OFFSET).map_err(|_| ())?;
-    Ok(Some(Segment {
-        tuple,
-        tuple_len,
-        source,
-        destination,
-        dport: u16::from_be(dport_be),
-        flags,
-    }))
 }

@@ -25,6 +25,7 @@ pub mod cni;
 pub mod istio_iptables;
 pub mod netns;
 pub mod node;
+pub mod raw;
 pub mod sockopt;
 pub mod traffic;
 pub mod zds_client;

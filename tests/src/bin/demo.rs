@@ -244,11 +244,12 @@ fn demo(interrupted: &AtomicBool) -> Result<()> {
             "?"
         };
         n.say(format!(
-            "{pod}: outbound {}, inbound {}, dns {}, bypassed {}",
+            "{pod}: outbound {}, inbound {}, dns {}, bypassed {}, dropped {}",
             sum("outbound"),
             sum("inbound"),
             sum("dns"),
-            sum("bypassed")
+            sum("bypassed"),
+            sum("dropped")
         ));
     }
 
