@@ -3,7 +3,7 @@
 //! in parallel; the datapath is uninstalled when a test ends, also when it fails.
 use std::{
     io::{BufRead, BufReader, ErrorKind, Write},
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener},
     os::fd::AsRawFd,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::{
@@ -500,6 +500,40 @@ fn no_packet_shape_reaches_the_pod_around_ztunnel() {
         expected.len() - steered,
         "{counted:?}"
     );
+    datapath.uninstall().unwrap();
+}
+
+/// A pod's link-local address is the pod's too, though no CNI result names it: a neighbour on the
+/// same bridge connecting to it is handed to ztunnel, which refuses a destination that is not a
+/// workload address, as under istio. The app never sees the connection.
+#[test]
+fn link_local_connections_go_to_ztunnel_too() {
+    if !require_privileges() {
+        return;
+    }
+    let fixture = Fixture::new();
+    let (neighbour, pod) = (fixture.pod("neighbour"), fixture.pod("app"));
+    let echo = app(&pod);
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let link_local = pod.link_local().unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+
+    let scope = neighbour
+        .run(|| nix::net::if_::if_nametoindex("eth0"))
+        .unwrap();
+    let target = SocketAddr::V6(SocketAddrV6::new(link_local, APP_PORT, 0, scope));
+    let result = neighbour.run(|| tcp_request(target, "link-local"));
+    assert!(result.is_err(), "ztunnel refuses it: {result:?}");
+    let seen = ztunnel
+        .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
+        .unwrap_or_else(|| panic!("the connection to {target} never reached 15006"));
+    assert_eq!(seen.local.ip(), IpAddr::V6(link_local));
+    assert!(
+        echo.received().iter().all(|r| r.line != "link-local"),
+        "{:?}",
+        echo.received()
+    );
+    assert_eq!(counters(&datapath, &pod).inbound, 1);
     datapath.uninstall().unwrap();
 }
 

@@ -385,28 +385,42 @@ impl Owner {
         // 1. Inside the pod: the tc program (inert until the maps name the pod) and the reply
         //    path. On failure, undo what was done here, and take out a pod that was enrolled
         //    before: never half-redirected.
-        let netns_cookie = {
+        let (netns_cookie, other_ips) = {
             let _inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
             let cookie = netns::current_cookie()?;
-            let prepared = prepare_pod_netns(self.inbound_program()?);
-            if let Err(error) = prepared {
-                undo_pod_netns();
-                self.remove_map_entries(&pod.uid);
-                return Err(error.context(format!("preparing pod {}", pod.uid)));
+            let prepared = prepare_pod_netns(self.inbound_program()?).and_then(|()| {
+                netns::non_loopback_addresses().context("listing the pod's addresses")
+            });
+            match prepared {
+                Ok(addresses) => {
+                    let other_ips: Vec<IpKey> = addresses
+                        .into_iter()
+                        .map(ip_key)
+                        .filter(|ip| !ips.contains(ip))
+                        .collect();
+                    (cookie, other_ips)
+                }
+                Err(error) => {
+                    undo_pod_netns();
+                    self.remove_map_entries(&pod.uid);
+                    return Err(error.context(format!("preparing pod {}", pod.uid)));
+                }
             }
-            cookie
         };
 
         // 2. A pod re-enrolled with another netns (sandbox recreated) drops its old entries.
         if let Some(previous) = self.pods.get(&pod.uid) {
-            if previous.netns_cookie != netns_cookie || previous.ips != ips {
+            if previous.netns_cookie != netns_cookie
+                || previous.ips != [&ips[..], &other_ips].concat()
+            {
                 self.remove_map_entries(&pod.uid);
             }
         }
 
         // 3. The map entries switch redirection on; counters first so no event is lost, the IP
         //    index last since the tc program looks pods up through it.
-        let written = self.write_map_entries(netns_cookie, &config, &ips);
+        let written = self.write_map_entries(netns_cookie, &config, &ips, &other_ips);
+        let ips = [ips, other_ips].concat();
         if let Err(error) = written {
             // All or nothing: the pod is now not enrolled at all (also if it was before).
             self.remove_entries(netns_cookie, &ips);
@@ -433,6 +447,7 @@ impl Owner {
         netns_cookie: u64,
         config: &PodConfig,
         ips: &[IpKey],
+        other_ips: &[IpKey],
     ) -> Result<()> {
         // BPF_NOEXIST: a re-enrolled pod keeps its counts. (Existence is not checked with a
         // lookup: aya 0.13's per-CPU `get` answers zeros for a missing key.)
@@ -449,6 +464,16 @@ impl Owner {
         self.pods_map.insert(netns_cookie, *config, 0)?;
         for ip in ips {
             self.pod_ips.insert(*ip, netns_cookie, 0)?;
+        }
+        // Addresses outside the pod's IPs (link-local ones) are not unique on a node: the pod
+        // that claimed one first keeps it.
+        for ip in other_ips {
+            match self.pod_ips.get(ip, 0) {
+                Ok(owner) if owner != netns_cookie => {
+                    warn!(netns_cookie, owner, ip = ?ip, "address already indexed for another pod")
+                }
+                _ => self.pod_ips.insert(*ip, netns_cookie, 0)?,
+            }
         }
         Ok(())
     }

@@ -36,7 +36,7 @@ pub const RETURN_RULE_PRIORITY: u32 = 32764;
 
 /// The loopback device is ifindex 1 in every network namespace (`LOOPBACK_IFINDEX` in the kernel),
 /// so no lookup is needed.
-const LOOPBACK_IFINDEX: u32 = 1;
+pub(crate) const LOOPBACK_IFINDEX: u32 = 1;
 
 const RT_TABLE_LOCAL: u32 = 255;
 
@@ -86,6 +86,33 @@ pub(crate) fn links() -> io::Result<Vec<LinkMessage>> {
         .into_iter()
         .filter_map(|reply| match reply {
             RouteNetlinkMessage::NewLink(link) => Some(link),
+            _ => None,
+        })
+        .collect())
+}
+
+/// `(ifindex, address)` of every address in the current netns (`RTM_GETADDR` dump), tentative
+/// ones included.
+pub(crate) fn addresses() -> io::Result<Vec<(u32, IpAddr)>> {
+    let replies = Rtnl::new()?.dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))?;
+    Ok(replies
+        .into_iter()
+        .filter_map(|reply| match reply {
+            RouteNetlinkMessage::NewAddress(address) => {
+                // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on a point-to-point
+                // link, and the only one given otherwise.
+                let find = |local: bool| {
+                    address
+                        .attributes
+                        .iter()
+                        .find_map(|attribute| match attribute {
+                            AddressAttribute::Local(ip) if local => Some(*ip),
+                            AddressAttribute::Address(ip) if !local => Some(*ip),
+                            _ => None,
+                        })
+                };
+                Some((address.header.index, find(true).or_else(|| find(false))?))
+            }
             _ => None,
         })
         .collect())

@@ -7,6 +7,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::marker::PhantomData;
+use std::net::IpAddr;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
 use netlink_packet_route::link::{LinkAttribute, LinkFlags};
@@ -112,6 +113,17 @@ pub fn set_reply_mark_sysctls() -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Every address on the calling thread's network namespace's interfaces but loopback: the pod's
+/// CNI addresses, and also those no CNI result names, such as IPv6 link-local ones, through which
+/// a neighbour on the same segment reaches the pod's listeners too.
+pub fn non_loopback_addresses() -> io::Result<Vec<IpAddr>> {
+    Ok(crate::netlink::addresses()?
+        .into_iter()
+        .filter(|(ifindex, ip)| *ifindex != crate::netlink::LOOPBACK_IFINDEX && !ip.is_loopback())
+        .map(|(_, ip)| ip)
+        .collect())
 }
 
 /// `(ifindex, name)` of every link but loopback in the calling thread's network namespace. Read over

@@ -163,6 +163,11 @@ pub fn netns_cookie(socket: &impl AsFd) -> io::Result<u64> {
 
 /// Runs `ip <args>`, failing with its stderr.
 pub(crate) fn ip(args: &[&str]) -> Result<()> {
+    ip_output(args).map(drop)
+}
+
+/// Runs `ip <args>` and returns what it printed, failing with its stderr.
+pub(crate) fn ip_output(args: &[&str]) -> Result<String> {
     let out = Command::new("ip")
         .args(args)
         .output()
@@ -175,5 +180,5 @@ pub(crate) fn ip(args: &[&str]) -> Result<()> {
             String::from_utf8_lossy(&out.stderr).trim()
         );
     }
-    Ok(())
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }

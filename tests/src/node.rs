@@ -330,6 +330,41 @@ impl Pod {
         self.ipv6
     }
 
+    /// `eth0`'s IPv6 link-local address, once duplicate address detection has let it be used
+    /// (bounded by [`crate::IO_TIMEOUT`]). No CNI result names it, yet neighbours on the bridge
+    /// reach the pod's listeners through it.
+    pub fn link_local(&self) -> Result<Ipv6Addr> {
+        let deadline = std::time::Instant::now() + crate::IO_TIMEOUT;
+        loop {
+            // `-tentative` lists only addresses that finished duplicate address detection.
+            let listed = netns::ip_output(&[
+                "-n",
+                self.netns().name(),
+                "-6",
+                "-o",
+                "addr",
+                "show",
+                "dev",
+                "eth0",
+                "scope",
+                "link",
+                "-tentative",
+            ])?;
+            let address = listed
+                .split_whitespace()
+                .skip_while(|word| *word != "inet6")
+                .nth(1)
+                .and_then(|cidr| cidr.split('/').next()?.parse().ok());
+            match address {
+                Some(address) => return Ok(address),
+                None if std::time::Instant::now() > deadline => {
+                    return Err(anyhow!("no usable link-local address on eth0: {listed:?}"))
+                }
+                None => std::thread::sleep(std::time::Duration::from_millis(50)),
+            }
+        }
+    }
+
     /// Both addresses, IPv4 first.
     pub fn ips(&self) -> [IpAddr; 2] {
         [self.ipv4.into(), self.ipv6.into()]
