@@ -48,7 +48,7 @@ impl Listener {
         register(fd).map(Self)
     }
 
-    pub async fn accept(&self) -> io::Result<Packet> {
+    pub async fn accept(&self) -> io::Result<SeqpacketConnection> {
         let accepted = self
             .0
             .async_io(tokio::io::Interest::READABLE, |fd| {
@@ -57,7 +57,7 @@ impl Listener {
             })
             .await?;
         // SAFETY: accept4 returned a new descriptor that nothing else owns.
-        Packet::new(unsafe { OwnedFd::from_raw_fd(accepted) })
+        SeqpacketConnection::new(unsafe { OwnedFd::from_raw_fd(accepted) })
     }
 }
 
@@ -81,9 +81,9 @@ impl Datagram {
 }
 
 /// A connected seqpacket socket.
-pub struct Packet(AsyncFd<OwnedFd>);
+pub struct SeqpacketConnection(AsyncFd<OwnedFd>);
 
-impl Packet {
+impl SeqpacketConnection {
     pub fn new(fd: OwnedFd) -> io::Result<Self> {
         register(fd).map(Self)
     }
