@@ -44,7 +44,7 @@ use tracing::{debug, error, info, warn};
 use proto::workload_request::Payload;
 use proto::{AddWorkload, DelWorkload, WorkloadRequest};
 pub use proto::{WorkloadInfo, ZdsHello};
-pub use seqpacket::{recv_datagram, Datagram, MAX_DATAGRAM};
+pub use seqpacket::{recv_datagram, send_datagram, Datagram, MAX_DATAGRAM};
 
 /// Where istio-cni listens and ztunnel connects by default.
 pub const DEFAULT_SOCKET_PATH: &str = "/var/run/ztunnel/ztunnel.sock";
