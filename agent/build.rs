@@ -1,7 +1,13 @@
-//! Embeds the eBPF object built by `cargo xtask build-ebpf`, so weir-agent is one binary.
+//! Embeds the eBPF object built by `cargo xtask build-ebpf`, so weir-agent is one binary, and
+//! generates the ZDS message types from `proto/zds.proto`.
 use std::{env, path::PathBuf};
 
 fn main() {
+    embed_ebpf_object();
+    generate_zds();
+}
+
+fn embed_ebpf_object() {
     println!("cargo:rerun-if-env-changed=WEIR_EBPF_OBJECT");
     let object = env::var_os("WEIR_EBPF_OBJECT")
         .map(PathBuf::from)
@@ -19,4 +25,17 @@ fn main() {
     let object = object.canonicalize().expect("canonical eBPF object path");
     println!("cargo:rerun-if-changed={}", object.display());
     println!("cargo:rustc-env=WEIR_EBPF_OBJECT={}", object.display());
+}
+
+/// Writes `$OUT_DIR/istio.workload.zds.rs` for `src/zds/proto.rs` to include. protox parses the
+/// `.proto` in Rust, so building weir needs no `protoc`.
+fn generate_zds() {
+    const PROTO: &str = "proto/zds.proto";
+    // prost-build leaves this to the caller.
+    println!("cargo:rerun-if-changed={PROTO}");
+    let descriptors = protox::compile([PROTO], ["proto"])
+        .unwrap_or_else(|err| panic!("{PROTO} does not compile: {err:?}"));
+    prost_build::Config::new()
+        .compile_fds(descriptors)
+        .unwrap_or_else(|err| panic!("generating the ZDS types from {PROTO}: {err}"));
 }

@@ -10,29 +10,29 @@
 //! It can also misbehave on purpose: nack the next Add, stop acking, answer with arbitrary bytes,
 //! send datagrams unasked (garbage, oversized, carrying an fd).
 //!
-//! Written on nix directly (blocking, one reader thread), not on the agent's socket code, so it
-//! checks the agent's wire format independently; only the message types are the agent's.
+//! Blocking, with one reader thread. It shares the agent's message types and its datagram
+//! plumbing ([`send_datagram`], [`recv_datagram`]), not its protocol logic: what it checks, it
+//! checks independently of the agent.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, IoSlice};
+use std::io;
 use std::net::IpAddr;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
 use nix::sys::socket::{
-    connect, sendmsg, shutdown, socket, AddressFamily, ControlMessage, MsgFlags, Shutdown,
-    SockFlag, SockType, UnixAddr,
+    connect, shutdown, socket, AddressFamily, Shutdown, SockFlag, SockType, UnixAddr,
 };
 use prost::Message;
 use weir_agent::zds::proto::{
     workload_request::Payload, workload_response, Ack, Version, WorkloadInfo, WorkloadRequest,
     WorkloadResponse, ZdsHello,
 };
-use weir_agent::zds::{recv_datagram, Datagram, MAX_DATAGRAM};
+use weir_agent::zds::{recv_datagram, send_datagram, Datagram, MAX_DATAGRAM};
 
 use crate::netns;
 use crate::server::Log;
@@ -154,7 +154,7 @@ impl ZdsZtunnel {
         connect(socket.as_raw_fd(), &UnixAddr::new(socket_path.as_ref())?)?;
         let socket = Arc::new(socket);
         if let Some(hello) = hello {
-            send(socket.as_fd(), hello, None)?;
+            send_datagram(socket.as_fd(), hello, None)?;
         }
         let shared = Arc::new(Shared::default());
         let reader = thread::Builder::new().name("zds-ztunnel".into()).spawn({
@@ -396,8 +396,8 @@ fn answer(socket: BorrowedFd<'_>, reply: &ZdsReply) -> io::Result<()> {
         .encode_to_vec()
     };
     match reply {
-        ZdsReply::Ack => send(socket, &ack(String::new()), None),
-        ZdsReply::Nack(error) => send(socket, &ack(error.clone()), None),
+        ZdsReply::Ack => send_datagram(socket, &ack(String::new()), None),
+        ZdsReply::Nack(error) => send_datagram(socket, &ack(error.clone()), None),
         ZdsReply::Silent => Ok(()),
         ZdsReply::Raw { bytes, with_fd } => send_raw(socket, bytes, *with_fd),
     }
@@ -406,27 +406,10 @@ fn answer(socket: BorrowedFd<'_>, reply: &ZdsReply) -> io::Result<()> {
 fn send_raw(socket: BorrowedFd<'_>, bytes: &[u8], with_fd: bool) -> io::Result<()> {
     if with_fd {
         let extra = File::open("/dev/null")?;
-        send(socket, bytes, Some(extra.as_fd()))
+        send_datagram(socket, bytes, Some(extra.as_fd()))
     } else {
-        send(socket, bytes, None)
+        send_datagram(socket, bytes, None)
     }
-}
-
-fn send(socket: BorrowedFd<'_>, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
-    let rights: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
-    let cmsgs: &[ControlMessage] = if rights.is_empty() {
-        &[]
-    } else {
-        &[ControlMessage::ScmRights(&rights)]
-    };
-    sendmsg::<()>(
-        socket.as_raw_fd(),
-        &[IoSlice::new(bytes)],
-        cmsgs,
-        MsgFlags::MSG_NOSIGNAL,
-        None,
-    )?;
-    Ok(())
 }
 
 /// The pod's addresses, read inside its namespace (ZDS carries none): every interface address

@@ -10,24 +10,24 @@ use tokio::sync::mpsc;
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use super::packet::{Datagram, Packet, MAX_DATAGRAM};
 use super::proto::workload_request::Payload;
 use super::proto::workload_response::Payload as Response;
 use super::proto::{
     Ack, AddWorkload, KeepWorkload, SnapshotSent, Version, WorkloadRequest, WorkloadResponse,
     ZdsHello,
 };
+use super::seqpacket::{Datagram, SeqpacketConnection, MAX_DATAGRAM};
 use super::{message_name, Metrics, Shared, ZdsError, IO_TIMEOUT};
 
-pub(super) async fn serve(packet: Packet, shared: Arc<Shared>) {
-    match run(&packet, &shared).await {
+pub(super) async fn serve(socket: SeqpacketConnection, shared: Arc<Shared>) {
+    match run(&socket, &shared).await {
         Ok(()) => debug!("ZDS connection ended by ztunnel"),
         Err(err) => warn!("closing the ZDS connection: {err:#}"),
     }
 }
 
-async fn run(packet: &Packet, shared: &Arc<Shared>) -> anyhow::Result<()> {
-    let hello = read_hello(packet)
+async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Result<()> {
+    let hello = read_hello(socket)
         .await
         .inspect_err(|err| shared.metrics.error("hello", err.reason()))
         .context("no valid hello from ztunnel")?;
@@ -58,7 +58,7 @@ async fn run(packet: &Packet, shared: &Arc<Shared>) -> anyhow::Result<()> {
             None => Payload::Keep(KeepWorkload { uid: uid.clone() }),
         };
         let message = message_name(&payload);
-        match exchange(packet, &shared.metrics, payload, pod.netns.as_deref()).await {
+        match exchange(socket, &shared.metrics, payload, pod.netns.as_deref()).await {
             Ok(()) => {
                 debug!(conn, uid, pod = name, message, "snapshot entry acked");
                 if message == "add" {
@@ -74,7 +74,7 @@ async fn run(packet: &Packet, shared: &Arc<Shared>) -> anyhow::Result<()> {
         }
     }
     let sent = Payload::SnapshotSent(SnapshotSent {});
-    match exchange(packet, &shared.metrics, sent, None).await {
+    match exchange(socket, &shared.metrics, sent, None).await {
         Ok(()) => info!(conn, "snapshot sent and acked"),
         Err(err) if !err.is_fatal() => warn!(conn, %err, "SnapshotSent refused"),
         Err(err) => return Err(err).context("SnapshotSent"),
@@ -87,7 +87,7 @@ async fn run(packet: &Packet, shared: &Arc<Shared>) -> anyhow::Result<()> {
                 let Some(request) = request else { return Ok(()) };
                 let message = message_name(&request.payload);
                 let result =
-                    exchange(packet, &shared.metrics, request.payload, request.netns.as_deref())
+                    exchange(socket, &shared.metrics, request.payload, request.netns.as_deref())
                         .await;
                 let fatal = match &result {
                     Err(err) if err.is_fatal() => Some(err.to_string()),
@@ -100,7 +100,7 @@ async fn run(packet: &Packet, shared: &Arc<Shared>) -> anyhow::Result<()> {
                 }
             }
             // Idle: ztunnel speaks only when asked, so readable means closed or misbehaving.
-            datagram = packet.recv() => {
+            datagram = socket.recv() => {
                 let datagram = datagram.context("reading while idle")?;
                 if datagram.is_eof() {
                     info!(conn, "ztunnel closed the connection");
@@ -118,8 +118,8 @@ async fn run(packet: &Packet, shared: &Arc<Shared>) -> anyhow::Result<()> {
     // `registration` drops here (or at any early return): the connection leaves the registry.
 }
 
-async fn read_hello(packet: &Packet) -> Result<ZdsHello, ZdsError> {
-    let datagram = timeout(IO_TIMEOUT, packet.recv())
+async fn read_hello(socket: &SeqpacketConnection) -> Result<ZdsHello, ZdsError> {
+    let datagram = timeout(IO_TIMEOUT, socket.recv())
         .await
         .map_err(|_| ZdsError::Timeout)??;
     ZdsHello::decode(valid_bytes(&datagram)?)
@@ -128,13 +128,13 @@ async fn read_hello(packet: &Packet) -> Result<ZdsHello, ZdsError> {
 
 /// Sends one request (with the netns fd for Add) and waits for its ack; counts the outcome.
 async fn exchange(
-    packet: &Packet,
+    socket: &SeqpacketConnection,
     metrics: &Metrics,
     payload: Payload,
     netns: Option<&OwnedFd>,
 ) -> Result<(), ZdsError> {
     let message = message_name(&payload);
-    let result = send_and_wait(packet, metrics, payload, netns).await;
+    let result = send_and_wait(socket, metrics, payload, netns).await;
     match &result {
         Ok(()) => metrics.ack(message),
         Err(err) => metrics.error(message, err.reason()),
@@ -143,7 +143,7 @@ async fn exchange(
 }
 
 async fn send_and_wait(
-    packet: &Packet,
+    socket: &SeqpacketConnection,
     metrics: &Metrics,
     payload: Payload,
     netns: Option<&OwnedFd>,
@@ -157,10 +157,10 @@ async fn send_and_wait(
         return Err(ZdsError::TooLarge(bytes.len()));
     }
     metrics.request(message);
-    timeout(IO_TIMEOUT, packet.send(&bytes, netns.map(AsFd::as_fd)))
+    timeout(IO_TIMEOUT, socket.send(&bytes, netns.map(AsFd::as_fd)))
         .await
         .map_err(|_| ZdsError::Timeout)??;
-    let datagram = timeout(IO_TIMEOUT, packet.recv())
+    let datagram = timeout(IO_TIMEOUT, socket.recv())
         .await
         .map_err(|_| ZdsError::Timeout)??;
     let response = WorkloadResponse::decode(valid_bytes(&datagram)?)

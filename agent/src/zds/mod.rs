@@ -22,8 +22,8 @@
 //! [`Ack`]: proto::Ack
 
 mod connection;
-mod packet;
 pub mod proto;
+mod seqpacket;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -41,10 +41,10 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, error, info, warn};
 
-pub use packet::{recv_datagram, Datagram, MAX_DATAGRAM};
 use proto::workload_request::Payload;
 use proto::{AddWorkload, DelWorkload, WorkloadRequest};
 pub use proto::{WorkloadInfo, ZdsHello};
+pub use seqpacket::{recv_datagram, send_datagram, Datagram, MAX_DATAGRAM};
 
 /// Where istio-cni listens and ztunnel connects by default.
 pub const DEFAULT_SOCKET_PATH: &str = "/var/run/ztunnel/ztunnel.sock";
@@ -124,7 +124,7 @@ pub fn start(
     config: ZdsConfig,
     registry: &mut Registry,
 ) -> io::Result<(ZdsHandle, impl Future<Output = ()>)> {
-    let listener = packet::bind_listener(&config.socket_path)?;
+    let listener = seqpacket::bind_listener(&config.socket_path)?;
     info!(socket = %config.socket_path.display(), "ZDS server listening");
     let shared = Arc::new(Shared {
         state: Mutex::default(),
@@ -364,7 +364,7 @@ impl Drop for Registration {
 /// Accepts connections at a bounded rate and serves each on a task of its own; the tasks are
 /// aborted when this future is dropped.
 async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
-    let listener = match packet::Listener::new(listener) {
+    let listener = match seqpacket::Listener::new(listener) {
         Ok(listener) => listener,
         Err(err) => {
             error!(%err, "cannot serve ZDS: the socket cannot be registered with the runtime");
@@ -387,9 +387,9 @@ async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
             }
         };
         match accepted {
-            Ok(packet) => {
+            Ok(socket) => {
                 debug!("ztunnel connection accepted");
-                connections.spawn(connection::serve(packet, shared.clone()));
+                connections.spawn(connection::serve(socket, shared.clone()));
             }
             // E.g. EMFILE; the pace keeps a persistent failure from spinning.
             Err(err) => warn!(%err, "ZDS accept failed"),

@@ -48,7 +48,7 @@ impl Listener {
         register(fd).map(Self)
     }
 
-    pub async fn accept(&self) -> io::Result<Packet> {
+    pub async fn accept(&self) -> io::Result<SeqpacketConnection> {
         let accepted = self
             .0
             .async_io(tokio::io::Interest::READABLE, |fd| {
@@ -57,7 +57,7 @@ impl Listener {
             })
             .await?;
         // SAFETY: accept4 returned a new descriptor that nothing else owns.
-        Packet::new(unsafe { OwnedFd::from_raw_fd(accepted) })
+        SeqpacketConnection::new(unsafe { OwnedFd::from_raw_fd(accepted) })
     }
 }
 
@@ -81,33 +81,18 @@ impl Datagram {
 }
 
 /// A connected seqpacket socket.
-pub struct Packet(AsyncFd<OwnedFd>);
+pub struct SeqpacketConnection(AsyncFd<OwnedFd>);
 
-impl Packet {
+impl SeqpacketConnection {
     pub fn new(fd: OwnedFd) -> io::Result<Self> {
         register(fd).map(Self)
     }
 
     /// Sends `bytes` as one datagram, with `fd` attached when given.
     pub async fn send(&self, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
-        let rights: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
         self.0
             .async_io(tokio::io::Interest::WRITABLE, |socket| {
-                let iov = [IoSlice::new(bytes)];
-                let cmsgs: &[ControlMessage] = if rights.is_empty() {
-                    &[]
-                } else {
-                    &[ControlMessage::ScmRights(&rights)]
-                };
-                // MSG_NOSIGNAL: a peer gone mid-send is EPIPE here, never a SIGPIPE.
-                sendmsg::<()>(
-                    socket.as_raw_fd(),
-                    &iov,
-                    cmsgs,
-                    MsgFlags::MSG_NOSIGNAL,
-                    None,
-                )?;
-                Ok(())
+                send_datagram(socket.as_fd(), bytes, fd)
             })
             .await
     }
@@ -128,6 +113,28 @@ fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
     // SAFETY: an `OwnedFd` is open and stays open, with the same number, until the `AsyncFd`
     // that owns it drops.
     Ok(unsafe { AsyncFd::register(fd) }?)
+}
+
+/// Sends `bytes` as one datagram (blocking on a blocking socket), with `fd` attached
+/// (SCM_RIGHTS) when given.
+pub fn send_datagram(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    fd: Option<BorrowedFd<'_>>,
+) -> io::Result<()> {
+    let rights = fd.map(|fd| [fd.as_raw_fd()]);
+    let cmsg = rights
+        .as_ref()
+        .map(|rights| ControlMessage::ScmRights(rights));
+    // MSG_NOSIGNAL: a peer gone mid-send is EPIPE here, never a SIGPIPE.
+    sendmsg::<()>(
+        socket.as_raw_fd(),
+        &[IoSlice::new(bytes)],
+        cmsg.as_slice(),
+        MsgFlags::MSG_NOSIGNAL,
+        None,
+    )?;
+    Ok(())
 }
 
 /// Receives one datagram (blocking on a blocking socket) with the descriptors that came with it.
