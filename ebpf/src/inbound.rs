@@ -67,7 +67,10 @@ const IPV6_TUPLE_LEN: u32 = 36;
 /// Look sockets up in the netns the packet is in (the pod's).
 const BPF_F_CURRENT_NETNS: u64 = u64::MAX;
 
+// The bindings' integer type for these differs between the BPF target and the host.
+#[allow(clippy::unnecessary_cast)]
 const PASS: i32 = TC_ACT_OK as i32;
+#[allow(clippy::unnecessary_cast)]
 const DROP: i32 = TC_ACT_SHOT as i32;
 
 #[classifier]
@@ -128,13 +131,11 @@ fn network_header(ctx: &TcContext) -> Result<Option<NetworkHeader>, ()> {
                 destination: ip_from_v4_word(daddr),
             }))
         }
-        ETH_P_IPV6 => {
-            Ok(Some(NetworkHeader {
-                v6: true,
-                source: IpKey::from_v6(ctx.load(ETH_HLEN + 8).map_err(|_| ())?),
-                destination: IpKey::from_v6(ctx.load(ETH_HLEN + 24).map_err(|_| ())?),
-            }))
-        }
+        ETH_P_IPV6 => Ok(Some(NetworkHeader {
+            v6: true,
+            source: IpKey::from_v6(ctx.load(ETH_HLEN + 8).map_err(|_| ())?),
+            destination: IpKey::from_v6(ctx.load(ETH_HLEN + 24).map_err(|_| ())?),
+        })),
         _ => Ok(None),
     }
 }
@@ -244,8 +245,7 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
     // Who owns this tuple now: a connection (established, half-open, or ztunnel's own), a
     // listener, a TIME_WAIT remnant, or nothing.
     let owner = socket_state(ctx, &mut tuple, tuple_len);
-    let connected =
-        matches!(owner, Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT);
+    let connected = matches!(owner, Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT);
 
     if transport.fragment == Fragment::First {
         // Reassembly happens after this program; only a connection's own socket can be trusted
@@ -266,7 +266,9 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         return Ok(DROP);
     }
 
-    let flags: u8 = ctx.load(transport.offset + TCP_FLAGS_OFFSET).map_err(|_| ())?;
+    let flags: u8 = ctx
+        .load(transport.offset + TCP_FLAGS_OFFSET)
+        .map_err(|_| ())?;
     let opens = flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
     if bypass {
         if opens {

@@ -11,8 +11,9 @@
 //! Every program is keyed on enrolled pods (their netns cookie, or their IPs on the wire) and lets
 //! everything else through untouched: the cgroup programs are attached at the root cgroup and see
 //! every socket on the node.
-#![no_std]
-#![no_main]
+// Built for the host too (`cargo test` in ebpf/): the pure helpers have unit tests there.
+#![cfg_attr(not(test), no_std)]
+#![cfg_attr(not(test), no_main)]
 
 mod diag;
 mod maps;

@@ -166,7 +166,7 @@ pub static PODS: HashMap<u64, PodConfig, MAX_PODS> = Map::new();
 /// sockets on the node find the pod.
 #[unsafe(link_section = ".maps")]
 #[unsafe(no_mangle)]
-pub static POD_IPS: HashMap<IpKey, u64, { MAX_PODS * 2 }> = Map::new();
+pub static POD_IPS: HashMap<IpKey, u64, { MAX_PODS * 4 }> = Map::new();
 
 #[unsafe(link_section = ".maps")]
 #[unsafe(no_mangle)]

@@ -1,5 +1,8 @@
 //! Addresses as the kernel hands them to programs, converted to and from the ABI's `Endpoint`.
-use aya_ebpf::bindings::{bpf_sock, bpf_sock_addr};
+use aya_ebpf::{
+    bindings::{bpf_sock, bpf_sock_addr},
+    programs::SockAddrContext,
+};
 use weir_common::{Endpoint, IpKey};
 
 pub const AF_INET: u32 = 2;
@@ -16,6 +19,95 @@ macro_rules! ctx_read {
     };
 }
 pub(crate) use ctx_read;
+
+/// The two addresses of a socket-shaped context (`bpf_sock`, `bpf_sock_ops`), named by its IPv4
+/// and IPv6 fields, as `Some((a, b))` for an IPv4 or IPv6 socket. Every field is loaded and the
+/// family picks among the values afterwards: loads inside family branches let LLVM merge the field
+/// addresses, and the verifier rejects a dereference of a computed context pointer.
+macro_rules! socket_addresses {
+    ($ctx:expr, ($a4:ident, $b4:ident), ($a6:ident, $b6:ident)) => {{
+        let family = $crate::net::ctx_read!($ctx, family);
+        let v4 = (
+            $crate::net::ctx_read!($ctx, $a4),
+            $crate::net::ctx_read!($ctx, $b4),
+        );
+        let a6 = [
+            $crate::net::ctx_read!($ctx, $a6[0]),
+            $crate::net::ctx_read!($ctx, $a6[1]),
+            $crate::net::ctx_read!($ctx, $a6[2]),
+            $crate::net::ctx_read!($ctx, $a6[3]),
+        ];
+        let b6 = [
+            $crate::net::ctx_read!($ctx, $b6[0]),
+            $crate::net::ctx_read!($ctx, $b6[1]),
+            $crate::net::ctx_read!($ctx, $b6[2]),
+            $crate::net::ctx_read!($ctx, $b6[3]),
+        ];
+        match family {
+            $crate::net::AF_INET => Some((
+                $crate::net::ip_from_v4_word(v4.0),
+                $crate::net::ip_from_v4_word(v4.1),
+            )),
+            $crate::net::AF_INET6 => Some((
+                $crate::net::ip_from_v6_words(a6),
+                $crate::net::ip_from_v6_words(b6),
+            )),
+            _ => None,
+        }
+    }};
+}
+pub(crate) use socket_addresses;
+
+/// `struct sockaddr_in`, for `bpf_bind` and the `SO_ORIGINAL_DST` answer.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SockaddrIn {
+    family: u16,
+    /// Network order.
+    port: u16,
+    addr: [u8; 4],
+    zero: [u8; 8],
+}
+
+impl SockaddrIn {
+    /// `ip` is IPv4-mapped; `port` in host order.
+    #[inline(always)]
+    pub fn new(ip: &IpKey, port: u16) -> Self {
+        let o = &ip.octets;
+        Self {
+            family: AF_INET as u16,
+            port: port.to_be(),
+            addr: [o[12], o[13], o[14], o[15]],
+            zero: [0; 8],
+        }
+    }
+}
+
+/// `struct sockaddr_in6`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SockaddrIn6 {
+    family: u16,
+    /// Network order.
+    port: u16,
+    flowinfo: u32,
+    addr: [u8; 16],
+    scope_id: u32,
+}
+
+impl SockaddrIn6 {
+    /// `port` in host order.
+    #[inline(always)]
+    pub fn new(ip: &IpKey, port: u16) -> Self {
+        Self {
+            family: AF_INET6 as u16,
+            port: port.to_be(),
+            flowinfo: 0,
+            addr: ip.octets,
+            scope_id: 0,
+        }
+    }
+}
 
 /// Program return codes for cgroup hooks: 1 lets the operation proceed, 0 refuses it (EPERM).
 pub const ALLOW: i32 = 1;
@@ -107,6 +199,24 @@ pub struct SockAddr {
 }
 
 impl SockAddr {
+    /// The context of a `*4` hook.
+    #[inline(always)]
+    pub fn v4(ctx: &SockAddrContext) -> Self {
+        Self {
+            ctx: ctx.sock_addr,
+            v6: false,
+        }
+    }
+
+    /// The context of a `*6` hook.
+    #[inline(always)]
+    pub fn v6(ctx: &SockAddrContext) -> Self {
+        Self {
+            ctx: ctx.sock_addr,
+            v6: true,
+        }
+    }
+
     /// The address the app named (connect/sendmsg), or the peer it is shown (getpeername/recvmsg).
     #[inline(always)]
     pub fn user_endpoint(&self) -> Endpoint {
@@ -173,5 +283,71 @@ impl SockAddr {
         }
         // SAFETY: non-null socket pointer from the context.
         unsafe { ctx_read!(sk, mark) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v4(a: [u8; 4]) -> IpKey {
+        IpKey::from_v4(a)
+    }
+
+    fn v6(s: &str) -> IpKey {
+        IpKey::from_v6(s.parse::<core::net::Ipv6Addr>().unwrap().octets())
+    }
+
+    #[test]
+    fn words_keep_network_order() {
+        // A word as the kernel hands it (network order in memory) maps to the same octets.
+        let word = u32::from_ne_bytes([10, 1, 2, 3]);
+        assert_eq!(ip_from_v4_word(word), v4([10, 1, 2, 3]));
+        let ip = v6("fd00::1:2");
+        assert_eq!(ip_from_v6_words(v6_words(&ip)), ip);
+        // An IPv4 address is the last word of its v4-mapped key.
+        assert_eq!(v6_words(&v4([10, 1, 2, 3]))[3], word);
+    }
+
+    #[test]
+    fn v4_mapped_is_recognised() {
+        assert!(is_v4_mapped(&v4([192, 168, 0, 1])));
+        assert!(!is_v4_mapped(&v6("::1")));
+        assert!(
+            !is_v4_mapped(&v6("::c0a8:1")),
+            "v4-compatible is not v4-mapped"
+        );
+    }
+
+    #[test]
+    fn same_ip_compares_every_word() {
+        assert!(same_ip(&v6("fd00::1"), &v6("fd00::1")));
+        assert!(!same_ip(&v6("fd00::1"), &v6("fd01::1")));
+        assert!(!same_ip(&v6("fd00::1"), &v6("fd00::2")));
+        assert!(!same_ip(&v4([10, 0, 0, 1]), &v6("::a00:1")));
+    }
+
+    #[test]
+    fn loopback_is_127_8_and_1() {
+        assert!(is_loopback(&v4([127, 0, 0, 1])));
+        assert!(is_loopback(&v4([127, 9, 9, 9])));
+        assert!(is_loopback(&v6("::1")));
+        assert!(!is_loopback(&v4([10, 0, 0, 1])));
+        assert!(!is_loopback(&v6("::2")));
+        assert!(!is_loopback(&v6("1::1")));
+        assert_eq!(loopback_like(&v4([10, 0, 0, 1])), v4([127, 0, 0, 1]));
+        assert_eq!(loopback_like(&v6("fd00::1")), v6("::1"));
+    }
+
+    #[test]
+    fn sockaddrs_have_the_kernel_layout() {
+        assert_eq!(size_of::<SockaddrIn>(), 16);
+        assert_eq!(size_of::<SockaddrIn6>(), 28);
+        let sin = SockaddrIn::new(&v4([10, 1, 2, 3]), 8080);
+        assert_eq!(sin.port, 8080u16.to_be());
+        assert_eq!(sin.addr, [10, 1, 2, 3]);
+        let sin6 = SockaddrIn6::new(&v6("fd00::1"), 53);
+        assert_eq!(sin6.family, AF_INET6 as u16);
+        assert_eq!(sin6.addr, v6("fd00::1").octets);
     }
 }

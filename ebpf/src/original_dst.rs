@@ -11,18 +11,13 @@ use weir_common::{ConnectionKey, Endpoint};
 use crate::{
     diag::{diag, ip},
     maps::{CONN_ORIG_DST, SOCKET_ORIG_DST},
-    net::{
-        ctx_read, ip_from_v4_word, ip_from_v6_words, is_v4_mapped, AF_INET, AF_INET6, ALLOW,
-        IPPROTO_TCP,
-    },
+    net::{ctx_read, is_v4_mapped, socket_addresses, SockaddrIn, SockaddrIn6, ALLOW, IPPROTO_TCP},
 };
 
 const SOL_IP: i32 = 0;
 const SOL_IPV6: i32 = 41;
 /// `SO_ORIGINAL_DST` and `IP6T_SO_ORIGINAL_DST` share the number.
 const SO_ORIGINAL_DST: i32 = 80;
-const SOCKADDR_IN_LEN: usize = 16;
-const SOCKADDR_IN6_LEN: usize = 28;
 
 #[sock_ops]
 pub fn weir_sockops(ctx: SockOpsContext) -> u32 {
@@ -43,36 +38,21 @@ fn remember_connection(ctx: &SockOpsContext) {
     let Some(original) = SOCKET_ORIG_DST.of(sk) else {
         return;
     };
-    // SAFETY: valid context. Every field is loaded unconditionally and the family picks among
-    // the values afterwards: loads inside family branches let LLVM merge the field addresses,
-    // and the verifier rejects a dereference of a computed context pointer.
+    // SAFETY: valid context.
     let key = unsafe {
-        let family = ctx_read!(ops, family);
-        let v4 = (ctx_read!(ops, local_ip4), ctx_read!(ops, remote_ip4));
-        let local_ip6 = [
-            ctx_read!(ops, local_ip6[0]),
-            ctx_read!(ops, local_ip6[1]),
-            ctx_read!(ops, local_ip6[2]),
-            ctx_read!(ops, local_ip6[3]),
-        ];
-        let remote_ip6 = [
-            ctx_read!(ops, remote_ip6[0]),
-            ctx_read!(ops, remote_ip6[1]),
-            ctx_read!(ops, remote_ip6[2]),
-            ctx_read!(ops, remote_ip6[3]),
-        ];
+        let Some((client_ip, listener_ip)) =
+            socket_addresses!(ops, (local_ip4, remote_ip4), (local_ip6, remote_ip6))
+        else {
+            return;
+        };
         // local_port is in host order; remote_port holds the network-order port in its upper
         // half.
-        let local_port = ctx_read!(ops, local_port) as u16;
-        let remote_port = u16::from_be((ctx_read!(ops, remote_port) >> 16) as u16);
-        let (client_ip, listener_ip) = match family {
-            AF_INET => (ip_from_v4_word(v4.0), ip_from_v4_word(v4.1)),
-            AF_INET6 => (ip_from_v6_words(local_ip6), ip_from_v6_words(remote_ip6)),
-            _ => return,
-        };
         ConnectionKey {
-            client: Endpoint::new(client_ip, local_port),
-            listener: Endpoint::new(listener_ip, remote_port),
+            client: Endpoint::new(client_ip, ctx_read!(ops, local_port) as u16),
+            listener: Endpoint::new(
+                listener_ip,
+                u16::from_be((ctx_read!(ops, remote_port) >> 16) as u16),
+            ),
         }
     };
     let _ = CONN_ORIG_DST.insert(&key, &original);
@@ -98,31 +78,13 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
     if sk.is_null() || ctx_read!(sk, protocol) != IPPROTO_TCP {
         return;
     }
-    // Loaded unconditionally, then picked by family: see `remember_connection`.
-    let family = ctx_read!(sk, family);
-    let v4 = (ctx_read!(sk, src_ip4), ctx_read!(sk, dst_ip4));
-    let src_ip6 = [
-        ctx_read!(sk, src_ip6[0]),
-        ctx_read!(sk, src_ip6[1]),
-        ctx_read!(sk, src_ip6[2]),
-        ctx_read!(sk, src_ip6[3]),
-    ];
-    let dst_ip6 = [
-        ctx_read!(sk, dst_ip6[0]),
-        ctx_read!(sk, dst_ip6[1]),
-        ctx_read!(sk, dst_ip6[2]),
-        ctx_read!(sk, dst_ip6[3]),
-    ];
-    let src_port = ctx_read!(sk, src_port) as u16;
-    let dst_port = u16::from_be(ctx_read!(sk, dst_port));
-    let (local_ip, remote_ip) = match family {
-        AF_INET => (ip_from_v4_word(v4.0), ip_from_v4_word(v4.1)),
-        AF_INET6 => (ip_from_v6_words(src_ip6), ip_from_v6_words(dst_ip6)),
-        _ => return,
+    let Some((local_ip, remote_ip)) = socket_addresses!(sk, (src_ip4, dst_ip4), (src_ip6, dst_ip6))
+    else {
+        return;
     };
     let key = ConnectionKey {
-        client: Endpoint::new(remote_ip, dst_port),
-        listener: Endpoint::new(local_ip, src_port),
+        client: Endpoint::new(remote_ip, u16::from_be(ctx_read!(sk, dst_port))),
+        listener: Endpoint::new(local_ip, ctx_read!(sk, src_port) as u16),
     };
     let Some(original) = CONN_ORIG_DST.get(&key) else {
         return;
@@ -131,19 +93,10 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
     // Answer in the family the caller asked in, as netfilter does: SOL_IP for an IPv4 original
     // destination (also on ztunnel's IPv4-mapped AF_INET6 sockets), SOL_IPV6 for an IPv6 one.
     let v4 = is_v4_mapped(&original.ip);
-    let port = original.port.to_be_bytes();
     let answered = if level == SOL_IP && v4 {
-        let mut sin = [0u8; SOCKADDR_IN_LEN];
-        sin[..2].copy_from_slice(&(AF_INET as u16).to_ne_bytes());
-        sin[2..4].copy_from_slice(&port);
-        sin[4..8].copy_from_slice(&original.ip.octets[12..16]);
-        write_answer(opt, &sin)
+        write_answer(opt, &SockaddrIn::new(&original.ip, original.port))
     } else if level == SOL_IPV6 && !v4 {
-        let mut sin6 = [0u8; SOCKADDR_IN6_LEN];
-        sin6[..2].copy_from_slice(&(AF_INET6 as u16).to_ne_bytes());
-        sin6[2..4].copy_from_slice(&port);
-        sin6[8..24].copy_from_slice(&original.ip.octets);
-        write_answer(opt, &sin6)
+        write_answer(opt, &SockaddrIn6::new(&original.ip, original.port))
     } else {
         false
     };
@@ -163,23 +116,25 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
 }
 
 /// Writes a sockaddr as the call's result, if the caller's buffer holds it; returns whether it
-/// did. The length is a constant per call site so the verifier can check the bound.
+/// did. Its size is a constant per call site so the verifier can check the bound.
 #[inline(always)]
-unsafe fn write_answer<const N: usize>(opt: *mut bpf_sockopt, answer: &[u8; N]) -> bool {
-    if (ctx_read!(opt, optlen) as usize) < N {
+unsafe fn write_answer<T: Copy>(opt: *mut bpf_sockopt, answer: &T) -> bool {
+    let len = size_of::<T>();
+    if (ctx_read!(opt, optlen) as usize) < len {
         return false;
     }
     let optval = ctx_read!(opt, __bindgen_anon_2.optval) as *mut u8;
     let optval_end = ctx_read!(opt, __bindgen_anon_3.optval_end) as *mut u8;
-    if optval.add(N) > optval_end {
+    if optval.add(len) > optval_end {
         return false;
     }
+    let bytes = answer as *const T as *const u8;
     let mut i = 0;
-    while i < N {
-        core::ptr::write_volatile(optval.add(i), answer[i]);
+    while i < len {
+        core::ptr::write_volatile(optval.add(i), *bytes.add(i));
         i += 1;
     }
-    core::ptr::write_volatile(core::ptr::addr_of_mut!((*opt).optlen), N as i32);
+    core::ptr::write_volatile(core::ptr::addr_of_mut!((*opt).optlen), len as i32);
     core::ptr::write_volatile(core::ptr::addr_of_mut!((*opt).retval), 0);
     true
 }

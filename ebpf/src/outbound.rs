@@ -17,8 +17,8 @@ use crate::{
     diag::{diag, ip},
     maps::{count, NODE_CONFIG, PODS, POD_IPS, SOCKET_ORIG_DST},
     net::{
-        is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, AF_INET, AF_INET6, ALLOW, DENY,
-        SOCK_STREAM,
+        is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, SockaddrIn, SockaddrIn6,
+        ALLOW, DENY, SOCK_STREAM,
     },
 };
 
@@ -35,78 +35,42 @@ enum Hook {
 
 #[cgroup_sock_addr(connect4)]
 pub fn weir_connect4(ctx: SockAddrContext) -> i32 {
-    on_outbound(
-        SockAddr {
-            ctx: ctx.sock_addr,
-            v6: false,
-        },
-        Hook::Connect,
-    )
+    on_outbound(SockAddr::v4(&ctx), Hook::Connect)
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn weir_connect6(ctx: SockAddrContext) -> i32 {
-    on_outbound(
-        SockAddr {
-            ctx: ctx.sock_addr,
-            v6: true,
-        },
-        Hook::Connect,
-    )
+    on_outbound(SockAddr::v6(&ctx), Hook::Connect)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn weir_sendmsg4(ctx: SockAddrContext) -> i32 {
-    on_outbound(
-        SockAddr {
-            ctx: ctx.sock_addr,
-            v6: false,
-        },
-        Hook::Send,
-    )
+    on_outbound(SockAddr::v4(&ctx), Hook::Send)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn weir_sendmsg6(ctx: SockAddrContext) -> i32 {
-    on_outbound(
-        SockAddr {
-            ctx: ctx.sock_addr,
-            v6: true,
-        },
-        Hook::Send,
-    )
+    on_outbound(SockAddr::v6(&ctx), Hook::Send)
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn weir_getpeername4(ctx: SockAddrContext) -> i32 {
-    show_original_peer(SockAddr {
-        ctx: ctx.sock_addr,
-        v6: false,
-    })
+    show_original_peer(SockAddr::v4(&ctx))
 }
 
 #[cgroup_sock_addr(getpeername6)]
 pub fn weir_getpeername6(ctx: SockAddrContext) -> i32 {
-    show_original_peer(SockAddr {
-        ctx: ctx.sock_addr,
-        v6: true,
-    })
+    show_original_peer(SockAddr::v6(&ctx))
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn weir_recvmsg4(ctx: SockAddrContext) -> i32 {
-    show_original_peer(SockAddr {
-        ctx: ctx.sock_addr,
-        v6: false,
-    })
+    show_original_peer(SockAddr::v4(&ctx))
 }
 
 #[cgroup_sock_addr(recvmsg6)]
 pub fn weir_recvmsg6(ctx: SockAddrContext) -> i32 {
-    show_original_peer(SockAddr {
-        ctx: ctx.sock_addr,
-        v6: true,
-    })
+    show_original_peer(SockAddr::v6(&ctx))
 }
 
 #[inline(always)]
@@ -214,16 +178,9 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
     }
     // Counted as bypassed by the pod's inbound program when the SYN arrives.
     let bound = if !sa.v6 {
-        let mut addr = SockaddrIn {
-            family: AF_INET as u16,
-            port: 0,
-            addr: PROBE_SOURCE_V4,
-            zero: [0; 8],
-        };
         bind(
             sa,
-            &mut addr as *mut SockaddrIn as *mut sockaddr,
-            size_of::<SockaddrIn>(),
+            &mut SockaddrIn::new(&IpKey::from_v4(PROBE_SOURCE_V4), 0),
         )
     } else {
         let source = if is_v4_mapped(&dst.ip) {
@@ -231,18 +188,7 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
         } else {
             IpKey::from_v6(PROBE_SOURCE_V6)
         };
-        let mut addr = SockaddrIn6 {
-            family: AF_INET6 as u16,
-            port: 0,
-            flowinfo: 0,
-            addr: source.octets,
-            scope_id: 0,
-        };
-        bind(
-            sa,
-            &mut addr as *mut SockaddrIn6 as *mut sockaddr,
-            size_of::<SockaddrIn6>(),
-        )
+        bind(sa, &mut SockaddrIn6::new(&source, 0))
     };
     diag!(
         debug,
@@ -258,9 +204,15 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
 /// like any other traffic, which fails toward the mesh, not toward a bypass.
 /// Returns the helper's result: 0, or a negative errno.
 #[inline(always)]
-fn bind(sa: &SockAddr, addr: *mut sockaddr, len: usize) -> i64 {
-    // SAFETY: bpf_bind is allowed in connect hooks; `addr` points to a stack sockaddr of `len`.
-    unsafe { bpf_bind(sa.ctx, addr, len as i32) }
+fn bind<T>(sa: &SockAddr, addr: &mut T) -> i64 {
+    // SAFETY: bpf_bind is allowed in connect hooks; `addr` is a sockaddr on the stack.
+    unsafe {
+        bpf_bind(
+            sa.ctx,
+            addr as *mut T as *mut sockaddr,
+            size_of::<T>() as i32,
+        )
+    }
 }
 
 /// getpeername and recvmsg: show the app the address it asked for, not ztunnel's listener.
@@ -297,21 +249,4 @@ fn pod_address_like(pod: &PodConfig, like: &IpKey) -> Option<IpKey> {
 #[inline(always)]
 fn is_probe_source(ip: &IpKey) -> bool {
     same_ip(ip, &IpKey::from_v4(PROBE_SOURCE_V4)) || same_ip(ip, &IpKey::from_v6(PROBE_SOURCE_V6))
-}
-
-#[repr(C)]
-struct SockaddrIn {
-    family: u16,
-    port: u16,
-    addr: [u8; 4],
-    zero: [u8; 8],
-}
-
-#[repr(C)]
-struct SockaddrIn6 {
-    family: u16,
-    port: u16,
-    flowinfo: u32,
-    addr: [u8; 16],
-    scope_id: u32,
 }
