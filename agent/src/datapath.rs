@@ -29,14 +29,13 @@ use aya::{
     },
     Ebpf, EbpfLoader,
 };
-use serde::{Deserialize, Serialize};
 use tracing::{debug, info, warn};
 use weir_common::{
     globals, maps, programs, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION,
     POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS, POD_UID_LEN,
 };
 
-use crate::{bpf_sys, netlink, netns};
+use crate::{bpf_sys, netlink, netns, workload::Workload};
 
 /// The compiled kernel side, embedded so the agent is one self-contained binary.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT"));
@@ -91,40 +90,10 @@ impl Default for DatapathConfig {
     }
 }
 
-/// What the datapath needs to know about a pod.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PodSpec {
-    /// metadata.uid
-    pub uid: String,
-    /// Path of the pod's network namespace (e.g. `/var/run/netns/cni-…`).
-    pub netns: PathBuf,
-    pub ips: Vec<IpAddr>,
-    #[serde(default)]
-    pub options: PodOptions,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct PodOptions {
-    /// `ambient.istio.io/bypass-inbound-capture=true`
-    pub inbound_bypass: bool,
-    /// DNS to port 53 goes to ztunnel's DNS proxy (the node default is on).
-    pub dns_capture: bool,
-}
-
-impl Default for PodOptions {
-    fn default() -> Self {
-        Self {
-            inbound_bypass: false,
-            dns_capture: true,
-        }
-    }
-}
-
 type Reply<T> = mpsc::SyncSender<Result<T>>;
 
 enum Command {
-    Enroll(PodSpec, Reply<OwnedFd>),
+    Enroll(Workload, Reply<OwnedFd>),
     Unenroll(String, Reply<bool>),
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
@@ -178,7 +147,7 @@ impl Datapath {
 
     /// Redirects the pod's traffic to ztunnel. Idempotent: enrolling again applies new options.
     /// Returns a handle on the pod's netns (the one the datapath holds), for ztunnel.
-    pub fn enroll(&self, pod: PodSpec) -> Result<OwnedFd> {
+    pub fn enroll(&self, pod: Workload) -> Result<OwnedFd> {
         self.ask(|reply| Command::Enroll(pod, reply))
     }
 
@@ -376,7 +345,7 @@ impl Owner {
     }
 
     /// Where a pod is enrolled.
-    fn enroll(&mut self, pod: &PodSpec) -> Result<OwnedFd> {
+    fn enroll(&mut self, pod: &Workload) -> Result<OwnedFd> {
         let config = pod_config(pod)?;
         let ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
         let netns_file = File::open(&pod.netns)
@@ -742,7 +711,7 @@ fn take_map<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
     Ok(T::try_from(map)?)
 }
 
-fn pod_config(pod: &PodSpec) -> Result<PodConfig> {
+fn pod_config(pod: &Workload) -> Result<PodConfig> {
     if pod.uid.is_empty() || pod.uid.len() > POD_UID_LEN {
         bail!("pod uid {:?} must be 1 to {POD_UID_LEN} bytes", pod.uid);
     }

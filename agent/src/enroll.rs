@@ -22,13 +22,13 @@ use prometheus_client::{
     },
     registry::Registry,
 };
-use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 use weir_cni::protocol::{Command, Request, Response, VerdictCache};
 
 use crate::{
-    datapath::{Datapath, PodOptions, PodSpec},
+    datapath::Datapath,
     policy::{write_verdict_cache, Labels, LocalPolicy, PolicyConfig},
+    workload::Workload,
     zds::{WorkloadInfo, ZdsError, ZdsHandle},
 };
 
@@ -69,20 +69,6 @@ impl PolicySource {
     }
 }
 
-/// A pod as the agent knows it; also what it remembers of enrolled pods across its own restarts
-/// (the pinned maps hold the redirection, ztunnel needs the pod's name and netns again, and an
-/// upgrade to another map layout enrolls the pod again).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Pod {
-    pub uid: String,
-    pub name: String,
-    pub namespace: String,
-    pub netns: PathBuf,
-    pub ips: Vec<IpAddr>,
-    pub options: PodOptions,
-    pub service_account: String,
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
     /// Redirected, waiting for ztunnel's Ack (istio's `ambient.istio.io/redirection=pending`).
@@ -108,7 +94,7 @@ pub struct Enroller {
     policy: PolicySource,
     status: Mutex<HashMap<String, Status>>,
     /// Enrolled pods by uid, mirrored to `state_file` on every change.
-    records: Mutex<BTreeMap<String, Pod>>,
+    records: Mutex<BTreeMap<String, Workload>>,
     state_file: PathBuf,
     /// One async lock per pod uid: ADD/DEL for one pod are ordered.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -165,7 +151,7 @@ impl Enroller {
     /// them (Add with the netns, or Keep when it cannot be found). They stay pending until
     /// ztunnel acks them.
     pub async fn recover(&self) -> Result<()> {
-        let mut records: BTreeMap<String, Pod> = match std::fs::read(&self.state_file) {
+        let mut records: BTreeMap<String, Workload> = match std::fs::read(&self.state_file) {
             Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|error| {
                 warn!(file = %self.state_file.display(), %error, "unreadable pod state: ignored");
                 BTreeMap::new()
@@ -175,7 +161,7 @@ impl Enroller {
         let enrolled = self.datapath_call(|d| d.enrolled()).await?;
         // Known to the state file but not to these maps: enrolled by an agent with another map
         // layout (an upgrade). They are enrolled again, into this one.
-        let migrate: Vec<Pod> = records
+        let migrate: Vec<Workload> = records
             .values()
             .filter(|pod| !enrolled.contains(&pod.uid))
             .cloned()
@@ -183,18 +169,12 @@ impl Enroller {
         records.retain(|uid, _| enrolled.contains(uid));
         *self.records.lock().unwrap() = records.clone();
         for uid in enrolled {
-            let record = records.get(&uid).cloned();
-            let (hint, owned_uid) = (record.as_ref().map(|r| r.netns.clone()), uid.clone());
+            let record = records.get(&uid);
+            let (hint, owned_uid) = (record.map(|r| r.netns.clone()), uid.clone());
             let netns = self
                 .datapath_call(move |d| d.adopt(&owned_uid, hint))
                 .await?;
-            let info = record
-                .map(|r| WorkloadInfo {
-                    name: r.name,
-                    namespace: r.namespace,
-                    service_account: r.service_account,
-                })
-                .unwrap_or_default();
+            let info = record.map(zds_info).unwrap_or_default();
             info!(
                 uid,
                 netns_found = netns.is_some(),
@@ -320,7 +300,7 @@ impl Enroller {
     }
 
     /// Decides from policy; returns the pod to enroll, or `None` when it is not ambient.
-    fn ambient_pod(&self, request: &Request) -> Result<Option<Pod>> {
+    fn ambient_pod(&self, request: &Request) -> Result<Option<Workload>> {
         let policy = self.policy.load()?;
         let annotations: Labels = request.annotations.clone().into_iter().collect();
         let facts = policy.facts(&request.pod.namespace, &request.pod.name, &annotations);
@@ -352,14 +332,14 @@ impl Enroller {
             .get(&format!("{}/{}", request.pod.namespace, request.pod.name))
             .and_then(|p| p.annotations.get("weir.dev/service-account").cloned())
             .unwrap_or_else(|| "default".into());
-        Ok(Some(Pod {
+        Ok(Some(Workload {
             uid: request.pod.uid.clone(),
             name: request.pod.name.clone(),
             namespace: request.pod.namespace.clone(),
             netns: PathBuf::from(&request.netns),
             ips,
             options,
-            service_account,
+            service_account: Some(service_account),
         }))
     }
 
@@ -421,23 +401,17 @@ impl Enroller {
     }
 
     /// Where a pod is enrolled: redirection in place, then ztunnel's Ack, then enabled.
-    pub async fn enroll(&self, pod: &Pod) -> Result<Status> {
-        let spec = PodSpec {
-            uid: pod.uid.clone(),
-            netns: pod.netns.clone(),
-            ips: pod.ips.clone(),
-            options: pod.options,
-        };
+    pub async fn enroll(&self, pod: &Workload) -> Result<Status> {
+        let owned = pod.clone();
         let started = std::time::Instant::now();
-        let netns = self.datapath_call(move |d| d.enroll(spec)).await?;
+        let netns = self.datapath_call(move |d| d.enroll(owned)).await?;
         self.redirect_seconds
             .observe(started.elapsed().as_secs_f64());
-        let info = WorkloadInfo {
-            name: pod.name.clone(),
-            namespace: pod.namespace.clone(),
-            service_account: pod.service_account.clone(),
-        };
-        let status = match self.zds.add(&pod.uid, info, Some(Arc::new(netns))).await {
+        let status = match self
+            .zds
+            .add(&pod.uid, zds_info(pod), Some(Arc::new(netns)))
+            .await
+        {
             Ok(()) => Status::Enabled,
             Err(ZdsError::NotConnected) => Status::Pending,
             Err(error) => {
@@ -480,6 +454,15 @@ impl Enroller {
     ) -> Result<T> {
         let datapath = self.datapath.clone();
         tokio::task::spawn_blocking(move || call(&datapath)).await?
+    }
+}
+
+/// What ztunnel is told about a pod.
+fn zds_info(pod: &Workload) -> WorkloadInfo {
+    WorkloadInfo {
+        name: pod.name.clone(),
+        namespace: pod.namespace.clone(),
+        service_account: pod.service_account.clone().unwrap_or_default(),
     }
 }
 

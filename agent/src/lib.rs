@@ -3,6 +3,7 @@
 //! - [`app`]: the agent as a whole, its parts started in order.
 //! - [`enroll`]: the one path a pod takes into the mesh and out (`Enroller::enroll`).
 //! - [`policy`]: which pods are ambient, with which options (istio's rules).
+//! - [`workload`]: a pod as the agent knows it, from the CNI request to its map entries.
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
 //! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
 //! - [`bpf_sys`]: the bpf syscalls aya 0.13 lacks (pinned cgroup links, other layouts' maps).
@@ -18,4 +19,5 @@ pub mod install;
 pub mod netlink;
 pub mod netns;
 pub mod policy;
+pub mod workload;
 pub mod zds;

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 use weir_cni::protocol::VerdictCache;
 
-use crate::datapath::PodOptions;
+use crate::workload::PodOptions;
 
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
 pub const SIDECAR_STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
