@@ -14,7 +14,10 @@ use std::{
     time::Duration,
 };
 
-use weir_agent::datapath::{Datapath, DatapathConfig, PodOptions, PodSpec};
+use weir_agent::{
+    datapath::{Datapath, DatapathConfig},
+    workload::PodOptions,
+};
 use weir_common::{
     PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
     PROBE_SOURCE_V4, PROBE_SOURCE_V6,
@@ -58,7 +61,9 @@ impl Fixture {
     /// A datapath with `pod` enrolled.
     fn enrolled(&self, pod: &Pod, options: PodOptions) -> Datapath {
         let datapath = self.start();
-        datapath.enroll(spec(pod, options)).expect("pod enrolled");
+        datapath
+            .enroll(pod.workload(options))
+            .expect("pod enrolled");
         datapath
     }
 
@@ -76,15 +81,6 @@ impl Drop for Fixture {
                 eprintln!("cleaning up {}: {error:#}", self.config.pin_root.display());
             }
         }
-    }
-}
-
-fn spec(pod: &Pod, options: PodOptions) -> PodSpec {
-    PodSpec {
-        uid: pod.uid().to_owned(),
-        netns: pod.netns_path().to_path_buf(),
-        ips: pod.ips().to_vec(),
-        options,
     }
 }
 
@@ -249,13 +245,10 @@ fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
 
     // DNS capture off for this pod: the query reaches the real resolver.
     datapath
-        .enroll(spec(
-            &pod,
-            PodOptions {
-                dns_capture: false,
-                ..PodOptions::default()
-            },
-        ))
+        .enroll(pod.workload(PodOptions {
+            dns_capture: false,
+            ..PodOptions::default()
+        }))
         .unwrap();
     let direct = pod.run(|| udp_request(resolver, "query")).unwrap();
     assert_eq!(direct.response, real_resolver.reply_to("query"));
@@ -740,7 +733,7 @@ fn redirection_survives_owner_restart_without_a_gap() {
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
 
     let mut first = Owner::spawn(&fixture.config);
-    let pod_spec = serde_json::to_string(&spec(&pod, PodOptions::default())).unwrap();
+    let pod_spec = serde_json::to_string(&pod.workload(PodOptions::default())).unwrap();
     assert_eq!(first.send(&format!("enroll {pod_spec}")), "ok");
 
     // Connections keep flowing while the owner crashes and another takes over.
@@ -811,7 +804,7 @@ fn failed_enrollment_leaves_nothing_behind() {
     ip(&["link", "set", "lo", "down"]);
     let datapath = fixture.start();
     datapath
-        .enroll(spec(&pod, PodOptions::default()))
+        .enroll(pod.workload(PodOptions::default()))
         .expect_err("enrollment fails");
     assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
     assert!(!datapath.is_redirected(pod.uid()).unwrap());
@@ -841,7 +834,9 @@ fn failed_enrollment_leaves_nothing_behind() {
 
     // Once the fault is gone the same pod enrolls.
     ip(&["link", "set", "lo", "up"]);
-    datapath.enroll(spec(&pod, PodOptions::default())).unwrap();
+    datapath
+        .enroll(pod.workload(PodOptions::default()))
+        .unwrap();
     assert!(datapath.is_redirected(pod.uid()).unwrap());
     datapath.uninstall().unwrap();
 }

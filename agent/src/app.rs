@@ -11,12 +11,12 @@ use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
 use crate::{
-    cni_server::CniServer,
+    cni_server::{CniHandler, CniServer},
     datapath::{Datapath, DatapathConfig},
-    enroll::{Enroller, PolicySource},
+    enroll::Enroller,
     http,
     install::{InstallConfig, Installer},
-    policy::PolicyConfig,
+    policy::{PolicyConfig, PolicySource},
     zds::{self, ZdsConfig},
 };
 
@@ -62,7 +62,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         config.policy_file.clone(),
         config.verdict_cache.clone(),
     );
-    let enroller = Enroller::new(datapath.clone(), zds, policy, config.state_file.clone())?;
+    let enroller = Enroller::new(datapath.clone(), zds, config.state_file.clone());
+    let cni_handler = CniHandler::new(enroller.clone(), policy)?;
+    cni_handler.register_metrics(&mut registry);
     enroller.register_metrics(&mut registry);
     enroller
         .recover()
@@ -83,7 +85,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     let mut install_status = installer.status();
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(zds_serve);
-    tasks.spawn(cni_server.serve(enroller.clone()));
+    tasks.spawn(cni_server.serve(cni_handler));
     tasks.spawn(enroller.clone().follow_acks());
     tasks.spawn(async move {
         loop {

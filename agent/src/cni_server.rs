@@ -1,27 +1,42 @@
 //! The agent's end of the plugin protocol: a root-only unix socket, one JSON request line and one
 //! JSON response line per connection. Requests are bounded in size and time; a malformed one gets
-//! an error response, never a crash; many pods are served in parallel.
+//! an error response, never a crash; many pods are served in parallel. Each request is decided
+//! from policy and becomes an enrollment step; the step's outcome becomes the CNI response.
 use std::{
+    net::IpAddr,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::Arc,
     time::Duration,
 };
 
-use anyhow::{Context, Result};
+use anyhow::{anyhow, Context, Result};
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family},
+    registry::Registry,
+};
 use tokio::{
     io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
     net::{UnixListener, UnixStream},
 };
 use tracing::{debug, warn};
-use weir_cni::protocol::{Request, Response, MAX_REQUEST_BYTES};
+use weir_cni::protocol::{Command, Request, Response, MAX_REQUEST_BYTES};
 
-use crate::enroll::Enroller;
+use crate::{
+    enroll::{Enroller, Status},
+    policy::{Labels, PolicySource},
+    workload::Workload,
+};
 
 /// How long a plugin may take to send its request.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// CNI error code for content that cannot be decoded.
 const DECODING_FAILURE: u32 = 6;
+/// CNI error code for "try again later": the runtime retries the ADD.
+const TRY_AGAIN_LATER: u32 = 11;
+/// CNI error code for failures specific to this plugin.
+const PLUGIN_ERROR: u32 = 999;
 
 pub struct CniServer {
     listener: UnixListener,
@@ -52,13 +67,13 @@ impl CniServer {
         &self.path
     }
 
-    pub async fn serve(self, enroller: Arc<Enroller>) {
+    pub async fn serve(self, handler: Arc<CniHandler>) {
         loop {
             match self.listener.accept().await {
                 Ok((stream, _)) => {
-                    let enroller = enroller.clone();
+                    let handler = handler.clone();
                     tokio::spawn(async move {
-                        if let Err(error) = serve_connection(stream, &enroller).await {
+                        if let Err(error) = serve_connection(stream, &handler).await {
                             warn!(%error, "plugin connection");
                         }
                     });
@@ -72,7 +87,7 @@ impl CniServer {
     }
 }
 
-async fn serve_connection(stream: UnixStream, enroller: &Enroller) -> Result<()> {
+async fn serve_connection(stream: UnixStream, handler: &CniHandler) -> Result<()> {
     // The socket file is root-only already; the peer check also refuses a descriptor passed
     // to an unprivileged process.
     let peer = stream.peer_cred().context("peer credentials")?;
@@ -83,12 +98,8 @@ async fn serve_connection(stream: UnixStream, enroller: &Enroller) -> Result<()>
     let response = match tokio::time::timeout(READ_TIMEOUT, read_request(read)).await {
         // The plugin's STATUS probe connects and closes without a request.
         Ok(Ok(None)) => return Ok(()),
-        Ok(Ok(Some(request))) => enroller.handle(&request).await,
-        Ok(Err(error)) => Response::Error {
-            code: DECODING_FAILURE,
-            msg: "malformed request".into(),
-            details: format!("{error:#}"),
-        },
+        Ok(Ok(Some(request))) => handler.handle(&request).await,
+        Ok(Err(error)) => error_response(DECODING_FAILURE, "malformed request", &error),
         Err(_) => Response::Error {
             code: DECODING_FAILURE,
             msg: "request timed out".into(),
@@ -114,4 +125,177 @@ async fn read_request(read: tokio::net::unix::OwnedReadHalf) -> Result<Option<Re
         anyhow::bail!("request larger than {MAX_REQUEST_BYTES} bytes");
     }
     Ok(Some(serde_json::from_slice(&line)?))
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    event: &'static str,
+    result: &'static str,
+}
+
+/// Plugin requests decided from policy and turned into enrollment steps, and the steps' outcomes
+/// into CNI responses and error codes.
+pub struct CniHandler {
+    enroller: Arc<Enroller>,
+    policy: PolicySource,
+    events: Family<EventLabels, Counter>,
+}
+
+impl CniHandler {
+    pub fn new(enroller: Arc<Enroller>, policy: PolicySource) -> Result<Arc<Self>> {
+        policy.load().context("loading the ambient policy")?;
+        Ok(Arc::new(Self {
+            enroller,
+            policy,
+            events: Family::default(),
+        }))
+    }
+
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        registry.register(
+            "nodeagent_reconcile_events",
+            "Pod events handled by the node agent, by event and result",
+            self.events.clone(),
+        );
+    }
+
+    /// Serves one plugin request, in turn with every other step for the same pod.
+    pub async fn handle(&self, request: &Request) -> Response {
+        let key = if request.pod.uid.is_empty() {
+            &request.container_id
+        } else {
+            &request.pod.uid
+        };
+        let (event, result) = self
+            .enroller
+            .in_turn(key, async {
+                match request.command {
+                    Command::Add => ("add", self.add(request).await),
+                    Command::Del => ("del", self.del(request).await),
+                    Command::Check => ("check", self.check(request).await),
+                }
+            })
+            .await;
+        let outcome = if matches!(result, Response::Ok { .. }) {
+            "ok"
+        } else {
+            "error"
+        };
+        self.events
+            .get_or_create(&EventLabels {
+                event,
+                result: outcome,
+            })
+            .inc();
+        result
+    }
+
+    /// Decides from policy; returns the pod to enroll, or `None` when it is not ambient.
+    fn ambient_workload(&self, request: &Request) -> Result<Option<Workload>> {
+        let policy = self.policy.load()?;
+        let annotations: Labels = request.annotations.clone().into_iter().collect();
+        let facts = policy.facts(&request.pod.namespace, &request.pod.name, &annotations);
+        if !self.policy.config.is_ambient(&facts) {
+            return Ok(None);
+        }
+        let (options, problems) = self.policy.config.options(&facts.annotations);
+        for problem in problems {
+            warn!(
+                pod = %format!("{}/{}", request.pod.namespace, request.pod.name),
+                annotation = problem.annotation,
+                value = problem.value,
+                used = problem.used,
+                "invalid annotation value, using the default"
+            );
+        }
+        let ips = request
+            .ips
+            .iter()
+            .map(|ip| {
+                let address = ip.address.split('/').next().unwrap_or_default();
+                address
+                    .parse()
+                    .with_context(|| format!("pod IP {:?}", ip.address))
+            })
+            .collect::<Result<Vec<IpAddr>>>()?;
+        let service_account = policy
+            .pods
+            .get(&format!("{}/{}", request.pod.namespace, request.pod.name))
+            .and_then(|p| p.annotations.get("weir.dev/service-account").cloned())
+            .unwrap_or_else(|| "default".into());
+        Ok(Some(Workload {
+            uid: request.pod.uid.clone(),
+            name: request.pod.name.clone(),
+            namespace: request.pod.namespace.clone(),
+            netns: PathBuf::from(&request.netns),
+            ips,
+            options,
+            service_account: Some(service_account),
+        }))
+    }
+
+    async fn add(&self, request: &Request) -> Response {
+        let pod = match self.ambient_workload(request) {
+            Ok(Some(pod)) => pod,
+            Ok(None) => return Response::Ok { enrolled: false },
+            Err(error) => return error_response(PLUGIN_ERROR, "cannot decide", &error),
+        };
+        if pod.uid.is_empty() || pod.ips.is_empty() || request.netns.is_empty() {
+            return error_response(
+                PLUGIN_ERROR,
+                "incomplete ADD",
+                &anyhow!("an ambient pod needs K8S_POD_UID, a netns and IPs from prevResult"),
+            );
+        }
+        match self.enroller.enroll(&pod).await {
+            Ok(Status::Enabled) => Response::Ok { enrolled: true },
+            Ok(Status::Pending) => Response::Error {
+                code: TRY_AGAIN_LATER,
+                msg: format!(
+                    "ztunnel has not acknowledged pod {}/{}: redirection is in place and pending",
+                    pod.namespace, pod.name
+                ),
+                details: "the runtime retries; the pod completes when ztunnel connects".into(),
+            },
+            Err(error) => error_response(TRY_AGAIN_LATER, "enrollment failed", &error),
+        }
+    }
+
+    async fn del(&self, request: &Request) -> Response {
+        if request.pod.uid.is_empty() {
+            // Nothing names the pod: its maps entries go when its netns does.
+            return Response::Ok { enrolled: false };
+        }
+        match self.enroller.unenroll(&request.pod.uid).await {
+            Ok(was) => Response::Ok { enrolled: was },
+            Err(error) => error_response(PLUGIN_ERROR, "unenroll failed", &error),
+        }
+    }
+
+    async fn check(&self, request: &Request) -> Response {
+        match self.ambient_workload(request) {
+            Ok(None) => Response::Ok { enrolled: false },
+            Ok(Some(pod)) => match self.enroller.is_redirected(&pod.uid).await {
+                Ok(true) => Response::Ok { enrolled: true },
+                Ok(false) => Response::Error {
+                    code: PLUGIN_ERROR,
+                    msg: format!(
+                        "ambient pod {}/{} has no redirection",
+                        request.pod.namespace, request.pod.name
+                    ),
+                    details: String::new(),
+                },
+                Err(error) => error_response(PLUGIN_ERROR, "check failed", &error),
+            },
+            Err(error) => error_response(PLUGIN_ERROR, "cannot decide", &error),
+        }
+    }
+}
+
+fn error_response(code: u32, msg: &str, error: &anyhow::Error) -> Response {
+    Response::Error {
+        code,
+        msg: msg.to_owned(),
+        details: format!("{error:#}"),
+    }
 }

@@ -3,11 +3,14 @@
 //! - [`app`]: the agent as a whole, its parts started in order.
 //! - [`enroll`]: the one path a pod takes into the mesh and out (`Enroller::enroll`).
 //! - [`policy`]: which pods are ambient, with which options (istio's rules).
+//! - [`workload`]: a pod as the agent knows it, from the CNI request to its map entries.
+//! - [`state`]: the agent's record of enrolled pods, for the next agent after a restart.
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
 //! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
 //! - [`bpf_sys`]: the bpf syscalls aya 0.13 lacks (pinned cgroup links, other layouts' maps).
-//! - [`cni_server`], [`zds`], [`install`], [`http`]: the edges: the CNI plugin, ztunnel, the
-//!   node's CNI configuration, health and metrics.
+//! - [`cni_server`], [`zds`], [`install`], [`http`]: the edges: the CNI plugin (its requests
+//!   turned into enrollment steps and responses), ztunnel, the node's CNI configuration, health
+//!   and metrics.
 pub mod app;
 pub mod bpf_sys;
 pub mod cni_server;
@@ -18,4 +21,6 @@ pub mod install;
 pub mod netlink;
 pub mod netns;
 pub mod policy;
+pub mod state;
+pub mod workload;
 pub mod zds;

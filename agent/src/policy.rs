@@ -1,14 +1,18 @@
 //! Which pods are ambient, and with which options: istio's rules, in one place, over labels and
 //! annotations, whatever their source (the Kubernetes API, or a local policy file for a node
 //! without one).
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 use weir_cni::protocol::VerdictCache;
 
-use crate::datapath::PodOptions;
+use crate::workload::PodOptions;
 
 pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
 pub const SIDECAR_STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
@@ -49,12 +53,12 @@ impl Default for PolicyConfig {
     }
 }
 
-/// A problem with a pod's annotations: reported to the user (a Kubernetes Event where there is
-/// an API server), while the pod gets the safe default.
 fn label<'a>(labels: &'a Labels, key: &str) -> Option<&'a str> {
     labels.get(key).map(String::as_str)
 }
 
+/// A problem with a pod's annotations: reported to the user (a Kubernetes Event where there is
+/// an API server), while the pod gets the safe default.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AnnotationProblem {
     pub annotation: &'static str,
@@ -182,6 +186,39 @@ impl LocalPolicy {
             }
         }
         cache
+    }
+}
+
+/// Where ambient policy comes from on a node without an API server.
+pub struct PolicySource {
+    pub config: PolicyConfig,
+    pub file: PathBuf,
+    /// Kept current for the plugin, which decides alone while the agent is down.
+    pub verdict_cache: PathBuf,
+    /// What was last written there: rewritten only on change, one writer at a time.
+    pub written: Mutex<Option<VerdictCache>>,
+}
+
+impl PolicySource {
+    pub fn new(config: PolicyConfig, file: PathBuf, verdict_cache: PathBuf) -> Self {
+        Self {
+            config,
+            file,
+            verdict_cache,
+            written: Mutex::new(None),
+        }
+    }
+
+    /// The policy as the file has it now; the verdict cache is kept in step with it.
+    pub fn load(&self) -> Result<LocalPolicy> {
+        let policy = LocalPolicy::load(&self.file)?;
+        let verdicts = policy.verdict_cache(&self.config);
+        let mut written = self.written.lock().unwrap();
+        if written.as_ref() != Some(&verdicts) {
+            write_verdict_cache(&self.verdict_cache, &verdicts)?;
+            *written = Some(verdicts);
+        }
+        Ok(policy)
     }
 }
 

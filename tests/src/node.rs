@@ -14,6 +14,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, Context, Result};
 use serde_json::{json, Map, Value};
 use tempfile::TempDir;
+use weir_agent::workload::{PodOptions, Workload};
 
 use crate::cni::{self, NetworkConfigList, RuntimeConf};
 use crate::ids;
@@ -376,6 +377,19 @@ impl Pod {
 
     pub fn netns_path(&self) -> &Path {
         self.wiring.netns.path()
+    }
+
+    /// The pod as weir's datapath enrolls it.
+    pub fn workload(&self, options: PodOptions) -> Workload {
+        Workload {
+            uid: self.uid.clone(),
+            name: self.spec.name.clone(),
+            namespace: self.spec.namespace.clone(),
+            service_account: None,
+            netns: self.netns_path().to_path_buf(),
+            ips: self.ips().to_vec(),
+            options,
+        }
     }
 
     /// Runs `f` inside the pod.

@@ -13,7 +13,10 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use weir_agent::datapath::{Datapath, DatapathConfig, PodOptions, PodSpec};
+use weir_agent::{
+    datapath::{Datapath, DatapathConfig},
+    workload::PodOptions,
+};
 use weir_tests::{istio_iptables, tcp_request, EchoServer, Pod, TestNode, ZtunnelStandIn};
 
 const PODS: usize = 40;
@@ -59,7 +62,11 @@ fn compare(
     plain: &Pod,
     echo: &EchoServer,
 ) -> Result<()> {
-    let weir_enroll = timed(weir_pods, |pod| datapath.enroll(spec(pod)).map(drop))?;
+    let weir_enroll = timed(weir_pods, |pod| {
+        datapath
+            .enroll(pod.workload(PodOptions::default()))
+            .map(drop)
+    })?;
     let iptables_enroll = timed(iptables_pods, |pod| istio_iptables::apply(pod.netns()))?;
 
     let target = echo.addr();
@@ -121,15 +128,6 @@ fn pods(node: &TestNode, prefix: &str) -> Result<Vec<Pod>> {
     (0..PODS)
         .map(|i| node.add_pod(&format!("{prefix}{i}")))
         .collect()
-}
-
-fn spec(pod: &Pod) -> PodSpec {
-    PodSpec {
-        uid: pod.uid().to_owned(),
-        netns: pod.netns_path().to_path_buf(),
-        ips: pod.ips().to_vec(),
-        options: PodOptions::default(),
-    }
 }
 
 fn timed(pods: &[Pod], mut step: impl FnMut(&Pod) -> Result<()>) -> Result<Vec<Duration>> {

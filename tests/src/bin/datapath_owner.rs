@@ -1,12 +1,15 @@
 //! A datapath owner in its own process, for tests that crash and restart it.
 //!
 //! `weir-datapath-owner PIN_ROOT NODE_NETNS` starts the datapath, prints `ready`, then serves
-//! one command per stdin line: `enroll <PodSpec JSON>`, `unenroll <uid>`, `uninstall`. Each
+//! one command per stdin line: `enroll <Workload JSON>`, `unenroll <uid>`, `uninstall`. Each
 //! answer is one line, `ok …` or `err …`. At end of input it stops and leaves the datapath in
 //! place, as an agent restart does.
 use std::io::{self, BufRead, Write};
 
-use weir_agent::datapath::{Datapath, DatapathConfig, PodSpec};
+use weir_agent::{
+    datapath::{Datapath, DatapathConfig},
+    workload::Workload,
+};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args_os().skip(1);
@@ -26,7 +29,7 @@ fn main() -> anyhow::Result<()> {
         let line = line?;
         let (command, argument) = line.split_once(' ').unwrap_or((&line, ""));
         let answer = match command {
-            "enroll" => serde_json::from_str::<PodSpec>(argument)
+            "enroll" => serde_json::from_str::<Workload>(argument)
                 .map_err(anyhow::Error::from)
                 .and_then(|pod| datapath.enroll(pod))
                 .map(|_netns| String::new()),

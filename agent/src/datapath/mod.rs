@@ -1,0 +1,312 @@
+//! The datapath owner: the only code that touches weir's BPF objects.
+//!
+//! It runs on one dedicated OS thread (network namespace switches are per thread, so they must
+//! never happen on a tokio worker) and is driven through [`Datapath`], a cheap handle that sends
+//! it commands. It loads the programs once, pins maps and links under the pin root so redirection
+//! survives an agent restart, and on start takes over pinned links with `BPF_LINK_UPDATE` rather
+//! than detach-then-attach, so there is never a window without redirection.
+//!
+//! `Owner::enroll` (in `pods.rs`) is where a pod is enrolled: per-pod setup inside the pod's
+//! netns first (tc program, return-path routing), then the map entries that switch redirection
+//! on. Unenroll runs the other way round. Both are idempotent.
+mod layouts;
+mod mounts;
+mod pods;
+mod programs;
+mod recovery;
+
+use std::{
+    collections::HashMap as StdHashMap,
+    fs::{self, File},
+    os::fd::{AsFd, OwnedFd},
+    path::PathBuf,
+    sync::mpsc,
+    thread,
+};
+
+use anyhow::{anyhow, Context, Result};
+use aya::{
+    maps::{Array, HashMap, MapData, PerCpuHashMap},
+    Ebpf,
+};
+use tracing::{info, warn};
+use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION};
+
+use crate::{netlink, netns, workload::Workload};
+
+#[derive(Clone, Debug)]
+pub struct DatapathConfig {
+    /// bpffs directory for weir's pins (mounted at /sys/fs/bpf if that is not yet a bpffs).
+    pub pin_root: PathBuf,
+    /// The cgroup v2 directory whose sockets weir sees; `None`: the cgroup2 mount's root.
+    pub cgroup: Option<PathBuf>,
+    /// The node's network namespace (kubelet probes come from there); `None`: the agent's own.
+    pub node_netns: Option<PathBuf>,
+    /// Give TCP from the node to enrolled pods the probe source, so kubelet probes reach the app.
+    pub probe_bypass: bool,
+    /// Turn on the programs' diagnostics (aya-log): their records go to the `log` crate, at
+    /// target `weir_ebpf::<module>`. Off, they cost one load and one branch.
+    pub bpf_log: bool,
+}
+
+impl Default for DatapathConfig {
+    fn default() -> Self {
+        Self {
+            pin_root: PathBuf::from("/sys/fs/bpf/weir"),
+            cgroup: None,
+            node_netns: None,
+            probe_bypass: true,
+            bpf_log: false,
+        }
+    }
+}
+
+type Reply<T> = mpsc::SyncSender<Result<T>>;
+
+enum Command {
+    Enroll(Workload, Reply<OwnedFd>),
+    Unenroll(String, Reply<bool>),
+    Counters(String, Reply<Option<PodCounters>>),
+    IsRedirected(String, Reply<bool>),
+    Adopt(String, Option<PathBuf>, Reply<Option<OwnedFd>>),
+    RetireOtherLayouts(Reply<()>),
+    Enrolled(Reply<Vec<String>>),
+    Stop { uninstall: bool, reply: Reply<()> },
+}
+
+/// Handle to the datapath owner thread.
+pub struct Datapath {
+    commands: mpsc::Sender<Command>,
+    thread: std::sync::Mutex<Option<thread::JoinHandle<()>>>,
+}
+
+impl Datapath {
+    /// Loads (or takes over) the datapath and starts its owner thread.
+    pub fn start(config: DatapathConfig) -> Result<Self> {
+        let (commands, inbox) = mpsc::channel();
+        let (ready_tx, ready) = mpsc::sync_channel(1);
+        let thread = thread::Builder::new()
+            .name("weir-datapath".into())
+            .spawn(move || match Owner::open(&config) {
+                Ok(mut owner) => {
+                    let _ = ready_tx.send(Ok(()));
+                    owner.serve(inbox);
+                }
+                Err(error) => {
+                    let _ = ready_tx.send(Err(error));
+                }
+            })
+            .context("spawning the datapath thread")?;
+        ready
+            .recv()
+            .map_err(|_| anyhow!("the datapath thread died while starting"))??;
+        Ok(Self {
+            commands,
+            thread: std::sync::Mutex::new(Some(thread)),
+        })
+    }
+
+    fn ask<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        self.commands
+            .send(command(reply))
+            .map_err(|_| anyhow!("the datapath thread is gone"))?;
+        answer
+            .recv()
+            .map_err(|_| anyhow!("the datapath thread is gone"))?
+    }
+
+    /// Redirects the pod's traffic to ztunnel. Idempotent: enrolling again applies new options.
+    /// Returns a handle on the pod's netns (the one the datapath holds), for ztunnel.
+    pub fn enroll(&self, pod: Workload) -> Result<OwnedFd> {
+        self.ask(|reply| Command::Enroll(pod, reply))
+    }
+
+    /// Removes the pod's redirection; `Ok(false)` when it was not enrolled.
+    pub fn unenroll(&self, uid: &str) -> Result<bool> {
+        self.ask(|reply| Command::Unenroll(uid.to_owned(), reply))
+    }
+
+    /// The pod's counters summed over CPUs, `None` when it is not enrolled.
+    pub fn counters(&self, uid: &str) -> Result<Option<PodCounters>> {
+        self.ask(|reply| Command::Counters(uid.to_owned(), reply))
+    }
+
+    /// Whether the pod's redirection is in the kernel as enrolled (its map entries are intact).
+    pub fn is_redirected(&self, uid: &str) -> Result<bool> {
+        self.ask(|reply| Command::IsRedirected(uid.to_owned(), reply))
+    }
+
+    /// Finds the network namespace of a pod recovered from the pinned maps (after an agent
+    /// restart), holds it, and returns a handle for ztunnel; `None` when it is gone. `hint` is
+    /// the netns path recorded at enrollment; without it, or when it no longer matches, the
+    /// runtime's named namespaces (/var/run/netns) and every process's netns under /proc are
+    /// checked. A match is by netns cookie, which is exact.
+    pub fn adopt(&self, uid: &str, hint: Option<PathBuf>) -> Result<Option<OwnedFd>> {
+        self.ask(|reply| Command::Adopt(uid.to_owned(), hint, reply))
+    }
+
+    /// After an upgrade across map layouts: removes every pod this datapath now holds from the
+    /// other layouts' maps, and each other layout (its maps and links) once no pod is left in it.
+    /// Until then its programs keep redirecting the pods only it knows: never a gap.
+    pub fn retire_other_layouts(&self) -> Result<()> {
+        self.ask(Command::RetireOtherLayouts)
+    }
+
+    /// Uids of the enrolled pods.
+    pub fn enrolled(&self) -> Result<Vec<String>> {
+        self.ask(Command::Enrolled)
+    }
+
+    /// Stops the owner and leaves the datapath in place: pods stay redirected, and the next
+    /// start takes over. This is what an agent restart or upgrade does.
+    pub fn shutdown(&self) -> Result<()> {
+        self.stop(false)
+    }
+
+    /// Unenrolls every pod, detaches every program and removes all pins.
+    pub fn uninstall(&self) -> Result<()> {
+        self.stop(true)
+    }
+
+    fn stop(&self, uninstall: bool) -> Result<()> {
+        let result = self.ask(|reply| Command::Stop { uninstall, reply });
+        if let Some(thread) = self.thread.lock().unwrap().take() {
+            let _ = thread.join();
+        }
+        result
+    }
+}
+
+/// One enrolled pod as the owner tracks it.
+struct Enrolled {
+    netns_cookie: u64,
+    ips: Vec<IpKey>,
+    /// Held so per-pod state can be undone while the pod lives; `None` for pods found in the
+    /// pinned maps after a restart.
+    netns: Option<File>,
+}
+
+struct Owner {
+    /// Keeps the programs loaded (and the tc program attachable) for the owner's lifetime.
+    ebpf: Ebpf,
+    /// Reads the programs' log records while logging is on; dropped with the owner.
+    _bpf_log: Option<tokio::runtime::Runtime>,
+    pods_map: HashMap<MapData, u64, PodConfig>,
+    pod_ips: HashMap<MapData, IpKey, u64>,
+    counters: PerCpuHashMap<MapData, u64, PodCounters>,
+    pods: StdHashMap<String, Enrolled>,
+    pin_root: PathBuf,
+    probe_bypass: bool,
+}
+
+impl Owner {
+    fn open(config: &DatapathConfig) -> Result<Self> {
+        if let Some(node) = &config.node_netns {
+            let file = File::open(node).with_context(|| format!("opening {}", node.display()))?;
+            // This thread lives in the node's netns from now on.
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .with_context(|| format!("entering {}", node.display()))?;
+        }
+        mounts::ensure_bpffs(&config.pin_root)?;
+        let maps_dir = config.pin_root.join(format!("abi-{ABI_VERSION}"));
+        // Links are versioned with the maps: an agent with another layout attaches its own set
+        // and never takes over programs that read maps it does not write.
+        let links_dir = maps_dir.join("links");
+        for dir in [&maps_dir, &links_dir] {
+            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let mut ebpf = programs::load(&maps_dir, config.bpf_log)?;
+        let bpf_log = config
+            .bpf_log
+            .then(|| programs::read_bpf_log(&mut ebpf))
+            .transpose()?;
+        let cgroup_path = match &config.cgroup {
+            Some(path) => path.clone(),
+            None => mounts::cgroup2_root()?,
+        };
+        programs::attach(&mut ebpf, &cgroup_path, &links_dir)?;
+
+        let mut node_config: Array<MapData, NodeConfig> =
+            programs::take_map(&mut ebpf, maps::NODE_CONFIG)?;
+        let host_netns_cookie = if config.probe_bypass {
+            netlink::install_probe_source().context("making the probe source address local")?;
+            netns::current_cookie()?
+        } else {
+            0
+        };
+        node_config.set(0, NodeConfig { host_netns_cookie }, 0)?;
+
+        let pods_map: HashMap<MapData, u64, PodConfig> = programs::take_map(&mut ebpf, maps::PODS)?;
+        let pod_ips: HashMap<MapData, IpKey, u64> = programs::take_map(&mut ebpf, maps::POD_IPS)?;
+        let counters = programs::take_map(&mut ebpf, maps::POD_COUNTERS)?;
+        let pods = recovery::recover_pods(&pods_map, &pod_ips);
+        info!(
+            pin_root = %config.pin_root.display(),
+            cgroup = %cgroup_path.display(),
+            recovered = pods.len(),
+            "datapath ready"
+        );
+        Ok(Self {
+            ebpf,
+            _bpf_log: bpf_log,
+            pods_map,
+            pod_ips,
+            counters,
+            pods,
+            pin_root: config.pin_root.clone(),
+            probe_bypass: config.probe_bypass,
+        })
+    }
+
+    fn serve(&mut self, inbox: mpsc::Receiver<Command>) {
+        while let Ok(command) = inbox.recv() {
+            match command {
+                Command::Enroll(pod, reply) => {
+                    let _ = reply.send(self.enroll(&pod));
+                }
+                Command::Unenroll(uid, reply) => {
+                    let _ = reply.send(self.unenroll(&uid));
+                }
+                Command::Counters(uid, reply) => {
+                    let _ = reply.send(self.pod_counters(&uid));
+                }
+                Command::Adopt(uid, hint, reply) => {
+                    let _ = reply.send(self.adopt(&uid, hint.as_deref()));
+                }
+                Command::RetireOtherLayouts(reply) => {
+                    let _ = reply.send(self.retire_other_layouts());
+                }
+                Command::IsRedirected(uid, reply) => {
+                    let _ = reply.send(Ok(self.is_redirected(&uid)));
+                }
+                Command::Enrolled(reply) => {
+                    let _ = reply.send(Ok(self.pods.keys().cloned().collect()));
+                }
+                Command::Stop { uninstall, reply } => {
+                    let result = if uninstall { self.uninstall() } else { Ok(()) };
+                    let _ = reply.send(result);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn uninstall(&mut self) -> Result<()> {
+        let uids: Vec<String> = self.pods.keys().cloned().collect();
+        for uid in uids {
+            self.unenroll(&uid)?;
+        }
+        if self.probe_bypass {
+            if let Err(error) = netlink::remove_probe_source() {
+                warn!(%error, "removing the probe source address");
+            }
+        }
+        // Unpinning the links detaches the programs once no fd holds them; maps go with
+        // their pins once the programs are gone.
+        fs::remove_dir_all(&self.pin_root)
+            .with_context(|| format!("removing {}", self.pin_root.display()))?;
+        info!(pin_root = %self.pin_root.display(), "datapath uninstalled");
+        Ok(())
+    }
+}

@@ -1,0 +1,259 @@
+//! A pod's redirection: per-pod setup inside its netns, then the map entries that switch it on;
+//! unenrolling undoes both. `Owner::enroll` is the one place a pod's redirection is put in place.
+use std::{
+    fs::File,
+    io,
+    net::IpAddr,
+    os::fd::{AsFd, OwnedFd},
+};
+
+use anyhow::{bail, Context, Result};
+use aya::programs::SchedClassifier;
+use tracing::{debug, warn};
+use weir_common::{
+    IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS,
+    POD_UID_LEN,
+};
+
+use super::{programs, Enrolled, Owner};
+use crate::{netlink, netns, workload::Workload};
+
+const BPF_NOEXIST: u64 = 1;
+
+impl Owner {
+    /// Where a pod is enrolled.
+    pub(super) fn enroll(&mut self, pod: &Workload) -> Result<OwnedFd> {
+        let config = pod_config(pod)?;
+        let ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
+        let netns_file = File::open(&pod.netns)
+            .with_context(|| format!("opening pod netns {}", pod.netns.display()))?;
+
+        // 1. Inside the pod: the tc program (inert until the maps name the pod) and the reply
+        //    path. On failure, undo what was done here, and take out a pod that was enrolled
+        //    before: never half-redirected.
+        let (netns_cookie, other_ips) = {
+            let _inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
+            let cookie = netns::current_cookie()?;
+            let prepared = prepare_pod_netns(programs::inbound(&mut self.ebpf)?).and_then(|()| {
+                netns::non_loopback_addresses().context("listing the pod's addresses")
+            });
+            match prepared {
+                Ok(addresses) => {
+                    let other_ips: Vec<IpKey> = addresses
+                        .into_iter()
+                        .map(ip_key)
+                        .filter(|ip| !ips.contains(ip))
+                        .collect();
+                    (cookie, other_ips)
+                }
+                Err(error) => {
+                    undo_pod_netns();
+                    self.remove_map_entries(&pod.uid);
+                    return Err(error.context(format!("preparing pod {}", pod.uid)));
+                }
+            }
+        };
+
+        // 2. A pod re-enrolled with another netns (sandbox recreated) drops its old entries.
+        if let Some(previous) = self.pods.get(&pod.uid) {
+            if previous.netns_cookie != netns_cookie
+                || previous.ips != [&ips[..], &other_ips].concat()
+            {
+                self.remove_map_entries(&pod.uid);
+            }
+        }
+
+        // 3. The map entries switch redirection on; counters first so no event is lost, the IP
+        //    index last since the tc program looks pods up through it.
+        let written = self.write_map_entries(netns_cookie, &config, &ips, &other_ips);
+        let ips = [ips, other_ips].concat();
+        if let Err(error) = written {
+            // All or nothing: the pod is now not enrolled at all (also if it was before).
+            self.remove_entries(netns_cookie, &ips);
+            self.pods.remove(&pod.uid);
+            let _inside = netns::enter(netns_file.as_fd())?;
+            undo_pod_netns();
+            return Err(error.context(format!("writing the maps for pod {}", pod.uid)));
+        }
+        debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
+        let handle = netns_file.try_clone()?.into();
+        self.pods.insert(
+            pod.uid.clone(),
+            Enrolled {
+                netns_cookie,
+                ips,
+                netns: Some(netns_file),
+            },
+        );
+        Ok(handle)
+    }
+
+    fn write_map_entries(
+        &mut self,
+        netns_cookie: u64,
+        config: &PodConfig,
+        ips: &[IpKey],
+        other_ips: &[IpKey],
+    ) -> Result<()> {
+        // BPF_NOEXIST: a re-enrolled pod keeps its counts. (Existence is not checked with a
+        // lookup: aya 0.13's per-CPU `get` answers zeros for a missing key.)
+        let zero = vec![PodCounters::default(); aya::util::nr_cpus().map_err(|(_, e)| e)?];
+        match self.counters.insert(
+            netns_cookie,
+            aya::maps::PerCpuValues::try_from(zero)?,
+            BPF_NOEXIST,
+        ) {
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.kind() == io::ErrorKind::AlreadyExists => {}
+            other => other?,
+        }
+        self.pods_map.insert(netns_cookie, *config, 0)?;
+        for ip in ips {
+            self.pod_ips.insert(*ip, netns_cookie, 0)?;
+        }
+        // Addresses outside the pod's IPs (link-local ones) are not unique on a node: the pod
+        // that claimed one first keeps it.
+        for ip in other_ips {
+            match self.pod_ips.get(ip, 0) {
+                Ok(owner) if owner != netns_cookie => {
+                    warn!(netns_cookie, owner, ip = ?ip, "address already indexed for another pod")
+                }
+                _ => self.pod_ips.insert(*ip, netns_cookie, 0)?,
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn unenroll(&mut self, uid: &str) -> Result<bool> {
+        if !self.pods.contains_key(uid) {
+            return Ok(false);
+        }
+        // Maps first: redirection stops at once, whatever happens next.
+        let netns = self.remove_map_entries(uid);
+        if let Some(netns) = netns {
+            // The netns may already be gone with the pod; then so is everything in it.
+            match netns::enter(netns.as_fd()) {
+                Ok(_inside) => undo_pod_netns(),
+                Err(error) => debug!(uid, %error, "pod netns not entered for cleanup"),
+            }
+        }
+        debug!(uid, "pod unenrolled");
+        Ok(true)
+    }
+
+    /// Removes a pod's map entries and forgets it; returns its netns handle, if held.
+    fn remove_map_entries(&mut self, uid: &str) -> Option<File> {
+        let pod = self.pods.remove(uid)?;
+        self.remove_entries(pod.netns_cookie, &pod.ips);
+        pod.netns
+    }
+
+    fn remove_entries(&mut self, netns_cookie: u64, ips: &[IpKey]) {
+        for ip in ips {
+            // Only our own entry: another pod may have been given the IP since.
+            if self.pod_ips.get(ip, 0).ok() == Some(netns_cookie) {
+                let _ = self.pod_ips.remove(ip);
+            }
+        }
+        let _ = self.pods_map.remove(&netns_cookie);
+        let _ = self.counters.remove(&netns_cookie);
+    }
+
+    pub(super) fn pod_counters(&self, uid: &str) -> Result<Option<PodCounters>> {
+        let Some(pod) = self.pods.get(uid) else {
+            return Ok(None);
+        };
+        let per_cpu = self.counters.get(&pod.netns_cookie, 0)?;
+        Ok(Some(per_cpu.iter().fold(
+            PodCounters::default(),
+            |sum, c| PodCounters {
+                outbound: sum.outbound + c.outbound,
+                inbound: sum.inbound + c.inbound,
+                dns: sum.dns + c.dns,
+                bypassed: sum.bypassed + c.bypassed,
+                dropped: sum.dropped + c.dropped,
+            },
+        )))
+    }
+
+    pub(super) fn is_redirected(&self, uid: &str) -> bool {
+        let Some(pod) = self.pods.get(uid) else {
+            return false;
+        };
+        let config_intact = self
+            .pods_map
+            .get(&pod.netns_cookie, 0)
+            .is_ok_and(|config| config.uid.starts_with(uid.as_bytes()));
+        config_intact
+            && pod
+                .ips
+                .iter()
+                .all(|ip| self.pod_ips.get(ip, 0).ok() == Some(pod.netns_cookie))
+    }
+}
+
+/// Per-pod setup inside the pod's netns (the calling thread is in it).
+pub(super) fn prepare_pod_netns(inbound: &mut SchedClassifier) -> Result<()> {
+    for (_, interface) in netns::non_loopback_interfaces()? {
+        programs::attach_inbound(inbound, &interface)
+            .with_context(|| format!("tc on {interface}"))?;
+    }
+    netlink::install_return_path().context("return-path routing")?;
+    netns::set_reply_mark_sysctls().context("reply-mark sysctls")?;
+    Ok(())
+}
+
+/// Best effort: called on rollback and unenroll, where the pod may be half set up or gone.
+fn undo_pod_netns() {
+    if let Ok(interfaces) = netns::non_loopback_interfaces() {
+        for (_, interface) in interfaces {
+            programs::detach_inbound(&interface);
+        }
+    }
+    if let Err(error) = netlink::remove_return_path() {
+        debug!(%error, "removing the return path");
+    }
+}
+
+fn pod_config(pod: &Workload) -> Result<PodConfig> {
+    if pod.uid.is_empty() || pod.uid.len() > POD_UID_LEN {
+        bail!("pod uid {:?} must be 1 to {POD_UID_LEN} bytes", pod.uid);
+    }
+    if pod.ips.is_empty() {
+        bail!("pod {} has no IP", pod.uid);
+    }
+    let mut config = PodConfig {
+        flags: 0,
+        ipv4: [0; 4],
+        ipv6: [0; 16],
+        uid: [0; POD_UID_LEN],
+    };
+    config.uid[..pod.uid.len()].copy_from_slice(pod.uid.as_bytes());
+    for ip in &pod.ips {
+        match ip {
+            IpAddr::V4(v4) if !config.has(POD_HAS_IPV4) => {
+                config.ipv4 = v4.octets();
+                config.flags |= POD_HAS_IPV4;
+            }
+            IpAddr::V6(v6) if !config.has(POD_HAS_IPV6) => {
+                config.ipv6 = v6.octets();
+                config.flags |= POD_HAS_IPV6;
+            }
+            _ => {}
+        }
+    }
+    if pod.options.inbound_bypass {
+        config.flags |= POD_INBOUND_BYPASS;
+    }
+    if pod.options.dns_capture {
+        config.flags |= POD_DNS_CAPTURE;
+    }
+    Ok(config)
+}
+
+fn ip_key(ip: IpAddr) -> IpKey {
+    match ip {
+        IpAddr::V4(v4) => IpKey::from_v4(v4.octets()),
+        IpAddr::V6(v6) => IpKey::from_v6(v6.octets()),
+    }
+}

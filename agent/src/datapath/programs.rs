@@ -1,0 +1,171 @@
+//! weir's programs: loaded from the embedded object, the cgroup hooks attached once through
+//! pinned links, the tc program attached to (and detached from) a pod's interfaces.
+use std::{
+    fs::File,
+    io,
+    os::fd::{AsFd, BorrowedFd},
+    path::Path,
+};
+
+use anyhow::{anyhow, bail, Context, Result};
+use aya::{
+    programs::{
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType},
+        Program, SchedClassifier,
+    },
+    Ebpf, EbpfLoader,
+};
+use tracing::info;
+use weir_common::{globals, programs};
+
+use crate::bpf_sys;
+
+/// The compiled kernel side, embedded so the agent is one self-contained binary.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT"));
+
+/// Our tc filter's place on a pod interface: fixed, so re-enrolling replaces it in place and
+/// unenrolling removes exactly it.
+const TC_PRIORITY: u16 = 1;
+const TC_HANDLE: u32 = 0x5745;
+
+/// The cgroup hooks, each attached once at the root cgroup: (program, attach type).
+const CGROUP_HOOKS: [(&str, u32); 10] = [
+    (programs::CONNECT4, 10),     // BPF_CGROUP_INET4_CONNECT
+    (programs::CONNECT6, 11),     // BPF_CGROUP_INET6_CONNECT
+    (programs::SENDMSG4, 14),     // BPF_CGROUP_UDP4_SENDMSG
+    (programs::SENDMSG6, 15),     // BPF_CGROUP_UDP6_SENDMSG
+    (programs::RECVMSG4, 19),     // BPF_CGROUP_UDP4_RECVMSG
+    (programs::RECVMSG6, 20),     // BPF_CGROUP_UDP6_RECVMSG
+    (programs::GETPEERNAME4, 29), // BPF_CGROUP_INET4_GETPEERNAME
+    (programs::GETPEERNAME6, 30), // BPF_CGROUP_INET6_GETPEERNAME
+    (programs::SOCKOPS, 3),       // BPF_CGROUP_SOCK_OPS
+    (programs::GETSOCKOPT, 21),   // BPF_CGROUP_GETSOCKOPT
+];
+
+/// Loads weir's object, its maps pinned in (or taken over from) `maps_dir`.
+pub(super) fn load(maps_dir: &Path, bpf_log: bool) -> Result<Ebpf> {
+    let mut loader = EbpfLoader::new();
+    // Socket storage (SOCKET_ORIG_DST) is kernel-only: aya has no userspace type for it.
+    loader.map_pin_path(maps_dir).allow_unsupported_maps();
+    if bpf_log {
+        loader.set_global(globals::LOG_ENABLED, &1u8, true);
+    }
+    loader
+        .load(EBPF_OBJECT)
+        .context("loading weir's eBPF object")
+}
+
+/// Attaches every cgroup hook to `cgroup_path` through its pinned link in `links_dir`, and loads
+/// the tc program that enrollment attaches per pod.
+pub(super) fn attach(ebpf: &mut Ebpf, cgroup_path: &Path, links_dir: &Path) -> Result<()> {
+    let cgroup = File::open(cgroup_path)
+        .with_context(|| format!("opening cgroup {}", cgroup_path.display()))?;
+    for (name, attach_type) in CGROUP_HOOKS {
+        let program = ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
+        load_cgroup_program(program).with_context(|| format!("loading {name}"))?;
+        let prog_fd = program.fd().context("program fd")?.as_fd();
+        attach_pinned(prog_fd, &cgroup, attach_type, &links_dir.join(name))
+            .with_context(|| format!("attaching {name} to {}", cgroup_path.display()))?;
+    }
+    inbound(ebpf)?.load().context("loading the tc program")
+}
+
+/// The tc program for pods' interfaces.
+pub(super) fn inbound(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier> {
+    Ok(ebpf
+        .program_mut(programs::INBOUND)
+        .ok_or_else(|| anyhow!("program {} missing", programs::INBOUND))?
+        .try_into()?)
+}
+
+/// Forwards the programs' aya-log records to the `log` crate. aya-log reads them in tokio tasks
+/// and this thread has no runtime, so the reader gets a one-worker runtime of its own.
+pub(super) fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("weir-bpf-log")
+        .enable_io()
+        .build()
+        .context("starting the eBPF log reader")?;
+    {
+        let _entered = runtime.enter();
+        aya_log::EbpfLogger::init(ebpf).context("reading the eBPF programs' logs")?;
+    }
+    info!("eBPF diagnostics on (log target weir_ebpf)");
+    Ok(runtime)
+}
+
+/// Attaches the inbound program as a classic cls_bpf filter: a TCX link costs a
+/// `synchronize_rcu()` under the rtnl lock per pod (~16 ms), a netlink filter does not.
+pub(super) fn attach_inbound(inbound: &mut SchedClassifier, interface: &str) -> Result<()> {
+    if let Err(error) = tc::qdisc_add_clsact(interface) {
+        if error.kind() != io::ErrorKind::AlreadyExists {
+            return Err(error).context("adding the clsact qdisc");
+        }
+    }
+    let options = TcAttachOptions::Netlink(NlOptions {
+        priority: TC_PRIORITY,
+        handle: TC_HANDLE,
+    });
+    let link_id = match inbound.attach_with_options(interface, TcAttachType::Ingress, options) {
+        Ok(id) => id,
+        // Already attached (re-enroll, or an earlier agent): replace the program in place.
+        Err(_) => {
+            let existing = SchedClassifierLink::attached(
+                interface,
+                TcAttachType::Ingress,
+                TC_PRIORITY,
+                TC_HANDLE,
+            )?;
+            inbound.attach_to_link(existing)?
+        }
+    };
+    // The filter lives in the pod's netns, not in this process: dropping aya's link would
+    // detach it, so it is released instead (it holds no file descriptor).
+    std::mem::forget(inbound.take_link(link_id)?);
+    Ok(())
+}
+
+/// Removes our tc filter from `interface`, if it is there.
+pub(super) fn detach_inbound(interface: &str) {
+    if let Ok(link) =
+        SchedClassifierLink::attached(interface, TcAttachType::Ingress, TC_PRIORITY, TC_HANDLE)
+    {
+        let _ = aya::programs::Link::detach(link);
+    }
+}
+
+/// Attaches a cgroup program through a pinned link, or moves an existing pinned link to it.
+fn attach_pinned(prog: BorrowedFd<'_>, cgroup: &File, attach_type: u32, pin: &Path) -> Result<()> {
+    match bpf_sys::open_pinned(pin) {
+        Ok(link) => bpf_sys::update(link.as_fd(), prog).context("BPF_LINK_UPDATE"),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {
+            let link =
+                bpf_sys::create(prog, cgroup.as_fd(), attach_type).context("BPF_LINK_CREATE")?;
+            bpf_sys::pin(link.as_fd(), pin).context("pinning the link")
+        }
+        Err(error) => Err(error).context("opening the pinned link"),
+    }
+}
+
+fn load_cgroup_program(program: &mut Program) -> Result<()> {
+    match program {
+        Program::CgroupSockAddr(p) => p.load()?,
+        Program::SockOps(p) => p.load()?,
+        Program::CgroupSockopt(p) => p.load()?,
+        _ => bail!("unexpected program type"),
+    }
+    Ok(())
+}
+
+pub(super) fn take_map<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
+    ebpf: &mut Ebpf,
+    name: &str,
+) -> Result<T> {
+    let map = ebpf
+        .take_map(name)
+        .ok_or_else(|| anyhow!("map {name} missing from the object"))?;
+    Ok(T::try_from(map)?)
+}

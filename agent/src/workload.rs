@@ -1,0 +1,40 @@
+//! A pod as the agent knows it, from the CNI request that names it to its map entries; also what
+//! the state file remembers of it across agent restarts.
+use std::{net::IpAddr, path::PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workload {
+    /// metadata.uid
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    /// `None` where nothing tells it (ztunnel then gets none).
+    #[serde(default)]
+    pub service_account: Option<String>,
+    /// Path of the pod's network namespace (e.g. `/var/run/netns/cni-…`).
+    pub netns: PathBuf,
+    pub ips: Vec<IpAddr>,
+    #[serde(default)]
+    pub options: PodOptions,
+}
+
+/// How a pod's traffic is redirected, from its annotations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PodOptions {
+    /// `ambient.istio.io/bypass-inbound-capture=true`
+    pub inbound_bypass: bool,
+    /// DNS to port 53 goes to ztunnel's DNS proxy (the node default is on).
+    pub dns_capture: bool,
+}
+
+impl Default for PodOptions {
+    fn default() -> Self {
+        Self {
+            inbound_bypass: false,
+            dns_capture: true,
+        }
+    }
+}
