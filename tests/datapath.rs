@@ -840,3 +840,54 @@ fn failed_enrollment_leaves_nothing_behind() {
     assert!(datapath.is_redirected(pod.uid()).unwrap());
     datapath.uninstall().unwrap();
 }
+
+/// With `--bpf-log` the programs carry their logging code, which the verifier must accept too,
+/// and the agent forwards their records to the `log` crate.
+#[test]
+fn bpf_log_reports_the_programs_decisions() {
+    if !require_privileges() {
+        return;
+    }
+    static RECORDS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    struct Collect;
+    impl log::Log for Collect {
+        fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+            true
+        }
+        fn log(&self, record: &log::Record<'_>) {
+            if record.target().starts_with("weir_ebpf") {
+                RECORDS.lock().unwrap().push(record.args().to_string());
+            }
+        }
+        fn flush(&self) {}
+    }
+    log::set_logger(&Collect).expect("no other logger in this test binary");
+    log::set_max_level(log::LevelFilter::Debug);
+
+    let mut fixture = Fixture::new();
+    fixture.config.bpf_log = true;
+    let (client, server) = (fixture.pod("client"), fixture.pod("server"));
+    let echo = app(&server);
+    let _ztunnel = ZtunnelStandIn::start(&server).unwrap();
+    let datapath = fixture.enrolled(&server, PodOptions::default());
+
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = client.run(|| tcp_request(target, "logged")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("logged"));
+    let expected = format!("to {}:{APP_PORT} assigned to 15006", server.ipv4());
+    let deadline = std::time::Instant::now() + WAIT;
+    while !RECORDS
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|r| r.contains(&expected))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no record with {expected:?}: {:?}",
+            RECORDS.lock().unwrap()
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    datapath.uninstall().unwrap();
+}

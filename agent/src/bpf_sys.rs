@@ -1,11 +1,13 @@
-//! The bpf syscalls weir needs and aya 0.13 does not offer.
+//! The bpf syscalls weir needs and aya 0.14 does not offer.
 //!
-//! - cgroup bpf_links that outlive the agent. aya 0.13 detaches cgroup links on drop and cannot
-//!   pin them, so weir makes them itself: `BPF_LINK_CREATE`, pinned with `BPF_OBJ_PIN`, reopened
-//!   with `BPF_OBJ_GET`, and moved to a new program with `BPF_LINK_UPDATE` on upgrade, which
-//!   swaps the program atomically: there is never a moment with no program attached.
+//! - cgroup bpf_links that outlive the agent and move to a new program on upgrade. aya 0.14 has
+//!   no public `BPF_LINK_UPDATE` for cgroup links (and no way to reach a pinned link's fd), and
+//!   cannot turn a cgroup sockopt link into a pinnable `FdLink`, so weir makes all of its cgroup
+//!   links the same way: `BPF_LINK_CREATE`, pinned with `BPF_OBJ_PIN`, reopened with
+//!   `BPF_OBJ_GET`, and moved with `BPF_LINK_UPDATE`, which swaps the program atomically: there
+//!   is never a moment with no program attached.
 //! - Raw key access to a pinned map of another layout version (whose value type this build does
-//!   not know), to retire it once its pods are migrated.
+//!   not know, and aya's typed maps check), to retire it once its pods are migrated.
 use std::{
     ffi::CString,
     io,
@@ -83,7 +85,7 @@ fn owned(fd: libc::c_long) -> OwnedFd {
 }
 
 /// Attaches `prog` to `cgroup` with a bpf_link (flags 0: links coexist with other programs).
-pub fn create(
+pub fn create_cgroup_link(
     prog: BorrowedFd<'_>,
     cgroup: BorrowedFd<'_>,
     attach_type: u32,
@@ -102,7 +104,7 @@ fn path_cstring(path: &Path) -> io::Result<CString> {
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
 }
 
-pub fn pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+pub fn pin_object(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
     let path = path_cstring(path)?;
     let mut attr = ObjAttr {
         pathname: path.as_ptr() as u64,
@@ -122,7 +124,7 @@ pub fn open_pinned(path: &Path) -> io::Result<OwnedFd> {
 }
 
 /// Points an existing link at a new program, atomically.
-pub fn update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()> {
+pub fn update_link(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()> {
     let mut attr = LinkUpdateAttr {
         link_fd: link.as_raw_fd() as u32,
         new_prog_fd: prog.as_raw_fd() as u32,

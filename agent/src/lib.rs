@@ -7,7 +7,7 @@
 //! - [`state`]: the agent's record of enrolled pods, for the next agent after a restart.
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
 //! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
-//! - [`bpf_sys`]: the bpf syscalls aya 0.13 lacks (pinned cgroup links, other layouts' maps).
+//! - [`bpf_sys`]: the bpf syscalls aya 0.14 lacks (updatable pinned cgroup links, other layouts' maps).
 //! - [`cni_server`], [`zds`], [`install`], [`http`]: the edges: the CNI plugin (its requests
 //!   turned into enrollment steps and responses), ztunnel, the node's CNI configuration, health
 //!   and metrics.

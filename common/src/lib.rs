@@ -153,6 +153,15 @@ pub mod maps {
     pub const SOCKET_ORIG_DST: &str = "SOCKET_ORIG_DST";
     pub const CONN_ORIG_DST: &str = "CONN_ORIG_DST";
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
+    /// Every map, each pinned under its name.
+    pub const ALL: [&str; 6] = [
+        PODS,
+        POD_IPS,
+        POD_COUNTERS,
+        SOCKET_ORIG_DST,
+        CONN_ORIG_DST,
+        NODE_CONFIG,
+    ];
 }
 
 /// Global variables in the object file, set by the loader before the programs load.

@@ -22,7 +22,7 @@ use aya_ebpf::{
         bpf_sock, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
         bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2, TC_ACT_OK, TC_ACT_SHOT,
     },
-    helpers::gen::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::generated::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::classifier,
     programs::TcContext,
 };
@@ -33,7 +33,7 @@ use weir_common::{
 
 use crate::{
     diag::{diag, ip},
-    maps::{count, PODS, POD_IPS},
+    maps::{count, pod, pod_with_ip},
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
 };
 
@@ -79,7 +79,7 @@ pub fn weir_inbound(ctx: TcContext) -> i32 {
         // Not IP, or an IP header too short to hold the addresses: the kernel drops the latter.
         return PASS;
     };
-    let Some(netns) = POD_IPS.get(&packet.destination).copied() else {
+    let Some(netns) = pod_with_ip(&packet.destination) else {
         return PASS;
     };
     match decide(&ctx, &packet, netns) {
@@ -226,7 +226,7 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
     if transport.fragment == Fragment::Later || transport.protocol != IPPROTO_TCP {
         return Ok(PASS);
     }
-    let Some(pod) = PODS.get(&netns) else {
+    let Some(pod) = pod(netns) else {
         return Ok(PASS);
     };
     let (sport, dport): (u16, u16) = (

@@ -7,22 +7,15 @@
 use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
-    bindings::bpf_sock,
-    helpers::gen::{
-        bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem, bpf_sk_storage_get,
-    },
+    bindings::{bpf_sock, BPF_F_NO_PREALLOC},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuHashMap},
+    helpers::generated::bpf_sk_storage_get,
+    macros::btf_map,
 };
 use weir_common::{ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters};
 
-const BPF_MAP_TYPE_HASH: usize = 1;
-const BPF_MAP_TYPE_ARRAY: usize = 2;
-const BPF_MAP_TYPE_PERCPU_HASH: usize = 5;
-const BPF_MAP_TYPE_LRU_HASH: usize = 9;
-const BPF_MAP_TYPE_SK_STORAGE: usize = 24;
-/// Allocate entries when inserted, not up front (socket storage requires it).
-const BPF_F_NO_PREALLOC: usize = 1;
 const BPF_SK_STORAGE_GET_F_CREATE: u64 = 1;
-const LIBBPF_PIN_BY_NAME: usize = 1;
+const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 const MAX_PODS: usize = 16_384;
 /// Redirected connections between the app's connect and ztunnel's SO_ORIGINAL_DST question (a
@@ -30,27 +23,23 @@ const MAX_PODS: usize = 16_384;
 /// about (connections that died first) are recycled.
 const MAX_CONNECTIONS: usize = 65_536;
 
-/// A BTF map definition: each field's *type* carries one map attribute (the pointers are never
-/// dereferenced); the loader reads them from BTF and creates the map.
+/// Socket storage, hand-written: aya-ebpf 0.2's `SkStorage` takes only a sock_addr context, and
+/// the sockops program reads the storage of the `bpf_sock` it is given. A BTF map definition
+/// (each field's *type* carries one attribute; the loader reads them from BTF).
 #[repr(C)]
-pub struct Map<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize = 0> {
-    r#type: *const [i32; TYPE],
-    key: *const K,
+pub struct SocketStorage<V> {
+    r#type: *const [i32; 24], // BPF_MAP_TYPE_SK_STORAGE
+    key: *const i32,
     value: *const V,
-    max_entries: *const [i32; MAX_ENTRIES],
-    map_flags: *const [i32; FLAGS],
-    pinning: *const [i32; LIBBPF_PIN_BY_NAME],
+    max_entries: *const [i32; 0],
+    /// Socket storage must be allocated per socket.
+    map_flags: *const [i32; NO_PREALLOC],
 }
 
 // SAFETY: the definition is never read or written from Rust; the kernel owns the map.
-unsafe impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize> Sync
-    for Map<K, V, TYPE, MAX_ENTRIES, FLAGS>
-{
-}
+unsafe impl<V> Sync for SocketStorage<V> {}
 
-impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize>
-    Map<K, V, TYPE, MAX_ENTRIES, FLAGS>
-{
+impl<V: Copy> SocketStorage<V> {
     pub const fn new() -> Self {
         Self {
             r#type: ptr::null(),
@@ -58,7 +47,6 @@ impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize>
             value: ptr::null(),
             max_entries: ptr::null(),
             map_flags: ptr::null(),
-            pinning: ptr::null(),
         }
     }
 
@@ -67,58 +55,6 @@ impl<K, V, const TYPE: usize, const MAX_ENTRIES: usize, const FLAGS: usize>
         self as *const Self as *mut c_void
     }
 
-    /// The value for `key`, read-only.
-    #[inline(always)]
-    pub fn get(&self, key: &K) -> Option<&V> {
-        // SAFETY: the helper returns null or a pointer to a live value of type V.
-        unsafe {
-            (bpf_map_lookup_elem(self.as_ptr(), key as *const K as *const c_void) as *const V)
-                .as_ref()
-        }
-    }
-
-    /// The value for `key`, for in-place updates (per-CPU values belong to this CPU).
-    #[inline(always)]
-    pub fn get_ptr_mut(&self, key: &K) -> Option<*mut V> {
-        // SAFETY: as in `get`.
-        let value = unsafe { bpf_map_lookup_elem(self.as_ptr(), key as *const K as *const c_void) };
-        (!value.is_null()).then_some(value as *mut V)
-    }
-
-    #[inline(always)]
-    pub fn insert(&self, key: &K, value: &V) -> Result<(), i64> {
-        // SAFETY: key and value point to live values of the map's types.
-        let ret = unsafe {
-            bpf_map_update_elem(
-                self.as_ptr(),
-                key as *const K as *const c_void,
-                value as *const V as *const c_void,
-                0,
-            )
-        };
-        if ret == 0 {
-            Ok(())
-        } else {
-            Err(ret)
-        }
-    }
-
-    #[inline(always)]
-    pub fn remove(&self, key: &K) -> Result<(), i64> {
-        // SAFETY: key points to a live value of the map's key type.
-        let ret = unsafe { bpf_map_delete_elem(self.as_ptr(), key as *const K as *const c_void) };
-        if ret == 0 {
-            Ok(())
-        } else {
-            Err(ret)
-        }
-    }
-}
-
-/// A value attached to each socket, freed with the socket: nothing to expire or evict.
-type SocketStorage<V> = Map<i32, V, BPF_MAP_TYPE_SK_STORAGE, 0, BPF_F_NO_PREALLOC>;
-
-impl<V: Copy> SocketStorage<V> {
     /// The socket's value, if one was stored.
     #[inline(always)]
     pub fn of(&self, sk: *mut bpf_sock) -> Option<V> {
@@ -149,43 +85,63 @@ impl<V: Copy> SocketStorage<V> {
     }
 }
 
-/// Per-pod maps are written by the agent only, a few times per pod: allocated per entry, so a
-/// node pays for the pods it has, not for the most it could have.
-type HashMap<K, V, const N: usize> = Map<K, V, BPF_MAP_TYPE_HASH, N, BPF_F_NO_PREALLOC>;
-type PerCpuHashMap<K, V, const N: usize> =
-    Map<K, V, BPF_MAP_TYPE_PERCPU_HASH, N, BPF_F_NO_PREALLOC>;
-type LruHashMap<K, V, const N: usize> = Map<K, V, BPF_MAP_TYPE_LRU_HASH, N>;
-type Array<V, const N: usize> = Map<u32, V, BPF_MAP_TYPE_ARRAY, N>;
+// Per-pod maps are written by the agent only, a few times per pod: allocated per entry, so a
+// node pays for the pods it has, not for the most it could have. The agent pins every map by
+// name (aya-ebpf's BTF definitions carry no pinning attribute).
 
 /// Enrolled pods by network namespace cookie.
-#[unsafe(link_section = ".maps")]
-#[unsafe(no_mangle)]
-pub static PODS: HashMap<u64, PodConfig, MAX_PODS> = Map::new();
+#[btf_map]
+static PODS: HashMap<u64, PodConfig, MAX_PODS, NO_PREALLOC> = HashMap::new();
 
-/// Enrolled pods' IPs (v4-mapped for IPv4) to their netns cookie: how packets on the wire and
-/// sockets on the node find the pod.
-#[unsafe(link_section = ".maps")]
-#[unsafe(no_mangle)]
-pub static POD_IPS: HashMap<IpKey, u64, { MAX_PODS * 4 }> = Map::new();
+/// Enrolled pods' addresses (v4-mapped for IPv4; link-local ones too) to their netns cookie: how
+/// packets on the wire and sockets on the node find the pod.
+#[btf_map]
+static POD_IPS: HashMap<IpKey, u64, { MAX_PODS * 4 }, NO_PREALLOC> = HashMap::new();
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(no_mangle)]
-pub static POD_COUNTERS: PerCpuHashMap<u64, PodCounters, MAX_PODS> = Map::new();
+#[btf_map]
+static POD_COUNTERS: PerCpuHashMap<u64, PodCounters, MAX_PODS, NO_PREALLOC> = PerCpuHashMap::new();
 
 /// Original destination of each redirected socket, stored on the socket itself: it lives
 /// exactly as long as the connection (getpeername and recvmsg need it until the end).
-#[unsafe(link_section = ".maps")]
-#[unsafe(no_mangle)]
-pub static SOCKET_ORIG_DST: SocketStorage<Endpoint> = Map::new();
+#[btf_map]
+pub static SOCKET_ORIG_DST: SocketStorage<Endpoint> = SocketStorage::new();
 
 /// Original destination of each redirected TCP connection, by the tuple ztunnel's side sees.
-#[unsafe(link_section = ".maps")]
-#[unsafe(no_mangle)]
-pub static CONN_ORIG_DST: LruHashMap<ConnectionKey, Endpoint, MAX_CONNECTIONS> = Map::new();
+#[btf_map]
+pub static CONN_ORIG_DST: LruHashMap<ConnectionKey, Endpoint, MAX_CONNECTIONS> = LruHashMap::new();
 
-#[unsafe(link_section = ".maps")]
-#[unsafe(no_mangle)]
-pub static NODE_CONFIG: Array<NodeConfig, 1> = Map::new();
+#[btf_map]
+static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
+
+// The agent replaces hash map values whole (a new element; the old one is freed after an RCU
+// grace period), so a reference into a map stays valid for the program's run.
+
+/// The enrolled pod whose netns cookie this is.
+#[inline(always)]
+pub fn pod(netns_cookie: u64) -> Option<&'static PodConfig> {
+    // SAFETY: see above.
+    unsafe { PODS.get(netns_cookie) }
+}
+
+/// The netns cookie of the enrolled pod that has this address.
+#[inline(always)]
+pub fn pod_with_ip(ip: &IpKey) -> Option<u64> {
+    // SAFETY: see above.
+    unsafe { POD_IPS.get(ip).copied() }
+}
+
+/// The original destination ztunnel's side of a redirected connection asks for.
+#[inline(always)]
+pub fn original_destination(connection: &ConnectionKey) -> Option<Endpoint> {
+    // SAFETY: see above.
+    unsafe { CONN_ORIG_DST.get(connection).copied() }
+}
+
+/// The node's own netns cookie, zero when the probe bypass is off.
+#[inline(always)]
+pub fn host_netns_cookie() -> u64 {
+    NODE_CONFIG.get(0).map_or(0, |node| node.host_netns_cookie)
+}
 
 /// Bumps one of a pod's per-CPU counters.
 #[inline(always)]

@@ -10,7 +10,7 @@ use weir_common::{ConnectionKey, Endpoint};
 
 use crate::{
     diag::{diag, ip},
-    maps::{CONN_ORIG_DST, SOCKET_ORIG_DST},
+    maps::{original_destination, CONN_ORIG_DST, SOCKET_ORIG_DST},
     net::{ctx_read, is_v4_mapped, socket_addresses, SockaddrIn, SockaddrIn6, ALLOW, IPPROTO_TCP},
 };
 
@@ -55,7 +55,7 @@ fn remember_connection(ctx: &SockOpsContext) {
             ),
         }
     };
-    let _ = CONN_ORIG_DST.insert(&key, &original);
+    let _ = CONN_ORIG_DST.insert(key, original, 0);
 }
 
 /// Runs for every getsockopt in the cgroup (the whole node): leave everything but
@@ -86,10 +86,9 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
         client: Endpoint::new(remote_ip, u16::from_be(ctx_read!(sk, dst_port))),
         listener: Endpoint::new(local_ip, ctx_read!(sk, src_port) as u16),
     };
-    let Some(original) = CONN_ORIG_DST.get(&key) else {
+    let Some(original) = original_destination(&key) else {
         return;
     };
-    let original = *original;
     // Answer in the family the caller asked in, as netfilter does: SOL_IP for an IPv4 original
     // destination (also on ztunnel's IPv4-mapped AF_INET6 sockets), SOL_IPV6 for an IPv6 one.
     let v4 = is_v4_mapped(&original.ip);
@@ -102,7 +101,7 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
     };
     if answered {
         // Asked once per accepted connection: the entry has served its purpose.
-        let _ = CONN_ORIG_DST.remove(&key);
+        let _ = CONN_ORIG_DST.remove(key);
         diag!(
             debug,
             opt,

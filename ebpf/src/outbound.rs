@@ -3,7 +3,7 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::sockaddr,
-    helpers::gen::{bpf_bind, bpf_get_netns_cookie, bpf_setsockopt},
+    helpers::generated::{bpf_bind, bpf_get_netns_cookie, bpf_setsockopt},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
@@ -15,7 +15,7 @@ use weir_common::{
 
 use crate::{
     diag::{diag, ip},
-    maps::{count, NODE_CONFIG, PODS, POD_IPS, SOCKET_ORIG_DST},
+    maps::{count, host_netns_cookie, pod, pod_with_ip, SOCKET_ORIG_DST},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, SockaddrIn, SockaddrIn6,
         ALLOW, DENY, SOCK_STREAM,
@@ -77,7 +77,7 @@ pub fn weir_recvmsg6(ctx: SockAddrContext) -> i32 {
 fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
     // SAFETY: helper valid in sock_addr programs.
     let netns = unsafe { bpf_get_netns_cookie(sa.ctx as *mut c_void) };
-    match PODS.get(&netns) {
+    match pod(netns) {
         Some(pod) => return redirect(&sa, netns, pod, hook),
         None if hook == Hook::Connect => give_probe_source(&sa, netns),
         None => {}
@@ -141,7 +141,7 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
     }
     sa.set_user_endpoint(&target);
     diag!(
-        debug,
+        by_ref debug,
         sa.ctx,
         "netns {}: redirect {:i}:{} to {:i}:{}",
         netns,
@@ -166,14 +166,12 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
     if sa.sock_type() != SOCK_STREAM {
         return;
     }
-    let Some(node) = NODE_CONFIG.get(&0) else {
-        return;
-    };
-    if node.host_netns_cookie == 0 || node.host_netns_cookie != netns {
+    let host = host_netns_cookie();
+    if host == 0 || host != netns {
         return;
     }
     let dst = sa.user_endpoint();
-    if POD_IPS.get(&dst.ip).is_none() {
+    if pod_with_ip(&dst.ip).is_none() {
         return;
     }
     // Counted as bypassed by the pod's inbound program when the SYN arrives.

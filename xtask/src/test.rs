@@ -28,6 +28,7 @@ pub fn run(test_args: &[String]) -> Result<()> {
 
     step("checking formatting");
     system::run(with_object(cargo()).args(["fmt", "--all", "--", "--check"]))?;
+    system::run(ebpf_on_host().args(["fmt", "--", "--check"]))?;
 
     step("running clippy");
     system::run(with_object(cargo()).args([
@@ -38,6 +39,12 @@ pub fn run(test_args: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    // The kernel crate builds for the host too, so the host's clippy lints it and its pure
+    // helpers have unit tests.
+    system::run(ebpf_on_host().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+
+    step("testing the kernel crate's helpers on the host");
+    system::run(ebpf_on_host().arg("test"))?;
 
     step("building the binaries the tests run (weir-cni, weir-agent)");
     system::run(with_object(cargo()).args(["build", "--workspace", "--bins"]))?;
@@ -54,6 +61,16 @@ pub fn run(test_args: &[String]) -> Result<()> {
     step("sweeping leftovers of this test run");
     let swept = sweep::run_privileged();
     result.and(swept)
+}
+
+/// cargo in `ebpf/` (outside the workspace) with the workspace's toolchain, building for the
+/// host into a target directory of its own.
+fn ebpf_on_host() -> Command {
+    let root = crate::workspace_root();
+    let mut cmd = cargo();
+    cmd.current_dir(root.join("ebpf"))
+        .env("CARGO_TARGET_DIR", root.join("target").join("ebpf-host"));
+    cmd
 }
 
 /// Install the test system packages when we can (root on Debian); otherwise say what is missing.

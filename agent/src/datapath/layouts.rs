@@ -3,6 +3,7 @@
 use std::{fs, os::fd::AsFd};
 
 use anyhow::{Context, Result};
+use aya::maps::MapData;
 use tracing::{info, warn};
 use weir_common::{maps, ABI_VERSION};
 
@@ -23,12 +24,12 @@ impl Owner {
                 continue;
             }
             // Every layout keys PODS by netns cookie (see weir_common::maps::PODS).
-            let pods = bpf_sys::open_pinned(&dir.join(maps::PODS))
+            let pods = MapData::from_pin(dir.join(maps::PODS))
                 .with_context(|| format!("opening {}/{}", dir.display(), maps::PODS))?;
             for pod in self.pods.values() {
-                bpf_sys::map_delete(pods.as_fd(), &pod.netns_cookie.to_ne_bytes())?;
+                bpf_sys::map_delete(pods.fd().as_fd(), &pod.netns_cookie.to_ne_bytes())?;
             }
-            if bpf_sys::map_is_empty(pods.as_fd(), size_of::<u64>())? {
+            if bpf_sys::map_is_empty(pods.fd().as_fd(), size_of::<u64>())? {
                 fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
                 info!(
                     layout = name,

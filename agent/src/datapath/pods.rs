@@ -95,8 +95,8 @@ impl Owner {
         ips: &[IpKey],
         other_ips: &[IpKey],
     ) -> Result<()> {
-        // BPF_NOEXIST: a re-enrolled pod keeps its counts. (Existence is not checked with a
-        // lookup: aya 0.13's per-CPU `get` answers zeros for a missing key.)
+        // BPF_NOEXIST: a re-enrolled pod keeps its counts, in one syscall and without a race
+        // between a lookup and the insert.
         let zero = vec![PodCounters::default(); aya::util::nr_cpus().map_err(|(_, e)| e)?];
         match self.counters.insert(
             netns_cookie,

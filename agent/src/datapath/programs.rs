@@ -10,13 +10,20 @@ use std::{
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
     programs::{
-        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType},
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError},
         Program, SchedClassifier,
     },
     Ebpf, EbpfLoader,
 };
+use aya_obj::generated::bpf_attach_type::{
+    self, BPF_CGROUP_GETSOCKOPT, BPF_CGROUP_INET4_CONNECT, BPF_CGROUP_INET4_GETPEERNAME,
+    BPF_CGROUP_INET6_CONNECT, BPF_CGROUP_INET6_GETPEERNAME, BPF_CGROUP_SOCK_OPS,
+    BPF_CGROUP_UDP4_RECVMSG, BPF_CGROUP_UDP4_SENDMSG, BPF_CGROUP_UDP6_RECVMSG,
+    BPF_CGROUP_UDP6_SENDMSG,
+};
+use tokio::io::{unix::AsyncFd, Interest};
 use tracing::info;
-use weir_common::{globals, programs};
+use weir_common::{globals, maps, programs};
 
 use crate::bpf_sys;
 
@@ -28,27 +35,28 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT")
 const TC_PRIORITY: u16 = 1;
 const TC_HANDLE: u32 = 0x5745;
 
-/// The cgroup hooks, each attached once at the root cgroup: (program, attach type).
-const CGROUP_HOOKS: [(&str, u32); 10] = [
-    (programs::CONNECT4, 10),     // BPF_CGROUP_INET4_CONNECT
-    (programs::CONNECT6, 11),     // BPF_CGROUP_INET6_CONNECT
-    (programs::SENDMSG4, 14),     // BPF_CGROUP_UDP4_SENDMSG
-    (programs::SENDMSG6, 15),     // BPF_CGROUP_UDP6_SENDMSG
-    (programs::RECVMSG4, 19),     // BPF_CGROUP_UDP4_RECVMSG
-    (programs::RECVMSG6, 20),     // BPF_CGROUP_UDP6_RECVMSG
-    (programs::GETPEERNAME4, 29), // BPF_CGROUP_INET4_GETPEERNAME
-    (programs::GETPEERNAME6, 30), // BPF_CGROUP_INET6_GETPEERNAME
-    (programs::SOCKOPS, 3),       // BPF_CGROUP_SOCK_OPS
-    (programs::GETSOCKOPT, 21),   // BPF_CGROUP_GETSOCKOPT
+/// The cgroup hooks, each attached once at the root cgroup.
+const CGROUP_HOOKS: [(&str, bpf_attach_type); 10] = [
+    (programs::CONNECT4, BPF_CGROUP_INET4_CONNECT),
+    (programs::CONNECT6, BPF_CGROUP_INET6_CONNECT),
+    (programs::SENDMSG4, BPF_CGROUP_UDP4_SENDMSG),
+    (programs::SENDMSG6, BPF_CGROUP_UDP6_SENDMSG),
+    (programs::RECVMSG4, BPF_CGROUP_UDP4_RECVMSG),
+    (programs::RECVMSG6, BPF_CGROUP_UDP6_RECVMSG),
+    (programs::GETPEERNAME4, BPF_CGROUP_INET4_GETPEERNAME),
+    (programs::GETPEERNAME6, BPF_CGROUP_INET6_GETPEERNAME),
+    (programs::SOCKOPS, BPF_CGROUP_SOCK_OPS),
+    (programs::GETSOCKOPT, BPF_CGROUP_GETSOCKOPT),
 ];
 
 /// Loads weir's object, its maps pinned in (or taken over from) `maps_dir`.
 pub(super) fn load(maps_dir: &Path, bpf_log: bool) -> Result<Ebpf> {
     let mut loader = EbpfLoader::new();
-    // Socket storage (SOCKET_ORIG_DST) is kernel-only: aya has no userspace type for it.
-    loader.map_pin_path(maps_dir).allow_unsupported_maps();
+    for name in maps::ALL {
+        loader.map_pin_path(name, maps_dir.join(name));
+    }
     if bpf_log {
-        loader.set_global(globals::LOG_ENABLED, &1u8, true);
+        loader.override_global(globals::LOG_ENABLED, &1u8, true);
     }
     loader
         .load(EBPF_OBJECT)
@@ -64,9 +72,15 @@ pub(super) fn attach(ebpf: &mut Ebpf, cgroup_path: &Path, links_dir: &Path) -> R
         let program = ebpf
             .program_mut(name)
             .ok_or_else(|| anyhow!("program {name} missing from the object"))?;
-        load_cgroup_program(program).with_context(|| format!("loading {name}"))?;
-        let prog_fd = program.fd().context("program fd")?.as_fd();
-        attach_pinned(prog_fd, &cgroup, attach_type, &links_dir.join(name))
+        match program {
+            Program::CgroupSockAddr(p) => p.load(),
+            Program::SockOps(p) => p.load(),
+            Program::CgroupSockopt(p) => p.load(),
+            _ => bail!("{name} is not a cgroup program"),
+        }
+        .with_context(|| format!("loading {name}"))?;
+        let program = program.fd().context("program fd")?.as_fd();
+        attach_pinned(program, &cgroup, attach_type as u32, &links_dir.join(name))
             .with_context(|| format!("attaching {name} to {}", cgroup_path.display()))?;
     }
     inbound(ebpf)?.load().context("loading the tc program")
@@ -80,8 +94,8 @@ pub(super) fn inbound(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier> {
         .try_into()?)
 }
 
-/// Forwards the programs' aya-log records to the `log` crate. aya-log reads them in tokio tasks
-/// and this thread has no runtime, so the reader gets a one-worker runtime of its own.
+/// Forwards the programs' aya-log records to the `log` crate, from a one-worker runtime of its
+/// own (this thread has none): a task waits for the log ring buffer to be readable and drains it.
 pub(super) fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -89,10 +103,20 @@ pub(super) fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
         .enable_io()
         .build()
         .context("starting the eBPF log reader")?;
-    {
+    let logger = aya_log::EbpfLogger::init(ebpf).context("reading the eBPF programs' logs")?;
+    let mut logger = {
         let _entered = runtime.enter();
-        aya_log::EbpfLogger::init(ebpf).context("reading the eBPF programs' logs")?;
-    }
+        // SAFETY: the logger owns its ring buffer's fd, open and the same until it is dropped
+        // with the AsyncFd.
+        unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }
+            .map_err(|error| anyhow!("polling the eBPF logs: {error}"))?
+    };
+    runtime.spawn(async move {
+        while let Ok(mut ready) = logger.readable_mut().await {
+            ready.get_inner_mut().flush();
+            ready.clear_ready();
+        }
+    });
     info!("eBPF diagnostics on (log target weir_ebpf)");
     Ok(runtime)
 }
@@ -100,27 +124,19 @@ pub(super) fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
 /// Attaches the inbound program as a classic cls_bpf filter: a TCX link costs a
 /// `synchronize_rcu()` under the rtnl lock per pod (~16 ms), a netlink filter does not.
 pub(super) fn attach_inbound(inbound: &mut SchedClassifier, interface: &str) -> Result<()> {
-    if let Err(error) = tc::qdisc_add_clsact(interface) {
-        if error.kind() != io::ErrorKind::AlreadyExists {
-            return Err(error).context("adding the clsact qdisc");
-        }
+    match tc::qdisc_add_clsact(interface) {
+        Err(TcError::NetlinkError(error)) if error.raw_os_error() == Some(libc::EEXIST) => {}
+        other => other.context("adding the clsact qdisc")?,
     }
     let options = TcAttachOptions::Netlink(NlOptions {
         priority: TC_PRIORITY,
-        handle: TC_HANDLE,
+        handle: TC_HANDLE.into(),
+        ..NlOptions::default()
     });
     let link_id = match inbound.attach_with_options(interface, TcAttachType::Ingress, options) {
         Ok(id) => id,
         // Already attached (re-enroll, or an earlier agent): replace the program in place.
-        Err(_) => {
-            let existing = SchedClassifierLink::attached(
-                interface,
-                TcAttachType::Ingress,
-                TC_PRIORITY,
-                TC_HANDLE,
-            )?;
-            inbound.attach_to_link(existing)?
-        }
+        Err(_) => inbound.attach_to_link(our_filter(interface)?)?,
     };
     // The filter lives in the pod's netns, not in this process: dropping aya's link would
     // detach it, so it is released instead (it holds no file descriptor).
@@ -130,34 +146,32 @@ pub(super) fn attach_inbound(inbound: &mut SchedClassifier, interface: &str) -> 
 
 /// Removes our tc filter from `interface`, if it is there.
 pub(super) fn detach_inbound(interface: &str) {
-    if let Ok(link) =
-        SchedClassifierLink::attached(interface, TcAttachType::Ingress, TC_PRIORITY, TC_HANDLE)
-    {
+    if let Ok(link) = our_filter(interface) {
         let _ = aya::programs::Link::detach(link);
     }
+}
+
+fn our_filter(interface: &str) -> io::Result<SchedClassifierLink> {
+    SchedClassifierLink::attached(
+        interface,
+        TcAttachType::Ingress,
+        TC_PRIORITY,
+        TC_HANDLE.into(),
+        None,
+    )
 }
 
 /// Attaches a cgroup program through a pinned link, or moves an existing pinned link to it.
 fn attach_pinned(prog: BorrowedFd<'_>, cgroup: &File, attach_type: u32, pin: &Path) -> Result<()> {
     match bpf_sys::open_pinned(pin) {
-        Ok(link) => bpf_sys::update(link.as_fd(), prog).context("BPF_LINK_UPDATE"),
+        Ok(link) => bpf_sys::update_link(link.as_fd(), prog).context("BPF_LINK_UPDATE"),
         Err(error) if error.kind() == io::ErrorKind::NotFound => {
-            let link =
-                bpf_sys::create(prog, cgroup.as_fd(), attach_type).context("BPF_LINK_CREATE")?;
-            bpf_sys::pin(link.as_fd(), pin).context("pinning the link")
+            let link = bpf_sys::create_cgroup_link(prog, cgroup.as_fd(), attach_type)
+                .context("BPF_LINK_CREATE")?;
+            bpf_sys::pin_object(link.as_fd(), pin).context("pinning the link")
         }
         Err(error) => Err(error).context("opening the pinned link"),
     }
-}
-
-fn load_cgroup_program(program: &mut Program) -> Result<()> {
-    match program {
-        Program::CgroupSockAddr(p) => p.load()?,
-        Program::SockOps(p) => p.load()?,
-        Program::CgroupSockopt(p) => p.load()?,
-        _ => bail!("unexpected program type"),
-    }
-    Ok(())
 }
 
 pub(super) fn take_map<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
