@@ -146,7 +146,7 @@ pub fn host_netns_cookie() -> u64 {
 /// Bumps one of a pod's per-CPU counters.
 #[inline(always)]
 pub fn count(netns_cookie: u64, field: impl FnOnce(&mut PodCounters) -> &mut u64) {
-    if let Some(counters) = POD_COUNTERS.get_ptr_mut(&netns_cookie) {
+    if let Some(counters) = POD_COUNTERS.get_ptr_mut(netns_cookie) {
         // SAFETY: per-CPU value, only this CPU writes it while this program runs.
         unsafe { *field(&mut *counters) += 1 };
     }
