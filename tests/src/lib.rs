@@ -21,6 +21,7 @@
 use std::time::Duration;
 
 pub mod agent;
+pub mod apiserver;
 pub mod cni;
 pub mod istio_iptables;
 pub mod netns;
@@ -34,6 +35,7 @@ pub mod ztunnel;
 mod ids;
 mod server;
 
+pub use apiserver::{ApiRequest, ApiServer};
 pub use netns::NetNs;
 pub use node::{NodeOptions, Pod, PodSpec, TestNode};
 pub use traffic::{

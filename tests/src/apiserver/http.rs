@@ -1,0 +1,261 @@
+//! The wire side: which path is which object or collection, and what each method does there.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use axum::body::{to_bytes, Body};
+use axum::extract::{Request, State};
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use serde_json::{json, Value};
+
+use super::selector::Selectors;
+use super::store::{ApiError, Resource, Scope};
+use super::watch::WatchStream;
+use super::{ApiRequest, Shared};
+
+/// The content types a PATCH may have. A strategic merge patch is applied as a merge patch.
+const MERGE_PATCH_TYPES: [&str; 2] = [
+    "application/merge-patch+json",
+    "application/strategic-merge-patch+json",
+];
+
+pub(super) fn router(store: Shared) -> Router {
+    Router::new().fallback(serve).with_state(store)
+}
+
+/// Where a request goes: `/api/v1/...` or `/apis/GROUP/VERSION/...`, then
+/// `[namespaces/NS/]PLURAL[/NAME[/status]]`.
+struct Route {
+    resource: &'static Resource,
+    namespace: Option<String>,
+    name: Option<String>,
+    status_subresource: bool,
+}
+
+impl Route {
+    fn parse(path: &str) -> Option<Route> {
+        let (api_version, rest) = match path.strip_prefix("/api/v1/") {
+            Some(rest) => ("v1".to_owned(), rest),
+            None => {
+                let mut parts = path.strip_prefix("/apis/")?.splitn(3, '/');
+                let (group, version) = (parts.next()?, parts.next()?);
+                (format!("{group}/{version}"), parts.next()?)
+            }
+        };
+        let segments: Vec<&str> = rest.split('/').collect();
+        let (namespace, segments) = match segments.as_slice() {
+            ["namespaces", namespace, rest @ ..] if !rest.is_empty() => (Some(*namespace), rest),
+            all => (None, all),
+        };
+        let (plural, name, subresource) = match segments {
+            [plural] => (*plural, None, None),
+            [plural, name] => (*plural, Some(*name), None),
+            [plural, name, subresource] => (*plural, Some(*name), Some(*subresource)),
+            _ => return None,
+        };
+        let resource = Resource::at(&api_version, plural)?;
+        let scoped_right = if resource.namespaced {
+            name.is_none() || namespace.is_some()
+        } else {
+            namespace.is_none()
+        };
+        if !scoped_right || subresource.is_some_and(|s| s != "status") {
+            return None;
+        }
+        Some(Route {
+            resource,
+            namespace: namespace.map(str::to_owned),
+            name: name.map(str::to_owned),
+            status_subresource: subresource.is_some(),
+        })
+    }
+
+    fn namespace(&self) -> &str {
+        self.namespace.as_deref().unwrap_or("")
+    }
+}
+
+async fn serve(State(store): State<Shared>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let content_type = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let content_type = content_type.map(|t| t.split(';').next().unwrap_or(t).trim().to_owned());
+    let query = parts.uri.query().unwrap_or("").to_owned();
+    let params: HashMap<String, String> = form_urlencoded::parse(query.as_bytes())
+        .into_owned()
+        .collect();
+    let route = Route::parse(parts.uri.path());
+    let verb = verb(&parts.method, route.as_ref(), &params);
+    store.lock().record(ApiRequest {
+        verb: verb.clone(),
+        method: parts.method.to_string(),
+        path: parts.uri.path().to_owned(),
+        query,
+        content_type: content_type.clone(),
+    });
+
+    let Some(route) = route else {
+        let message = "the server could not find the requested resource";
+        return respond(Err(ApiError::new(404, "NotFound", message)));
+    };
+    let body = match to_bytes(body, usize::MAX).await {
+        Ok(body) => body,
+        Err(error) => return respond(Err(ApiError::new(400, "BadRequest", error.to_string()))),
+    };
+    let json_body = || -> Result<Value, ApiError> {
+        if body.is_empty() {
+            return Ok(Value::Null);
+        }
+        serde_json::from_slice(&body).map_err(|e| ApiError::new(400, "BadRequest", e.to_string()))
+    };
+    let ok = |object| (StatusCode::OK, object);
+
+    let answer = match (verb.as_str(), route.name.as_deref()) {
+        ("watch", None) => return watch(store, route, &params),
+        ("list", None) => list(&store, route, &params),
+        ("get", Some(name)) => store
+            .lock()
+            .get(route.resource, route.namespace(), name)
+            .map(ok),
+        ("create", None) => json_body().and_then(|object| {
+            let created = store
+                .lock()
+                .create(route.resource, route.namespace(), object)?;
+            Ok((StatusCode::CREATED, created))
+        }),
+        ("patch", Some(name)) => {
+            if !MERGE_PATCH_TYPES.contains(&content_type.as_deref().unwrap_or("")) {
+                let message =
+                    format!("the stand-in applies merge patches only, not {content_type:?}");
+                return respond(Err(ApiError::new(415, "UnsupportedMediaType", message)));
+            }
+            json_body()
+                .and_then(|patch| {
+                    let mut store = store.lock();
+                    store.merge_patch(
+                        route.resource,
+                        route.namespace(),
+                        name,
+                        route.status_subresource,
+                        &patch,
+                    )
+                })
+                .map(ok)
+        }
+        ("delete", Some(name)) => json_body()
+            .and_then(|options| {
+                store.lock().delete(
+                    route.resource,
+                    route.namespace(),
+                    name,
+                    &options["preconditions"],
+                )
+            })
+            .map(ok),
+        _ => Err(ApiError::new(
+            405,
+            "MethodNotAllowed",
+            format!("{} is not supported here", parts.method),
+        )),
+    };
+    respond(answer)
+}
+
+/// The request's verb as Kubernetes names it (RBAC, audit logs); the stand-in serves the six
+/// named here.
+fn verb(method: &Method, route: Option<&Route>, params: &HashMap<String, String>) -> String {
+    let collection = route.is_some_and(|route| route.name.is_none());
+    let watching = matches!(params.get("watch").map(String::as_str), Some("true" | "1"));
+    let verb = match *method {
+        Method::GET if collection && watching => "watch",
+        Method::GET if collection => "list",
+        Method::GET => "get",
+        Method::POST if collection => "create",
+        Method::PATCH if !collection => "patch",
+        Method::DELETE if !collection => "delete",
+        Method::DELETE => "deletecollection",
+        Method::PUT => "update",
+        _ => return method.as_str().to_lowercase(),
+    };
+    verb.to_owned()
+}
+
+fn scope(route: Route, params: &HashMap<String, String>) -> Result<Scope, ApiError> {
+    let selectors = Selectors::parse(
+        params.get("labelSelector").map(String::as_str),
+        params.get("fieldSelector").map(String::as_str),
+    )
+    .map_err(|message| ApiError::new(400, "BadRequest", message))?;
+    Ok(Scope {
+        resource: route.resource,
+        namespace: route.namespace,
+        selectors,
+    })
+}
+
+/// Everything in one page, whatever `limit` asks: no `continue` token is ever handed out.
+fn list(
+    store: &Shared,
+    route: Route,
+    params: &HashMap<String, String>,
+) -> Result<(StatusCode, Value), ApiError> {
+    let resource = route.resource;
+    let (items, version) = store.lock().list(&scope(route, params)?);
+    let list = json!({
+        "kind": format!("{}List", resource.kind),
+        "apiVersion": resource.api_version,
+        "metadata": { "resourceVersion": version.to_string() },
+        "items": items,
+    });
+    Ok((StatusCode::OK, list))
+}
+
+fn watch(store: Shared, route: Route, params: &HashMap<String, String>) -> Response {
+    let resource = route.resource;
+    let from = match params.get("resourceVersion").map(String::as_str) {
+        None | Some("" | "0") => None,
+        Some(version) => match version.parse() {
+            Ok(version) => Some(version),
+            Err(_) => {
+                let message = format!("invalid resourceVersion {version:?}");
+                return respond(Err(ApiError::new(400, "BadRequest", message)));
+            }
+        },
+    };
+    let scope = match scope(route, params) {
+        Ok(scope) => scope,
+        Err(error) => return respond(Err(error)),
+    };
+    let bookmarks = params
+        .get("allowWatchBookmarks")
+        .is_some_and(|v| v == "true" || v == "1");
+    let timeout = params
+        .get("timeoutSeconds")
+        .and_then(|s| s.parse().ok())
+        .map(Duration::from_secs);
+    let opened = store.lock().watch(scope, from);
+    let body = WatchStream::new(store, resource, opened, bookmarks, timeout).into_body();
+    ([(CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+fn respond(answer: Result<(StatusCode, Value), ApiError>) -> Response {
+    let (status, body) = match answer {
+        Ok(answer) => answer,
+        Err(error) => {
+            let status =
+                StatusCode::from_u16(error.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            (status, error.status())
+        }
+    };
+    (
+        status,
+        [(CONTENT_TYPE, "application/json")],
+        Body::from(body.to_string()),
+    )
+        .into_response()
+}

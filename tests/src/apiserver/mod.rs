@@ -1,0 +1,240 @@
+//! A stand-in for the Kubernetes API server on a loopback port, plain http, so that weir's kube
+//! side is tested through kube-rs itself against the real list/watch/patch wire format rather
+//! than through mocks of weir's own traits.
+//!
+//! It serves core/v1 Pods, Namespaces and Events, apps/v1 DaemonSets and events.k8s.io/v1 Events
+//! (the API kube-rs's `Recorder` writes to; the two Event APIs are kept apart), stored as JSON
+//! with `uid`, `creationTimestamp` and a `resourceVersion` from one counter, and speaks:
+//! - GET of one object; a missing one is a 404 `Status` with reason `NotFound`, which kube-rs
+//!   turns into `kube::Error::Api`.
+//! - LIST, honouring `labelSelector` (`k=v`, `k!=v`, `k`, `!k`, `k in (..)`, `k notin (..)`) and
+//!   `fieldSelector` (`path=v`, `path!=v` on dotted paths such as `spec.nodeName`), answering
+//!   everything in one page whatever `limit` asks, with the list's `resourceVersion`.
+//! - WATCH (`watch=true` or `1`): newline-delimited JSON events, one chunk each. Without a
+//!   `resourceVersion` (or `0`) the current objects come first as `ADDED`; from a version, the
+//!   changes since, or, when those are forgotten ([`ApiServer::expire_history`]), an `ERROR` event
+//!   with a 410 `Expired` Status that makes kube-rs's watcher relist. An object that starts or
+//!   stops matching a watch's selectors arrives as `ADDED` or `DELETED`, as from the real watch
+//!   cache. `allowWatchBookmarks` adds a `BOOKMARK` every few seconds and when `timeoutSeconds`
+//!   ends the stream.
+//! - POST creating an object (`generateName` included); 409 `AlreadyExists` if it exists.
+//! - PATCH with `application/merge-patch+json` (RFC 7386: `null` removes a key) on an object or
+//!   its `status` subresource, which changes only metadata and status, the object itself
+//!   everything but status, as for pods. `application/strategic-merge-patch+json` is applied as a
+//!   merge patch: the same for maps such as labels and annotations, but lists are replaced rather
+//!   than merged by key. A `metadata.resourceVersion` in the patch is a precondition (409
+//!   `Conflict`); a patch that changes nothing keeps the version and notifies no watch.
+//! - DELETE, honouring `preconditions` (uid, resourceVersion) in the DeleteOptions body (409
+//!   `Conflict`). The object goes at once, as with a grace period of 0.
+//!
+//! Deliberately not: TLS, authentication and authorization, discovery (`/api`, `/apis`), PUT,
+//! JSON patch and server-side apply (415), pagination, `resourceVersionMatch` and
+//! `sendInitialEvents`, defaulting, validation, admission, finalizers, garbage collection, other
+//! kinds (404), and a bounded history: changes are kept until [`ApiServer::expire_history`].
+
+mod http;
+mod selector;
+mod store;
+mod watch;
+
+use std::io;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use store::{Resource, Store};
+
+/// One request the stand-in received.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiRequest {
+    /// `get`, `list`, `watch`, `create`, `patch`, `delete` (what the stand-in serves), or another
+    /// Kubernetes verb or HTTP method, which it refuses.
+    pub verb: String,
+    pub method: String,
+    pub path: String,
+    /// As sent, percent-encoded; [`ApiRequest::param`] decodes one parameter.
+    pub query: String,
+    /// Without parameters such as `; charset=utf-8`.
+    pub content_type: Option<String>,
+}
+
+impl ApiRequest {
+    pub fn param(&self, name: &str) -> Option<String> {
+        form_urlencoded::parse(self.query.as_bytes())
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.into_owned())
+    }
+}
+
+#[derive(Clone, Default)]
+struct Shared(Arc<Mutex<Store>>);
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Store> {
+        // A panic while holding the lock leaves a store no test can trust anyway.
+        self.0
+            .lock()
+            .expect("the API stand-in's store lock is poisoned")
+    }
+}
+
+/// The running stand-in. It serves on the tokio runtime it was started on, and stops when dropped.
+///
+/// The test-side methods take and return k8s-openapi types; for cluster-scoped kinds such as
+/// `Namespace` the namespace argument is `""`. They change objects the way a write through the
+/// API would: a new resourceVersion, and an event to every watch that sees the object.
+pub struct ApiServer {
+    address: SocketAddr,
+    store: Shared,
+    serving: JoinHandle<()>,
+}
+
+impl ApiServer {
+    pub async fn start() -> io::Result<ApiServer> {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let address = listener.local_addr()?;
+        let store = Shared::default();
+        let app = http::router(store.clone());
+        let serving = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .await
+                .expect("axum's accept loop retries its errors");
+        });
+        Ok(ApiServer {
+            address,
+            store,
+            serving,
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// A kube-rs client for the stand-in: no credentials, default namespace `default`. Needs a
+    /// tokio runtime, as every kube client does.
+    pub fn client(&self) -> kube::Client {
+        let url = self
+            .url()
+            .parse()
+            .expect("the stand-in's URL is a valid URI");
+        kube::Client::try_from(kube::Config::new(url)).expect("a plain-http kube client builds")
+    }
+
+    /// Creates `object` (in namespace `default` if a namespaced object names none). Panics if
+    /// the stand-in refuses it, for example because it exists.
+    pub fn create<K>(&self, object: &K) -> K
+    where
+        K: k8s_openapi::Resource + Serialize + DeserializeOwned,
+    {
+        let (resource, object) = (resource_of::<K>(), to_json(object));
+        let namespace = match object["metadata"]["namespace"].as_str() {
+            Some(namespace) => namespace.to_owned(),
+            None if resource.namespaced => "default".to_owned(),
+            None => String::new(),
+        };
+        let created = self.store.lock().create(resource, &namespace, object);
+        from_json(created.unwrap_or_else(|e| panic!("creating a {}: {e}", K::KIND)))
+    }
+
+    /// Replaces an object whole, whatever resourceVersion `object` carries. Panics if it does not exist.
+    pub fn update<K>(&self, object: &K) -> K
+    where
+        K: k8s_openapi::Resource + Serialize + DeserializeOwned,
+    {
+        let updated = self
+            .store
+            .lock()
+            .replace(resource_of::<K>(), to_json(object));
+        from_json(updated.unwrap_or_else(|e| panic!("updating a {}: {e}", K::KIND)))
+    }
+
+    pub fn get<K>(&self, namespace: &str, name: &str) -> Option<K>
+    where
+        K: k8s_openapi::Resource + DeserializeOwned,
+    {
+        self.store
+            .lock()
+            .get(resource_of::<K>(), namespace, name)
+            .ok()
+            .map(from_json)
+    }
+
+    /// Deletes an object; `None` if there was none.
+    pub fn delete<K>(&self, namespace: &str, name: &str) -> Option<K>
+    where
+        K: k8s_openapi::Resource + DeserializeOwned,
+    {
+        let deleted = self
+            .store
+            .lock()
+            .delete(resource_of::<K>(), namespace, name, &Value::Null);
+        deleted.ok().map(from_json)
+    }
+
+    /// Every Event received, core/v1 and events.k8s.io/v1 alike, as stored (JSON, with their
+    /// `apiVersion`), oldest first.
+    pub fn events(&self) -> Vec<Value> {
+        self.store.lock().events()
+    }
+
+    /// Every request received, in order.
+    pub fn requests(&self) -> Vec<ApiRequest> {
+        self.store.lock().requests()
+    }
+
+    /// The newest resourceVersion handed out.
+    pub fn resource_version(&self) -> u64 {
+        self.store.lock().resource_version()
+    }
+
+    /// How many watch streams are open.
+    pub fn open_watches(&self) -> usize {
+        self.store.lock().open_watches()
+    }
+
+    /// Forgets the history of changes: a watch resuming from any resourceVersion handed out so
+    /// far is answered with 410 Expired, and must relist. Open watch streams go on.
+    pub fn expire_history(&self) {
+        self.store.lock().expire_history();
+    }
+
+    /// Ends every open watch stream, as a restart of the API server would.
+    pub fn drop_watches(&self) {
+        self.store.lock().drop_watches();
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.serving.abort();
+        // Connections already accepted live on in their own tasks; ending the watches ends
+        // the streams that would otherwise outlast the stand-in.
+        self.drop_watches();
+    }
+}
+
+fn resource_of<K: k8s_openapi::Resource>() -> &'static Resource {
+    Resource::of_kind(K::API_VERSION, K::KIND).unwrap_or_else(|| {
+        panic!(
+            "the API stand-in does not serve {} {}",
+            K::API_VERSION,
+            K::KIND
+        )
+    })
+}
+
+fn to_json<K: Serialize>(object: &K) -> Value {
+    serde_json::to_value(object).expect("a k8s-openapi object serializes")
+}
+
+fn from_json<K: DeserializeOwned>(object: Value) -> K {
+    serde_json::from_value(object)
+        .expect("the stand-in stores objects of the kind they are read as")
+}
