@@ -22,59 +22,41 @@ const BPF_NOEXIST: u64 = 1;
 
 impl Owner {
     /// Where a pod is enrolled.
+    ///
+    /// The order leaves no moment without capture, also when a pod moves from another agent's
+    /// map layout (whose tc program and maps still redirect it until this one takes over): the
+    /// reply path first, then the map entries, and only then this agent's tc program replaces
+    /// whatever filter the pod had, so the program never runs before the maps name the pod.
+    /// Any failure takes the pod out entirely: never half-redirected.
     pub(super) fn enroll(&mut self, pod: &Workload) -> Result<OwnedFd> {
         let config = pod_config(pod)?;
-        let ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
+        let pod_ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
         let netns_file = File::open(&pod.netns)
             .with_context(|| format!("opening pod netns {}", pod.netns.display()))?;
+        // Map writes do not depend on the calling thread's netns, so every step runs in the pod.
+        let _inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
+        let netns_cookie = netns::current_cookie()?;
 
-        // 1. Inside the pod: the tc program (inert until the maps name the pod) and the reply
-        //    path. On failure, undo what was done here, and take out a pod that was enrolled
-        //    before: never half-redirected.
-        let (netns_cookie, other_ips) = {
-            let _inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
-            let cookie = netns::current_cookie()?;
-            let prepared = prepare_pod_netns(programs::inbound(&mut self.ebpf)?).and_then(|()| {
-                netns::non_loopback_addresses().context("listing the pod's addresses")
-            });
-            match prepared {
-                Ok(addresses) => {
-                    let other_ips: Vec<IpKey> = addresses
-                        .into_iter()
-                        .map(ip_key)
-                        .filter(|ip| !ips.contains(ip))
-                        .collect();
-                    (cookie, other_ips)
-                }
-                Err(error) => {
-                    undo_pod_netns();
-                    self.remove_map_entries(&pod.uid);
-                    return Err(error.context(format!("preparing pod {}", pod.uid)));
-                }
+        let redirected = self.redirect(pod, netns_cookie, &config, &pod_ips);
+        let ips = match redirected {
+            Ok(ips) => ips,
+            Err(error) => {
+                self.remove_map_entries(&pod.uid);
+                let everything: Vec<IpKey> = pod_ips
+                    .iter()
+                    .copied()
+                    .chain(
+                        netns::non_loopback_addresses()
+                            .into_iter()
+                            .flatten()
+                            .map(ip_key),
+                    )
+                    .collect();
+                self.remove_entries(netns_cookie, &everything);
+                undo_pod_netns();
+                return Err(error.context(format!("enrolling pod {}", pod.uid)));
             }
         };
-
-        // 2. A pod re-enrolled with another netns (sandbox recreated) drops its old entries.
-        if let Some(previous) = self.pods.get(&pod.uid) {
-            if previous.netns_cookie != netns_cookie
-                || previous.ips != [&ips[..], &other_ips].concat()
-            {
-                self.remove_map_entries(&pod.uid);
-            }
-        }
-
-        // 3. The map entries switch redirection on; counters first so no event is lost, the IP
-        //    index last since the tc program looks pods up through it.
-        let written = self.write_map_entries(netns_cookie, &config, &ips, &other_ips);
-        let ips = [ips, other_ips].concat();
-        if let Err(error) = written {
-            // All or nothing: the pod is now not enrolled at all (also if it was before).
-            self.remove_entries(netns_cookie, &ips);
-            self.pods.remove(&pod.uid);
-            let _inside = netns::enter(netns_file.as_fd())?;
-            undo_pod_netns();
-            return Err(error.context(format!("writing the maps for pod {}", pod.uid)));
-        }
         debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
         let handle = netns_file.try_clone()?.into();
         self.pods.insert(
@@ -88,13 +70,53 @@ impl Owner {
         Ok(handle)
     }
 
+    /// The steps of [`Self::enroll`] inside the pod's netns; returns the addresses indexed for
+    /// the pod.
+    fn redirect(
+        &mut self,
+        pod: &Workload,
+        netns_cookie: u64,
+        config: &PodConfig,
+        pod_ips: &[IpKey],
+    ) -> Result<Vec<IpKey>> {
+        let other_ips: Vec<IpKey> = netns::non_loopback_addresses()
+            .context("listing the pod's addresses")?
+            .into_iter()
+            .map(ip_key)
+            .filter(|ip| !pod_ips.contains(ip))
+            .collect();
+        // A pod re-enrolled with another netns (sandbox recreated) drops its old entries; one
+        // re-enrolled in place drops the addresses it no longer has.
+        if let Some(previous) = self.pods.get(&pod.uid) {
+            if previous.netns_cookie != netns_cookie {
+                self.remove_map_entries(&pod.uid);
+            } else {
+                let gone: Vec<IpKey> = previous
+                    .ips
+                    .iter()
+                    .filter(|ip| !pod_ips.contains(ip) && !other_ips.contains(ip))
+                    .copied()
+                    .collect();
+                self.remove_ip_entries(netns_cookie, &gone);
+            }
+        }
+        install_reply_path()?;
+        let ips = self
+            .write_map_entries(netns_cookie, config, pod_ips, &other_ips)
+            .context("writing the maps")?;
+        attach_inbound_everywhere(programs::inbound(&mut self.ebpf)?)?;
+        Ok(ips)
+    }
+
+    /// Counters first so no event is lost, the address index last since the tc program looks
+    /// pods up through it. Returns the addresses indexed for the pod.
     fn write_map_entries(
         &mut self,
         netns_cookie: u64,
         config: &PodConfig,
-        ips: &[IpKey],
+        pod_ips: &[IpKey],
         other_ips: &[IpKey],
-    ) -> Result<()> {
+    ) -> Result<Vec<IpKey>> {
         // BPF_NOEXIST: a re-enrolled pod keeps its counts, in one syscall and without a race
         // between a lookup and the insert.
         let zero = vec![PodCounters::default(); aya::util::nr_cpus().map_err(|(_, e)| e)?];
@@ -108,7 +130,8 @@ impl Owner {
             other => other?,
         }
         self.pods_map.insert(netns_cookie, *config, 0)?;
-        for ip in ips {
+        let mut indexed = pod_ips.to_vec();
+        for ip in pod_ips {
             self.pod_ips.insert(*ip, netns_cookie, 0)?;
         }
         // Addresses outside the pod's IPs (link-local ones) are not unique on a node: the pod
@@ -118,10 +141,13 @@ impl Owner {
                 Ok(owner) if owner != netns_cookie => {
                     warn!(netns_cookie, owner, ip = ?ip, "address already indexed for another pod")
                 }
-                _ => self.pod_ips.insert(*ip, netns_cookie, 0)?,
+                _ => {
+                    self.pod_ips.insert(*ip, netns_cookie, 0)?;
+                    indexed.push(*ip);
+                }
             }
         }
-        Ok(())
+        Ok(indexed)
     }
 
     pub(super) fn unenroll(&mut self, uid: &str) -> Result<bool> {
@@ -149,14 +175,18 @@ impl Owner {
     }
 
     fn remove_entries(&mut self, netns_cookie: u64, ips: &[IpKey]) {
+        self.remove_ip_entries(netns_cookie, ips);
+        let _ = self.pods_map.remove(&netns_cookie);
+        let _ = self.counters.remove(&netns_cookie);
+    }
+
+    fn remove_ip_entries(&mut self, netns_cookie: u64, ips: &[IpKey]) {
         for ip in ips {
             // Only our own entry: another pod may have been given the IP since.
             if self.pod_ips.get(ip, 0).ok() == Some(netns_cookie) {
                 let _ = self.pod_ips.remove(ip);
             }
         }
-        let _ = self.pods_map.remove(&netns_cookie);
-        let _ = self.counters.remove(&netns_cookie);
     }
 
     pub(super) fn pod_counters(&self, uid: &str) -> Result<Option<PodCounters>> {
@@ -192,14 +222,26 @@ impl Owner {
     }
 }
 
-/// Per-pod setup inside the pod's netns (the calling thread is in it).
+/// Per-pod setup of a pod whose map entries are in place already (a recovered pod): the reply
+/// path, and this agent's tc program in place of the previous one. The calling thread is in the
+/// pod's netns.
 pub(super) fn prepare_pod_netns(inbound: &mut SchedClassifier) -> Result<()> {
+    install_reply_path()?;
+    attach_inbound_everywhere(inbound)
+}
+
+/// The routing and sysctls that bring the app's replies (and the kernel's) back to ztunnel.
+fn install_reply_path() -> Result<()> {
+    netlink::install_return_path().context("return-path routing")?;
+    netns::set_reply_mark_sysctls().context("reply-mark sysctls")
+}
+
+/// The inbound program on each of the pod's interfaces, replacing an earlier filter in place.
+fn attach_inbound_everywhere(inbound: &mut SchedClassifier) -> Result<()> {
     for (_, interface) in netns::non_loopback_interfaces()? {
         programs::attach_inbound(inbound, &interface)
             .with_context(|| format!("tc on {interface}"))?;
     }
-    netlink::install_return_path().context("return-path routing")?;
-    netns::set_reply_mark_sysctls().context("reply-mark sysctls")?;
     Ok(())
 }
 
