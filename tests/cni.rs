@@ -87,7 +87,7 @@ impl Node {
 impl Drop for Node {
     fn drop(&mut self) {
         // Agents here stop as an upgrade does, leaving the datapath for the next one.
-        weir_tests::agent::remove_datapath(&weir_tests::agent::pin_root(self.node.netns()));
+        weir_tests::agent::remove_datapath(&self.node.datapath_config().pin_root);
     }
 }
 

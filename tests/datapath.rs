@@ -44,13 +44,7 @@ struct Fixture {
 impl Fixture {
     fn new() -> Self {
         let node = TestNode::new().expect("test node");
-        let config = DatapathConfig {
-            pin_root: weir_tests::agent::pin_root(node.netns()),
-            cgroup: None,
-            node_netns: Some(node.netns().path().to_path_buf()),
-            probe_bypass: true,
-            bpf_log: false,
-        };
+        let config = node.datapath_config();
         Self { node, config }
     }
 
@@ -688,10 +682,9 @@ struct Owner {
 }
 
 impl Owner {
-    fn spawn(config: &DatapathConfig) -> Self {
+    fn spawn(node: &TestNode) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_weir-datapath-owner"))
-            .arg(&config.pin_root)
-            .arg(config.node_netns.as_ref().unwrap())
+            .arg(node.netns().name())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -732,7 +725,7 @@ fn redirection_survives_owner_restart_without_a_gap() {
     let echo = app(&server);
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
 
-    let mut first = Owner::spawn(&fixture.config);
+    let mut first = Owner::spawn(&fixture.node);
     let pod_spec = serde_json::to_string(&pod.workload(PodOptions::default())).unwrap();
     assert_eq!(first.send(&format!("enroll {pod_spec}")), "ok");
 
@@ -758,7 +751,7 @@ fn redirection_survives_owner_restart_without_a_gap() {
     thread::sleep(Duration::from_millis(200));
     first.kill();
     thread::sleep(Duration::from_millis(200));
-    let mut second = Owner::spawn(&fixture.config);
+    let mut second = Owner::spawn(&fixture.node);
     thread::sleep(Duration::from_millis(200));
     stop.store(true, Ordering::Relaxed);
     traffic.join().expect("traffic thread");
