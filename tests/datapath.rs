@@ -14,69 +14,22 @@ use std::{
     time::Duration,
 };
 
-use weir_agent::{
-    datapath::{Datapath, DatapathConfig},
-    workload::PodOptions,
-};
+use weir_agent::{datapath::Datapath, workload::PodOptions};
 use weir_common::{
     PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
     PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 use weir_tests::{
     raw::{self, Answer},
-    require_privileges, sockopt, tcp_request, udp_request, udp_request_connected,
+    sockopt, tcp_request, udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
-    EchoServer, Pod, TestNode, ZtunnelStandIn,
+    EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
 const APP_PORT: u16 = 8080;
 /// A port nothing in the test pods listens on.
 const CLOSED_PORT: u16 = 8081;
-
-/// A node netns with its own datapath pin directory; uninstalls whatever datapath is left there
-/// when dropped.
-struct Fixture {
-    node: TestNode,
-    config: DatapathConfig,
-}
-
-impl Fixture {
-    fn new() -> Self {
-        let node = TestNode::new().expect("test node");
-        let config = node.datapath_config();
-        Self { node, config }
-    }
-
-    fn start(&self) -> Datapath {
-        Datapath::start(self.config.clone()).expect("datapath starts")
-    }
-
-    /// A datapath with `pod` enrolled.
-    fn enrolled(&self, pod: &Pod, options: PodOptions) -> Datapath {
-        let datapath = self.start();
-        datapath
-            .enroll(pod.workload(options))
-            .expect("pod enrolled");
-        datapath
-    }
-
-    fn pod(&self, name: &str) -> Pod {
-        self.node.add_pod(name).expect("pod")
-    }
-}
-
-impl Drop for Fixture {
-    fn drop(&mut self) {
-        if self.config.pin_root.exists() {
-            let cleanup =
-                Datapath::start(self.config.clone()).and_then(|datapath| datapath.uninstall());
-            if let Err(error) = cleanup {
-                eprintln!("cleaning up {}: {error:#}", self.config.pin_root.display());
-            }
-        }
-    }
-}
 
 fn v4_mapped(ip: Ipv4Addr) -> IpAddr {
     IpAddr::V6(ip.to_ipv6_mapped())
@@ -101,10 +54,9 @@ fn app(pod: &Pod) -> EchoServer {
 
 #[test]
 fn outbound_tcp_lands_on_15001_with_the_original_destination() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = app(&server);
     let ztunnel = ZtunnelStandIn::start(&client).unwrap();
@@ -148,10 +100,9 @@ fn outbound_tcp_lands_on_15001_with_the_original_destination() {
 
 #[test]
 fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = app(&server);
     let ztunnel = ZtunnelStandIn::start(&server).unwrap();
@@ -196,15 +147,15 @@ fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
 
 #[test]
 fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let pod = fixture.pod("app");
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let resolver = SocketAddr::new(IpAddr::V4(fixture.node.gateway_v4()), DNS_PORT);
-    let resolver_v6 = SocketAddr::new(IpAddr::V6(fixture.node.gateway_v6()), DNS_PORT);
-    let real_resolver = EchoServer::start_udp(fixture.node.netns(), "node-dns", resolver).unwrap();
+    let resolver = SocketAddr::new(IpAddr::V4(fixture.node().gateway_v4()), DNS_PORT);
+    let resolver_v6 = SocketAddr::new(IpAddr::V6(fixture.node().gateway_v6()), DNS_PORT);
+    let real_resolver =
+        EchoServer::start_udp(fixture.node().netns(), "node-dns", resolver).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     for target in [resolver, resolver_v6] {
@@ -252,10 +203,9 @@ fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
 
 #[test]
 fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let own = app(&pod);
@@ -290,10 +240,9 @@ fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
 
 #[test]
 fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (pod, plain, server) = (
         fixture.pod("app"),
         fixture.pod("plain"),
@@ -338,10 +287,9 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
 
 #[test]
 fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = app(&pod);
@@ -353,7 +301,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
     ] {
         let target = SocketAddr::new(destination, APP_PORT);
         let reply = fixture
-            .node
+            .node()
             .run(|| tcp_request(target, "probe"))
             .unwrap_or_else(|e| panic!("probe to {target}: {e}"));
         assert_eq!(reply.response, echo.reply_to("probe"));
@@ -376,10 +324,9 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
 
 #[test]
 fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = app(&pod);
@@ -417,10 +364,9 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
 /// all); the app's listener and the kernel's RST for a closed port never answer.
 #[test]
 fn no_packet_shape_reaches_the_pod_around_ztunnel() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (attacker, pod) = (fixture.pod("attacker"), fixture.pod("app"));
     let _echo = app(&pod);
     let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -495,10 +441,9 @@ fn no_packet_shape_reaches_the_pod_around_ztunnel() {
 /// workload address, as under istio. The app never sees the connection.
 #[test]
 fn link_local_connections_go_to_ztunnel_too() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (neighbour, pod) = (fixture.pod("neighbour"), fixture.pod("app"));
     let echo = app(&pod);
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -530,10 +475,9 @@ fn link_local_connections_go_to_ztunnel_too() {
 /// than waiting out its connect deadline, and closes the client's connection.
 #[test]
 fn a_closed_port_in_an_ambient_pod_refuses_at_once() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
@@ -566,10 +510,9 @@ fn a_closed_port_in_an_ambient_pod_refuses_at_once() {
 /// datagrams of protocols weir does not capture.
 #[test]
 fn large_transfers_and_fragmented_udp_are_unaffected() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let echo = app(&pod);
     let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -603,10 +546,9 @@ fn large_transfers_and_fragmented_udp_are_unaffected() {
 /// back exactly as the kernel answers them.
 #[test]
 fn getsockopt_hook_leaves_other_calls_untouched() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let pod = fixture.pod("app");
     let listener = pod
         .run(|| TcpListener::bind((Ipv6Addr::UNSPECIFIED, 0)))
@@ -716,16 +658,15 @@ impl Owner {
 
 #[test]
 fn redirection_survives_owner_restart_without_a_gap() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = app(&server);
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
 
-    let mut first = Owner::spawn(&fixture.node);
+    let mut first = Owner::spawn(fixture.node());
     let pod_spec = serde_json::to_string(&pod.workload(PodOptions::default())).unwrap();
     assert_eq!(first.send(&format!("enroll {pod_spec}")), "ok");
 
@@ -751,7 +692,7 @@ fn redirection_survives_owner_restart_without_a_gap() {
     thread::sleep(Duration::from_millis(200));
     first.kill();
     thread::sleep(Duration::from_millis(200));
-    let mut second = Owner::spawn(&fixture.node);
+    let mut second = Owner::spawn(fixture.node());
     thread::sleep(Duration::from_millis(200));
     stop.store(true, Ordering::Relaxed);
     traffic.join().expect("traffic thread");
@@ -777,10 +718,9 @@ fn redirection_survives_owner_restart_without_a_gap() {
 /// A fault while enrolling leaves nothing behind: no map entry, no tc filter, no redirection.
 #[test]
 fn failed_enrollment_leaves_nothing_behind() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let fixture = Fixture::new();
+    };
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let echo = app(&server);
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -795,7 +735,7 @@ fn failed_enrollment_leaves_nothing_behind() {
         assert!(status.success());
     };
     ip(&["link", "set", "lo", "down"]);
-    let datapath = fixture.start();
+    let datapath = fixture.start_datapath();
     datapath
         .enroll(pod.workload(PodOptions::default()))
         .expect_err("enrollment fails");

@@ -16,7 +16,7 @@ use weir_agent::{
     policy::{LocalPolicy, PolicyConfig},
 };
 
-use crate::{netns::NETNS_DIR, NetNs, NodeOptions, TestNode};
+use crate::{netns::NETNS_DIR, NetNs, NodeOptions};
 
 /// A built binary of this workspace (`weir-cni`, `weir-agent`), next to the test executable's
 /// directory. `cargo xtask test` builds them before the tests run.
@@ -74,12 +74,12 @@ impl NodeFiles {
 
     /// A test node whose runtime reads the CNI config from `net.d` and finds plugins in `bin`,
     /// as kubelet's runtime does on a real node.
-    pub fn node(&self) -> Result<TestNode> {
-        TestNode::with_options(NodeOptions {
+    pub fn node_options(&self) -> NodeOptions {
+        NodeOptions {
             plugin_dirs: vec![self.bin_dir()],
             conflist_dir: Some(self.net_dir()),
             ..NodeOptions::default()
-        })
+        }
     }
 
     /// The agent's configuration for `node`.
@@ -118,8 +118,9 @@ pub fn datapath_config(node_netns: &str) -> DatapathConfig {
 }
 
 /// Removes whatever datapath is pinned at `pin_root` (programs detached, pins gone): what a test
-/// leaves when its agent stopped the way an upgrade does, keeping redirection in place.
-pub fn remove_datapath(pin_root: &Path) {
+/// leaves when its agent stopped the way an upgrade does, keeping redirection in place, or when
+/// it failed before uninstalling.
+pub(crate) fn remove_datapath(pin_root: &Path) {
     if !pin_root.exists() {
         return;
     }
