@@ -20,6 +20,7 @@ use weir_common::{
     PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 use weir_tests::{
+    netns::{ip, ip_output},
     raw::{self, Answer},
     sockopt, tcp_request, udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
@@ -726,47 +727,35 @@ fn failed_enrollment_leaves_nothing_behind() {
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     // With `lo` down the return-path route cannot be added: enrollment fails midway, after the
     // tc filter went on.
-    let ip = |args: &[&str]| {
-        let status = Command::new("ip")
-            .args(["-n", pod.netns().name()])
-            .args(args)
-            .status()
-            .unwrap();
-        assert!(status.success());
-    };
-    ip(&["link", "set", "lo", "down"]);
+    let lo = |state| ip(&["-n", pod.netns().name(), "link", "set", "lo", state]).unwrap();
+    lo("down");
     let datapath = fixture.start_datapath();
     datapath
         .enroll(pod.workload(PodOptions::default()))
         .expect_err("enrollment fails");
     assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
     assert!(!datapath.is_redirected(pod.uid()).unwrap());
-    let filters = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            pod.netns().name(),
-            "tc",
-            "filter",
-            "show",
-            "dev",
-            "eth0",
-            "ingress",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        filters.stdout.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&filters.stdout)
-    );
+    // `ip netns exec` exits with tc's status: a tc that fails shows nothing, and must not pass.
+    let filters = ip_output(&[
+        "netns",
+        "exec",
+        pod.netns().name(),
+        "tc",
+        "filter",
+        "show",
+        "dev",
+        "eth0",
+        "ingress",
+    ])
+    .expect("tc filter show");
+    assert!(filters.is_empty(), "{filters}");
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
     let reply = pod.run(|| tcp_request(target, "direct")).unwrap();
     assert_eq!(reply.response, echo.reply_to("direct"));
     assert!(ztunnel.seen().is_empty());
 
     // Once the fault is gone the same pod enrolls.
-    ip(&["link", "set", "lo", "up"]);
+    lo("up");
     datapath
         .enroll(pod.workload(PodOptions::default()))
         .unwrap();
