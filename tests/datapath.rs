@@ -7,11 +7,12 @@ use std::{
     os::fd::AsRawFd,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     sync::{
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, Ordering},
+        mpsc::{self, Receiver},
         Arc,
     },
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use weir_agent::{datapath::Datapath, workload::PodOptions};
@@ -625,6 +626,7 @@ struct Owner {
 }
 
 impl Owner {
+    /// Returns once the owner has the node's datapath (it answered `ready`).
     fn spawn(node: &TestNode) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_weir-datapath-owner"))
             .arg(node.netns().name())
@@ -651,14 +653,48 @@ impl Owner {
         answer.trim().to_owned()
     }
 
-    fn kill(mut self) {
+    /// Crashes the owner (SIGKILL) and returns when the process is gone (reaped).
+    fn kill(mut self) -> Instant {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
+        Instant::now()
     }
 }
 
+/// One request of the restart test's traffic, as its client made it.
+struct Connection {
+    started: Instant,
+    finished: Instant,
+    /// The client's address, as ztunnel sees it as the peer.
+    client: SocketAddr,
+}
+
+/// Takes the traffic's connections off `made` into `log` until `count` more of them started
+/// after `since`; fails the test when the traffic stops first (a request failed).
+fn wait_for_connections(
+    made: &Receiver<Connection>,
+    log: &mut Vec<Connection>,
+    since: Instant,
+    count: usize,
+) {
+    let mut after = 0;
+    while after < count {
+        let connection = made
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|error| panic!("{after} of {count} connections were made: {error}"));
+        after += usize::from(connection.started > since);
+        log.push(connection);
+    }
+}
+
+/// The owner process crashes and another takes over; the datapath keeps redirecting in between,
+/// with no owner process at all: connections made after the first owner was reaped and before
+/// the second was ready all reached ztunnel.
 #[test]
 fn redirection_survives_owner_restart_without_a_gap() {
+    /// Connections that must complete in each phase: with the first owner, with none, with the
+    /// second.
+    const PER_PHASE: usize = 10;
     let Some(fixture) = Fixture::privileged() else {
         return;
     };
@@ -670,38 +706,70 @@ fn redirection_survives_owner_restart_without_a_gap() {
     let mut first = Owner::spawn(fixture.node());
     let pod_spec = serde_json::to_string(&pod.workload(PodOptions::default())).unwrap();
     assert_eq!(first.send(&format!("enroll {pod_spec}")), "ok");
+    let enrolled = Instant::now();
 
-    // Connections keep flowing while the owner crashes and another takes over.
     let stop = Arc::new(AtomicBool::new(false));
-    let made = Arc::new(AtomicUsize::new(0));
+    let (made_tx, made) = mpsc::channel();
     let traffic = {
-        let (stop, made) = (stop.clone(), made.clone());
+        let stop = stop.clone();
         let pod_netns = pod.netns().open().unwrap();
         let expected = echo.reply_to("loop");
         thread::spawn(move || {
             weir_tests::netns::run_in(std::os::fd::AsFd::as_fd(&pod_netns), || {
                 while !stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
                     let reply = tcp_request(target, "loop").expect("connection during restart");
+                    let finished = Instant::now();
                     assert_eq!(reply.response, expected);
                     assert_eq!(reply.peer_seen_by_client, target);
-                    made.fetch_add(1, Ordering::Relaxed);
-                    thread::sleep(Duration::from_millis(10));
+                    let client = sockopt::canonical(reply.local);
+                    // The receiver hangs up only when the test is failing anyway.
+                    let _ = made_tx.send(Connection {
+                        started,
+                        finished,
+                        client,
+                    });
                 }
             })
         })
     };
-    thread::sleep(Duration::from_millis(200));
-    first.kill();
-    thread::sleep(Duration::from_millis(200));
+    let mut log = Vec::new();
+    wait_for_connections(&made, &mut log, enrolled, PER_PHASE);
+    let no_owner_since = first.kill();
+    // The second owner starts only once connections went through with no owner process at all.
+    wait_for_connections(&made, &mut log, no_owner_since, PER_PHASE);
     let mut second = Owner::spawn(fixture.node());
-    thread::sleep(Duration::from_millis(200));
+    let owner_again = Instant::now();
+    wait_for_connections(&made, &mut log, owner_again, PER_PHASE);
     stop.store(true, Ordering::Relaxed);
     traffic.join().expect("traffic thread");
+    log.extend(made.try_iter());
 
-    let made = made.load(Ordering::Relaxed);
+    let seen = ztunnel.seen();
+    let without_owner: Vec<&Connection> = log
+        .iter()
+        .filter(|c| c.started > no_owner_since && c.finished < owner_again)
+        .collect();
+    assert!(
+        !without_owner.is_empty(),
+        "no connection was made while no owner ran"
+    );
+    for connection in &without_owner {
+        assert!(
+            seen.iter().any(|s| s.listener == OUTBOUND_PORT
+                && s.peer == connection.client
+                && s.original_dst == Some(target)),
+            "the connection from {} made while no owner ran never reached 15001",
+            connection.client
+        );
+    }
+    let made = log.len();
+    eprintln!(
+        "{made} connections, {} of them while no owner ran",
+        without_owner.len()
+    );
     assert!(made > 10, "only {made} connections");
-    let redirected = ztunnel
-        .seen()
+    let redirected = seen
         .iter()
         .filter(|s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target))
         .count();
