@@ -4,7 +4,7 @@
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Write},
-    net::{IpAddr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     os::unix::net::UnixStream,
     sync::Arc,
     time::Duration,
@@ -17,11 +17,10 @@ use weir_tests::{
     cni::{Command, RuntimeConf},
     tcp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn,
+    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(3);
-const APP_PORT: u16 = 8080;
 const MESH: &str = "mesh";
 
 /// The namespace `mesh` is ambient; `default` is not.
@@ -68,7 +67,7 @@ impl Node {
         name: &str,
     ) -> (Pod, EchoServer, Pod, Arc<ZtunnelStandIn>) {
         let server = self.pod("default", "server").unwrap();
-        let echo = app(&server);
+        let echo = EchoServer::app(&server).unwrap();
         let pod = self.pod(MESH, name).unwrap();
         let stand_in = ztunnel
             .wait_for_pod(pod.uid(), WAIT)
@@ -89,15 +88,6 @@ impl Node {
             ..PodSpec::new(name)
         })
     }
-}
-
-fn app(pod: &Pod) -> EchoServer {
-    EchoServer::start(
-        pod.netns(),
-        pod.name(),
-        (Ipv6Addr::UNSPECIFIED, APP_PORT).into(),
-    )
-    .unwrap()
 }
 
 #[test]
@@ -127,7 +117,7 @@ fn add_enrolls_an_ambient_pod_and_hands_it_to_ztunnel() {
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let server = node.pod("default", "server").unwrap();
-    let echo = app(&server);
+    let echo = EchoServer::app(&server).unwrap();
     let client = node.pod(MESH, "client").unwrap();
     let plain = node.pod("default", "plain").unwrap();
 
@@ -377,7 +367,7 @@ fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let server = node.pod(MESH, "server").unwrap();
-    let echo = app(&server);
+    let echo = EchoServer::app(&server).unwrap();
     let client = node.pod("default", "client").unwrap();
     let stand_in = ztunnel.wait_for_pod(server.uid(), WAIT).unwrap();
     let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
@@ -430,7 +420,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
         )
         .is_some());
     // Inbound too, through the tc program the new agent put in place of the old one's.
-    let pod_app = app(&pod);
+    let pod_app = EchoServer::app(&pod).unwrap();
     let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
     let reply = server.run(|| tcp_request(inbound, "in")).unwrap();
     assert_eq!(reply.response, pod_app.reply_to("in"));

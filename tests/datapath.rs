@@ -25,11 +25,10 @@ use weir_tests::{
     raw::{self, Answer},
     sockopt, tcp_request, udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
-    EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn,
+    EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
-const APP_PORT: u16 = 8080;
 /// A port nothing in the test pods listens on.
 const CLOSED_PORT: u16 = 8081;
 
@@ -44,23 +43,13 @@ fn counters(datapath: &Datapath, pod: &Pod) -> PodCounters {
         .expect("pod is enrolled")
 }
 
-/// An echo server on the pod's wildcard address, both families.
-fn app(pod: &Pod) -> EchoServer {
-    EchoServer::start(
-        pod.netns(),
-        pod.name(),
-        (Ipv6Addr::UNSPECIFIED, APP_PORT).into(),
-    )
-    .expect("app server")
-}
-
 #[test]
 fn outbound_tcp_lands_on_15001_with_the_original_destination() {
     let Some(fixture) = Fixture::privileged() else {
         return;
     };
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
-    let echo = app(&server);
+    let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&client).unwrap();
     let datapath = fixture.enrolled(&client, PodOptions::default());
 
@@ -106,7 +95,7 @@ fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
         return;
     };
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
-    let echo = app(&server);
+    let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&server).unwrap();
     let datapath = fixture.enrolled(&server, PodOptions::default());
 
@@ -210,8 +199,8 @@ fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
     };
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let own = app(&pod);
-    let other_app = app(&other);
+    let own = EchoServer::app(&pod).unwrap();
+    let other_app = EchoServer::app(&other).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     // Loopback and the pod's own address, v4 and v6: direct.
@@ -252,8 +241,8 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
     );
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let plain_ztunnel = ZtunnelStandIn::start(&plain).unwrap();
-    let echo = app(&server);
-    let plain_app = app(&plain);
+    let echo = EchoServer::app(&server).unwrap();
+    let plain_app = EchoServer::app(&plain).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     // A pod that is not enrolled talks directly, both ways.
@@ -294,7 +283,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
     };
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let echo = app(&pod);
+    let echo = EchoServer::app(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     for (destination, probe_source) in [
@@ -331,8 +320,8 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
     };
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let echo = app(&pod);
-    let other_app = app(&other);
+    let echo = EchoServer::app(&pod).unwrap();
+    let other_app = EchoServer::app(&other).unwrap();
     let options = PodOptions {
         inbound_bypass: true,
         ..PodOptions::default()
@@ -370,7 +359,7 @@ fn no_packet_shape_reaches_the_pod_around_ztunnel() {
         return;
     };
     let (attacker, pod) = (fixture.pod("attacker"), fixture.pod("app"));
-    let _echo = app(&pod);
+    let _echo = EchoServer::app(&pod).unwrap();
     let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
@@ -447,7 +436,7 @@ fn link_local_connections_go_to_ztunnel_too() {
         return;
     };
     let (neighbour, pod) = (fixture.pod("neighbour"), fixture.pod("app"));
-    let echo = app(&pod);
+    let echo = EchoServer::app(&pod).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let link_local = pod.link_local().unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
@@ -516,7 +505,7 @@ fn large_transfers_and_fragmented_udp_are_unaffected() {
         return;
     };
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
-    let echo = app(&pod);
+    let echo = EchoServer::app(&pod).unwrap();
     let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
@@ -700,7 +689,7 @@ fn redirection_survives_owner_restart_without_a_gap() {
     };
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let echo = app(&server);
+    let echo = EchoServer::app(&server).unwrap();
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
 
     let mut first = Owner::spawn(fixture.node());
@@ -791,7 +780,7 @@ fn failed_enrollment_leaves_nothing_behind() {
         return;
     };
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
-    let echo = app(&server);
+    let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     // With `lo` down the return-path route cannot be added: enrollment fails midway, after the
     // tc filter went on.

@@ -42,6 +42,9 @@ pub use traffic::{
 pub use zds_client::{NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
 pub use ztunnel::{Dial, Seen, ZtunnelStandIn};
 
+/// The port the pods' apps listen on ([`EchoServer::app`]).
+pub const APP_PORT: u16 = 8080;
+
 /// How long any single network operation of the harness (connect, read, write, receive) may take.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
 

@@ -12,10 +12,9 @@ use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY};
 use weir_tests::{
     istio_iptables, tcp_request, udp_request, udp_request_connected, EchoServer, Fixture, Pod,
-    ZtunnelStandIn,
+    ZtunnelStandIn, APP_PORT,
 };
 
-const APP_PORT: u16 = 8080;
 /// A cluster DNS service address: not routed anywhere, only reachable through redirection.
 const CLUSTER_DNS: [IpAddr; 2] = [
     IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)),
@@ -208,6 +207,20 @@ fn standin_listeners_take_direct_connections() {
     }
 }
 
+/// Asks `server` for `name` from inside `pod` over UDP, connected UDP and TCP: the stand-in's DNS
+/// proxy answers each, from `server`'s address as far as the app can tell.
+fn resolve_three_ways(pod: &Pod, server: SocketAddr, name: &str) {
+    let expected = format!("{DNS_REPLY_PREFIX}{name}");
+    for reply in [
+        pod.run(|| udp_request(server, name)).unwrap(),
+        pod.run(|| udp_request_connected(server, name)).unwrap(),
+    ] {
+        assert_eq!((reply.response, reply.from), (expected.clone(), server));
+    }
+    let tcp = pod.run(|| tcp_request(server, name)).unwrap();
+    assert_eq!(tcp.response, expected);
+}
+
 #[test]
 fn standin_dns_proxy_answers_on_localhost() {
     let Some(fixture) = Fixture::privileged() else {
@@ -220,16 +233,7 @@ fn standin_dns_proxy_answers_on_localhost() {
         Ipv6Addr::LOCALHOST.into(),
     ] {
         let proxy: SocketAddr = (localhost, DNS_PROXY_PORT).into();
-        let expected = format!("{DNS_REPLY_PREFIX}query");
-        for reply in [
-            pod.run(|| udp_request(proxy, "query")).unwrap(),
-            pod.run(|| udp_request_connected(proxy, "query")).unwrap(),
-        ] {
-            assert_eq!(reply.response, expected);
-            assert_eq!(reply.from, proxy);
-        }
-        let tcp = pod.run(|| tcp_request(proxy, "query")).unwrap();
-        assert_eq!(tcp.response, expected);
+        resolve_three_ways(&pod, proxy, "query");
         let queries = ztunnel
             .seen()
             .into_iter()
@@ -318,18 +322,7 @@ fn standin_dns_proxy_takes_redirected_queries() {
     istio_iptables::apply(pod.netns()).unwrap();
     for dns in CLUSTER_DNS {
         let service: SocketAddr = (dns, 53).into();
-        let expected = format!("{DNS_REPLY_PREFIX}lookup");
-        let udp = pod.run(|| udp_request(service, "lookup")).unwrap();
-        assert_eq!((udp.response, udp.from), (expected.clone(), service));
-        let connected = pod
-            .run(|| udp_request_connected(service, "lookup"))
-            .unwrap();
-        assert_eq!(
-            (connected.response, connected.from),
-            (expected.clone(), service)
-        );
-        let tcp = pod.run(|| tcp_request(service, "lookup")).unwrap();
-        assert_eq!(tcp.response, expected);
+        resolve_three_ways(&pod, service, "lookup");
         let localhost = if dns.is_ipv4() {
             IpAddr::from(Ipv4Addr::LOCALHOST)
         } else {
