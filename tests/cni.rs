@@ -4,7 +4,7 @@
 use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Write},
-    net::{IpAddr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     os::unix::net::UnixStream,
     sync::Arc,
     time::Duration,
@@ -15,13 +15,12 @@ use weir_common::{INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     agent::{http_get, Agent, NodeFiles},
     cni::{Command, RuntimeConf},
-    require_privileges, tcp_request,
+    tcp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    EchoServer, Pod, PodSpec, TestNode, ZtunnelStandIn,
+    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(3);
-const APP_PORT: u16 = 8080;
 const MESH: &str = "mesh";
 
 /// The namespace `mesh` is ambient; `default` is not.
@@ -37,21 +36,28 @@ fn ambient_policy() -> LocalPolicy {
     policy
 }
 
+/// A node as kubelet's runtime sees it: its CNI config directory (where weir's installer chains
+/// weir-cni), the ambient policy, and the agent's files. Agents here stop as an upgrade does,
+/// leaving the datapath in place: the fixture removes it.
 struct Node {
     files: NodeFiles,
-    node: TestNode,
+    fixture: Fixture,
 }
 
 impl Node {
-    fn new() -> Self {
+    fn privileged() -> Option<Self> {
         let files = NodeFiles::new().unwrap();
         files.write_policy(&ambient_policy()).unwrap();
-        let node = files.node().unwrap();
-        Self { files, node }
+        let fixture = Fixture::privileged_with(files.node_options())?;
+        Some(Self { files, fixture })
+    }
+
+    fn netns(&self) -> &NetNs {
+        self.fixture.node().netns()
     }
 
     fn start_agent(&self) -> Agent {
-        Agent::start(self.files.agent_config(self.node.netns()).unwrap()).expect("agent ready")
+        Agent::start(self.files.agent_config(self.netns()).unwrap()).expect("agent ready")
     }
 
     /// A plain `server` pod with an echo app, and an ambient pod `name` that ztunnel received.
@@ -61,7 +67,7 @@ impl Node {
         name: &str,
     ) -> (Pod, EchoServer, Pod, Arc<ZtunnelStandIn>) {
         let server = self.pod("default", "server").unwrap();
-        let echo = app(&server);
+        let echo = EchoServer::app(&server).unwrap();
         let pod = self.pod(MESH, name).unwrap();
         let stand_in = ztunnel
             .wait_for_pod(pod.uid(), WAIT)
@@ -77,35 +83,18 @@ impl Node {
     }
 
     fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<Pod> {
-        self.node.add_pod_with(PodSpec {
+        self.fixture.node().add_pod_with(PodSpec {
             namespace: namespace.into(),
             ..PodSpec::new(name)
         })
     }
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        // Agents here stop as an upgrade does, leaving the datapath for the next one.
-        weir_tests::agent::remove_datapath(&weir_tests::agent::pin_root(self.node.netns()));
-    }
-}
-
-fn app(pod: &Pod) -> EchoServer {
-    EchoServer::start(
-        pod.netns(),
-        pod.name(),
-        (Ipv6Addr::UNSPECIFIED, APP_PORT).into(),
-    )
-    .unwrap()
-}
-
 #[test]
 fn installer_chains_weir_into_the_node_conflist() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let agent = node.start_agent();
     let conflist: serde_json::Value = serde_json::from_slice(
         &std::fs::read(node.files.net_dir().join("10-weir-test.conflist")).unwrap(),
@@ -123,13 +112,12 @@ fn installer_chains_weir_into_the_node_conflist() {
 
 #[test]
 fn add_enrolls_an_ambient_pod_and_hands_it_to_ztunnel() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let server = node.pod("default", "server").unwrap();
-    let echo = app(&server);
+    let echo = EchoServer::app(&server).unwrap();
     let client = node.pod(MESH, "client").unwrap();
     let plain = node.pod("default", "plain").unwrap();
 
@@ -161,10 +149,9 @@ fn add_enrolls_an_ambient_pod_and_hands_it_to_ztunnel() {
 
 #[test]
 fn del_unenrolls_and_is_idempotent() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, client, stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
 
@@ -229,7 +216,7 @@ fn weir_only(
     let weir = conflist.plugins.last().unwrap().clone();
     let config = conflist.plugin_config(&weir, runtime, prev_result);
     let binary = weir_tests::cni::find_plugin(&weir, &runtime.path).unwrap();
-    weir_tests::cni::invoke(&binary, command, runtime, &config, node.node.netns())
+    weir_tests::cni::invoke(&binary, command, runtime, &config, node.netns())
 }
 
 /// CHECK, with the pod's ADD result as prevResult.
@@ -244,10 +231,9 @@ fn check(node: &Node, pod: &Pod) -> Result<serde_json::Value, weir_tests::cni::C
 
 #[test]
 fn check_detects_missing_redirection() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let pod = node.pod(MESH, "app").unwrap();
     ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
@@ -276,10 +262,9 @@ fn check_detects_missing_redirection() {
 
 #[test]
 fn agent_down_fails_ambient_pods_and_starts_plain_ones() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let agent = node.start_agent();
     agent.stop().unwrap();
     // The plugin stays installed, as after an agent crash or during an upgrade.
@@ -295,10 +280,9 @@ fn agent_down_fails_ambient_pods_and_starts_plain_ones() {
 
 #[test]
 fn ztunnel_absent_fails_add_until_it_connects() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let agent = node.start_agent();
     let error = node
         .pod(MESH, "early")
@@ -314,10 +298,9 @@ fn ztunnel_absent_fails_add_until_it_connects() {
 
 #[test]
 fn hundred_concurrent_adds_all_enroll() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let pods: Vec<Pod> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..100)
@@ -353,10 +336,9 @@ fn hundred_concurrent_adds_all_enroll() {
 
 #[test]
 fn malformed_and_oversized_requests_get_errors() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let agent = node.start_agent();
     let ask = |payload: &[u8]| -> serde_json::Value {
         let mut stream = UnixStream::connect(&agent.config.cni_socket).unwrap();
@@ -380,13 +362,12 @@ fn malformed_and_oversized_requests_get_errors() {
 
 #[test]
 fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let server = node.pod(MESH, "server").unwrap();
-    let echo = app(&server);
+    let echo = EchoServer::app(&server).unwrap();
     let client = node.pod("default", "client").unwrap();
     let stand_in = ztunnel.wait_for_pod(server.uid(), WAIT).unwrap();
     let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
@@ -400,10 +381,9 @@ fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
 
 #[test]
 fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     agent.stop().unwrap();
@@ -440,7 +420,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
         )
         .is_some());
     // Inbound too, through the tc program the new agent put in place of the old one's.
-    let pod_app = app(&pod);
+    let pod_app = EchoServer::app(&pod).unwrap();
     let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
     let reply = server.run(|| tcp_request(inbound, "in")).unwrap();
     assert_eq!(reply.response, pod_app.reply_to("in"));
@@ -467,10 +447,9 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
 /// until the new agent has enrolled the pod into its own maps, then the old layout is retired.
 #[test]
 fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
-    if !require_privileges() {
+    let Some(node) = Node::privileged() else {
         return;
-    }
-    let node = Node::new();
+    };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     let pin_root = agent.config.datapath.pin_root.clone();

@@ -155,18 +155,19 @@ pub(crate) mod testing {
 
     use nix::sched::{unshare, CloneFlags};
 
-    /// Whether the test can run: these tests need root. They skip without it, except in CI.
-    pub(crate) fn privileged() -> bool {
+    /// The test's namespaces, made by `context`: these tests need root. Without it they skip
+    /// (`None`), except in CI, where a skip would pass for a success.
+    pub(crate) fn privileged<T>(context: impl FnOnce() -> T) -> Option<T> {
         // SAFETY: geteuid cannot fail and touches no memory.
         if unsafe { libc::geteuid() } == 0 {
-            return true;
+            return Some(context());
         }
         assert!(
             std::env::var("CI").as_deref() != Ok("true"),
             "netns tests need root"
         );
         eprintln!("skipping: netns tests need root");
-        false
+        None
     }
 
     /// A fresh network namespace with `lo` up, as a pod has it. It lives as long as the fd.
@@ -211,11 +212,10 @@ mod tests {
 
     #[test]
     fn enter_switches_and_restores() {
-        if !privileged() {
+        let Some((a, b)) = privileged(|| (scratch_netns(), scratch_netns())) else {
             return;
-        }
+        };
         let home = current_cookie().unwrap();
-        let (a, b) = (scratch_netns(), scratch_netns());
         let cookie_a = {
             let _guard = enter(a.as_fd()).unwrap();
             let here = std::fs::metadata(THREAD_NETNS).unwrap().ino();
@@ -248,11 +248,10 @@ mod tests {
 
     #[test]
     fn reply_mark_sysctls_are_per_namespace() {
-        if !privileged() {
+        let Some((a, b)) = privileged(|| (scratch_netns(), scratch_netns())) else {
             return;
-        }
+        };
         let home = reply_mark_sysctls();
-        let (a, b) = (scratch_netns(), scratch_netns());
         {
             let _guard = enter(a.as_fd()).unwrap();
             set_reply_mark_sysctls().unwrap();
@@ -273,10 +272,9 @@ mod tests {
 
     #[test]
     fn non_loopback_interfaces_are_this_namespaces() {
-        if !privileged() {
+        let Some(netns) = privileged(scratch_netns) else {
             return;
-        }
-        let netns = scratch_netns();
+        };
         let _guard = enter(netns.as_fd()).unwrap();
         assert_eq!(non_loopback_interfaces().unwrap(), []);
 

@@ -16,7 +16,7 @@ use weir_agent::{
     policy::{LocalPolicy, PolicyConfig},
 };
 
-use crate::{NetNs, NodeOptions, TestNode};
+use crate::{netns::NETNS_DIR, NetNs, NodeOptions};
 
 /// A built binary of this workspace (`weir-cni`, `weir-agent`), next to the test executable's
 /// directory. `cargo xtask test` builds them before the tests run.
@@ -74,25 +74,19 @@ impl NodeFiles {
 
     /// A test node whose runtime reads the CNI config from `net.d` and finds plugins in `bin`,
     /// as kubelet's runtime does on a real node.
-    pub fn node(&self) -> Result<TestNode> {
-        TestNode::with_options(NodeOptions {
+    pub fn node_options(&self) -> NodeOptions {
+        NodeOptions {
             plugin_dirs: vec![self.bin_dir()],
             conflist_dir: Some(self.net_dir()),
             ..NodeOptions::default()
-        })
+        }
     }
 
     /// The agent's configuration for `node`.
     pub fn agent_config(&self, node: &NetNs) -> Result<AgentConfig> {
         let run = self.run_dir();
         Ok(AgentConfig {
-            datapath: DatapathConfig {
-                pin_root: pin_root(node),
-                cgroup: None,
-                node_netns: Some(node.path().to_path_buf()),
-                probe_bypass: true,
-                bpf_log: false,
-            },
+            datapath: datapath_config(node.name()),
             policy: PolicyConfig::default(),
             policy_file: self.policy_file(),
             cni_socket: run.join("cni.sock"),
@@ -110,14 +104,23 @@ impl NodeFiles {
     }
 }
 
-/// The node's private bpffs pin directory (swept by `cargo xtask sweep` if a run is killed).
-pub fn pin_root(node: &NetNs) -> PathBuf {
-    PathBuf::from("/sys/fs/bpf").join(node.name())
+/// The datapath of the test node whose network namespace is `/var/run/netns/<node_netns>`: pins
+/// in a bpffs directory private to the node, so tests run in parallel (`cargo xtask sweep`
+/// removes them after a killed run), and kubelet probes coming from the node's namespace.
+pub fn datapath_config(node_netns: &str) -> DatapathConfig {
+    DatapathConfig {
+        pin_root: Path::new("/sys/fs/bpf").join(node_netns),
+        cgroup: None,
+        node_netns: Some(Path::new(NETNS_DIR).join(node_netns)),
+        probe_bypass: true,
+        bpf_log: false,
+    }
 }
 
 /// Removes whatever datapath is pinned at `pin_root` (programs detached, pins gone): what a test
-/// leaves when its agent stopped the way an upgrade does, keeping redirection in place.
-pub fn remove_datapath(pin_root: &Path) {
+/// leaves when its agent stopped the way an upgrade does, keeping redirection in place, or when
+/// it failed before uninstalling.
+pub(crate) fn remove_datapath(pin_root: &Path) {
     if !pin_root.exists() {
         return;
     }

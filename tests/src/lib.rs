@@ -2,17 +2,15 @@
 //! plugins, small blocking traffic helpers, and a ztunnel stand-in that honours ztunnel's in-pod
 //! contract (listeners, marks, original-destination lookup, source-preserving dials).
 //!
-//! Nothing here loads eBPF: the harness works with or without weir's datapath, so a broken
-//! datapath shows up as a failed (timed out) request, never as a hung test.
+//! The harness works with or without weir's datapath (only [`Fixture::start_datapath`] and
+//! [`agent`] load it), so a broken datapath shows up as a failed (timed out) request, never as a
+//! hung test.
 //!
 //! ```no_run
-//! use weir_tests::{require_privileges, tcp_request, EchoServer, TestNode};
+//! use weir_tests::{tcp_request, EchoServer, Fixture};
 //!
-//! if !require_privileges() {
-//!     return;
-//! }
-//! let node = TestNode::new().unwrap();
-//! let (client, server) = (node.add_pod("a").unwrap(), node.add_pod("b").unwrap());
+//! let Some(fixture) = Fixture::privileged() else { return };
+//! let (client, server) = (fixture.pod("a"), fixture.pod("b"));
 //! let echo = EchoServer::start(server.netns(), "b", (server.ipv4(), 8080).into()).unwrap();
 //! let reply = client.run(|| tcp_request(echo.addr(), "hi")).unwrap();
 //! assert_eq!(reply.response, echo.reply_to("hi"));
@@ -23,6 +21,7 @@ use std::time::Duration;
 pub mod agent;
 pub mod apiserver;
 pub mod cni;
+mod fixture;
 pub mod istio_iptables;
 pub mod netns;
 pub mod node;
@@ -36,6 +35,7 @@ mod ids;
 mod server;
 
 pub use apiserver::{ApiRequest, ApiServer};
+pub use fixture::{privileged, Fixture};
 pub use netns::NetNs;
 pub use node::{NodeOptions, Pod, PodSpec, TestNode};
 pub use traffic::{
@@ -43,6 +43,9 @@ pub use traffic::{
 };
 pub use zds_client::{NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
 pub use ztunnel::{Dial, Seen, ZtunnelStandIn};
+
+/// The port the pods' apps listen on ([`EchoServer::app`]).
+pub const APP_PORT: u16 = 8080;
 
 /// How long any single network operation of the harness (connect, read, write, receive) may take.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
@@ -52,8 +55,8 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// having them.
 ///
 /// When not privileged: under CI (`CI=true`) this panics, because a skipped test there would look
-/// like a passed one; elsewhere it prints a skip line and returns false, so tests start with
-/// `if !require_privileges() { return; }`.
+/// like a passed one; elsewhere it prints a skip line and returns false. Tests get their context
+/// through [`Fixture::privileged`] or [`privileged`], which check this first.
 pub fn require_privileges() -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;

@@ -162,12 +162,12 @@ pub fn netns_cookie(socket: &impl AsFd) -> io::Result<u64> {
 }
 
 /// Runs `ip <args>`, failing with its stderr.
-pub(crate) fn ip(args: &[&str]) -> Result<()> {
+pub fn ip(args: &[&str]) -> Result<()> {
     ip_output(args).map(drop)
 }
 
 /// Runs `ip <args>` and returns what it printed, failing with its stderr.
-pub(crate) fn ip_output(args: &[&str]) -> Result<String> {
+pub fn ip_output(args: &[&str]) -> Result<String> {
     let out = Command::new("ip")
         .args(args)
         .output()

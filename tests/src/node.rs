@@ -14,7 +14,10 @@ use std::sync::Arc;
 use anyhow::{anyhow, Context, Result};
 use serde_json::{json, Map, Value};
 use tempfile::TempDir;
-use weir_agent::workload::{PodOptions, Workload};
+use weir_agent::{
+    datapath::DatapathConfig,
+    workload::{PodOptions, Workload},
+};
 
 use crate::cni::{self, NetworkConfigList, RuntimeConf};
 use crate::ids;
@@ -170,6 +173,11 @@ impl TestNode {
     /// The node's namespace ("the host").
     pub fn netns(&self) -> &NetNs {
         &self.shared.netns
+    }
+
+    /// weir's datapath on this node.
+    pub fn datapath_config(&self) -> DatapathConfig {
+        crate::agent::datapath_config(self.netns().name())
     }
 
     /// Runs `f` on the node, where kubelet probes and other hosts' servers live.

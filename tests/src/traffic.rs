@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use crate::server::{Listener, Log, Server};
 use crate::sockopt::canonical;
-use crate::{NetNs, IO_TIMEOUT};
+use crate::{NetNs, Pod, APP_PORT, IO_TIMEOUT};
 
 /// One connection (TCP) or datagram (UDP) as a server saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -63,6 +63,16 @@ impl EchoServer {
             received,
             _server: server,
         })
+    }
+
+    /// The pod's app: named after the pod, on [`APP_PORT`] of every address the pod has (one
+    /// dual-stack wildcard socket).
+    pub fn app(pod: &Pod) -> io::Result<Self> {
+        Self::start(
+            pod.netns(),
+            pod.name(),
+            (Ipv6Addr::UNSPECIFIED, APP_PORT).into(),
+        )
     }
 
     pub fn name(&self) -> &str {

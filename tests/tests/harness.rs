@@ -11,26 +11,16 @@ use std::time::{Duration, Instant};
 use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY};
 use weir_tests::{
-    istio_iptables, require_privileges, tcp_request, udp_request, udp_request_connected,
-    EchoServer, Pod, TestNode, ZtunnelStandIn,
+    istio_iptables, tcp_request, udp_request, udp_request_connected, EchoServer, Fixture, Pod,
+    ZtunnelStandIn, APP_PORT,
 };
 
-const APP_PORT: u16 = 8080;
 /// A cluster DNS service address: not routed anywhere, only reachable through redirection.
 const CLUSTER_DNS: [IpAddr; 2] = [
     IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10)),
     IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa)),
 ];
 const WAIT: Duration = Duration::from_secs(2);
-
-fn node_with_pods(names: &[&str]) -> (TestNode, Vec<Pod>) {
-    let node = TestNode::new().expect("node");
-    let pods = names
-        .iter()
-        .map(|name| node.add_pod(name).expect("pod"))
-        .collect();
-    (node, pods)
-}
 
 /// The same-family address pairs of two pods: (a's IPv4, b's IPv4), (a's IPv6, b's IPv6).
 fn address_pairs(a: &Pod, b: &Pod) -> [(IpAddr, IpAddr); 2] {
@@ -42,12 +32,11 @@ fn address_pairs(a: &Pod, b: &Pod) -> [(IpAddr, IpAddr); 2] {
 
 #[test]
 fn pods_talk_directly_over_ipv4_and_ipv6() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (_node, pods) = node_with_pods(&["a", "b"]);
-    let (a, b) = (&pods[0], &pods[1]);
-    for (a_ip, b_ip) in address_pairs(a, b) {
+    };
+    let (a, b) = (fixture.pod("a"), fixture.pod("b"));
+    for (a_ip, b_ip) in address_pairs(&a, &b) {
         let echo = EchoServer::start(b.netns(), "b", (b_ip, APP_PORT).into()).unwrap();
         let reply = a.run(|| tcp_request(echo.addr(), "hello")).unwrap();
         assert_eq!(reply.response, echo.reply_to("hello"));
@@ -63,12 +52,11 @@ fn pods_talk_directly_over_ipv4_and_ipv6() {
 
 #[test]
 fn udp_between_pods_connected_and_not() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (_node, pods) = node_with_pods(&["a", "b"]);
-    let (a, b) = (&pods[0], &pods[1]);
-    for (a_ip, b_ip) in address_pairs(a, b) {
+    };
+    let (a, b) = (fixture.pod("a"), fixture.pod("b"));
+    for (a_ip, b_ip) in address_pairs(&a, &b) {
         let echo = EchoServer::start_udp(b.netns(), "b", (b_ip, 5353).into()).unwrap();
         let unconnected = a.run(|| udp_request(echo.addr(), "q1")).unwrap();
         assert_eq!(unconnected.response, echo.reply_to("q1"));
@@ -86,11 +74,10 @@ fn udp_between_pods_connected_and_not() {
 
 #[test]
 fn node_and_pods_reach_each_other() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (node, pods) = node_with_pods(&["a"]);
-    let pod = &pods[0];
+    };
+    let (node, pod) = (fixture.node(), fixture.pod("a"));
     let gateways: [IpAddr; 2] = [node.gateway_v4().into(), node.gateway_v6().into()];
     for (pod_ip, gateway) in pod.ips().into_iter().zip(gateways) {
         // The node (kubelet) to the pod: it comes from the bridge's address.
@@ -109,10 +96,10 @@ fn node_and_pods_reach_each_other() {
 
 #[test]
 fn pods_have_their_own_netns_cookies_and_identities() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (node, pods) = node_with_pods(&["a", "b"]);
+    };
+    let (node, pods) = (fixture.node(), [fixture.pod("a"), fixture.pod("b")]);
     let cookies = [
         node.netns().cookie().unwrap(),
         pods[0].netns().cookie().unwrap(),
@@ -131,24 +118,22 @@ fn pods_have_their_own_netns_cookies_and_identities() {
 
 #[test]
 fn teardown_leaves_nothing_behind() {
-    if !require_privileges() {
-        return;
-    }
     let var_lib_cni = Path::new("/var/lib/cni").exists();
-    let (node, pods) = node_with_pods(&["a"]);
-    let netns_paths = [
-        node.netns().path().to_owned(),
-        pods[0].netns_path().to_owned(),
-    ];
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let pod = fixture.pod("a");
+    let node = fixture.node();
+    let netns_paths = [node.netns().path().to_owned(), pod.netns_path().to_owned()];
     let ipam_dir = node.ipam_dir().to_owned();
     assert!(
         ipam_dir.join("weir-test").read_dir().unwrap().count() > 0,
         "host-local keeps its state in the node's dataDir"
     );
     // Pods keep the node alive: dropping the node first defers its teardown to the last pod.
-    drop(node);
+    drop(fixture);
     assert!(netns_paths[0].exists());
-    drop(pods);
+    drop(pod);
     for path in netns_paths.iter().chain([&ipam_dir]) {
         assert!(!path.exists(), "{} is left behind", path.display());
     }
@@ -157,16 +142,19 @@ fn teardown_leaves_nothing_behind() {
 
 #[test]
 fn teardown_runs_when_a_test_panics() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
+    };
     let mut left = Vec::new();
     let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        let (node, pods) = node_with_pods(&["a"]);
-        let _ztunnel = ZtunnelStandIn::start(&pods[0]).unwrap();
+        // Owned by the closure, so the panic unwinds through the node's teardown.
+        let fixture = fixture;
+        let pod = fixture.pod("a");
+        let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+        let node = fixture.node();
         left.extend([
             node.netns().path().to_owned(),
-            pods[0].netns_path().to_owned(),
+            pod.netns_path().to_owned(),
             node.ipam_dir().to_owned(),
         ]);
         panic!("a failing test");
@@ -179,13 +167,12 @@ fn teardown_runs_when_a_test_panics() {
 
 #[test]
 fn standin_listeners_take_direct_connections() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (_node, pods) = node_with_pods(&["a", "b"]);
-    let (a, b) = (&pods[0], &pods[1]);
-    let ztunnel = ZtunnelStandIn::start(a).unwrap();
-    for (a_ip, b_ip) in address_pairs(a, b) {
+    };
+    let (a, b) = (fixture.pod("a"), fixture.pod("b"));
+    let ztunnel = ZtunnelStandIn::start(&a).unwrap();
+    for (a_ip, b_ip) in address_pairs(&a, &b) {
         // HBONE is reached directly, from other pods (ztunnels).
         let reply = b
             .run(|| tcp_request((a_ip, HBONE_PORT).into(), "CONNECT"))
@@ -220,29 +207,33 @@ fn standin_listeners_take_direct_connections() {
     }
 }
 
+/// Asks `server` for `name` from inside `pod` over UDP, connected UDP and TCP: the stand-in's DNS
+/// proxy answers each, from `server`'s address as far as the app can tell.
+fn resolve_three_ways(pod: &Pod, server: SocketAddr, name: &str) {
+    let expected = format!("{DNS_REPLY_PREFIX}{name}");
+    for reply in [
+        pod.run(|| udp_request(server, name)).unwrap(),
+        pod.run(|| udp_request_connected(server, name)).unwrap(),
+    ] {
+        assert_eq!((reply.response, reply.from), (expected.clone(), server));
+    }
+    let tcp = pod.run(|| tcp_request(server, name)).unwrap();
+    assert_eq!(tcp.response, expected);
+}
+
 #[test]
 fn standin_dns_proxy_answers_on_localhost() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (_node, pods) = node_with_pods(&["a"]);
-    let pod = &pods[0];
-    let ztunnel = ZtunnelStandIn::start(pod).unwrap();
+    };
+    let pod = fixture.pod("a");
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     for localhost in [
         IpAddr::from(Ipv4Addr::LOCALHOST),
         Ipv6Addr::LOCALHOST.into(),
     ] {
         let proxy: SocketAddr = (localhost, DNS_PROXY_PORT).into();
-        let expected = format!("{DNS_REPLY_PREFIX}query");
-        for reply in [
-            pod.run(|| udp_request(proxy, "query")).unwrap(),
-            pod.run(|| udp_request_connected(proxy, "query")).unwrap(),
-        ] {
-            assert_eq!(reply.response, expected);
-            assert_eq!(reply.from, proxy);
-        }
-        let tcp = pod.run(|| tcp_request(proxy, "query")).unwrap();
-        assert_eq!(tcp.response, expected);
+        resolve_three_ways(&pod, proxy, "query");
         let queries = ztunnel
             .seen()
             .into_iter()
@@ -257,14 +248,13 @@ fn standin_dns_proxy_answers_on_localhost() {
 /// the pod's address.
 #[test]
 fn standin_relays_outbound_to_the_original_destination() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (_node, pods) = node_with_pods(&["client", "server"]);
-    let (client, server) = (&pods[0], &pods[1]);
-    let ztunnel = ZtunnelStandIn::start(client).unwrap();
+    };
+    let (client, server) = (fixture.pod("client"), fixture.pod("server"));
+    let ztunnel = ZtunnelStandIn::start(&client).unwrap();
     istio_iptables::apply(client.netns()).unwrap();
-    for (client_ip, server_ip) in address_pairs(client, server) {
+    for (client_ip, server_ip) in address_pairs(&client, &server) {
         let echo =
             EchoServer::start(server.netns(), "server", (server_ip, APP_PORT).into()).unwrap();
         let reply = client.run(|| tcp_request(echo.addr(), "out")).unwrap();
@@ -292,14 +282,13 @@ fn standin_relays_outbound_to_the_original_destination() {
 /// client's address (transparent), and the app's replies routed back to the stand-in.
 #[test]
 fn standin_inbound_keeps_the_client_address() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (_node, pods) = node_with_pods(&["client", "server"]);
-    let (client, server) = (&pods[0], &pods[1]);
-    let ztunnel = ZtunnelStandIn::start(server).unwrap();
+    };
+    let (client, server) = (fixture.pod("client"), fixture.pod("server"));
+    let ztunnel = ZtunnelStandIn::start(&server).unwrap();
     istio_iptables::apply(server.netns()).unwrap();
-    for (client_ip, server_ip) in address_pairs(client, server) {
+    for (client_ip, server_ip) in address_pairs(&client, &server) {
         let echo = EchoServer::start(server.netns(), "app", (server_ip, APP_PORT).into()).unwrap();
         let reply = client.run(|| tcp_request(echo.addr(), "in")).unwrap();
         assert_eq!(reply.response, echo.reply_to("in"));
@@ -325,27 +314,15 @@ fn standin_inbound_keeps_the_client_address() {
 /// stand-in's localhost listeners, and answers come back from the address the app asked.
 #[test]
 fn standin_dns_proxy_takes_redirected_queries() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (_node, pods) = node_with_pods(&["a"]);
-    let pod = &pods[0];
-    let ztunnel = ZtunnelStandIn::start(pod).unwrap();
+    };
+    let pod = fixture.pod("a");
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     istio_iptables::apply(pod.netns()).unwrap();
     for dns in CLUSTER_DNS {
         let service: SocketAddr = (dns, 53).into();
-        let expected = format!("{DNS_REPLY_PREFIX}lookup");
-        let udp = pod.run(|| udp_request(service, "lookup")).unwrap();
-        assert_eq!((udp.response, udp.from), (expected.clone(), service));
-        let connected = pod
-            .run(|| udp_request_connected(service, "lookup"))
-            .unwrap();
-        assert_eq!(
-            (connected.response, connected.from),
-            (expected.clone(), service)
-        );
-        let tcp = pod.run(|| tcp_request(service, "lookup")).unwrap();
-        assert_eq!(tcp.response, expected);
+        resolve_three_ways(&pod, service, "lookup");
         let localhost = if dns.is_ipv4() {
             IpAddr::from(Ipv4Addr::LOCALHOST)
         } else {
@@ -362,12 +339,11 @@ fn standin_dns_proxy_takes_redirected_queries() {
 
 #[test]
 fn standin_stops_promptly_with_connections_open() {
-    if !require_privileges() {
+    let Some(fixture) = Fixture::privileged() else {
         return;
-    }
-    let (_node, pods) = node_with_pods(&["a"]);
-    let pod = &pods[0];
-    let ztunnel = ZtunnelStandIn::start(pod).unwrap();
+    };
+    let pod = fixture.pod("a");
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     // An idle connection to the DNS proxy: its handler waits for a line.
     let _idle = pod
         .run(|| std::net::TcpStream::connect((Ipv4Addr::LOCALHOST, DNS_PROXY_PORT)))

@@ -9,7 +9,6 @@ use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,7 +17,7 @@ use tempfile::TempDir;
 use weir_agent::zds::{self, WorkloadInfo, ZdsConfig, ZdsError, ZdsHandle};
 use weir_common::HBONE_PORT;
 use weir_tests::ztunnel::HBONE_REPLY;
-use weir_tests::{require_privileges, tcp_request, NetNs, NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
+use weir_tests::{netns, privileged, tcp_request, NetNs, NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
 
 /// Long enough for anything but a deliberate timeout (the server's deadlines are 5 s).
 const WAIT: Duration = Duration::from_secs(10);
@@ -116,26 +115,21 @@ fn info(uid: &str) -> WorkloadInfo {
 
 /// A pod's network namespace with `lo` up (the stand-in binds 127.0.0.1) and `ip` on `eth0`
 /// (one end of a veth pair kept inside), to be found from inside.
-fn pod_netns(role: &str, ip: Ipv4Addr) -> NetNs {
-    let netns = NetNs::create(role).unwrap();
-    let name = netns.name().to_owned();
+fn pod_netns(role: &str, ip: Ipv4Addr) -> anyhow::Result<NetNs> {
+    let netns = NetNs::create(role)?;
+    let (name, address) = (netns.name(), format!("{ip}/32"));
     for args in [
-        vec!["link", "set", "lo", "up"],
-        vec![
-            "link", "add", "eth0", "type", "veth", "peer", "name", "peer0",
+        ["-n", name, "link", "set", "lo", "up"].as_slice(),
+        &[
+            "-n", name, "link", "add", "eth0", "type", "veth", "peer", "name", "peer0",
         ],
-        vec!["addr", "add", &format!("{ip}/32"), "dev", "eth0"],
-        vec!["link", "set", "eth0", "up"],
-        vec!["link", "set", "peer0", "up"],
+        &["-n", name, "addr", "add", &address, "dev", "eth0"],
+        &["-n", name, "link", "set", "eth0", "up"],
+        &["-n", name, "link", "set", "peer0", "up"],
     ] {
-        let status = Command::new("ip")
-            .args(["-n", &name])
-            .args(&args)
-            .status()
-            .unwrap();
-        assert!(status.success(), "ip {args:?}");
+        netns::ip(args)?;
     }
-    netns
+    Ok(netns)
 }
 
 fn adds(client: &ZdsZtunnel) -> Vec<String> {
@@ -178,11 +172,10 @@ fn unknown_hello_version_is_accepted_as_istio_does() {
 
 #[test]
 fn add_hands_over_the_pods_netns() {
-    if !require_privileges() {
-        return;
-    }
     let ip = Ipv4Addr::new(10, 251, 0, 7);
-    let netns = pod_netns("zdsadd", ip);
+    let Some(netns) = privileged(|| pod_netns("zdsadd", ip)) else {
+        return;
+    };
     let server = Server::start();
     let client = server.connect();
 
@@ -232,13 +225,14 @@ fn add_hands_over_the_pods_netns() {
 
 #[test]
 fn every_connect_gets_a_snapshot() {
-    if !require_privileges() {
+    let Some((ns_a, ns_c)) = privileged(|| {
+        Ok((
+            pod_netns("zdssnapa", Ipv4Addr::new(10, 251, 1, 1))?,
+            pod_netns("zdssnapc", Ipv4Addr::new(10, 251, 1, 3))?,
+        ))
+    }) else {
         return;
-    }
-    let (ns_a, ns_c) = (
-        pod_netns("zdssnapa", Ipv4Addr::new(10, 251, 1, 1)),
-        pod_netns("zdssnapc", Ipv4Addr::new(10, 251, 1, 3)),
-    );
+    };
     let server = Server::start();
     let mut acked = server.handle.acked();
     assert!(matches!(
@@ -307,10 +301,9 @@ fn deleted_while_disconnected_is_not_in_the_next_snapshot() {
 
 #[test]
 fn add_goes_to_the_newest_connection_del_to_all() {
-    if !require_privileges() {
+    let Some(netns) = privileged(|| pod_netns("zdsnewest", Ipv4Addr::new(10, 251, 2, 1))) else {
         return;
-    }
-    let netns = pod_netns("zdsnewest", Ipv4Addr::new(10, 251, 2, 1));
+    };
     let server = Server::start();
     let old = server.connect();
     let new = server.connect();
@@ -340,10 +333,9 @@ fn add_goes_to_the_newest_connection_del_to_all() {
 
 #[test]
 fn nack_is_an_error_and_the_connection_stays() {
-    if !require_privileges() {
+    let Some(netns) = privileged(|| pod_netns("zdsnack", Ipv4Addr::new(10, 251, 3, 1))) else {
         return;
-    }
-    let netns = pod_netns("zdsnack", Ipv4Addr::new(10, 251, 3, 1));
+    };
     let server = Server::start();
     let client = server.connect();
     client.nack_next_add("no proxy for you");
@@ -364,10 +356,9 @@ fn nack_is_an_error_and_the_connection_stays() {
 
 #[test]
 fn unacked_request_times_out_and_closes_the_connection() {
-    if !require_privileges() {
+    let Some(netns) = privileged(|| pod_netns("zdsmute", Ipv4Addr::new(10, 251, 4, 1))) else {
         return;
-    }
-    let netns = pod_netns("zdsmute", Ipv4Addr::new(10, 251, 4, 1));
+    };
     let server = Server::start();
     let client = server.connect();
     client.never_ack();

@@ -22,10 +22,9 @@ fn return_routes(family: &str) -> String {
 
 #[test]
 fn return_path_is_idempotent_and_removable() {
-    if !privileged() {
+    let Some(netns) = privileged(scratch_netns) else {
         return;
-    }
-    let netns = scratch_netns();
+    };
     let _guard = enter(netns.as_fd()).unwrap();
     for _ in 0..2 {
         install_return_path().unwrap();
@@ -50,10 +49,9 @@ fn return_path_is_idempotent_and_removable() {
 
 #[test]
 fn return_path_skips_disabled_ipv6() {
-    if !privileged() {
+    let Some(netns) = privileged(scratch_netns) else {
         return;
-    }
-    let netns = scratch_netns();
+    };
     let _guard = enter(netns.as_fd()).unwrap();
     std::fs::write("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1").unwrap();
     install_return_path().unwrap();
@@ -77,10 +75,9 @@ fn bindable() -> [bool; 2] {
 
 #[test]
 fn probe_source_is_bindable_and_removable() {
-    if !privileged() {
+    let Some(netns) = privileged(scratch_netns) else {
         return;
-    }
-    let netns = scratch_netns();
+    };
     let _guard = enter(netns.as_fd()).unwrap();
     assert_eq!(bindable(), [false, false]);
     for _ in 0..2 {
@@ -111,10 +108,9 @@ fn probe_source_is_bindable_and_removable() {
 /// source address; without `preferred_lft 0` they do (longest common prefix).
 #[test]
 fn probe_source_is_not_a_source_address_candidate() {
-    if !privileged() {
+    let Some(netns) = privileged(scratch_netns) else {
         return;
-    }
-    let netns = scratch_netns();
+    };
     let _guard = enter(netns.as_fd()).unwrap();
     for (end, peer) in [("weir-n0", "weir-n1"), ("weir-p0", "weir-p1")] {
         ip(&["link", "add", end, "type", "veth", "peer", "name", peer]);
@@ -130,10 +126,9 @@ fn probe_source_is_not_a_source_address_candidate() {
 
 #[test]
 fn empty_namespace_has_nothing_to_remove() {
-    if !privileged() {
+    let Some(netns) = privileged(scratch_netns) else {
         return;
-    }
-    let netns = scratch_netns();
+    };
     let _guard = enter(netns.as_fd()).unwrap();
     remove_return_path().unwrap();
     remove_probe_source().unwrap();

@@ -13,10 +13,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use weir_agent::{
-    datapath::{Datapath, DatapathConfig},
-    workload::PodOptions,
-};
+use weir_agent::{datapath::Datapath, workload::PodOptions};
 use weir_tests::{istio_iptables, tcp_request, EchoServer, Pod, TestNode, ZtunnelStandIn};
 
 const PODS: usize = 40;
@@ -38,13 +35,7 @@ fn main() -> Result<()> {
     let plain = node.add_pod("plain")?;
     let echo = EchoServer::start(server.netns(), "server", (server.ipv4(), APP_PORT).into())?;
 
-    let config = DatapathConfig {
-        pin_root: weir_tests::agent::pin_root(node.netns()),
-        cgroup: None,
-        node_netns: Some(node.netns().path().to_path_buf()),
-        probe_bypass: true,
-        bpf_log: false,
-    };
+    let config = node.datapath_config();
     let maps = config
         .pin_root
         .join(format!("abi-{}", weir_common::ABI_VERSION));

@@ -1,28 +1,18 @@
 //! A datapath owner in its own process, for tests that crash and restart it.
 //!
-//! `weir-datapath-owner PIN_ROOT NODE_NETNS` starts the datapath, prints `ready`, then serves
-//! one command per stdin line: `enroll <Workload JSON>`, `unenroll <uid>`, `uninstall`. Each
-//! answer is one line, `ok …` or `err …`. At end of input it stops and leaves the datapath in
-//! place, as an agent restart does.
+//! `weir-datapath-owner NODE_NETNS` starts the datapath of the test node whose network namespace
+//! is `/var/run/netns/NODE_NETNS`, prints `ready`, then serves one command per stdin line:
+//! `enroll <Workload JSON>`, `unenroll <uid>`, `uninstall`. Each answer is one line, `ok …` or
+//! `err …`. At end of input it stops and leaves the datapath in place, as an agent restart does.
 use std::io::{self, BufRead, Write};
 
-use weir_agent::{
-    datapath::{Datapath, DatapathConfig},
-    workload::Workload,
-};
+use weir_agent::{datapath::Datapath, workload::Workload};
 
 fn main() -> anyhow::Result<()> {
-    let mut args = std::env::args_os().skip(1);
-    let (Some(pin_root), Some(node_netns)) = (args.next(), args.next()) else {
-        anyhow::bail!("usage: weir-datapath-owner PIN_ROOT NODE_NETNS");
+    let Some(node_netns) = std::env::args().nth(1) else {
+        anyhow::bail!("usage: weir-datapath-owner NODE_NETNS");
     };
-    let datapath = Datapath::start(DatapathConfig {
-        pin_root: pin_root.into(),
-        cgroup: None,
-        node_netns: Some(node_netns.into()),
-        probe_bypass: true,
-        bpf_log: false,
-    })?;
+    let datapath = Datapath::start(weir_tests::agent::datapath_config(&node_netns))?;
     let mut out = io::stdout().lock();
     writeln!(out, "ready")?;
     for line in io::stdin().lock().lines() {

@@ -86,7 +86,7 @@ fn demo(interrupted: &AtomicBool) -> Result<()> {
         },
     );
     files.write_policy(&policy)?;
-    let node = files.node()?;
+    let node = TestNode::with_options(files.node_options())?;
     n.say(format!(
         "network namespace {} with bridge cni0 ({}/24, {}/64)",
         node.netns().name(),
