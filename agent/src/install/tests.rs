@@ -511,9 +511,13 @@ async fn watch_follows_a_new_higher_priority_file() {
         holds_weir_last(&node, "05-cilium.conflist")
     })
     .await;
-    let status = installer.status().borrow().clone();
-    assert_eq!(status.config_file, Some(node.path("05-cilium.conflist")));
-    assert!(status.installed);
+    // The status is published after the file is written.
+    let new_file = Some(node.path("05-cilium.conflist"));
+    eventually(Duration::from_secs(1), "the status names the new file", || {
+        installer.status().borrow().config_file == new_file
+    })
+    .await;
+    assert!(installer.status().borrow().installed);
     watched.stop().await;
 }
 
