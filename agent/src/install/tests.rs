@@ -513,9 +513,11 @@ async fn watch_follows_a_new_higher_priority_file() {
     .await;
     // The status is published after the file is written.
     let new_file = Some(node.path("05-cilium.conflist"));
-    eventually(Duration::from_secs(1), "the status names the new file", || {
-        installer.status().borrow().config_file == new_file
-    })
+    eventually(
+        Duration::from_secs(1),
+        "the status names the new file",
+        || installer.status().borrow().config_file == new_file,
+    )
     .await;
     assert!(installer.status().borrow().installed);
     watched.stop().await;
