@@ -93,8 +93,7 @@ pub fn weir_inbound(ctx: TcContext) -> i32 {
                 ip(&packet.source),
                 ip(&packet.destination)
             );
-            count(netns, |c: &mut PodCounters| &mut c.dropped);
-            DROP
+            drop_counted(netns)
         }
     }
 }
@@ -262,8 +261,7 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
             ip(&packet.destination),
             u16::from_be(dport)
         );
-        count(netns, |c: &mut PodCounters| &mut c.dropped);
-        return Ok(DROP);
+        return Ok(drop_counted(netns));
     }
 
     let flags: u8 = ctx
@@ -302,8 +300,14 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         ip(&packet.destination),
         u16::from_be(dport)
     );
+    Ok(drop_counted(netns))
+}
+
+/// The verdict that drops a packet for the pod, counted in its `dropped` counter.
+#[inline(always)]
+fn drop_counted(netns: u64) -> i32 {
     count(netns, |c: &mut PodCounters| &mut c.dropped);
-    Ok(DROP)
+    DROP
 }
 
 /// The socket lookup tuple for a segment (ports in network order) and the length of its
