@@ -6,16 +6,21 @@ use std::{
     io::{BufRead, BufReader, Write},
     net::{IpAddr, SocketAddr},
     os::unix::net::UnixStream,
+    path::Path,
     sync::Arc,
     time::Duration,
 };
 
-use weir_agent::policy::{LocalPolicy, ObjectMeta, DATAPLANE_MODE_LABEL};
-use weir_common::{INBOUND_PORT, OUTBOUND_PORT};
+use serde_json::json;
+use weir_agent::policy::{
+    LocalPolicy, ObjectMeta, BYPASS_INBOUND_ANNOTATION, DATAPLANE_MODE_LABEL,
+    DNS_CAPTURE_ANNOTATION,
+};
+use weir_common::{DNS_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
-    agent::{http_get, Agent, NodeFiles},
+    agent::{http_get, workspace_binary, Agent, NodeFiles},
     cni::{Command, RuntimeConf},
-    tcp_request,
+    raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
     EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
 };
@@ -486,4 +491,187 @@ fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
         .is_some());
     check(&node, &pod).expect("the pod is redirected by the new layout");
     agent.stop().unwrap();
+}
+
+/// `weir-agent pods` as an operator runs it next to a live agent: every enrolled pod with its
+/// uid, addresses, netns cookie, status, options and counters, from the pinned maps and the
+/// agent's state file; and what the two disagree on, flagged.
+#[test]
+fn pods_command_lists_what_the_node_holds() {
+    let Some(node) = Node::privileged() else {
+        return;
+    };
+    let mut policy = ambient_policy();
+    policy.pods.insert(
+        format!("{MESH}/quiet"),
+        ObjectMeta {
+            annotations: BTreeMap::from([
+                (BYPASS_INBOUND_ANNOTATION.into(), "true".into()),
+                (DNS_CAPTURE_ANNOTATION.into(), "false".into()),
+            ]),
+            ..ObjectMeta::default()
+        },
+    );
+    node.files.write_policy(&policy).unwrap();
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let (server, echo, client, stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
+    let quiet = node.pod(MESH, "quiet").unwrap();
+    ztunnel.wait_for_pod(quiet.uid(), WAIT).unwrap();
+    let (client_app, quiet_app) = (
+        EchoServer::app(&client).unwrap(),
+        EchoServer::app(&quiet).unwrap(),
+    );
+
+    // One of each counted event.
+    let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    client.run(|| tcp_request(to_server, "out")).unwrap();
+    quiet.run(|| tcp_request(to_server, "out")).unwrap();
+    let resolver = SocketAddr::new(IpAddr::V4(node.fixture.node().gateway_v4()), DNS_PORT);
+    client.run(|| udp_request(resolver, "query")).unwrap();
+    let to_client = SocketAddr::new(IpAddr::V4(client.ipv4()), APP_PORT);
+    let reply = server.run(|| tcp_request(to_client, "in")).unwrap();
+    assert_eq!(reply.response, client_app.reply_to("in"));
+    let to_quiet = SocketAddr::new(IpAddr::V4(quiet.ipv4()), APP_PORT);
+    let reply = server.run(|| tcp_request(to_quiet, "bypassed")).unwrap();
+    assert_eq!(reply.response, quiet_app.reply_to("bypassed"));
+    let fragmented_syn = raw::Syn {
+        source: SocketAddr::new(IpAddr::V4(server.ipv4()), 41001),
+        destination: to_client,
+        shape: raw::Fragmented(8),
+    };
+    server
+        .run(|| raw::probe(&[fragmented_syn], Duration::from_millis(300)))
+        .unwrap();
+
+    let state_file = agent.config.state_file.clone();
+    let listed = pods_command(&agent, &state_file, &["--output", "json"]);
+    let rows = listed.as_array().expect("one JSON array");
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|row| row["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["client", "quiet"], "the plain server is not listed");
+    for (row, pod, options, counters) in [
+        (
+            &rows[0],
+            &client,
+            json!({"inbound_bypass": false, "dns_capture": true}),
+            json!({"outbound": 1, "inbound": 1, "dns": 1, "bypassed": 0, "dropped": 1}),
+        ),
+        (
+            &rows[1],
+            &quiet,
+            json!({"inbound_bypass": true, "dns_capture": false}),
+            json!({"outbound": 1, "inbound": 0, "dns": 0, "bypassed": 1, "dropped": 0}),
+        ),
+    ] {
+        assert_eq!(row["namespace"], MESH);
+        assert_eq!(row["uid"], pod.uid());
+        assert_eq!(row["status"], "enabled");
+        assert_eq!(row["netns_cookie"], pod.netns().cookie().unwrap());
+        assert_eq!(row["netns"], pod.netns_path().to_str().unwrap());
+        // The CNI result's addresses and the link-local one indexed for the pod besides.
+        let ips: Vec<IpAddr> = serde_json::from_value(row["ips"].clone()).unwrap();
+        for ip in [
+            IpAddr::V4(pod.ipv4()),
+            IpAddr::V6(pod.ipv6()),
+            IpAddr::V6(pod.link_local().unwrap()),
+        ] {
+            assert!(ips.contains(&ip), "{ip} in {row}");
+        }
+        assert_eq!(row["options"], options, "{row}");
+        assert_eq!(row["counters"], counters, "{row}");
+        assert_eq!(
+            (&row["in_maps"], &row["in_state_file"]),
+            (&json!(true), &json!(true))
+        );
+    }
+    let table = pods_command(&agent, &state_file, &[]);
+    let table = table.as_str().unwrap();
+    for pod in [&client, &quiet] {
+        let line = table
+            .lines()
+            .find(|line| line.starts_with(&format!("{MESH}/{}", pod.name())))
+            .unwrap_or_else(|| panic!("no line for {}:\n{table}", pod.name()));
+        assert!(
+            line.contains(pod.uid()) && line.contains("enabled"),
+            "{line}"
+        );
+    }
+    println!("{table}{listed:#}");
+
+    // A state file that lost `quiet` and still holds a pod the maps do not.
+    let mut records: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(&state_file).unwrap()).unwrap();
+    records.remove(quiet.uid()).unwrap();
+    let mut ghost = records[client.uid()].clone();
+    ghost["uid"] = "ghost-uid".into();
+    ghost["name"] = "ghost".into();
+    records.insert("ghost-uid".into(), ghost);
+    let edited = node.files.run_dir().join("edited-pods.json");
+    std::fs::write(&edited, serde_json::to_vec(&records).unwrap()).unwrap();
+    let listed = pods_command(&agent, &edited, &["--output", "json"]);
+    let rows = listed.as_array().unwrap();
+    let uids: Vec<&str> = rows
+        .iter()
+        .map(|row| row["uid"].as_str().unwrap())
+        .collect();
+    assert_eq!(uids, [client.uid(), "ghost-uid", quiet.uid()]);
+    let (ghost, unnamed) = (&rows[1], &rows[2]);
+    assert_eq!(
+        (&ghost["in_maps"], &ghost["netns_cookie"]),
+        (&json!(false), &json!(null))
+    );
+    assert_eq!(ghost["counters"], json!(null));
+    assert_eq!(
+        (&unnamed["in_state_file"], &unnamed["name"]),
+        (&json!(false), &json!(null))
+    );
+    assert_eq!(unnamed["status"], json!(null));
+    assert_eq!(unnamed["counters"]["bypassed"], 1);
+    let table = pods_command(&agent, &edited, &[]);
+    let table = table.as_str().unwrap();
+    let line_of = |needle: &str| table.lines().find(|line| line.contains(needle)).unwrap();
+    assert!(line_of("ghost-uid").starts_with("mesh/ghost"), "{table}");
+    assert!(line_of("ghost-uid").contains("orphan"), "{table}");
+    assert!(line_of(quiet.uid()).starts_with("<unknown>"), "{table}");
+    assert!(
+        line_of(quiet.uid()).contains("not in the state file"),
+        "{table}"
+    );
+    println!("{table}");
+
+    // Reading did not disturb the agent: its pods are still redirected, and counted.
+    client.run(|| tcp_request(to_server, "again")).unwrap();
+    assert!(stand_in
+        .wait_for(
+            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(to_server),
+            WAIT
+        )
+        .is_some());
+    assert!(echo.wait_for(|r| r.line == "again", WAIT).is_some());
+    let listed = pods_command(&agent, &state_file, &["--output", "json"]);
+    assert_eq!(listed[0]["counters"]["outbound"], 2);
+    agent.stop().unwrap();
+}
+
+/// Runs the built `weir-agent pods` on the agent's pins and `state_file` with `args`; returns
+/// its output, parsed when it is JSON.
+fn pods_command(agent: &Agent, state_file: &Path, args: &[&str]) -> serde_json::Value {
+    let output = std::process::Command::new(workspace_binary("weir-agent"))
+        .arg("pods")
+        .arg("--pin-root")
+        .arg(&agent.config.datapath.pin_root)
+        .arg("--state-file")
+        .arg(state_file)
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        output.status.success(),
+        "{}\n{stdout}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(&stdout).unwrap_or(serde_json::Value::String(stdout))
 }

@@ -8,6 +8,8 @@
 //!   is never a moment with no program attached.
 //! - Raw key access to a pinned map of another layout version (whose value type this build does
 //!   not know, and aya's typed maps check), to retire it once its pods are migrated.
+//! - A read-only fd on a pinned map (aya's `MapData::from_pin` asks for a read-write one), for
+//!   `weir-agent pods` looking at a running agent's maps.
 use std::{
     ffi::CString,
     io,
@@ -24,6 +26,8 @@ const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_LINK_UPDATE: libc::c_long = 29;
+/// `BPF_OBJ_GET` file flag: the fd reads the map, and the kernel refuses writes through it.
+const BPF_F_RDONLY: u32 = 1 << 3;
 
 #[repr(C)]
 #[derive(Default)]
@@ -115,9 +119,19 @@ pub fn pin_object(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
 }
 
 pub fn open_pinned(path: &Path) -> io::Result<OwnedFd> {
+    obj_get(path, 0)
+}
+
+/// Opens a pinned map for reading only, for a tool that looks at a running agent's maps.
+pub fn open_pinned_read_only(path: &Path) -> io::Result<OwnedFd> {
+    obj_get(path, BPF_F_RDONLY)
+}
+
+fn obj_get(path: &Path, file_flags: u32) -> io::Result<OwnedFd> {
     let path = path_cstring(path)?;
     let mut attr = ObjAttr {
         pathname: path.as_ptr() as u64,
+        file_flags,
         ..Default::default()
     };
     bpf(BPF_OBJ_GET, &mut attr).map(owned)

@@ -22,6 +22,7 @@ use prometheus_client::{
     },
     registry::Registry,
 };
+use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::{
@@ -31,7 +32,8 @@ use crate::{
     zds::{WorkloadInfo, ZdsError, ZdsHandle},
 };
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Status {
     /// Redirected, waiting for ztunnel's Ack (istio's `ambient.istio.io/redirection=pending`).
     Pending,
@@ -133,6 +135,7 @@ impl Enroller {
 
     /// Records a pod's status (`None`: no longer enrolled) and updates the per-status gauge.
     fn set_status(&self, uid: &str, status: Option<Status>) {
+        self.state.set_status(uid, status);
         let mut statuses = self.status.lock().unwrap();
         match status {
             Some(status) => statuses.insert(uid.to_owned(), status),
@@ -154,6 +157,9 @@ impl Enroller {
                 Ok(uid) => {
                     if self.status(&uid).is_some() {
                         self.set_status(&uid, Some(Status::Enabled));
+                        if let Err(error) = self.state.save() {
+                            warn!(uid, "recording the pod's status: {error:#}");
+                        }
                         info!(uid, "ztunnel acked the pod: redirection enabled");
                     }
                 }
@@ -209,7 +215,7 @@ impl Enroller {
             }
         };
         self.set_status(&pod.uid, Some(status));
-        self.state.insert(pod)?;
+        self.state.insert(pod, status)?;
         info!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ?status, "pod enrolled");
         Ok(status)
     }

@@ -8,6 +8,7 @@
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
 //! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
 //! - [`bpf_sys`]: the bpf syscalls aya 0.14 lacks (updatable pinned cgroup links, other layouts' maps).
+//! - [`inspect`]: `weir-agent pods`, what the node holds, from the pinned maps and the state file.
 //! - [`cni_server`], [`zds`], [`install`], [`http`]: the edges: the CNI plugin (its requests
 //!   turned into enrollment steps and responses), ztunnel, the node's CNI configuration, health
 //!   and metrics.
@@ -17,6 +18,7 @@ pub mod cni_server;
 pub mod datapath;
 pub mod enroll;
 pub mod http;
+pub mod inspect;
 pub mod install;
 pub mod netlink;
 pub mod netns;

@@ -2,13 +2,14 @@
 use std::{net::SocketAddr, path::PathBuf};
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::info;
 use weir_agent::{
     app::PLUGIN_NAME,
     app::{self, AgentConfig},
     datapath::{Datapath, DatapathConfig},
+    inspect,
     install::{InstallConfig, Installer},
     policy::PolicyConfig,
 };
@@ -87,14 +88,8 @@ struct RunArgs {
     /// Where the plugin finds the last known ambient verdicts while the agent is away.
     #[arg(long, env = "WEIR_VERDICT_CACHE", default_value = DEFAULT_VERDICT_CACHE)]
     verdict_cache: PathBuf,
-    /// Where the agent remembers enrolled pods for its next start (tmpfs: gone at reboot, as the
-    /// pods are).
-    #[arg(
-        long,
-        env = "WEIR_STATE_FILE",
-        default_value = "/var/run/weir/pods.json"
-    )]
-    state_file: PathBuf,
+    #[command(flatten)]
+    state: StateFileArg,
     /// ZDS socket ztunnel connects to.
     #[arg(
         long,
@@ -122,6 +117,36 @@ struct RunArgs {
     uninstall_on_exit: bool,
 }
 
+/// The agent's state file: `run` keeps it, `pods` reads it.
+#[derive(clap::Args)]
+struct StateFileArg {
+    /// Where the agent remembers enrolled pods for its next start (tmpfs: gone at reboot, as the
+    /// pods are).
+    #[arg(
+        long,
+        env = "WEIR_STATE_FILE",
+        default_value = "/var/run/weir/pods.json"
+    )]
+    state_file: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct PodsArgs {
+    #[command(flatten)]
+    state: StateFileArg,
+    /// How the pods are printed.
+    #[arg(long, value_enum, default_value_t = Output::Text)]
+    output: Output,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Output {
+    /// A table, one line per pod.
+    Text,
+    /// One JSON array of objects (fields below).
+    Json,
+}
+
 /// Where the node's CNI plugins and configuration live.
 #[derive(clap::Args)]
 struct CniDirs {
@@ -140,6 +165,12 @@ enum Command {
     /// Remove weir from this node: weir-cni from the CNI config and bin dir, then the datapath
     /// (every pod unenrolled, programs detached, pins removed).
     Uninstall(CniDirs),
+    /// List the pods weir holds on this node, from the pinned maps (--pin-root) and the agent's
+    /// state file, sorted by namespace/name. Read-only: a running agent is not disturbed. Pods in
+    /// the maps without a record show with an unknown name; records with no map entry are
+    /// orphans (enrolled as far as the agent knows, but not redirected).
+    #[command(after_long_help = inspect::JSON_FIELDS)]
+    Pods(PodsArgs),
 }
 
 fn main() -> Result<()> {
@@ -172,6 +203,15 @@ fn main() -> Result<()> {
             .uninstall()?;
             Datapath::start(cli.datapath.config())?.uninstall()
         }
+        Command::Pods(args) => {
+            let pods = inspect::pods(&cli.datapath.pin_root, &args.state.state_file)?;
+            let shown = match args.output {
+                Output::Text => inspect::table(&pods),
+                Output::Json => inspect::json(&pods)?,
+            };
+            print!("{shown}");
+            Ok(())
+        }
     }
 }
 
@@ -187,7 +227,7 @@ impl RunArgs {
             policy_file: self.policy_file,
             cni_socket: self.cni_socket,
             verdict_cache: self.verdict_cache,
-            state_file: self.state_file,
+            state_file: self.state.state_file,
             zds_socket: self.zds_socket,
             cni_bin_dir: self.cni_dirs.cni_bin_dir,
             cni_net_dir: self.cni_dirs.cni_net_dir,

@@ -9,17 +9,23 @@
 //! `Owner::enroll` (in `pods.rs`) is where a pod is enrolled: per-pod setup inside the pod's
 //! netns first (tc program, return-path routing), then the map entries that switch redirection
 //! on. Unenroll runs the other way round. Both are idempotent.
+//!
+//! [`pinned_pods`] is the one reader that needs no owner: it opens the pinned maps read-only, for
+//! an operator's `weir-agent pods` next to a running agent.
 mod layouts;
 mod mounts;
 mod pods;
 mod programs;
 mod recovery;
+mod snapshot;
+
+pub use snapshot::{pinned_pods, PinnedPod};
 
 use std::{
     collections::HashMap as StdHashMap,
     fs::{self, File},
     os::fd::{AsFd, OwnedFd},
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::mpsc,
     thread,
 };
@@ -178,6 +184,11 @@ impl Datapath {
     }
 }
 
+/// Where the maps of this build's layout are pinned.
+fn maps_dir(pin_root: &Path) -> PathBuf {
+    pin_root.join(format!("abi-{ABI_VERSION}"))
+}
+
 /// One enrolled pod as the owner tracks it.
 struct Enrolled {
     netns_cookie: u64,
@@ -209,7 +220,7 @@ impl Owner {
                 .with_context(|| format!("entering {}", node.display()))?;
         }
         mounts::ensure_bpffs(&config.pin_root)?;
-        let maps_dir = config.pin_root.join(format!("abi-{ABI_VERSION}"));
+        let maps_dir = maps_dir(&config.pin_root);
         // Links are versioned with the maps: an agent with another layout attaches its own set
         // and never takes over programs that read maps it does not write.
         let links_dir = maps_dir.join("links");

@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use aya::programs::SchedClassifier;
+use aya::{maps::PerCpuValues, programs::SchedClassifier};
 use tracing::{debug, warn};
 use weir_common::{
     IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS,
@@ -16,7 +16,10 @@ use weir_common::{
 };
 
 use super::{programs, Enrolled, Owner};
-use crate::{netlink, netns, workload::Workload};
+use crate::{
+    netlink, netns,
+    workload::{PodOptions, Workload},
+};
 
 const BPF_NOEXIST: u64 = 1;
 
@@ -194,16 +197,7 @@ impl Owner {
             return Ok(None);
         };
         let per_cpu = self.counters.get(&pod.netns_cookie, 0)?;
-        Ok(Some(per_cpu.iter().fold(
-            PodCounters::default(),
-            |sum, c| PodCounters {
-                outbound: sum.outbound + c.outbound,
-                inbound: sum.inbound + c.inbound,
-                dns: sum.dns + c.dns,
-                bypassed: sum.bypassed + c.bypassed,
-                dropped: sum.dropped + c.dropped,
-            },
-        )))
+        Ok(Some(sum_over_cpus(&per_cpu)))
     }
 
     pub(super) fn is_redirected(&self, uid: &str) -> bool {
@@ -293,9 +287,36 @@ fn pod_config(pod: &Workload) -> Result<PodConfig> {
     Ok(config)
 }
 
+/// A pod's options, as its `PodConfig` flags carry them.
+pub(super) fn pod_options(config: &PodConfig) -> PodOptions {
+    PodOptions {
+        inbound_bypass: config.has(POD_INBOUND_BYPASS),
+        dns_capture: config.has(POD_DNS_CAPTURE),
+    }
+}
+
+pub(super) fn sum_over_cpus(per_cpu: &PerCpuValues<PodCounters>) -> PodCounters {
+    per_cpu
+        .iter()
+        .fold(PodCounters::default(), |sum, c| PodCounters {
+            outbound: sum.outbound + c.outbound,
+            inbound: sum.inbound + c.inbound,
+            dns: sum.dns + c.dns,
+            bypassed: sum.bypassed + c.bypassed,
+            dropped: sum.dropped + c.dropped,
+        })
+}
+
 fn ip_key(ip: IpAddr) -> IpKey {
     match ip {
         IpAddr::V4(v4) => IpKey::from_v4(v4.octets()),
         IpAddr::V6(v6) => IpKey::from_v6(v6.octets()),
+    }
+}
+
+pub(super) fn ip_addr(key: &IpKey) -> IpAddr {
+    match key.v4() {
+        Some(v4) => IpAddr::from(v4),
+        None => IpAddr::from(key.octets),
     }
 }

@@ -10,9 +10,9 @@ use std::{
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
 use tracing::debug;
-use weir_common::{IpKey, PodConfig, POD_UID_LEN};
+use weir_common::{IpKey, PodConfig};
 
-use super::{pods::prepare_pod_netns, programs, Enrolled, Owner};
+use super::{pods::prepare_pod_netns, programs, snapshot, Enrolled, Owner};
 use crate::netns;
 
 /// Rebuilds the owner's index from the pinned maps after a restart.
@@ -20,29 +20,15 @@ pub(super) fn recover_pods(
     pods_map: &HashMap<MapData, u64, PodConfig>,
     pod_ips: &HashMap<MapData, IpKey, u64>,
 ) -> StdHashMap<String, Enrolled> {
-    let mut ips_by_cookie: StdHashMap<u64, Vec<IpKey>> = StdHashMap::new();
-    for (ip, cookie) in pod_ips.iter().flatten() {
-        ips_by_cookie.entry(cookie).or_default().push(ip);
-    }
-    pods_map
-        .iter()
-        .flatten()
-        .map(|(netns_cookie, config)| {
-            let uid_len = config
-                .uid
-                .iter()
-                .position(|b| *b == 0)
-                .unwrap_or(POD_UID_LEN);
-            let uid = String::from_utf8_lossy(&config.uid[..uid_len]).into_owned();
-            let ips = ips_by_cookie.remove(&netns_cookie).unwrap_or_default();
-            (
-                uid,
-                Enrolled {
-                    netns_cookie,
-                    ips,
-                    netns: None,
-                },
-            )
+    snapshot::pod_entries(pods_map, pod_ips)
+        .into_iter()
+        .map(|entry| {
+            let enrolled = Enrolled {
+                netns_cookie: entry.netns_cookie,
+                ips: entry.ips,
+                netns: None,
+            };
+            (entry.uid, enrolled)
         })
         .collect()
 }
