@@ -10,7 +10,10 @@ use std::{
     time::Duration,
 };
 
-use weir_agent::policy::{LocalPolicy, ObjectMeta, DATAPLANE_MODE_LABEL};
+use weir_agent::policy::{
+    local::{LocalPolicy, ObjectMeta},
+    DATAPLANE_MODE_LABEL,
+};
 use weir_common::{INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     agent::{http_get, Agent, NodeFiles},

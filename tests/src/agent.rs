@@ -11,9 +11,9 @@ use std::{
 use anyhow::{bail, Context, Result};
 use tempfile::TempDir;
 use weir_agent::{
-    app::{self, AgentConfig},
+    app::{self, AgentConfig, SourceConfig},
     datapath::{Datapath, DatapathConfig},
-    policy::{LocalPolicy, PolicyConfig},
+    policy::{local::LocalPolicy, PolicyConfig},
 };
 
 use crate::{NetNs, NodeOptions, TestNode};
@@ -94,7 +94,7 @@ impl NodeFiles {
                 bpf_log: false,
             },
             policy: PolicyConfig::default(),
-            policy_file: self.policy_file(),
+            source: SourceConfig::File(self.policy_file()),
             cni_socket: run.join("cni.sock"),
             verdict_cache: run.join("verdicts.json"),
             state_file: run.join("pods.json"),
