@@ -23,7 +23,10 @@ use kube::{
     Client, Resource, ResourceExt,
 };
 use serde::de::DeserializeOwned;
-use tokio::{sync::broadcast, task::JoinSet};
+use tokio::{
+    sync::{broadcast, watch},
+    task::JoinSet,
+};
 use tracing::warn;
 
 use crate::policy::{Labels, PodFacts, PodName};
@@ -68,6 +71,7 @@ pub struct Reflectors {
     pub namespaces: Store<Namespace>,
     pub daemonsets: Store<DaemonSet>,
     changes: broadcast::Sender<Change>,
+    synced: watch::Receiver<bool>,
 }
 
 impl Reflectors {
@@ -107,11 +111,26 @@ impl Reflectors {
             &changes,
             tasks,
         );
+        // A store's `wait_until_ready` wakes only its latest waiter (one oneshot underneath), so
+        // one task waits for all three and everyone else watches its verdict.
+        let (synced_tx, synced) = watch::channel(false);
+        let stores = (pods.clone(), namespaces.clone(), daemonsets.clone());
+        tasks.spawn(async move {
+            let all = join3(
+                stores.0.wait_until_ready(),
+                stores.1.wait_until_ready(),
+                stores.2.wait_until_ready(),
+            );
+            if let (Ok(()), Ok(()), Ok(())) = all.await {
+                synced_tx.send_replace(true);
+            }
+        });
         Self {
             pods,
             namespaces,
             daemonsets,
             changes,
+            synced,
         }
     }
 
@@ -122,12 +141,9 @@ impl Reflectors {
 
     /// Resolves once every cache holds its first complete list.
     pub async fn synced(&self) {
-        let _ = join3(
-            self.pods.wait_until_ready(),
-            self.namespaces.wait_until_ready(),
-            self.daemonsets.wait_until_ready(),
-        )
-        .await;
+        let mut synced = self.synced.clone();
+        // An error means the watches ended with the agent: nothing left to wait for.
+        let _ = synced.wait_for(|synced| *synced).await;
     }
 
     pub fn pod(&self, pod: &PodName) -> Option<std::sync::Arc<Pod>> {

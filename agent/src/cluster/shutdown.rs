@@ -7,7 +7,7 @@ use k8s_openapi::api::{
     core::v1::{NodeSelectorRequirement, NodeSelectorTerm},
 };
 
-use crate::policy::Labels;
+use crate::policy::{enablement::requirement_holds, Labels};
 
 /// Whether weir stays on the node: its DaemonSet exists, is not being deleted, and its pod
 /// template would still be scheduled on a node with `node_labels` (nodeSelector, and the required
@@ -49,30 +49,26 @@ fn term_matches(term: &NodeSelectorTerm, node_labels: &Labels) -> bool {
         .all(|requirement| node_requirement_holds(requirement, node_labels))
 }
 
+/// Label selectors' operators, and node selectors' own numeric `Gt` and `Lt`.
 fn node_requirement_holds(requirement: &NodeSelectorRequirement, labels: &Labels) -> bool {
-    let value = labels.get(&requirement.key);
     let values = requirement.values.as_deref().unwrap_or_default();
     let number = |text: &str| text.parse::<i64>().ok();
     let compare = |ordering| {
-        let (Some(label), Some(bound)) = (value.and_then(|v| number(v)), values.first()) else {
-            return false;
-        };
-        number(bound).is_some_and(|bound| label.cmp(&bound) == ordering)
+        let label = labels.get(&requirement.key).and_then(|v| number(v));
+        let bound = values.first().and_then(|v| number(v));
+        matches!((label, bound), (Some(label), Some(bound)) if label.cmp(&bound) == ordering)
     };
     match requirement.operator.as_str() {
-        "In" => value.is_some_and(|v| values.contains(v)),
-        "NotIn" => value.is_none_or(|v| !values.contains(v)),
-        "Exists" => value.is_some(),
-        "DoesNotExist" => value.is_none(),
         "Gt" => compare(std::cmp::Ordering::Greater),
         "Lt" => compare(std::cmp::Ordering::Less),
-        _ => false,
+        operator => requirement_holds(&requirement.key, operator, values, labels),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::test_labels as labels;
     use k8s_openapi::{
         api::{
             apps::v1::DaemonSetSpec,
@@ -81,13 +77,6 @@ mod tests {
         apimachinery::pkg::apis::meta::v1::Time,
         jiff::Timestamp,
     };
-
-    fn labels(pairs: &[(&str, &str)]) -> Labels {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
 
     fn daemonset(pod: PodSpec) -> DaemonSet {
         DaemonSet {

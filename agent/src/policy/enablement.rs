@@ -100,17 +100,22 @@ fn selector_matches(selector: Option<&LabelSelector>, labels: &Labels) -> bool {
         .iter()
         .flatten()
         .all(|(key, value)| labels.get(key) == Some(value))
-        && selector
-            .match_expressions
-            .iter()
-            .flatten()
-            .all(|requirement| requirement_holds(requirement, labels))
+        && selector.match_expressions.iter().flatten().all(|r| {
+            let values = r.values.as_deref().unwrap_or_default();
+            requirement_holds(&r.key, &r.operator, values, labels)
+        })
 }
 
-fn requirement_holds(requirement: &LabelSelectorRequirement, labels: &Labels) -> bool {
-    let value = labels.get(&requirement.key);
-    let values = requirement.values.as_deref().unwrap_or_default();
-    match requirement.operator.as_str() {
+/// One set-based requirement (`In`, `NotIn`, `Exists`, `DoesNotExist`) on `labels`; node
+/// selectors share these operators.
+pub(crate) fn requirement_holds(
+    key: &str,
+    operator: &str,
+    values: &[String],
+    labels: &Labels,
+) -> bool {
+    let value = labels.get(key);
+    match operator {
         "In" => value.is_some_and(|v| values.contains(v)),
         "NotIn" => value.is_none_or(|v| !values.contains(v)),
         "Exists" => value.is_some(),
@@ -141,14 +146,7 @@ impl PolicyConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::OwnPods;
-
-    fn labels(pairs: &[(&str, &str)]) -> Labels {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use crate::policy::{test_labels as labels, OwnPods};
 
     fn pod(ns_mode: Option<&str>, pod_mode: Option<&str>) -> PodFacts {
         let mode = |m: Option<&str>| {
@@ -276,19 +274,18 @@ mod tests {
 
     #[test]
     fn expressions_follow_kubernetes_semantics() {
-        let requirement = |operator: &str, values: &[&str]| LabelSelectorRequirement {
-            key: "k".into(),
-            operator: operator.into(),
-            values: Some(values.iter().map(|v| v.to_string()).collect()),
+        let holds = |operator: &str, values: &[&str], labels: &Labels| {
+            let values: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+            requirement_holds("k", operator, &values, labels)
         };
         let (set, unset) = (labels(&[("k", "v")]), Labels::new());
-        assert!(requirement_holds(&requirement("In", &["v", "w"]), &set));
-        assert!(!requirement_holds(&requirement("In", &["v"]), &unset));
-        assert!(!requirement_holds(&requirement("NotIn", &["v"]), &set));
-        assert!(requirement_holds(&requirement("NotIn", &["v"]), &unset));
-        assert!(requirement_holds(&requirement("Exists", &[]), &set));
-        assert!(requirement_holds(&requirement("DoesNotExist", &[]), &unset));
-        assert!(!requirement_holds(&requirement("Gt", &["1"]), &set));
+        assert!(holds("In", &["v", "w"], &set));
+        assert!(!holds("In", &["v"], &unset));
+        assert!(!holds("NotIn", &["v"], &set));
+        assert!(holds("NotIn", &["v"], &unset));
+        assert!(holds("Exists", &[], &set));
+        assert!(holds("DoesNotExist", &[], &unset));
+        assert!(!holds("Gt", &["1"], &set));
         assert!(selector_matches(Some(&LabelSelector::default()), &unset));
     }
 

@@ -321,16 +321,18 @@ pub async fn report_problems(source: &dyn PolicySource, pod: &PodName, ambient: 
     }
 }
 
+/// Labels from pairs, for the rules' tests.
+#[cfg(test)]
+pub(crate) fn test_labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
-
-    fn labels(pairs: &[(&str, &str)]) -> Labels {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
+    use super::{test_labels as labels, *};
 
     #[test]
     fn options_from_annotations_with_safe_defaults() {
