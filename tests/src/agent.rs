@@ -12,11 +12,12 @@ use anyhow::{bail, Context, Result};
 use tempfile::TempDir;
 use weir_agent::{
     app::{self, AgentConfig, SourceConfig},
+    cluster::ClusterConfig,
     datapath::{Datapath, DatapathConfig},
     policy::{local::LocalPolicy, PolicyConfig},
 };
 
-use crate::{NetNs, NodeOptions, TestNode};
+use crate::{ApiServer, NetNs, NodeOptions, TestNode};
 
 /// A built binary of this workspace (`weir-cni`, `weir-agent`), next to the test executable's
 /// directory. `cargo xtask test` builds them before the tests run.
@@ -106,6 +107,27 @@ impl NodeFiles {
             health_addr: free_port()?,
             metrics_addr: free_port()?,
             uninstall_on_exit: false,
+        })
+    }
+}
+
+impl NodeFiles {
+    /// The agent's configuration for `node` when it follows the cluster `api` as `node_name`,
+    /// through a kubeconfig file as a node agent outside the cluster would.
+    pub fn cluster_agent_config(
+        &self,
+        node: &NetNs,
+        api: &ApiServer,
+        node_name: &str,
+    ) -> Result<AgentConfig> {
+        let kubeconfig = self.dir.path().join("kubeconfig");
+        std::fs::write(&kubeconfig, api.kubeconfig())?;
+        Ok(AgentConfig {
+            source: SourceConfig::Cluster(ClusterConfig {
+                kubeconfig: Some(kubeconfig),
+                node_name: node_name.to_owned(),
+            }),
+            ..self.agent_config(node)?
         })
     }
 }
