@@ -310,6 +310,15 @@ fn invalid_annotation_is_one_warning_event_per_window() {
         cluster.node.netns(),
     )
     .expect("CHECK passes");
+    // kube-rs's Recorder would fold a repeat into the same Event as a series (a PATCH); weir
+    // does not write it at all.
+    let event_writes = cluster
+        .api
+        .requests()
+        .into_iter()
+        .filter(|request| request.path.contains("/events"))
+        .count();
+    assert_eq!(event_writes, 1, "one Event write, not a series");
     assert_eq!(cluster.warnings("InvalidAmbientAnnotation").len(), 1);
     agent.stop().unwrap();
 }
