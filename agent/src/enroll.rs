@@ -4,7 +4,8 @@
 //! changes and the start-up reconcile later): redirection first, then ztunnel's Ack, then the
 //! pod is reported enabled. [`Enroller::unenroll`] undoes it. Both are idempotent, and the steps
 //! for one pod never interleave ([`Enroller::in_turn`]), while different pods proceed in
-//! parallel.
+//! parallel. Every status change is published through the policy source (in a cluster, the
+//! pod's `ambient.istio.io/redirection` annotation).
 use std::{
     collections::HashMap,
     future::Future,
