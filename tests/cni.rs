@@ -13,8 +13,8 @@ use std::{
 
 use serde_json::json;
 use weir_agent::policy::{
-    LocalPolicy, ObjectMeta, BYPASS_INBOUND_ANNOTATION, DATAPLANE_MODE_LABEL,
-    DNS_CAPTURE_ANNOTATION,
+    local::{LocalPolicy, ObjectMeta},
+    BYPASS_INBOUND_ANNOTATION, DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION,
 };
 use weir_common::{DNS_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{

@@ -11,12 +11,13 @@ use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
 use crate::{
+    cluster::ClusterConfig,
     cni_server::{CniHandler, CniServer},
     datapath::{Datapath, DatapathConfig},
     enroll::Enroller,
     http,
     install::{InstallConfig, Installer},
-    policy::{PolicyConfig, PolicySource},
+    policy::{cluster::ClusterSource, local::LocalSource, PolicyConfig, PolicySource},
     zds::{self, ZdsConfig},
 };
 
@@ -28,7 +29,7 @@ pub const PLUGIN_NAME: &str = "weir-cni";
 pub struct AgentConfig {
     pub datapath: DatapathConfig,
     pub policy: PolicyConfig,
-    pub policy_file: PathBuf,
+    pub source: SourceConfig,
     pub cni_socket: PathBuf,
     pub verdict_cache: PathBuf,
     /// Enrolled pods' names and netns paths, for the next agent after a restart.
@@ -41,6 +42,14 @@ pub struct AgentConfig {
     pub health_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
     pub uninstall_on_exit: bool,
+}
+
+/// Where ambient policy comes from.
+#[derive(Clone, Debug)]
+pub enum SourceConfig {
+    /// A local policy file: a node without an API server.
+    File(PathBuf),
+    Cluster(ClusterConfig),
 }
 
 /// Runs the agent until `shutdown` resolves.
@@ -57,13 +66,25 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         &mut registry,
     )
     .context("starting the ZDS server")?;
-    let policy = PolicySource::new(
-        config.policy.clone(),
-        config.policy_file.clone(),
-        config.verdict_cache.clone(),
+    let policy: Arc<dyn PolicySource> = match &config.source {
+        SourceConfig::File(file) => Arc::new(LocalSource::new(
+            config.policy.clone(),
+            file.clone(),
+            config.verdict_cache.clone(),
+        )?),
+        SourceConfig::Cluster(cluster) => {
+            ClusterSource::start(config.policy.clone(), cluster, config.verdict_cache.clone())
+                .await
+                .context("following the cluster")?
+        }
+    };
+    let enroller = Enroller::new(
+        datapath.clone(),
+        zds,
+        policy.clone(),
+        config.state_file.clone(),
     );
-    let enroller = Enroller::new(datapath.clone(), zds, config.state_file.clone());
-    let cni_handler = CniHandler::new(enroller.clone(), policy)?;
+    let cni_handler = CniHandler::new(enroller.clone(), policy.clone());
     cni_handler.register_metrics(&mut registry);
     enroller.register_metrics(&mut registry);
     enroller
@@ -87,7 +108,10 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     tasks.spawn(zds_serve);
     tasks.spawn(cni_server.serve(cni_handler));
     tasks.spawn(enroller.clone().follow_acks());
+    let synced = policy.clone();
     tasks.spawn(async move {
+        // Not ready before the policy source can answer for every pod.
+        synced.synced().await;
         loop {
             let installed = install_status.borrow_and_update().ready();
             ready_tx.send_replace(installed);
@@ -123,7 +147,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     }
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
-    if config.uninstall_on_exit {
+    if config.uninstall_on_exit || !policy.keep_node_on_exit().await {
         installer.uninstall().context("removing the CNI plugin")?;
         datapath.uninstall()?;
         info!("weir removed from this node");

@@ -25,7 +25,7 @@ use weir_cni::protocol::{Command, Request, Response, MAX_REQUEST_BYTES};
 
 use crate::{
     enroll::{Enroller, Status},
-    policy::{Labels, PolicySource},
+    policy::{report_problems, Labels, PodName, PolicyError, PolicySource, Warning},
     workload::Workload,
 };
 
@@ -137,18 +137,17 @@ struct EventLabels {
 /// into CNI responses and error codes.
 pub struct CniHandler {
     enroller: Arc<Enroller>,
-    policy: PolicySource,
+    policy: Arc<dyn PolicySource>,
     events: Family<EventLabels, Counter>,
 }
 
 impl CniHandler {
-    pub fn new(enroller: Arc<Enroller>, policy: PolicySource) -> Result<Arc<Self>> {
-        policy.load().context("loading the ambient policy")?;
-        Ok(Arc::new(Self {
+    pub fn new(enroller: Arc<Enroller>, policy: Arc<dyn PolicySource>) -> Arc<Self> {
+        Arc::new(Self {
             enroller,
             policy,
             events: Family::default(),
-        }))
+        })
     }
 
     pub fn register_metrics(&self, registry: &mut Registry) {
@@ -191,23 +190,13 @@ impl CniHandler {
     }
 
     /// Decides from policy; returns the pod to enroll, or `None` when it is not ambient.
-    fn ambient_workload(&self, request: &Request) -> Result<Option<Workload>> {
-        let policy = self.policy.load()?;
+    async fn ambient_workload(&self, request: &Request) -> Result<Option<Workload>, PolicyError> {
+        let name = PodName::new(&request.pod.namespace, &request.pod.name);
         let annotations: Labels = request.annotations.clone().into_iter().collect();
-        let facts = policy.facts(&request.pod.namespace, &request.pod.name, &annotations);
-        if !self.policy.config.is_ambient(&facts) {
+        let Some(ambient) = self.policy.decide(&name, &annotations).await? else {
             return Ok(None);
-        }
-        let (options, problems) = self.policy.config.options(&facts.annotations);
-        for problem in problems {
-            warn!(
-                pod = %format!("{}/{}", request.pod.namespace, request.pod.name),
-                annotation = problem.annotation,
-                value = problem.value,
-                used = problem.used,
-                "invalid annotation value, using the default"
-            );
-        }
+        };
+        report_problems(&*self.policy, &name, &ambient).await;
         let ips = request
             .ips
             .iter()
@@ -218,27 +207,22 @@ impl CniHandler {
                     .with_context(|| format!("pod IP {:?}", ip.address))
             })
             .collect::<Result<Vec<IpAddr>>>()?;
-        let service_account = policy
-            .pods
-            .get(&format!("{}/{}", request.pod.namespace, request.pod.name))
-            .and_then(|p| p.annotations.get("weir.dev/service-account").cloned())
-            .unwrap_or_else(|| "default".into());
         Ok(Some(Workload {
             uid: request.pod.uid.clone(),
             name: request.pod.name.clone(),
             namespace: request.pod.namespace.clone(),
             netns: PathBuf::from(&request.netns),
             ips,
-            options,
-            service_account: Some(service_account),
+            options: ambient.options,
+            service_account: Some(ambient.service_account),
         }))
     }
 
     async fn add(&self, request: &Request) -> Response {
-        let pod = match self.ambient_workload(request) {
+        let pod = match self.ambient_workload(request).await {
             Ok(Some(pod)) => pod,
             Ok(None) => return Response::Ok { enrolled: false },
-            Err(error) => return error_response(PLUGIN_ERROR, "cannot decide", &error),
+            Err(error) => return decision_error(error),
         };
         if pod.uid.is_empty() || pod.ips.is_empty() || request.netns.is_empty() {
             return error_response(
@@ -257,7 +241,12 @@ impl CniHandler {
                 ),
                 details: "the runtime retries; the pod completes when ztunnel connects".into(),
             },
-            Err(error) => error_response(TRY_AGAIN_LATER, "enrollment failed", &error),
+            Err(error) => {
+                let name = PodName::new(&pod.namespace, &pod.name);
+                let warning = Warning::EnrollmentFailed(format!("{error:#}"));
+                self.policy.warn(&name, warning).await;
+                error_response(TRY_AGAIN_LATER, "enrollment failed", &error)
+            }
         }
     }
 
@@ -273,7 +262,7 @@ impl CniHandler {
     }
 
     async fn check(&self, request: &Request) -> Response {
-        match self.ambient_workload(request) {
+        match self.ambient_workload(request).await {
             Ok(None) => Response::Ok { enrolled: false },
             Ok(Some(pod)) => match self.enroller.is_redirected(&pod.uid).await {
                 Ok(true) => Response::Ok { enrolled: true },
@@ -287,9 +276,18 @@ impl CniHandler {
                 },
                 Err(error) => error_response(PLUGIN_ERROR, "check failed", &error),
             },
-            Err(error) => error_response(PLUGIN_ERROR, "cannot decide", &error),
+            Err(error) => decision_error(error),
         }
     }
+}
+
+/// A pod the agent does not know yet is worth a retry (the runtime's); anything else is not.
+fn decision_error(error: PolicyError) -> Response {
+    let code = match error {
+        PolicyError::NotYetKnown(_) => TRY_AGAIN_LATER,
+        PolicyError::Failed(_) => PLUGIN_ERROR,
+    };
+    error_response(code, "cannot decide", &error.into())
 }
 
 fn error_response(code: u32, msg: &str, error: &anyhow::Error) -> Response {

@@ -4,7 +4,8 @@
 //! changes and the start-up reconcile later): redirection first, then ztunnel's Ack, then the
 //! pod is reported enabled. [`Enroller::unenroll`] undoes it. Both are idempotent, and the steps
 //! for one pod never interleave ([`Enroller::in_turn`]), while different pods proceed in
-//! parallel.
+//! parallel. Every status change is published through the policy source (in a cluster, the
+//! pod's `ambient.istio.io/redirection` annotation).
 use std::{
     collections::HashMap,
     future::Future,
@@ -27,6 +28,7 @@ use tracing::{info, warn};
 
 use crate::{
     datapath::Datapath,
+    policy::{PodName, PolicySource},
     state::StateFile,
     workload::Workload,
     zds::{WorkloadInfo, ZdsError, ZdsHandle},
@@ -49,7 +51,10 @@ struct StatusLabels {
 pub struct Enroller {
     datapath: Arc<Datapath>,
     zds: ZdsHandle,
-    status: Mutex<HashMap<String, Status>>,
+    /// Enrolled pods by uid, with the name their status is published under.
+    status: Mutex<HashMap<String, (Status, PodName)>>,
+    /// Where statuses are published (the pod's annotation in a cluster).
+    policy: Arc<dyn PolicySource>,
     /// Enrolled pods, for the next agent.
     state: StateFile,
     /// One async lock per pod: the steps for one pod are ordered.
@@ -61,11 +66,17 @@ pub struct Enroller {
 }
 
 impl Enroller {
-    pub fn new(datapath: Arc<Datapath>, zds: ZdsHandle, state_file: PathBuf) -> Arc<Self> {
+    pub fn new(
+        datapath: Arc<Datapath>,
+        zds: ZdsHandle,
+        policy: Arc<dyn PolicySource>,
+        state_file: PathBuf,
+    ) -> Arc<Self> {
         Arc::new(Self {
             datapath,
             zds,
             status: Mutex::new(HashMap::new()),
+            policy,
             state: StateFile::open(state_file),
             locks: Mutex::new(HashMap::new()),
             pods: Family::default(),
@@ -104,7 +115,8 @@ impl Enroller {
             let netns = self
                 .datapath_call(move |d| d.adopt(&owned_uid, hint))
                 .await?;
-            let info = record.as_ref().map(zds_info).unwrap_or_default();
+            let info: WorkloadInfo = record.as_ref().map(zds_info).unwrap_or_default();
+            let name = PodName::new(&info.namespace, &info.name);
             info!(
                 uid,
                 netns_found = netns.is_some(),
@@ -116,7 +128,7 @@ impl Enroller {
                 Ok(()) if handed_over => Status::Enabled,
                 _ => Status::Pending,
             };
-            self.set_status(&uid, Some(status));
+            self.set_status(&uid, Some((status, name))).await;
         }
         for pod in migrate.iter().filter(|pod| pod.netns.exists()) {
             match self.enroll(pod).await {
@@ -133,19 +145,31 @@ impl Enroller {
         self.state.save()
     }
 
-    /// Records a pod's status (`None`: no longer enrolled) and updates the per-status gauge.
-    fn set_status(&self, uid: &str, status: Option<Status>) {
-        self.state.set_status(uid, status);
-        let mut statuses = self.status.lock().unwrap();
-        match status {
-            Some(status) => statuses.insert(uid.to_owned(), status),
-            None => statuses.remove(uid),
+    /// Records a pod's status (`None`: no longer enrolled), updates the per-status gauge, and
+    /// publishes the change through the policy source.
+    async fn set_status(&self, uid: &str, status: Option<(Status, PodName)>) {
+        self.state
+            .set_status(uid, status.as_ref().map(|(status, _)| *status));
+        let changed = {
+            let mut statuses = self.status.lock().unwrap();
+            let changed = match status {
+                Some((status, pod)) => {
+                    let previous = statuses.insert(uid.to_owned(), (status, pod.clone()));
+                    (previous.map(|(s, _)| s) != Some(status)).then_some((pod, Some(status)))
+                }
+                None => statuses.remove(uid).map(|(_, pod)| (pod, None)),
+            };
+            for (label, wanted) in [("pending", Status::Pending), ("enabled", Status::Enabled)] {
+                let count = statuses.values().filter(|(s, _)| *s == wanted).count();
+                self.pods
+                    .get_or_create(&StatusLabels { status: label })
+                    .set(count as i64);
+            }
+            changed
         };
-        for (label, wanted) in [("pending", Status::Pending), ("enabled", Status::Enabled)] {
-            let count = statuses.values().filter(|s| **s == wanted).count();
-            self.pods
-                .get_or_create(&StatusLabels { status: label })
-                .set(count as i64);
+        // A pod without a name (recovered without its record) has no object to annotate.
+        if let Some((pod, status)) = changed.filter(|(pod, _)| !pod.name.is_empty()) {
+            self.policy.report_status(&pod, status).await;
         }
     }
 
@@ -154,14 +178,10 @@ impl Enroller {
         let mut acked = self.zds.acked();
         loop {
             match acked.recv().await {
+                // In turn with the pod's other steps, without holding up other pods' acks.
                 Ok(uid) => {
-                    if self.status(&uid).is_some() {
-                        self.set_status(&uid, Some(Status::Enabled));
-                        if let Err(error) = self.state.save() {
-                            warn!(uid, "recording the pod's status: {error:#}");
-                        }
-                        info!(uid, "ztunnel acked the pod: redirection enabled");
-                    }
+                    let enroller = self.clone();
+                    tokio::spawn(async move { enroller.complete(&uid).await });
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
@@ -169,8 +189,32 @@ impl Enroller {
         }
     }
 
+    /// Marks a pending pod enabled once ztunnel acked it (a pod unenrolled meanwhile stays out).
+    async fn complete(&self, uid: &str) {
+        self.in_turn(uid, async {
+            let pod = self
+                .status
+                .lock()
+                .unwrap()
+                .get(uid)
+                .map(|(_, pod)| pod.clone());
+            if let Some(pod) = pod {
+                self.set_status(uid, Some((Status::Enabled, pod))).await;
+                if let Err(error) = self.state.save() {
+                    warn!(uid, "recording the pod's status: {error:#}");
+                }
+                info!(uid, "ztunnel acked the pod: redirection enabled");
+            }
+        })
+        .await
+    }
+
     pub fn status(&self, uid: &str) -> Option<Status> {
-        self.status.lock().unwrap().get(uid).copied()
+        self.status
+            .lock()
+            .unwrap()
+            .get(uid)
+            .map(|(status, _)| *status)
     }
 
     /// Runs one step for a pod (keyed by its uid, or whatever names it) once every earlier step
@@ -214,7 +258,8 @@ impl Enroller {
                 Status::Pending
             }
         };
-        self.set_status(&pod.uid, Some(status));
+        let name = PodName::new(&pod.namespace, &pod.name);
+        self.set_status(&pod.uid, Some((status, name))).await;
         self.state.insert(pod, status)?;
         info!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ?status, "pod enrolled");
         Ok(status)
@@ -226,7 +271,7 @@ impl Enroller {
         if let Err(error) = self.zds.del(uid).await {
             warn!(uid, %error, "ztunnel Del");
         }
-        self.set_status(uid, None);
+        self.set_status(uid, None).await;
         let owned = uid.to_owned();
         let was = self.datapath_call(move |d| d.unenroll(&owned)).await?;
         self.state.remove(uid)?;

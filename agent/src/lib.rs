@@ -2,7 +2,10 @@
 //!
 //! - [`app`]: the agent as a whole, its parts started in order.
 //! - [`enroll`]: the one path a pod takes into the mesh and out (`Enroller::enroll`).
-//! - [`policy`]: which pods are ambient, with which options (istio's rules).
+//! - [`policy`]: which pods are ambient, with which options (istio's rules), from a local file or
+//!   the cluster.
+//! - [`cluster`]: the Kubernetes side: reflectors, the status annotation and Events, the
+//!   SIGTERM rule.
 //! - [`workload`]: a pod as the agent knows it, from the CNI request to its map entries.
 //! - [`state`]: the agent's record of enrolled pods, for the next agent after a restart.
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
@@ -14,6 +17,7 @@
 //!   and metrics.
 pub mod app;
 pub mod bpf_sys;
+pub mod cluster;
 pub mod cni_server;
 pub mod datapath;
 pub mod enroll;

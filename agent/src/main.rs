@@ -7,11 +7,15 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::info;
 use weir_agent::{
     app::PLUGIN_NAME,
-    app::{self, AgentConfig},
+    app::{self, AgentConfig, SourceConfig},
+    cluster::ClusterConfig,
     datapath::{Datapath, DatapathConfig},
     inspect,
     install::{InstallConfig, Installer},
-    policy::PolicyConfig,
+    policy::{
+        enablement::{default_selectors, parse_selectors, EnablementSelector},
+        OwnPods, PolicyConfig,
+    },
 };
 use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
 
@@ -65,9 +69,32 @@ impl DatapathArgs {
 #[derive(clap::Args)]
 struct RunArgs {
     /// Ambient policy for a node without an API server: namespaces' and pods' labels and
-    /// annotations (JSON, see the README). Re-read on every pod event.
+    /// annotations (JSON, see the README). Re-read on every pod event. Without it the agent
+    /// follows the cluster's API server.
     #[arg(long, env = "WEIR_POLICY_FILE")]
-    policy_file: PathBuf,
+    policy_file: Option<PathBuf>,
+    /// kubeconfig for the API server (default: the in-cluster service account).
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name: the agent follows the pods with this `spec.nodeName`. Required without
+    /// --policy-file.
+    #[arg(long, env = "WEIR_NODE_NAME")]
+    node_name: Option<String>,
+    /// This agent's pod (never enrolled; the reporting instance of its Events).
+    #[arg(long, env = "WEIR_POD_NAME")]
+    pod_name: Option<String>,
+    /// This agent's namespace, where weir's DaemonSet runs.
+    #[arg(long, env = "WEIR_POD_NAMESPACE", default_value = "istio-system")]
+    pod_namespace: String,
+    /// weir's DaemonSet: its pods are never enrolled, and on SIGTERM weir stays on the node
+    /// while it exists and still selects the node (an upgrade).
+    #[arg(long, env = "WEIR_DAEMONSET_NAME", default_value = "weir")]
+    daemonset_name: String,
+    /// Which pods are ambient: a list of {podSelector, namespaceSelector} label selectors, YAML
+    /// or JSON, as istio's AMBIENT_ENABLEMENT_SELECTOR (default: istio's rule on the
+    /// `istio.io/dataplane-mode` labels).
+    #[arg(long, env = "WEIR_AMBIENT_ENABLEMENT_SELECTOR", value_parser = selectors)]
+    ambient_enablement_selector: Option<Vec<EnablementSelector>>,
     /// Namespaces never enrolled.
     #[arg(
         long,
@@ -217,14 +244,33 @@ fn main() -> Result<()> {
 
 impl RunArgs {
     fn config(self, datapath: DatapathConfig) -> Result<AgentConfig> {
+        let source = match (self.policy_file, self.node_name) {
+            (Some(file), _) => SourceConfig::File(file),
+            (None, Some(node_name)) => SourceConfig::Cluster(ClusterConfig {
+                kubeconfig: self.kubeconfig,
+                node_name,
+            }),
+            (None, None) => anyhow::bail!(
+                "--node-name (WEIR_NODE_NAME) is required without --policy-file: \
+                 the agent follows this node's pods"
+            ),
+        };
         Ok(AgentConfig {
             datapath,
             policy: PolicyConfig {
                 exclude_namespaces: self.exclude_namespaces,
                 system_namespace: self.system_namespace,
                 dns_capture: self.dns_capture,
+                enablement: self
+                    .ambient_enablement_selector
+                    .unwrap_or_else(default_selectors),
+                own: OwnPods {
+                    namespace: self.pod_namespace,
+                    daemonset: self.daemonset_name,
+                    pod_name: self.pod_name,
+                },
             },
-            policy_file: self.policy_file,
+            source,
             cni_socket: self.cni_socket,
             verdict_cache: self.verdict_cache,
             state_file: self.state.state_file,
@@ -241,6 +287,10 @@ impl RunArgs {
             uninstall_on_exit: self.uninstall_on_exit,
         })
     }
+}
+
+fn selectors(text: &str) -> Result<Vec<EnablementSelector>, String> {
+    parse_selectors(text).map_err(|error| format!("{error:#}"))
 }
 
 /// Resolves on SIGTERM or SIGINT.

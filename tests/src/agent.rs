@@ -11,12 +11,13 @@ use std::{
 use anyhow::{bail, Context, Result};
 use tempfile::TempDir;
 use weir_agent::{
-    app::{self, AgentConfig},
+    app::{self, AgentConfig, SourceConfig},
+    cluster::ClusterConfig,
     datapath::{Datapath, DatapathConfig},
-    policy::{LocalPolicy, PolicyConfig},
+    policy::{local::LocalPolicy, PolicyConfig},
 };
 
-use crate::{netns::NETNS_DIR, NetNs, NodeOptions};
+use crate::{netns::NETNS_DIR, ApiServer, NetNs, NodeOptions};
 
 /// A built binary of this workspace (`weir-cni`, `weir-agent`), next to the test executable's
 /// directory. `cargo xtask test` builds them before the tests run.
@@ -88,7 +89,7 @@ impl NodeFiles {
         Ok(AgentConfig {
             datapath: datapath_config(node.name()),
             policy: PolicyConfig::default(),
-            policy_file: self.policy_file(),
+            source: SourceConfig::File(self.policy_file()),
             cni_socket: run.join("cni.sock"),
             verdict_cache: run.join("verdicts.json"),
             state_file: run.join("pods.json"),
@@ -114,6 +115,27 @@ pub fn datapath_config(node_netns: &str) -> DatapathConfig {
         node_netns: Some(Path::new(NETNS_DIR).join(node_netns)),
         probe_bypass: true,
         bpf_log: false,
+    }
+}
+
+impl NodeFiles {
+    /// The agent's configuration for `node` when it follows the cluster `api` as `node_name`,
+    /// through a kubeconfig file as a node agent outside the cluster would.
+    pub fn cluster_agent_config(
+        &self,
+        node: &NetNs,
+        api: &ApiServer,
+        node_name: &str,
+    ) -> Result<AgentConfig> {
+        let kubeconfig = self.dir.path().join("kubeconfig");
+        std::fs::write(&kubeconfig, api.kubeconfig())?;
+        Ok(AgentConfig {
+            source: SourceConfig::Cluster(ClusterConfig {
+                kubeconfig: Some(kubeconfig),
+                node_name: node_name.to_owned(),
+            }),
+            ..self.agent_config(node)?
+        })
     }
 }
 

@@ -2,9 +2,9 @@
 //! side is tested through kube-rs itself against the real list/watch/patch wire format rather
 //! than through mocks of weir's own traits.
 //!
-//! It serves core/v1 Pods, Namespaces and Events, apps/v1 DaemonSets and events.k8s.io/v1 Events
-//! (the API kube-rs's `Recorder` writes to; the two Event APIs are kept apart), stored as JSON
-//! with `uid`, `creationTimestamp` and a `resourceVersion` from one counter, and speaks:
+//! It serves core/v1 Pods, Namespaces, Nodes and Events, apps/v1 DaemonSets and events.k8s.io/v1
+//! Events (the API kube-rs's `Recorder` writes to; the two Event APIs are kept apart), stored as
+//! JSON with `uid`, `creationTimestamp` and a `resourceVersion` from one counter, and speaks:
 //! - GET of one object; a missing one is a 404 `Status` with reason `NotFound`, which kube-rs
 //!   turns into `kube::Error::Api`.
 //! - LIST, honouring `labelSelector` (`k=v`, `k!=v`, `k`, `!k`, `k in (..)`, `k notin (..)`) and
@@ -115,6 +115,18 @@ impl ApiServer {
     /// `http://127.0.0.1:PORT`
     pub fn url(&self) -> String {
         format!("http://{}", self.address)
+    }
+
+    /// A kubeconfig naming the stand-in, with no credentials: what a process that reads its
+    /// configuration from a file (weir-agent's `--kubeconfig`) is given.
+    pub fn kubeconfig(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: stand-in\n\
+             clusters: [{{name: stand-in, cluster: {{server: \"{}\"}}}}]\n\
+             contexts: [{{name: stand-in, context: {{cluster: stand-in, user: nobody}}}}]\n\
+             users: [{{name: nobody, user: {{}}}}]\n",
+            self.url()
+        )
     }
 
     /// A kube-rs client for the stand-in: no credentials, default namespace `default`. Needs a

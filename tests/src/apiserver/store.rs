@@ -21,7 +21,7 @@ pub(super) struct Resource {
     pub namespaced: bool,
 }
 
-const RESOURCES: [Resource; 5] = [
+const RESOURCES: [Resource; 6] = [
     Resource {
         api_version: "v1",
         kind: "Pod",
@@ -32,6 +32,13 @@ const RESOURCES: [Resource; 5] = [
         api_version: "v1",
         kind: "Namespace",
         plural: "namespaces",
+        namespaced: false,
+    },
+    // weir's SIGTERM rule reads its node's labels.
+    Resource {
+        api_version: "v1",
+        kind: "Node",
+        plural: "nodes",
         namespaced: false,
     },
     Resource {

@@ -16,7 +16,10 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use weir_agent::policy::{LocalPolicy, ObjectMeta, DATAPLANE_MODE_LABEL};
+use weir_agent::policy::{
+    local::{LocalPolicy, ObjectMeta},
+    DATAPLANE_MODE_LABEL,
+};
 use weir_common::{DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT, PROBE_SOURCE_V4};
 use weir_tests::{
     agent::{Agent, NodeFiles},

@@ -1,0 +1,204 @@
+//! The Kubernetes side of the agent, as istio-cni's node agent follows the cluster: reflectors
+//! over the pods on this node, all namespaces and weir's own DaemonSet ([`Reflectors`]), the
+//! status annotation and Events on pods ([`report`]), and the SIGTERM rule ([`shutdown`]).
+//! The policy source (`policy::cluster`) decides from these caches.
+pub mod report;
+pub mod shutdown;
+
+use std::{fmt::Debug, path::PathBuf};
+
+use anyhow::{Context, Result};
+use futures::{future::join3, StreamExt};
+use k8s_openapi::api::{
+    apps::v1::DaemonSet,
+    core::v1::{Namespace, Pod},
+};
+use kube::{
+    api::Api,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        reflector::{self, ObjectRef, Store},
+        watcher, WatchStreamExt,
+    },
+    Client, Resource, ResourceExt,
+};
+use serde::de::DeserializeOwned;
+use tokio::{
+    sync::{broadcast, watch},
+    task::JoinSet,
+};
+use tracing::warn;
+
+use crate::policy::{Labels, PodFacts, PodName};
+
+/// How the agent finds the API server and itself in it.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// A kubeconfig file; without one, the in-cluster config (service account) or `KUBECONFIG`.
+    pub kubeconfig: Option<PathBuf>,
+    /// The node this agent serves (the pods' `spec.nodeName`).
+    pub node_name: String,
+}
+
+/// A kube client for `config`.
+pub async fn connect(config: &ClusterConfig) -> Result<Client> {
+    let kube_config = match &config.kubeconfig {
+        Some(path) => {
+            let file = Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &KubeConfigOptions::default()).await?
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no in-cluster config or KUBECONFIG")?,
+    };
+    Client::try_from(kube_config).context("building the Kubernetes client")
+}
+
+/// Something in the caches changed; a reconcile loop subscribes with [`Reflectors::changes`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    Pod(PodName),
+    Namespace(String),
+    DaemonSet,
+}
+
+/// The caches the agent decides from, kept current by watches that relist when the API server
+/// has forgotten their resourceVersion (410), and the stream of their changes.
+#[derive(Clone)]
+pub struct Reflectors {
+    pub pods: Store<Pod>,
+    pub namespaces: Store<Namespace>,
+    pub daemonsets: Store<DaemonSet>,
+    changes: broadcast::Sender<Change>,
+    synced: watch::Receiver<bool>,
+}
+
+impl Reflectors {
+    /// Starts the watches as tasks of `tasks`: pods with `spec.nodeName=<node>`, every
+    /// namespace, and the DaemonSet `daemonset` in `namespace`.
+    pub fn start(
+        client: &Client,
+        node_name: &str,
+        namespace: &str,
+        daemonset: &str,
+        tasks: &mut JoinSet<()>,
+    ) -> Self {
+        let (changes, _) = broadcast::channel(1024);
+        let pods = reflect(
+            Api::all(client.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={node_name}")),
+            |pod: &Pod| {
+                Change::Pod(PodName::new(
+                    &pod.namespace().unwrap_or_default(),
+                    &pod.name_any(),
+                ))
+            },
+            &changes,
+            tasks,
+        );
+        let namespaces = reflect(
+            Api::all(client.clone()),
+            watcher::Config::default(),
+            |namespace: &Namespace| Change::Namespace(namespace.name_any()),
+            &changes,
+            tasks,
+        );
+        let daemonsets = reflect(
+            Api::namespaced(client.clone(), namespace),
+            watcher::Config::default().fields(&format!("metadata.name={daemonset}")),
+            |_: &DaemonSet| Change::DaemonSet,
+            &changes,
+            tasks,
+        );
+        // A store's `wait_until_ready` wakes only its latest waiter (one oneshot underneath), so
+        // one task waits for all three and everyone else watches its verdict.
+        let (synced_tx, synced) = watch::channel(false);
+        let stores = (pods.clone(), namespaces.clone(), daemonsets.clone());
+        tasks.spawn(async move {
+            let all = join3(
+                stores.0.wait_until_ready(),
+                stores.1.wait_until_ready(),
+                stores.2.wait_until_ready(),
+            );
+            if let (Ok(()), Ok(()), Ok(())) = all.await {
+                synced_tx.send_replace(true);
+            }
+        });
+        Self {
+            pods,
+            namespaces,
+            daemonsets,
+            changes,
+            synced,
+        }
+    }
+
+    /// Every change from now on (a lagging receiver should re-read the stores).
+    pub fn changes(&self) -> broadcast::Receiver<Change> {
+        self.changes.subscribe()
+    }
+
+    /// Resolves once every cache holds its first complete list.
+    pub async fn synced(&self) {
+        let mut synced = self.synced.clone();
+        // An error means the watches ended with the agent: nothing left to wait for.
+        let _ = synced.wait_for(|synced| *synced).await;
+    }
+
+    pub fn pod(&self, pod: &PodName) -> Option<std::sync::Arc<Pod>> {
+        self.pods
+            .get(&ObjectRef::new(&pod.name).within(&pod.namespace))
+    }
+
+    pub fn namespace_labels(&self, namespace: &str) -> Option<Labels> {
+        let namespace = self.namespaces.get(&ObjectRef::new(namespace))?;
+        Some(namespace.labels().clone())
+    }
+}
+
+/// A reflector over `api` feeding a store, announcing each object it applies or deletes.
+fn reflect<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    change_of: fn(&K) -> Change,
+    changes: &broadcast::Sender<Change>,
+    tasks: &mut JoinSet<()>,
+) -> Store<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let changes = changes.clone();
+    let events = reflector::reflector(writer, watcher(api, config))
+        .default_backoff()
+        .touched_objects();
+    tasks.spawn(events.for_each(move |event| {
+        match event {
+            // Nobody listening yet is fine: the stores hold the state.
+            Ok(object) => drop(changes.send(change_of(&object))),
+            Err(error) => warn!(kind = K::kind(&()).as_ref(), %error, "watch failed; retrying"),
+        }
+        futures::future::ready(())
+    }));
+    reader
+}
+
+/// What the rules look at, from the pod object and its namespace's labels.
+pub fn facts_of(pod: &Pod, namespace_labels: Labels) -> PodFacts {
+    let spec = pod.spec.as_ref();
+    PodFacts {
+        namespace: pod.namespace().unwrap_or_default(),
+        name: pod.name_any(),
+        labels: pod.labels().clone(),
+        annotations: pod.annotations().clone(),
+        namespace_labels,
+        host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+        daemonset_owner: pod
+            .owner_references()
+            .iter()
+            .find(|owner| owner.kind == "DaemonSet")
+            .map(|owner| owner.name.clone()),
+        service_account: spec.and_then(|s| s.service_account_name.clone()),
+    }
+}

@@ -1,0 +1,397 @@
+//! Which pods are ambient, and with which options: istio's rules, in one place, over labels and
+//! annotations, whatever their source. [`PolicySource`] is what the enrollment path asks; it has
+//! two implementations: [`local::LocalSource`], a policy file for a node without an API server
+//! (the demo, `cargo xtask run`), and [`cluster::ClusterSource`], the Kubernetes API through
+//! reflectors. The rule itself is in [`enablement`].
+pub mod cluster;
+pub mod enablement;
+pub mod local;
+
+use std::{
+    collections::BTreeMap,
+    fmt,
+    path::{Path, PathBuf},
+    sync::Mutex,
+};
+
+use anyhow::{Context, Result};
+use futures::future::BoxFuture;
+use tracing::warn;
+use weir_cni::protocol::VerdictCache;
+
+use crate::{enroll::Status, workload::PodOptions};
+use enablement::EnablementSelector;
+
+pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
+pub const SIDECAR_STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
+pub const BYPASS_INBOUND_ANNOTATION: &str = "ambient.istio.io/bypass-inbound-capture";
+pub const DNS_CAPTURE_ANNOTATION: &str = "ambient.istio.io/dns-capture";
+/// The pod's enrollment status as ztunnel's peers and operators see it (REFERENCE §7).
+pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
+
+pub type Labels = BTreeMap<String, String>;
+
+/// A pod by namespace and name, as the runtime and the API server both name it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PodName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl PodName {
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for PodName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// What the rules look at for one pod.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodFacts {
+    pub namespace: String,
+    pub name: String,
+    pub labels: Labels,
+    pub annotations: Labels,
+    pub namespace_labels: Labels,
+    pub host_network: bool,
+    /// The DaemonSet the pod belongs to (its ownerReference), if any.
+    pub daemonset_owner: Option<String>,
+    pub service_account: Option<String>,
+}
+
+/// weir's own pods, never enrolled: its DaemonSet's pods in its namespace, and itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnPods {
+    pub namespace: String,
+    pub daemonset: String,
+    /// This agent's pod, which may not carry its ownerReference (a static or debug pod).
+    pub pod_name: Option<String>,
+}
+
+impl OwnPods {
+    pub fn is_own(&self, pod: &PodFacts) -> bool {
+        pod.namespace == self.namespace
+            && (pod.daemonset_owner.as_deref() == Some(self.daemonset.as_str())
+                || self.pod_name.as_deref() == Some(pod.name.as_str()))
+    }
+}
+
+/// Node-wide settings of the rules.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PolicyConfig {
+    /// Namespaces never enrolled (istio's default: kube-system).
+    pub exclude_namespaces: Vec<String>,
+    /// Where ztunnel runs; its own pods (`app=ztunnel`) are never enrolled.
+    pub system_namespace: String,
+    /// DNS capture for pods without the `ambient.istio.io/dns-capture` annotation.
+    pub dns_capture: bool,
+    /// A pod is ambient when any of these matches (istio's `AMBIENT_ENABLEMENT_SELECTOR`).
+    pub enablement: Vec<EnablementSelector>,
+    pub own: OwnPods,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            exclude_namespaces: vec!["kube-system".into()],
+            system_namespace: "istio-system".into(),
+            dns_capture: true,
+            enablement: enablement::default_selectors(),
+            own: OwnPods {
+                namespace: "istio-system".into(),
+                daemonset: "weir".into(),
+                pod_name: None,
+            },
+        }
+    }
+}
+
+/// A problem with a pod's annotations: reported to the user (a Kubernetes Event where there is
+/// an API server), while the pod gets the safe default.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AnnotationProblem {
+    pub annotation: &'static str,
+    pub value: String,
+    pub used: &'static str,
+}
+
+impl PolicyConfig {
+    /// The pod's redirection options from its annotations; an unparsable value keeps the default
+    /// and is reported.
+    pub fn options(&self, annotations: &Labels) -> (PodOptions, Vec<AnnotationProblem>) {
+        let mut problems = Vec::new();
+        let mut flag = |annotation: &'static str, default: bool| match annotations
+            .get(annotation)
+            .map(String::as_str)
+        {
+            None => default,
+            Some("true") => true,
+            Some("false") => false,
+            Some(other) => {
+                problems.push(AnnotationProblem {
+                    annotation,
+                    value: other.to_owned(),
+                    used: if default { "true" } else { "false" },
+                });
+                default
+            }
+        };
+        let options = PodOptions {
+            inbound_bypass: flag(BYPASS_INBOUND_ANNOTATION, false),
+            dns_capture: flag(DNS_CAPTURE_ANNOTATION, self.dns_capture),
+        };
+        (options, problems)
+    }
+
+    /// The whole decision for one pod: `None` when it is not ambient.
+    pub fn decide(&self, pod: &PodFacts) -> Option<AmbientPod> {
+        if !self.is_ambient(pod) {
+            return None;
+        }
+        let (options, problems) = self.options(&pod.annotations);
+        Some(AmbientPod {
+            options,
+            service_account: pod
+                .service_account
+                .clone()
+                .unwrap_or_else(|| "default".into()),
+            problems,
+        })
+    }
+
+    /// What the plugin needs to decide alone while the agent is down: namespaces whose pods are
+    /// ambient by default, and the pods that differ from their namespace.
+    pub fn verdict_cache<'a>(
+        &self,
+        namespaces: impl IntoIterator<Item = (&'a str, &'a Labels)>,
+        pods: impl IntoIterator<Item = PodFacts>,
+    ) -> VerdictCache {
+        let mut cache = VerdictCache::default();
+        for (namespace, labels) in namespaces {
+            let unlabelled_pod = PodFacts {
+                namespace: namespace.to_owned(),
+                namespace_labels: labels.clone(),
+                ..PodFacts::default()
+            };
+            if self.is_ambient(&unlabelled_pod) {
+                cache.ambient_namespaces.push(namespace.to_owned());
+            }
+        }
+        for pod in pods {
+            let key = format!("{}/{}", pod.namespace, pod.name);
+            let namespace_ambient = cache.ambient_namespaces.contains(&pod.namespace);
+            match (self.is_ambient(&pod), namespace_ambient) {
+                (true, false) => cache.ambient_pods.push(key),
+                (false, true) => cache.opted_out_pods.push(key),
+                _ => {}
+            }
+        }
+        cache.ambient_namespaces.sort();
+        cache.ambient_pods.sort();
+        cache.opted_out_pods.sort();
+        cache
+    }
+}
+
+/// An ambient pod's part of the decision: how it is redirected, what ztunnel is told.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AmbientPod {
+    pub options: PodOptions,
+    pub service_account: String,
+    /// Annotations that could not be read; their defaults are in `options`.
+    pub problems: Vec<AnnotationProblem>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// The source does not know the pod yet (the API server's news has not reached this node):
+    /// the runtime should retry.
+    #[error("pod {0} is not known to the agent yet")]
+    NotYetKnown(PodName),
+    #[error(transparent)]
+    Failed(#[from] anyhow::Error),
+}
+
+/// Something about a pod its owner should hear (a Warning Event on the pod in a cluster).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Warning {
+    EnrollmentFailed(String),
+    InvalidAnnotation(AnnotationProblem),
+}
+
+impl Warning {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Warning::EnrollmentFailed(_) => "AmbientEnrollmentFailed",
+            Warning::InvalidAnnotation(_) => "InvalidAmbientAnnotation",
+        }
+    }
+
+    pub fn note(&self) -> String {
+        match self {
+            Warning::EnrollmentFailed(error) => format!("ambient enrollment failed: {error}"),
+            Warning::InvalidAnnotation(problem) => format!(
+                "annotation {}={:?} is not true or false; using {}",
+                problem.annotation, problem.value, problem.used
+            ),
+        }
+    }
+}
+
+/// Where the enrollment path learns which pods are ambient, and where it reports back. The
+/// enrollment path holds an `Arc<dyn PolicySource>` and never knows which source it is.
+pub trait PolicySource: Send + Sync {
+    /// The decision for one pod (`None`: not ambient). `runtime_annotations` are the ones the
+    /// container runtime passed with the CNI request.
+    fn decide<'a>(
+        &'a self,
+        pod: &'a PodName,
+        runtime_annotations: &'a Labels,
+    ) -> BoxFuture<'a, Result<Option<AmbientPod>, PolicyError>>;
+
+    /// Publishes a pod's redirection status (`None`: no longer enrolled).
+    fn report_status<'a>(&'a self, pod: &'a PodName, status: Option<Status>) -> BoxFuture<'a, ()>;
+
+    /// Tells the pod's owner something went wrong with it.
+    fn warn<'a>(&'a self, pod: &'a PodName, warning: Warning) -> BoxFuture<'a, ()>;
+
+    /// Resolves once the source can answer for every pod (its caches have synced).
+    fn synced(&self) -> BoxFuture<'_, ()>;
+
+    /// On SIGTERM: whether to leave weir in place on this node for the next agent (an upgrade),
+    /// rather than removing it.
+    fn keep_node_on_exit(&self) -> BoxFuture<'_, bool>;
+}
+
+/// The verdict cache the plugin falls back on, rewritten only on change, one writer at a time.
+pub struct VerdictWriter {
+    path: PathBuf,
+    written: Mutex<Option<VerdictCache>>,
+}
+
+impl VerdictWriter {
+    pub fn new(path: PathBuf) -> Self {
+        Self {
+            path,
+            written: Mutex::new(None),
+        }
+    }
+
+    pub fn write(&self, verdicts: VerdictCache) -> Result<()> {
+        let mut written = self.written.lock().unwrap();
+        if written.as_ref() != Some(&verdicts) {
+            write_verdict_cache(&self.path, &verdicts)?;
+            *written = Some(verdicts);
+        }
+        Ok(())
+    }
+}
+
+/// Writes the verdict cache atomically (temp file + rename): the plugin may read it any time.
+pub fn write_verdict_cache(path: &Path, cache: &VerdictCache) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let temp = path.with_extension("tmp");
+    std::fs::write(&temp, serde_json::to_vec_pretty(cache)?)?;
+    std::fs::rename(&temp, path).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Logs a pod's annotation problems; the source turns them into Events where it can.
+pub async fn report_problems(source: &dyn PolicySource, pod: &PodName, ambient: &AmbientPod) {
+    for problem in &ambient.problems {
+        warn!(
+            %pod,
+            annotation = problem.annotation,
+            value = problem.value,
+            used = problem.used,
+            "invalid annotation value, using the default"
+        );
+        source
+            .warn(pod, Warning::InvalidAnnotation(problem.clone()))
+            .await;
+    }
+}
+
+/// Labels from pairs, for the rules' tests.
+#[cfg(test)]
+pub(crate) fn test_labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{test_labels as labels, *};
+
+    #[test]
+    fn options_from_annotations_with_safe_defaults() {
+        let config = PolicyConfig::default();
+        let (options, problems) = config.options(&labels(&[
+            (BYPASS_INBOUND_ANNOTATION, "true"),
+            (DNS_CAPTURE_ANNOTATION, "false"),
+        ]));
+        assert!(options.inbound_bypass && !options.dns_capture);
+        assert!(problems.is_empty());
+
+        let (options, problems) = config.options(&labels(&[(DNS_CAPTURE_ANNOTATION, "yes")]));
+        assert_eq!(options, PodOptions::default());
+        assert_eq!(problems.len(), 1);
+        assert_eq!(problems[0].used, "true");
+    }
+
+    #[test]
+    fn decision_carries_options_service_account_and_problems() {
+        let config = PolicyConfig::default();
+        let pod = PodFacts {
+            namespace: "app".into(),
+            name: "p".into(),
+            labels: labels(&[(DATAPLANE_MODE_LABEL, "ambient")]),
+            annotations: labels(&[(BYPASS_INBOUND_ANNOTATION, "maybe")]),
+            service_account: Some("reviews".into()),
+            ..PodFacts::default()
+        };
+        let ambient = config.decide(&pod).unwrap();
+        assert_eq!(ambient.service_account, "reviews");
+        assert!(!ambient.options.inbound_bypass);
+        assert_eq!(ambient.problems[0].used, "false");
+        let plain = PodFacts {
+            labels: Labels::new(),
+            ..pod
+        };
+        assert_eq!(config.decide(&plain), None);
+    }
+
+    #[test]
+    fn verdict_cache_names_namespaces_and_the_pods_that_differ() {
+        let (mesh, plain) = (labels(&[(DATAPLANE_MODE_LABEL, "ambient")]), Labels::new());
+        let pod = |namespace: &str, mode: &str, namespace_labels: &Labels| PodFacts {
+            namespace: namespace.into(),
+            name: mode.into(),
+            labels: labels(&[(DATAPLANE_MODE_LABEL, mode)]),
+            namespace_labels: namespace_labels.clone(),
+            ..PodFacts::default()
+        };
+        let cache = PolicyConfig::default().verdict_cache(
+            [("mesh", &mesh), ("plain", &plain)],
+            [
+                pod("mesh", "none", &mesh),
+                pod("plain", "ambient", &plain),
+                pod("mesh", "ambient", &mesh),
+            ],
+        );
+        assert_eq!(cache.ambient_namespaces, ["mesh"]);
+        assert_eq!(cache.ambient_pods, ["plain/ambient"]);
+        assert_eq!(cache.opted_out_pods, ["mesh/none"]);
+    }
+}

@@ -1,0 +1,334 @@
+//! weir-agent following a cluster: the API server stand-in holds the namespaces, pods, weir's
+//! DaemonSet and the node; the agent reads them through its reflectors (kube-rs, via a
+//! kubeconfig file), and pods are made by the node's real CNI chain with the real datapath and
+//! the ztunnel stand-in, as in `cni.rs`.
+use std::{collections::BTreeMap, time::Duration};
+
+use k8s_openapi::api::{
+    apps::v1::{DaemonSet, DaemonSetSpec},
+    core::v1::{
+        Namespace, Node as NodeObject, Pod as PodObject, PodSpec as PodObjectSpec, PodTemplateSpec,
+    },
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde_json::Value;
+use weir_agent::policy::{
+    DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION, SIDECAR_STATUS_ANNOTATION,
+};
+use weir_tests::{
+    agent::{Agent, NodeFiles},
+    cni::{Command, NetworkConfigList},
+    ApiServer, Fixture, PodSpec, ZdsZtunnel,
+};
+
+const WAIT: Duration = Duration::from_secs(5);
+const NODE_NAME: &str = "node-a";
+const MESH: &str = "mesh";
+
+fn map(pairs: &[(&str, &str)]) -> Option<BTreeMap<String, String>> {
+    Some(
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    )
+}
+
+fn meta(namespace: Option<&str>, name: &str, labels: &[(&str, &str)]) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.into()),
+        namespace: namespace.map(Into::into),
+        labels: map(labels),
+        ..ObjectMeta::default()
+    }
+}
+
+/// A node of a cluster: the stand-in with the namespaces `mesh` (ambient), `default` and
+/// `istio-system`, the Node object, and the node's files and network.
+struct Cluster {
+    api: ApiServer,
+    files: NodeFiles,
+    /// The node; its datapath is removed when dropped.
+    node: Fixture,
+    // Dropped last: the stand-in serves on it.
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl Cluster {
+    fn privileged() -> Option<Self> {
+        let files = NodeFiles::new().unwrap();
+        let node = Fixture::privileged_with(files.node_options())?;
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let api = runtime.block_on(ApiServer::start()).unwrap();
+        api.create(&Namespace {
+            metadata: meta(None, MESH, &[(DATAPLANE_MODE_LABEL, "ambient")]),
+            ..Namespace::default()
+        });
+        for namespace in ["default", "istio-system"] {
+            api.create(&Namespace {
+                metadata: meta(None, namespace, &[]),
+                ..Namespace::default()
+            });
+        }
+        api.create(&NodeObject {
+            metadata: meta(None, NODE_NAME, &[("weir", "yes")]),
+            ..NodeObject::default()
+        });
+        Some(Self {
+            api,
+            files,
+            node,
+            _runtime: runtime,
+        })
+    }
+
+    fn start_agent(&self) -> Agent {
+        let config = self
+            .files
+            .cluster_agent_config(self.node.node().netns(), &self.api, NODE_NAME)
+            .unwrap();
+        Agent::start(config).expect("agent ready once its caches synced")
+    }
+
+    /// The pod object on this node, as the scheduler would have bound it.
+    fn pod_object(&self, namespace: &str, name: &str, edit: impl FnOnce(&mut PodObject)) {
+        let mut pod = PodObject {
+            metadata: meta(Some(namespace), name, &[]),
+            spec: Some(PodObjectSpec {
+                node_name: Some(NODE_NAME.into()),
+                ..PodObjectSpec::default()
+            }),
+            ..PodObject::default()
+        };
+        edit(&mut pod);
+        self.api.create(&pod);
+    }
+
+    /// The pod made by the node's CNI chain.
+    fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<weir_tests::Pod> {
+        self.node.node().add_pod_with(PodSpec {
+            namespace: namespace.into(),
+            ..PodSpec::new(name)
+        })
+    }
+
+    fn redirection(&self, namespace: &str, name: &str) -> Option<String> {
+        let pod: PodObject = self.api.get(namespace, name)?;
+        pod.metadata
+            .annotations?
+            .get(REDIRECTION_ANNOTATION)
+            .cloned()
+    }
+
+    fn wait_for_redirection(&self, namespace: &str, name: &str, wanted: Option<&str>) {
+        let deadline = std::time::Instant::now() + WAIT;
+        while self.redirection(namespace, name).as_deref() != wanted {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{namespace}/{name}: redirection {:?}, wanted {wanted:?}",
+                self.redirection(namespace, name)
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// weir's DaemonSet in istio-system, its pods selecting nodes labelled `weir=yes`.
+    fn daemonset(&self) {
+        self.api.create(&DaemonSet {
+            metadata: meta(Some("istio-system"), "weir", &[]),
+            spec: DaemonSetSpec {
+                template: PodTemplateSpec {
+                    spec: Some(PodObjectSpec {
+                        node_selector: map(&[("weir", "yes")]),
+                        ..PodObjectSpec::default()
+                    }),
+                    ..PodTemplateSpec::default()
+                },
+                ..DaemonSetSpec::default()
+            },
+            ..DaemonSet::default()
+        });
+    }
+
+    fn conflist(&self) -> NetworkConfigList {
+        let conflist: Value = serde_json::from_slice(
+            &std::fs::read(self.files.net_dir().join("10-weir-test.conflist")).unwrap(),
+        )
+        .unwrap();
+        NetworkConfigList::from_json(&conflist).unwrap()
+    }
+
+    fn plugin_installed(&self) -> bool {
+        self.files.bin_dir().join("weir-cni").exists()
+            && self
+                .conflist()
+                .plugins
+                .iter()
+                .any(|p| p["type"] == "weir-cni")
+    }
+
+    fn warnings(&self, reason: &str) -> Vec<Value> {
+        self.api
+            .events()
+            .into_iter()
+            .filter(|event| event["reason"] == reason)
+            .collect()
+    }
+}
+
+#[test]
+fn add_decides_from_the_cluster_cache() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    cluster.pod_object(MESH, "app", |_| {});
+    cluster.pod_object(MESH, "opted-out", |pod| {
+        pod.metadata.labels = map(&[(DATAPLANE_MODE_LABEL, "none")]);
+    });
+    cluster.pod_object(MESH, "sidecar", |pod| {
+        pod.metadata.annotations = map(&[(SIDECAR_STATUS_ANNOTATION, "{}")]);
+    });
+    cluster.pod_object(MESH, "host", |pod| {
+        pod.spec.as_mut().unwrap().host_network = Some(true);
+    });
+    cluster.pod_object("istio-system", "ztunnel-x", |pod| {
+        pod.metadata.labels = map(&[("app", "ztunnel"), (DATAPLANE_MODE_LABEL, "ambient")]);
+    });
+    cluster.pod_object("default", "labelled", |pod| {
+        pod.metadata.labels = map(&[(DATAPLANE_MODE_LABEL, "ambient")]);
+    });
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+
+    for (namespace, name) in [(MESH, "app"), ("default", "labelled")] {
+        let pod = cluster.pod(namespace, name).unwrap();
+        assert!(
+            ztunnel.wait_for_pod(pod.uid(), WAIT).is_some(),
+            "{namespace}/{name} is ambient"
+        );
+    }
+    for (namespace, name) in [
+        (MESH, "opted-out"),
+        (MESH, "sidecar"),
+        (MESH, "host"),
+        ("istio-system", "ztunnel-x"),
+    ] {
+        let pod = cluster.pod(namespace, name).unwrap();
+        assert!(
+            ztunnel.pod(pod.uid()).is_none(),
+            "{namespace}/{name} is not ambient"
+        );
+        assert_eq!(cluster.redirection(namespace, name), None);
+    }
+
+    // Not in the API server: the agent looks a few times, then asks the runtime to retry.
+    let error = cluster
+        .pod(MESH, "ghost")
+        .expect_err("a pod the agent does not know must not start");
+    let message = format!("{error:#}");
+    assert!(message.contains("not known to the agent yet"), "{message}");
+    assert!(message.contains("11"), "try again later: {message}");
+
+    // The plugin's fallback follows the cluster too.
+    let verdicts: Value =
+        serde_json::from_slice(&std::fs::read(&agent.config.verdict_cache).unwrap()).unwrap();
+    assert_eq!(verdicts["ambient_namespaces"], serde_json::json!([MESH]));
+    assert!(verdicts["opted_out_pods"]
+        .as_array()
+        .unwrap()
+        .contains(&Value::from("mesh/opted-out")));
+    agent.stop().unwrap();
+}
+
+#[test]
+fn redirection_annotation_follows_enrollment() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    cluster.pod_object(MESH, "app", |_| {});
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let pod = cluster.pod(MESH, "app").unwrap();
+    ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    let status_patch = cluster.api.requests().into_iter().any(|request| {
+        request.verb == "patch"
+            && request.path.ends_with("/namespaces/mesh/pods/app/status")
+            && request.content_type.as_deref() == Some("application/merge-patch+json")
+    });
+    assert!(status_patch, "a merge patch on pods/status");
+
+    // The runtime's DELs unenroll the pod: the annotation goes.
+    drop(pod);
+    cluster.wait_for_redirection(MESH, "app", None);
+    agent.stop().unwrap();
+}
+
+#[test]
+fn invalid_annotation_is_one_warning_event_per_window() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    cluster.pod_object(MESH, "odd", |pod| {
+        pod.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "yes")]);
+    });
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let pod = cluster.pod(MESH, "odd").expect("enrolled with the default");
+    ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    let warnings = cluster.warnings("InvalidAmbientAnnotation");
+    assert_eq!(warnings.len(), 1, "{warnings:#?}");
+    let event = &warnings[0];
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["reportingController"], "weir");
+    assert_eq!(event["regarding"]["name"], "odd");
+    let note = event["note"].as_str().unwrap();
+    assert!(
+        note.contains(DNS_CAPTURE_ANNOTATION) && note.contains("using true"),
+        "{note}"
+    );
+
+    // The runtime's CHECK decides again and meets the same annotation: no second Event.
+    let runtime = pod.runtime_conf();
+    let list = cluster.conflist();
+    let weir = list.plugins.last().unwrap();
+    let config = list.plugin_config(weir, runtime, Some(pod.prev_result()));
+    let binary = weir_tests::cni::find_plugin(weir, &runtime.path).unwrap();
+    weir_tests::cni::invoke(
+        &binary,
+        Command::Check,
+        runtime,
+        &config,
+        cluster.node.node().netns(),
+    )
+    .expect("CHECK passes");
+    // kube-rs's Recorder would fold a repeat into the same Event as a series (a PATCH); weir
+    // does not write it at all.
+    let event_writes = cluster
+        .api
+        .requests()
+        .into_iter()
+        .filter(|request| request.path.contains("/events"))
+        .count();
+    assert_eq!(event_writes, 1, "one Event write, not a series");
+    assert_eq!(cluster.warnings("InvalidAmbientAnnotation").len(), 1);
+    agent.stop().unwrap();
+}
+
+#[test]
+fn sigterm_keeps_weir_only_while_its_daemonset_selects_the_node() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    cluster.daemonset();
+    cluster.start_agent().stop().unwrap();
+    assert!(cluster.plugin_installed(), "an upgrade keeps the plugin");
+
+    // The node leaves the DaemonSet's selection: the next agent to stop removes weir.
+    let agent = cluster.start_agent();
+    let mut node: NodeObject = cluster.api.get("", NODE_NAME).unwrap();
+    node.metadata.labels = map(&[]);
+    cluster.api.update(&node);
+    agent.stop().unwrap();
+    assert!(!cluster.plugin_installed(), "weir left the node");
+}
