@@ -22,6 +22,7 @@ use std::time::Duration;
 
 pub mod agent;
 pub mod apiserver;
+pub mod cgroup;
 pub mod cni;
 pub mod istio_iptables;
 pub mod netns;

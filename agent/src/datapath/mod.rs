@@ -9,6 +9,7 @@
 //! `Owner::enroll` (in `pods.rs`) is where a pod is enrolled: per-pod setup inside the pod's
 //! netns first (tc program, return-path routing), then the map entries that switch redirection
 //! on. Unenroll runs the other way round. Both are idempotent.
+mod discovery;
 mod layouts;
 mod mounts;
 mod pods;
@@ -18,6 +19,7 @@ mod recovery;
 use std::{
     collections::HashMap as StdHashMap,
     fs::{self, File},
+    net::IpAddr,
     os::fd::{AsFd, OwnedFd},
     path::PathBuf,
     sync::mpsc,
@@ -33,6 +35,9 @@ use tracing::{info, warn};
 use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION};
 
 use crate::{netlink, netns, workload::Workload};
+
+pub use discovery::PodNetns;
+pub use mounts::cgroup2_root;
 
 #[derive(Clone, Debug)]
 pub struct DatapathConfig {
@@ -69,9 +74,18 @@ enum Command {
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
     Adopt(String, Option<PathBuf>, Reply<Option<OwnedFd>>),
+    FindRunningPod {
+        uid: String,
+        ips: Vec<IpAddr>,
+        hint: Option<PathBuf>,
+        reply: Reply<Option<PodNetns>>,
+    },
     RetireOtherLayouts(Reply<()>),
     Enrolled(Reply<Vec<String>>),
-    Stop { uninstall: bool, reply: Reply<()> },
+    Stop {
+        uninstall: bool,
+        reply: Reply<()>,
+    },
 }
 
 /// Handle to the datapath owner thread.
@@ -144,6 +158,25 @@ impl Datapath {
     /// checked. A match is by netns cookie, which is exact.
     pub fn adopt(&self, uid: &str, hint: Option<PathBuf>) -> Result<Option<OwnedFd>> {
         self.ask(|reply| Command::Adopt(uid.to_owned(), hint, reply))
+    }
+
+    /// Finds the network namespace of a running pod that is not enrolled (to enroll it live):
+    /// `hint` (the agent's own record of it) when one of `ips` is on an interface there,
+    /// otherwise the netns of the oldest process on the node whose cgroup names pod `uid`
+    /// (either cgroup driver) and that holds one of `ips`; never the node's own. `None` when no
+    /// such namespace exists.
+    pub fn find_running_pod(
+        &self,
+        uid: &str,
+        ips: &[IpAddr],
+        hint: Option<PathBuf>,
+    ) -> Result<Option<PodNetns>> {
+        self.ask(|reply| Command::FindRunningPod {
+            uid: uid.to_owned(),
+            ips: ips.to_vec(),
+            hint,
+            reply,
+        })
     }
 
     /// After an upgrade across map layouts: removes every pod this datapath now holds from the
@@ -273,6 +306,15 @@ impl Owner {
                 }
                 Command::Adopt(uid, hint, reply) => {
                     let _ = reply.send(self.adopt(&uid, hint.as_deref()));
+                }
+                Command::FindRunningPod {
+                    uid,
+                    ips,
+                    hint,
+                    reply,
+                } => {
+                    let found = discovery::find_running_pod(&uid, &ips, hint.as_deref());
+                    let _ = reply.send(found);
                 }
                 Command::RetireOtherLayouts(reply) => {
                     let _ = reply.send(self.retire_other_layouts());
