@@ -16,7 +16,7 @@ use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType};
 
 /// The calling thread's network namespace, as a path that resolves per thread (`/proc/self` would
 /// name the main thread's).
-const THREAD_NETNS: &str = "/proc/thread-self/ns/net";
+pub(crate) const THREAD_NETNS: &str = "/proc/thread-self/ns/net";
 
 /// The calling thread is inside another network namespace until this is dropped, which switches it
 /// back to the one it came from.

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 pub mod agent;
 pub mod apiserver;
+pub mod cgroup;
 pub mod cni;
 mod fixture;
 pub mod istio_iptables;

@@ -1,4 +1,5 @@
-//! Leftovers of killed test runs: network namespaces and bpffs pin directories named `weir-t-*`.
+//! Leftovers of killed test runs: network namespaces, bpffs pin directories and cgroup v2
+//! directories named `weir-t-*`.
 
 use std::fs;
 use std::io;
@@ -9,7 +10,7 @@ use anyhow::{Context, Result};
 
 use crate::system;
 
-/// What the tests name their network namespaces and bpffs pin directories.
+/// What the tests name their network namespaces, bpffs pin directories and cgroups.
 const PREFIX: &str = "weir-t-";
 const NETNS_DIR: &str = "/run/netns";
 const BPFFS: &str = "/sys/fs/bpf";
@@ -38,7 +39,39 @@ pub fn run() -> Result<()> {
             eprintln!("warning: cannot remove {}: {err}", path.display());
         }
     }
+    if let Some(cgroup2) = cgroup2_root()? {
+        for path in leftovers(&cgroup2)? {
+            println!("    removing cgroup {}", path.display());
+            if let Err(err) = remove_cgroup(&path) {
+                eprintln!("warning: cannot remove {}: {err}", path.display());
+            }
+        }
+    }
     Ok(())
+}
+
+/// The cgroup v2 mount point (/sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid hosts).
+fn cgroup2_root() -> Result<Option<PathBuf>> {
+    let mounts = fs::read_to_string("/proc/self/mountinfo").context("cannot read mountinfo")?;
+    Ok(mounts.lines().find_map(|line| {
+        let (mount, filesystem) = line.split_once(" - ")?;
+        let mount_point = mount.split(' ').nth(4)?;
+        filesystem
+            .starts_with("cgroup2 ")
+            .then(|| PathBuf::from(mount_point))
+    }))
+}
+
+/// A cgroup and the cgroups under it, innermost first: each goes with rmdir once it has no
+/// children (its control files go with it). Its processes are the tests' `sleep`s, gone by now.
+fn remove_cgroup(dir: &Path) -> io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            remove_cgroup(&entry.path())?;
+        }
+    }
+    fs::remove_dir(dir)
 }
 
 /// Sweep, through sudo when we are not root; without either, only warn.

@@ -6,12 +6,14 @@
 //! survives an agent restart, and on start takes over pinned links with `BPF_LINK_UPDATE` rather
 //! than detach-then-attach, so there is never a window without redirection.
 //!
-//! `Owner::enroll` (in `pods.rs`) is where a pod is enrolled: per-pod setup inside the pod's
-//! netns first (tc program, return-path routing), then the map entries that switch redirection
-//! on. Unenroll runs the other way round. Both are idempotent.
+//! `Owner::enroll` (in `pods.rs`) is where a pod is enrolled, all inside the pod's netns: the
+//! return path, then the map entries that switch redirection on, then the tc program (which never
+//! runs before the maps name the pod). Unenroll removes the map entries first. Both are
+//! idempotent.
 //!
 //! [`pinned_pods`] is the one reader that needs no owner: it opens the pinned maps read-only, for
 //! an operator's `weir-agent pods` next to a running agent.
+mod discovery;
 mod layouts;
 mod mounts;
 mod pods;
@@ -24,6 +26,7 @@ pub use snapshot::{pinned_pods, PinnedPod};
 use std::{
     collections::HashMap as StdHashMap,
     fs::{self, File},
+    net::IpAddr,
     os::fd::{AsFd, OwnedFd},
     path::{Path, PathBuf},
     sync::mpsc,
@@ -39,6 +42,9 @@ use tracing::{info, warn};
 use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION};
 
 use crate::{netlink, netns, workload::Workload};
+
+pub use discovery::PodNetns;
+pub use mounts::cgroup2_root;
 
 #[derive(Clone, Debug)]
 pub struct DatapathConfig {
@@ -75,9 +81,18 @@ enum Command {
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
     Adopt(String, Option<PathBuf>, Reply<Option<OwnedFd>>),
+    FindRunningPod {
+        uid: String,
+        ips: Vec<IpAddr>,
+        hint: Option<PathBuf>,
+        reply: Reply<Option<PodNetns>>,
+    },
     RetireOtherLayouts(Reply<()>),
     Enrolled(Reply<Vec<String>>),
-    Stop { uninstall: bool, reply: Reply<()> },
+    Stop {
+        uninstall: bool,
+        reply: Reply<()>,
+    },
 }
 
 /// Handle to the datapath owner thread.
@@ -150,6 +165,25 @@ impl Datapath {
     /// checked. A match is by netns cookie, which is exact.
     pub fn adopt(&self, uid: &str, hint: Option<PathBuf>) -> Result<Option<OwnedFd>> {
         self.ask(|reply| Command::Adopt(uid.to_owned(), hint, reply))
+    }
+
+    /// Finds the network namespace of a running pod that is not enrolled (to enroll it live):
+    /// `hint` (the agent's own record of it) when one of `ips` is on an interface there,
+    /// otherwise the netns of the oldest process on the node whose cgroup names pod `uid`
+    /// (either cgroup driver) and that holds one of `ips`; never the node's own. `None` when no
+    /// such namespace exists.
+    pub fn find_running_pod(
+        &self,
+        uid: &str,
+        ips: &[IpAddr],
+        hint: Option<PathBuf>,
+    ) -> Result<Option<PodNetns>> {
+        self.ask(|reply| Command::FindRunningPod {
+            uid: uid.to_owned(),
+            ips: ips.to_vec(),
+            hint,
+            reply,
+        })
     }
 
     /// After an upgrade across map layouts: removes every pod this datapath now holds from the
@@ -284,6 +318,15 @@ impl Owner {
                 }
                 Command::Adopt(uid, hint, reply) => {
                     let _ = reply.send(self.adopt(&uid, hint.as_deref()));
+                }
+                Command::FindRunningPod {
+                    uid,
+                    ips,
+                    hint,
+                    reply,
+                } => {
+                    let found = discovery::find_running_pod(&uid, &ips, hint.as_deref());
+                    let _ = reply.send(found);
                 }
                 Command::RetireOtherLayouts(reply) => {
                     let _ = reply.send(self.retire_other_layouts());

@@ -9,7 +9,7 @@ const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 const DEFAULT_BPF_FS: &str = "/sys/fs/bpf";
 
 /// The cgroup v2 mount point (e.g. /sys/fs/cgroup, or /sys/fs/cgroup/unified on hybrid hosts).
-pub(super) fn cgroup2_root() -> Result<PathBuf> {
+pub fn cgroup2_root() -> Result<PathBuf> {
     let mounts = procfs::process::Process::myself()?.mountinfo()?;
     mounts
         .into_iter()

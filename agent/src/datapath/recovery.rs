@@ -12,7 +12,7 @@ use aya::maps::{HashMap, MapData};
 use tracing::debug;
 use weir_common::{IpKey, PodConfig};
 
-use super::{pods::prepare_pod_netns, programs, snapshot, Enrolled, Owner};
+use super::{discovery, pods::prepare_pod_netns, programs, snapshot, Enrolled, Owner};
 use crate::netns;
 
 /// Rebuilds the owner's index from the pinned maps after a restart.
@@ -43,7 +43,7 @@ impl Owner {
             .map(Path::to_path_buf)
             .into_iter()
             .chain(named_namespaces())
-            .chain(process_namespaces());
+            .chain(discovery::processes().map(|process| discovery::netns_path(&process)));
         let mut seen = HashSet::new();
         for path in candidates {
             let Ok(file) = File::open(&path) else {
@@ -88,20 +88,4 @@ fn named_namespaces() -> impl Iterator<Item = PathBuf> {
         .flatten()
         .flatten()
         .map(|entry| entry.path())
-}
-
-/// Every process's network namespace, as `/proc/<pid>/ns/net` paths.
-fn process_namespaces() -> impl Iterator<Item = PathBuf> {
-    fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|entry| {
-            entry
-                .file_name()
-                .to_string_lossy()
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-        })
-        .map(|entry| entry.path().join("ns/net"))
 }

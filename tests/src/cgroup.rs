@@ -1,0 +1,100 @@
+//! A pod's process as kubelet and the runtime place it: inside the pod's network namespace and
+//! inside a cgroup (v2) whose path names the pod's UID in one of kubelet's two forms. Each one
+//! gets its own `weir-t-*` cgroup directory (swept by `cargo xtask sweep` if a run is killed).
+
+use std::fs;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{Context, Result};
+use nix::sched::CloneFlags;
+use weir_agent::datapath::cgroup2_root;
+
+use crate::{ids, NetNs};
+
+/// How kubelet names a pod's cgroup.
+#[derive(Clone, Copy, Debug)]
+pub enum CgroupDriver {
+    /// `kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<uid_>.slice/cri-containerd-<id>.scope`
+    Systemd,
+    /// `kubepods/besteffort/pod<uid>/<container id>`
+    Cgroupfs,
+}
+
+/// A `sleep` in a network namespace and in a best-effort pod's container cgroup; killed, and its
+/// cgroups removed, on drop.
+pub struct PodProcess {
+    child: Child,
+    /// Every directory made, outermost first.
+    cgroups: Vec<PathBuf>,
+}
+
+impl PodProcess {
+    /// Starts the process in `netns`, then moves it into pod `uid`'s cgroup.
+    pub fn start(netns: &NetNs, uid: &str, driver: CgroupDriver) -> Result<Self> {
+        let container = ids::container_id();
+        let segments = match driver {
+            CgroupDriver::Systemd => {
+                let uid = uid.replace('-', "_");
+                vec![
+                    "kubepods.slice".to_owned(),
+                    "kubepods-besteffort.slice".to_owned(),
+                    format!("kubepods-besteffort-pod{uid}.slice"),
+                    format!("cri-containerd-{container}.scope"),
+                ]
+            }
+            CgroupDriver::Cgroupfs => vec![
+                "kubepods".to_owned(),
+                "besteffort".to_owned(),
+                format!("pod{uid}"),
+                container,
+            ],
+        };
+        let netns_fd = netns.as_fd().as_raw_fd();
+        let mut command = Command::new("sleep");
+        command.arg("60").stdin(Stdio::null());
+        // SAFETY: the child only makes the setns syscall before exec; the fd stays open in the
+        // parent (borrowed from `netns`) until spawn returns, which is after the exec.
+        unsafe {
+            command.pre_exec(move || {
+                let netns = std::os::fd::BorrowedFd::borrow_raw(netns_fd);
+                nix::sched::setns(netns, CloneFlags::CLONE_NEWNET).map_err(Into::into)
+            });
+        }
+        let child = command.spawn().context("starting sleep in the pod")?;
+        let mut process = Self {
+            child,
+            cgroups: Vec::new(),
+        };
+        let mut dir = cgroup2_root()?.join(ids::unique_name("cgroup"));
+        fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        process.cgroups.push(dir.clone());
+        for segment in segments {
+            dir.push(segment);
+            fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            process.cgroups.push(dir.clone());
+        }
+        fs::write(dir.join("cgroup.procs"), process.pid().to_string())
+            .with_context(|| format!("moving the process into {}", dir.display()))?;
+        Ok(process)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for PodProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // A cgroup goes with rmdir once it has no processes and no children.
+        for dir in self.cgroups.iter().rev() {
+            if let Err(err) = fs::remove_dir(dir) {
+                eprintln!("warning: cannot remove {}: {err}", dir.display());
+            }
+        }
+    }
+}
