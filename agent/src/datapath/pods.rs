@@ -40,22 +40,22 @@ impl Owner {
         let _inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
         let netns_cookie = netns::current_cookie()?;
 
-        let redirected = self.redirect(pod, netns_cookie, &config, &pod_ips);
+        // Addresses beyond the pod's IPs (link-local ones): indexed too, and removed on failure.
+        let listed = netns::non_loopback_addresses().context("listing the pod's addresses");
+        let other_ips: Vec<IpKey> = listed
+            .iter()
+            .flatten()
+            .map(|ip| ip_key(*ip))
+            .filter(|ip| !pod_ips.contains(ip))
+            .collect();
+        let redirected =
+            listed.and_then(|_| self.redirect(pod, netns_cookie, &config, &pod_ips, &other_ips));
         let ips = match redirected {
             Ok(ips) => ips,
             Err(error) => {
                 self.remove_map_entries(&pod.uid);
-                let everything: Vec<IpKey> = pod_ips
-                    .iter()
-                    .copied()
-                    .chain(
-                        netns::non_loopback_addresses()
-                            .into_iter()
-                            .flatten()
-                            .map(ip_key),
-                    )
-                    .collect();
-                self.remove_entries(netns_cookie, &everything);
+                let written = [&pod_ips[..], &other_ips].concat();
+                self.remove_entries(netns_cookie, &written);
                 undo_pod_netns();
                 return Err(error.context(format!("enrolling pod {}", pod.uid)));
             }
@@ -81,13 +81,8 @@ impl Owner {
         netns_cookie: u64,
         config: &PodConfig,
         pod_ips: &[IpKey],
+        other_ips: &[IpKey],
     ) -> Result<Vec<IpKey>> {
-        let other_ips: Vec<IpKey> = netns::non_loopback_addresses()
-            .context("listing the pod's addresses")?
-            .into_iter()
-            .map(ip_key)
-            .filter(|ip| !pod_ips.contains(ip))
-            .collect();
         // A pod re-enrolled with another netns (sandbox recreated) drops its old entries; one
         // re-enrolled in place drops the addresses it no longer has.
         if let Some(previous) = self.pods.get(&pod.uid) {
@@ -105,7 +100,7 @@ impl Owner {
         }
         install_reply_path()?;
         let ips = self
-            .write_map_entries(netns_cookie, config, pod_ips, &other_ips)
+            .write_map_entries(netns_cookie, config, pod_ips, other_ips)
             .context("writing the maps")?;
         attach_inbound_everywhere(programs::inbound(&mut self.ebpf)?)?;
         Ok(ips)
