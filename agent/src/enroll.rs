@@ -246,6 +246,7 @@ impl Enroller {
         let netns = self.datapath_call(move |d| d.enroll(owned)).await?;
         self.redirect_seconds
             .observe(started.elapsed().as_secs_f64());
+        fail::fail_point!("enroll-redirected");
         let status = match self
             .zds
             .add(&pod.uid, zds_info(pod), Some(Arc::new(netns)))
@@ -258,6 +259,7 @@ impl Enroller {
                 Status::Pending
             }
         };
+        fail::fail_point!("enroll-acked");
         let name = PodName::new(&pod.namespace, &pod.name);
         self.set_status(&pod.uid, Some((status, name))).await;
         self.state.insert(pod, status)?;

@@ -85,23 +85,44 @@ impl NodeFiles {
 
     /// The agent's configuration for `node`.
     pub fn agent_config(&self, node: &NetNs) -> Result<AgentConfig> {
-        let run = self.run_dir();
-        Ok(AgentConfig {
-            datapath: datapath_config(node.name()),
-            policy: PolicyConfig::default(),
-            source: SourceConfig::File(self.policy_file()),
-            cni_socket: run.join("cni.sock"),
-            verdict_cache: run.join("verdicts.json"),
-            state_file: run.join("pods.json"),
-            zds_socket: run.join("ztunnel.sock"),
-            cni_bin_dir: self.bin_dir(),
-            cni_net_dir: self.net_dir(),
-            cni_plugin: workspace_binary("weir-cni"),
-            cni_plugin_log: Some(run.join("weir-cni.log")),
-            health_addr: free_port()?,
-            metrics_addr: free_port()?,
-            uninstall_on_exit: false,
-        })
+        Ok(self.agent_config_with_ports(node.name(), free_port()?, free_port()?))
+    }
+
+    /// The same for an agent in another process ([`AgentProcess`]), which is handed the
+    /// ports this process picked.
+    fn agent_config_with_ports(
+        &self,
+        node_netns: &str,
+        health_addr: SocketAddr,
+        metrics_addr: SocketAddr,
+    ) -> AgentConfig {
+        agent_config_at(self.dir.path(), node_netns, health_addr, metrics_addr)
+    }
+}
+
+/// The configuration [`NodeFiles::agent_config`] gives, for the node files at `dir`.
+pub fn agent_config_at(
+    dir: &Path,
+    node_netns: &str,
+    health_addr: SocketAddr,
+    metrics_addr: SocketAddr,
+) -> AgentConfig {
+    let run = dir.join("run");
+    AgentConfig {
+        datapath: datapath_config(node_netns),
+        policy: PolicyConfig::default(),
+        source: SourceConfig::File(dir.join("policy.json")),
+        cni_socket: run.join("cni.sock"),
+        verdict_cache: run.join("verdicts.json"),
+        state_file: run.join("pods.json"),
+        zds_socket: run.join("ztunnel.sock"),
+        cni_bin_dir: dir.join("bin"),
+        cni_net_dir: dir.join("net.d"),
+        cni_plugin: workspace_binary("weir-cni"),
+        cni_plugin_log: Some(run.join("weir-cni.log")),
+        health_addr,
+        metrics_addr,
+        uninstall_on_exit: false,
     }
 }
 
@@ -255,4 +276,84 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
         .map(|(_, body)| body.to_owned())
         .unwrap_or_default();
     Ok((status, body))
+}
+
+/// The agent in a process of its own (`weir-agent-with-failpoints`), so a test can SIGKILL it,
+/// optionally held for good at one of its fault-injection points.
+pub struct AgentProcess {
+    pub config: AgentConfig,
+    child: std::process::Child,
+    /// The process's stdout lines, read on a thread of their own.
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl AgentProcess {
+    /// Starts the agent for `node` with `files`, to stop for good at the fault-injection point
+    /// `pause_at` (a `fail::fail_point!` name in the agent), and waits until it is ready.
+    pub fn start(files: &NodeFiles, node: &NetNs, pause_at: Option<&str>) -> Result<Self> {
+        let config = files.agent_config_with_ports(node.name(), free_port()?, free_port()?);
+        let mut child = std::process::Command::new(workspace_binary("weir-agent-with-failpoints"))
+            .arg(node.name())
+            .arg(files.dir.path())
+            .arg(config.health_addr.to_string())
+            .arg(config.metrics_addr.to_string())
+            .args(pause_at)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .context("starting weir-agent-with-failpoints")?;
+        let stdout = child.stdout.take().context("the agent's stdout")?;
+        let (line_tx, lines) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line_tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut agent = Self {
+            config,
+            child,
+            lines,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while http_status(agent.config.health_addr, "/readyz").ok() != Some(200) {
+            if let Some(status) = agent.child.try_wait()? {
+                bail!("the agent exited while starting: {status}");
+            }
+            if Instant::now() > deadline {
+                bail!("the agent was not ready within 10 s");
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        Ok(agent)
+    }
+
+    /// Waits until the agent says it stopped at its pause point.
+    pub fn wait_until_paused(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with("paused at ") => return Ok(()),
+                Ok(_) => {}
+                Err(_) => bail!("the agent did not reach its pause point within {timeout:?}"),
+            }
+        }
+    }
+
+    /// SIGKILL, and waits for the process to be gone.
+    pub fn kill(mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

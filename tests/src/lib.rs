@@ -32,13 +32,13 @@ pub mod traffic;
 pub mod zds_client;
 pub mod ztunnel;
 
-mod ids;
+pub mod ids;
 mod server;
 
 pub use apiserver::{ApiRequest, ApiServer};
 pub use fixture::{privileged, Fixture};
 pub use netns::NetNs;
-pub use node::{NodeOptions, Pod, PodSpec, TestNode};
+pub use node::{FailedAdd, NodeOptions, Pod, PodSpec, TestNode};
 pub use traffic::{
     tcp_request, udp_request, udp_request_connected, EchoServer, Received, Reply, UdpReply,
 };

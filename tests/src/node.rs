@@ -48,6 +48,9 @@ pub struct PodSpec {
     pub namespace: String,
     /// Passed to plugins that declare the `io.kubernetes.cri.pod-annotations` capability.
     pub annotations: BTreeMap<String, String>,
+    /// `metadata.uid`: a new one when `None`. A pod whose sandbox the runtime recreates after a
+    /// failed ADD keeps its uid.
+    pub uid: Option<String>,
 }
 
 impl PodSpec {
@@ -56,6 +59,7 @@ impl PodSpec {
             name: name.to_owned(),
             namespace: "default".to_owned(),
             annotations: BTreeMap::new(),
+            uid: None,
         }
     }
 }
@@ -218,6 +222,13 @@ impl TestNode {
 
     /// Creates the pod's namespace and runs CNI ADD for it: `loopback`, then the conflist.
     pub fn add_pod_with(&self, spec: PodSpec) -> Result<Pod> {
+        self.try_add_pod(spec)?.map_err(|failed| failed.error)
+    }
+
+    /// Like [`TestNode::add_pod_with`], but when the conflist's ADD fails the sandbox is kept,
+    /// as the runtime holds it between the failure and its teardown (dropping it runs CNI DEL
+    /// and deletes the namespace, as the runtime does).
+    pub fn try_add_pod(&self, spec: PodSpec) -> Result<Result<Pod, FailedAdd>> {
         let netns = NetNs::create(&spec.name)?;
         for key in [
             "net.ipv6.conf.all.accept_dad",
@@ -225,7 +236,7 @@ impl TestNode {
         ] {
             netns.sysctl(key, "0")?;
         }
-        let uid = ids::uuid_v4();
+        let uid = spec.uid.clone().unwrap_or_else(ids::uuid_v4);
         let container_id = ids::container_id();
         let annotations: Map<String, Value> = spec
             .annotations
@@ -266,26 +277,34 @@ impl TestNode {
         node.loopback
             .add(&loopback, &node.netns)
             .with_context(|| format!("loopback ADD for pod {}", spec.name))?;
-        let result = node
-            .network()?
-            .add(&wiring.runtime, &node.netns)
-            .with_context(|| format!("CNI ADD for pod {}", spec.name))?;
-        let result = wiring.result.insert(result);
-        let ipv4 = pod_ip(result, |ip| match ip {
+        let (result, failure) = match node.network()?.add(&wiring.runtime, &node.netns) {
+            Ok(result) => (wiring.result.insert(result).clone(), None),
+            // The plugins before the failing one left their addresses in the sandbox.
+            Err(error) => (sandbox_addresses(&wiring.netns)?, Some(error)),
+        };
+        let ipv4 = pod_ip(&result, |ip| match ip {
             IpAddr::V4(ip) => Some(ip),
             IpAddr::V6(_) => None,
         })?;
-        let ipv6 = pod_ip(result, |ip| match ip {
+        let ipv6 = pod_ip(&result, |ip| match ip {
             IpAddr::V6(ip) => Some(ip),
             IpAddr::V4(_) => None,
         })?;
-        Ok(Pod {
+        let name = spec.name.clone();
+        let pod = Pod {
             spec,
             uid,
             container_id,
             ipv4,
             ipv6,
             wiring,
+        };
+        Ok(match failure {
+            None => Ok(pod),
+            Some(error) => Err(FailedAdd {
+                error: anyhow::Error::new(error).context(format!("CNI ADD for pod {name}")),
+                sandbox: pod,
+            }),
         })
     }
 }
@@ -448,6 +467,37 @@ impl Drop for Wiring {
             eprintln!("warning: CNI DEL of {}: {err}", self.netns.name());
         }
     }
+}
+
+/// A pod whose CNI ADD failed, and its sandbox as the failed ADD left it.
+#[derive(Debug)]
+pub struct FailedAdd {
+    pub error: anyhow::Error,
+    pub sandbox: Pod,
+}
+
+/// The global addresses on the sandbox's `eth0`, in a CNI result's shape.
+fn sandbox_addresses(netns: &NetNs) -> Result<Value> {
+    let listed = netns::ip_output(&[
+        "-n",
+        netns.name(),
+        "-o",
+        "addr",
+        "show",
+        "dev",
+        "eth0",
+        "scope",
+        "global",
+    ])?;
+    let ips: Vec<Value> = listed
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            words.find(|word| *word == "inet" || *word == "inet6")?;
+            Some(json!({ "address": words.next()? }))
+        })
+        .collect();
+    Ok(json!({ "ips": ips }))
 }
 
 /// The first address `pick` accepts (one family) among a CNI result's `ips`.

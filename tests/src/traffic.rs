@@ -229,13 +229,14 @@ fn udp_exchange(addr: SocketAddr, msg: &str, connected: bool) -> io::Result<UdpR
     })
 }
 
-pub(crate) fn set_timeouts(stream: &TcpStream) -> io::Result<()> {
+/// Bounds every read and write on `stream` by [`IO_TIMEOUT`].
+pub fn set_timeouts(stream: &TcpStream) -> io::Result<()> {
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))
 }
 
 /// Reads one line, without its newline; EOF before any byte is `UnexpectedEof`.
-pub(crate) fn read_line(stream: &TcpStream) -> io::Result<String> {
+pub fn read_line(stream: &TcpStream) -> io::Result<String> {
     let mut line = String::new();
     if BufReader::new(stream).read_line(&mut line)? == 0 {
         return Err(io::Error::new(
@@ -249,6 +250,7 @@ pub(crate) fn read_line(stream: &TcpStream) -> io::Result<String> {
     Ok(line)
 }
 
-pub(crate) fn write_line(mut stream: &TcpStream, line: &str) -> io::Result<()> {
+/// Writes `line` and a newline.
+pub fn write_line(mut stream: &TcpStream, line: &str) -> io::Result<()> {
     stream.write_all(format!("{line}\n").as_bytes())
 }

@@ -27,7 +27,10 @@ use std::{
     collections::HashMap as StdHashMap,
     fs::{self, File},
     net::IpAddr,
-    os::fd::{AsFd, OwnedFd},
+    os::{
+        fd::{AsFd, OwnedFd},
+        unix::fs::PermissionsExt,
+    },
     path::{Path, PathBuf},
     sync::mpsc,
     thread,
@@ -260,6 +263,12 @@ impl Owner {
         let links_dir = maps_dir.join("links");
         for dir in [&maps_dir, &links_dir] {
             fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        // Root only: a pinned map or link opened by anyone else could switch a pod's
+        // redirection off.
+        for dir in [&config.pin_root, &maps_dir, &links_dir] {
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+                .with_context(|| format!("making {} root-only", dir.display()))?;
         }
         let mut ebpf = programs::load(&maps_dir, config.bpf_log)?;
         let bpf_log = config

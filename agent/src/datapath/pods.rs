@@ -102,6 +102,7 @@ impl Owner {
         let ips = self
             .write_map_entries(netns_cookie, config, pod_ips, other_ips)
             .context("writing the maps")?;
+        fail::fail_point!("enroll-maps-written");
         attach_inbound_everywhere(programs::inbound(&mut self.ebpf)?)?;
         Ok(ips)
     }

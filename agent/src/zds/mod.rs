@@ -387,10 +387,16 @@ async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
             }
         };
         match accepted {
-            Ok(socket) => {
-                debug!("ztunnel connection accepted");
-                connections.spawn(connection::serve(socket, shared.clone()));
-            }
+            // The socket file is root-only already; this also refuses a peer that reached it
+            // through looser permissions (ztunnel runs as root).
+            Ok(socket) => match socket.peer_uid() {
+                Ok(0) => {
+                    debug!("ztunnel connection accepted");
+                    connections.spawn(connection::serve(socket, shared.clone()));
+                }
+                Ok(uid) => warn!(uid, "refusing a ZDS connection from a non-root peer"),
+                Err(err) => warn!(%err, "ZDS peer credentials"),
+            },
             // E.g. EMFILE; the pace keeps a persistent failure from spinning.
             Err(err) => warn!(%err, "ZDS accept failed"),
         }

@@ -4,11 +4,12 @@
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use nix::sys::socket::{
-    accept4, bind, listen, recvmsg, sendmsg, socket, AddressFamily, Backlog, ControlMessage,
-    ControlMessageOwned, MsgFlags, SockFlag, SockType, UnixAddr,
+    accept4, bind, getsockopt, listen, recvmsg, sendmsg, socket, sockopt, AddressFamily, Backlog,
+    ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, UnixAddr,
 };
 use tokio::io::unix::AsyncFd;
 
@@ -18,8 +19,9 @@ pub const MAX_DATAGRAM: usize = 1024;
 /// Connections waiting to be accepted. ztunnel connects once (twice during an upgrade).
 const BACKLOG: i32 = 16;
 
-/// Binds and listens on `path`: creates the parent directory and removes a stale socket left
-/// by a previous run first (binding fails on an existing file). Needs no runtime.
+/// Binds and listens on `path`, readable and writable by root only: creates the parent
+/// directory and removes a stale socket left by a previous run first (binding fails on an
+/// existing file). Needs no runtime.
 pub fn bind_listener(path: &Path) -> io::Result<OwnedFd> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;
@@ -35,6 +37,8 @@ pub fn bind_listener(path: &Path) -> io::Result<OwnedFd> {
         None,
     )?;
     bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    // Whoever may connect may hand pods' network namespaces to a proxy of its own.
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     listen(&fd, Backlog::new(BACKLOG)?)?;
     Ok(fd)
 }
@@ -86,6 +90,12 @@ pub struct SeqpacketConnection(AsyncFd<OwnedFd>);
 impl SeqpacketConnection {
     pub fn new(fd: OwnedFd) -> io::Result<Self> {
         register(fd).map(Self)
+    }
+
+    /// The uid of the process that connected (its credentials when it called `connect`).
+    pub fn peer_uid(&self) -> io::Result<u32> {
+        let credentials = getsockopt(self.0.get_ref(), sockopt::PeerCredentials)?;
+        Ok(credentials.uid())
     }
 
     /// Sends `bytes` as one datagram, with `fd` attached when given.
