@@ -25,7 +25,9 @@ use weir_agent::{
     },
     workload::PodOptions,
 };
-use weir_common::{ABI_VERSION, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK};
+use weir_common::{
+    ABI_VERSION, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK,
+};
 use weir_tests::{
     agent::{workspace_binary, Agent, AgentProcess, NodeFiles},
     sockopt::canonical,
@@ -33,8 +35,8 @@ use weir_tests::{
     traffic::{read_line, set_timeouts, write_line},
     udp_request, udp_request_connected,
     ztunnel::DNS_REPLY_PREFIX,
-    EchoServer, Fixture, NetNs, Pod, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn, APP_PORT,
-    IO_TIMEOUT,
+    EchoServer, Fixture, NetNs, Pod, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn,
+    APP_PORT, IO_TIMEOUT,
 };
 
 const WAIT: Duration = Duration::from_secs(3);
@@ -170,9 +172,9 @@ fn bypassing<'a>(
 ) -> Vec<&'a Connection> {
     log.iter()
         .filter(|connection| match &connection.outcome {
-            Ok(client) => !seen.iter().any(|s| {
-                s.listener == listener && s.peer == *client && s.destination() == target
-            }),
+            Ok(client) => !seen
+                .iter()
+                .any(|s| s.listener == listener && s.peer == *client && s.destination() == target),
             Err(_) => true,
         })
         .collect()
@@ -256,9 +258,11 @@ fn upgrade_across_map_layouts_under_traffic_lets_no_connection_bypass_ztunnel() 
         outbound_during > 0 && inbound_during > 0,
         "no connection ran during the upgrade ({outbound_during} outbound, {inbound_during} inbound)"
     );
+    // The first few of each; the counts say how many.
     let describe = |bypassed: &[&Connection]| -> Vec<String> {
         bypassed
             .iter()
+            .take(5)
             .map(|c| {
                 let phase = if c.finished < upgrade_started {
                     "before"
@@ -352,6 +356,8 @@ fn killed_mid_enroll(killed_at: KilledAt) {
     let inbound = server.run(|| tcp_request(to_sandbox, "in")).unwrap();
     assert_eq!(inbound.response, sandbox_app.reply_to("in"));
     let (out_client, in_client) = (canonical(outbound.local), canonical(inbound.local));
+    let state = if in_maps { "redirected" } else { "untouched" };
+    eprintln!("after the restart the failed sandbox is {state}");
     if in_maps {
         let stand_in = ztunnel
             .wait_for_pod(&uid, WAIT)
@@ -414,10 +420,18 @@ fn killed_mid_enroll(killed_at: KilledAt) {
     assert_eq!(listed.len(), 1, "one pod, nothing orphaned: {listed:#?}");
     let row = &listed[0];
     assert_eq!(row["uid"], uid.as_str(), "{row:#}");
-    assert_eq!(row["netns_cookie"], pod.netns().cookie().unwrap(), "{row:#}");
+    assert_eq!(
+        row["netns_cookie"],
+        pod.netns().cookie().unwrap(),
+        "{row:#}"
+    );
     assert_eq!(
         (&row["in_maps"], &row["in_state_file"], &row["status"]),
-        (&Value::Bool(true), &Value::Bool(true), &Value::from("enabled")),
+        (
+            &Value::Bool(true),
+            &Value::Bool(true),
+            &Value::from("enabled")
+        ),
         "{row:#}"
     );
     agent.stop().unwrap();
@@ -475,7 +489,9 @@ fn an_unprivileged_app_cannot_take_ztunnels_mark_and_is_captured() {
     let (refused, client, response) = pod.run(|| {
         become_nobody();
         let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-        let refused = socket.set_mark(ZTUNNEL_MARK).expect_err("SO_MARK as nobody");
+        let refused = socket
+            .set_mark(ZTUNNEL_MARK)
+            .expect_err("SO_MARK as nobody");
         socket.connect_timeout(&target.into(), IO_TIMEOUT).unwrap();
         let stream = TcpStream::from(socket);
         set_timeouts(&stream).unwrap();
@@ -525,7 +541,11 @@ fn fast_open_udp_and_v4_mapped_traffic_are_captured_as_istio_captures_them() {
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
     let v4_mapped = IpAddr::V6(server.ipv4().to_ipv6_mapped());
-    let server_ips = [IpAddr::V4(server.ipv4()), IpAddr::V6(server.ipv6()), v4_mapped];
+    let server_ips = [
+        IpAddr::V4(server.ipv4()),
+        IpAddr::V6(server.ipv6()),
+        v4_mapped,
+    ];
 
     for ip in server_ips {
         let target = SocketAddr::new(ip, APP_PORT);
@@ -544,10 +564,17 @@ fn fast_open_udp_and_v4_mapped_traffic_are_captured_as_istio_captures_them() {
         let udp_app = &udp_apps[usize::from(ip.to_canonical().is_ipv6())];
         for (kind, reply) in [
             ("unconnected", pod.run(|| udp_request(target, "udp"))),
-            ("connected", pod.run(|| udp_request_connected(target, "udp"))),
+            (
+                "connected",
+                pod.run(|| udp_request_connected(target, "udp")),
+            ),
         ] {
             let reply = reply.unwrap_or_else(|e| panic!("{kind} UDP to {target}: {e}"));
-            assert_eq!(reply.response, udp_app.reply_to("udp"), "{kind} to {target}");
+            assert_eq!(
+                reply.response,
+                udp_app.reply_to("udp"),
+                "{kind} to {target}"
+            );
             assert_eq!(reply.from, target, "{kind} to {target}");
         }
     }
@@ -556,11 +583,17 @@ fn fast_open_udp_and_v4_mapped_traffic_are_captured_as_istio_captures_them() {
     let resolver = SocketAddr::new(gateway, DNS_PORT);
     for (kind, reply) in [
         ("unconnected", pod.run(|| udp_request(resolver, "query"))),
-        ("connected", pod.run(|| udp_request_connected(resolver, "query"))),
+        (
+            "connected",
+            pod.run(|| udp_request_connected(resolver, "query")),
+        ),
     ] {
         let reply = reply.unwrap_or_else(|e| panic!("{kind} DNS to {resolver}: {e}"));
         assert_eq!(reply.response, format!("{DNS_REPLY_PREFIX}query"), "{kind}");
-        assert_eq!(reply.from, resolver, "{kind}: the answer shows the resolver");
+        assert_eq!(
+            reply.from, resolver,
+            "{kind}: the answer shows the resolver"
+        );
     }
     let at_dns_proxy = ztunnel
         .seen()
@@ -616,7 +649,12 @@ fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
     let request = b"{\"not\": \"a request\"}\n";
     for (path, kind) in [(cni_socket, Type::STREAM), (zds_socket, Type::SEQPACKET)] {
         let error = unprivileged_request(path, kind, request).expect_err("refused");
-        assert_eq!(error.kind(), ErrorKind::PermissionDenied, "{}", path.display());
+        assert_eq!(
+            error.kind(),
+            ErrorKind::PermissionDenied,
+            "{}",
+            path.display()
+        );
     }
     let pins = thread::scope(|scope| {
         scope
@@ -637,20 +675,55 @@ fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
         stream.read_to_string(&mut answer).map(|_| answer)
     });
     assert!(
-        answer.as_ref().is_ok_and(|answer| answer.contains("malformed")),
+        answer
+            .as_ref()
+            .is_ok_and(|answer| answer.contains("malformed")),
         "root gets an answer: {answer:?}"
     );
-    for dir in [node.files.run_dir().parent().unwrap(), &node.files.run_dir()] {
+    for dir in [
+        node.files.run_dir().parent().unwrap(),
+        &node.files.run_dir(),
+    ] {
         fs::set_permissions(dir, fs::Permissions::from_mode(0o711)).unwrap();
     }
     for (path, kind) in [(cni_socket, Type::STREAM), (zds_socket, Type::SEQPACKET)] {
         fs::set_permissions(path, fs::Permissions::from_mode(0o666)).unwrap();
         let answer = unprivileged_request(path, kind, request);
         assert!(
-            matches!(answer, Ok(None)) || answer.as_ref().is_err_and(|e| e.kind() == ErrorKind::ConnectionReset),
+            matches!(answer, Ok(None))
+                || answer
+                    .as_ref()
+                    .is_err_and(|e| e.kind() == ErrorKind::ConnectionReset),
             "{}: a non-root peer is hung up on, got {answer:?}",
             path.display()
         );
     }
     agent.stop().unwrap();
+}
+
+/// ztunnel is down (its listeners gone) while a pod stays enrolled: the pod's connections fail
+/// rather than go around it, outbound and inbound.
+#[test]
+fn ztunnel_down_running_pods_fail_closed() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let server_app = EchoServer::app(&server).unwrap();
+    let pod_app = EchoServer::app(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+
+    let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let outbound = pod.run(|| tcp_request(to_server, "out"));
+    assert_eq!(
+        outbound.map_err(|e| e.kind()).unwrap_err(),
+        ErrorKind::ConnectionRefused,
+        "outbound goes to 15001, where nothing listens"
+    );
+    let to_pod = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let inbound = server.run(|| tcp_request(to_pod, "in"));
+    assert!(inbound.is_err(), "inbound reached the app: {inbound:?}");
+    assert_eq!(server_app.received(), []);
+    assert_eq!(pod_app.received(), []);
+    datapath.uninstall().unwrap();
 }

@@ -306,7 +306,10 @@ impl AgentProcess {
         let (line_tx, lines) = std::sync::mpsc::channel();
         thread::spawn(move || {
             use std::io::BufRead;
-            for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
                 if line_tx.send(line).is_err() {
                     return;
                 }

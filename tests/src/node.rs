@@ -228,7 +228,7 @@ impl TestNode {
     /// Like [`TestNode::add_pod_with`], but when the conflist's ADD fails the sandbox is kept,
     /// as the runtime holds it between the failure and its teardown (dropping it runs CNI DEL
     /// and deletes the namespace, as the runtime does).
-    pub fn try_add_pod(&self, spec: PodSpec) -> Result<Result<Pod, FailedAdd>> {
+    pub fn try_add_pod(&self, spec: PodSpec) -> Result<Result<Pod, Box<FailedAdd>>> {
         let netns = NetNs::create(&spec.name)?;
         for key in [
             "net.ipv6.conf.all.accept_dad",
@@ -301,10 +301,10 @@ impl TestNode {
         };
         Ok(match failure {
             None => Ok(pod),
-            Some(error) => Err(FailedAdd {
+            Some(error) => Err(Box::new(FailedAdd {
                 error: anyhow::Error::new(error).context(format!("CNI ADD for pod {name}")),
                 sandbox: pod,
-            }),
+            })),
         })
     }
 }
