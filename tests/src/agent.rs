@@ -101,6 +101,7 @@ impl NodeFiles {
             health_addr: free_port()?,
             metrics_addr: free_port()?,
             uninstall_on_exit: false,
+            orphan_sweep_interval: Duration::from_secs(60),
         })
     }
 }
