@@ -7,23 +7,19 @@ use std::{
     net::{IpAddr, SocketAddr},
     os::unix::net::UnixStream,
     path::Path,
-    sync::Arc,
     time::Duration,
 };
 
 use serde_json::json;
-use weir_agent::policy::{
-    local::{LocalPolicy, ObjectMeta},
-    BYPASS_INBOUND_ANNOTATION, DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION,
-};
+use weir_agent::policy::{local::ObjectMeta, BYPASS_INBOUND_ANNOTATION, DNS_CAPTURE_ANNOTATION};
 use weir_common::{DNS_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
-    agent::{http_get, workspace_binary, Agent, NodeFiles},
+    agent::{http_get, workspace_binary, Agent},
     chain::{ambient_policy, wait_for_metric, weir_only, ChainNode as Node, MESH, WAIT},
     cni::{Command, RuntimeConf},
     raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
+    EchoServer, Pod, ZtunnelStandIn, APP_PORT,
 };
 
 #[test]
