@@ -7,93 +7,20 @@ use std::{
     net::{IpAddr, SocketAddr},
     os::unix::net::UnixStream,
     path::Path,
-    sync::Arc,
     time::Duration,
 };
 
 use serde_json::json;
-use weir_agent::policy::{
-    local::{LocalPolicy, ObjectMeta},
-    BYPASS_INBOUND_ANNOTATION, DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION,
-};
+use weir_agent::policy::{local::ObjectMeta, BYPASS_INBOUND_ANNOTATION, DNS_CAPTURE_ANNOTATION};
 use weir_common::{DNS_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
-    agent::{http_get, workspace_binary, Agent, NodeFiles},
+    agent::{http_get, workspace_binary, Agent},
+    chain::{ambient_policy, wait_for_metric, weir_only, ChainNode as Node, MESH, WAIT},
     cni::{Command, RuntimeConf},
     raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
+    EchoServer, Pod, ZtunnelStandIn, APP_PORT,
 };
-
-const WAIT: Duration = Duration::from_secs(3);
-const MESH: &str = "mesh";
-
-/// The namespace `mesh` is ambient; `default` is not.
-fn ambient_policy() -> LocalPolicy {
-    let mut policy = LocalPolicy::default();
-    policy.namespaces.insert(
-        MESH.into(),
-        ObjectMeta {
-            labels: BTreeMap::from([(DATAPLANE_MODE_LABEL.into(), "ambient".into())]),
-            ..ObjectMeta::default()
-        },
-    );
-    policy
-}
-
-/// A node as kubelet's runtime sees it: its CNI config directory (where weir's installer chains
-/// weir-cni), the ambient policy, and the agent's files. Agents here stop as an upgrade does,
-/// leaving the datapath in place: the fixture removes it.
-struct Node {
-    files: NodeFiles,
-    fixture: Fixture,
-}
-
-impl Node {
-    fn privileged() -> Option<Self> {
-        let files = NodeFiles::new().unwrap();
-        files.write_policy(&ambient_policy()).unwrap();
-        let fixture = Fixture::privileged_with(files.node_options())?;
-        Some(Self { files, fixture })
-    }
-
-    fn netns(&self) -> &NetNs {
-        self.fixture.node().netns()
-    }
-
-    fn start_agent(&self) -> Agent {
-        Agent::start(self.files.agent_config(self.netns()).unwrap()).expect("agent ready")
-    }
-
-    /// A plain `server` pod with an echo app, and an ambient pod `name` that ztunnel received.
-    fn server_and_ambient_pod(
-        &self,
-        ztunnel: &ZdsZtunnel,
-        name: &str,
-    ) -> (Pod, EchoServer, Pod, Arc<ZtunnelStandIn>) {
-        let server = self.pod("default", "server").unwrap();
-        let echo = EchoServer::app(&server).unwrap();
-        let pod = self.pod(MESH, name).unwrap();
-        let stand_in = ztunnel
-            .wait_for_pod(pod.uid(), WAIT)
-            .expect("ztunnel got the pod's netns over ZDS");
-        (server, echo, pod, stand_in)
-    }
-
-    /// The agent, with ztunnel connected to it.
-    fn start_agent_and_ztunnel(&self) -> (Agent, ZdsZtunnel) {
-        let agent = self.start_agent();
-        let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
-        (agent, ztunnel)
-    }
-
-    fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<Pod> {
-        self.fixture.node().add_pod_with(PodSpec {
-            namespace: namespace.into(),
-            ..PodSpec::new(name)
-        })
-    }
-}
 
 #[test]
 fn installer_chains_weir_into_the_node_conflist() {
@@ -183,45 +110,6 @@ fn del_unenrolls_and_is_idempotent() {
     assert_eq!(received.peer.ip(), IpAddr::V4(client.ipv4()));
     assert_eq!(stand_in.seen().len(), before);
     agent.stop().unwrap();
-}
-
-/// Waits until the agent's /metrics shows `line`.
-fn wait_for_metric(agent: &Agent, line: &str) {
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
-        if metrics.lines().any(|l| l == line) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no {line} in\n{metrics}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The node's conflist as the installer left it: bridge, then weir-cni.
-fn weir_conflist(node: &Node) -> weir_tests::cni::NetworkConfigList {
-    let list: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(node.files.net_dir().join("10-weir-test.conflist")).unwrap(),
-    )
-    .unwrap();
-    weir_tests::cni::NetworkConfigList::from_json(&list).unwrap()
-}
-
-/// A call to weir-cni alone, configured as the node's conflist configures it.
-fn weir_only(
-    node: &Node,
-    command: Command,
-    runtime: &RuntimeConf,
-    prev_result: Option<&serde_json::Value>,
-) -> Result<serde_json::Value, weir_tests::cni::CniError> {
-    let conflist = weir_conflist(node);
-    let weir = conflist.plugins.last().unwrap().clone();
-    let config = conflist.plugin_config(&weir, runtime, prev_result);
-    let binary = weir_tests::cni::find_plugin(&weir, &runtime.path).unwrap();
-    weir_tests::cni::invoke(&binary, command, runtime, &config, node.netns())
 }
 
 /// CHECK, with the pod's ADD result as prevResult.

@@ -4,6 +4,7 @@ use std::{
     net::SocketAddr,
     path::PathBuf,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use anyhow::{Context, Result};
@@ -42,6 +43,8 @@ pub struct AgentConfig {
     pub health_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
     pub uninstall_on_exit: bool,
+    /// How often enrolled pods whose DEL never came are looked for.
+    pub orphan_sweep_interval: Duration,
 }
 
 /// Where ambient policy comes from.
@@ -108,6 +111,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     tasks.spawn(zds_serve);
     tasks.spawn(cni_server.serve(cni_handler));
     tasks.spawn(enroller.clone().follow_acks());
+    tasks.spawn(enroller.clone().sweep_orphans(config.orphan_sweep_interval));
     let synced = policy.clone();
     tasks.spawn(async move {
         // Not ready before the policy source can answer for every pod.

@@ -21,7 +21,7 @@ use tokio::{
     net::{UnixListener, UnixStream},
 };
 use tracing::{debug, warn};
-use weir_cni::protocol::{Command, Request, Response, MAX_REQUEST_BYTES};
+use weir_cni::protocol::{Attachment, Command, Request, Response, MAX_REQUEST_BYTES};
 
 use crate::{
     enroll::{Enroller, Status},
@@ -165,16 +165,20 @@ impl CniHandler {
         } else {
             &request.pod.uid
         };
-        let (event, result) = self
-            .enroller
-            .in_turn(key, async {
-                match request.command {
-                    Command::Add => ("add", self.add(request).await),
-                    Command::Del => ("del", self.del(request).await),
-                    Command::Check => ("check", self.check(request).await),
-                }
-            })
-            .await;
+        let step = async {
+            match request.command {
+                Command::Add => ("add", self.add(request).await),
+                Command::Del => ("del", self.del(request).await),
+                Command::Check => ("check", self.check(request).await),
+                Command::Gc => ("gc", self.gc(&request.valid_attachments).await),
+            }
+        };
+        // GC names no pod: it takes each stale pod's turn on its own.
+        let (event, result) = if request.command == Command::Gc {
+            step.await
+        } else {
+            self.enroller.in_turn(key, step).await
+        };
         let outcome = if matches!(result, Response::Ok { .. }) {
             "ok"
         } else {
@@ -215,6 +219,10 @@ impl CniHandler {
             ips,
             options: ambient.options,
             service_account: Some(ambient.service_account),
+            attachment: Some(Attachment {
+                container_id: request.container_id.clone(),
+                ifname: request.ifname.clone(),
+            }),
         }))
     }
 
@@ -258,6 +266,13 @@ impl CniHandler {
         match self.enroller.unenroll(&request.pod.uid).await {
             Ok(was) => Response::Ok { enrolled: was },
             Err(error) => error_response(PLUGIN_ERROR, "unenroll failed", &error),
+        }
+    }
+
+    async fn gc(&self, valid: &[Attachment]) -> Response {
+        match self.enroller.collect_garbage(valid).await {
+            Ok(_) => Response::Ok { enrolled: false },
+            Err(error) => error_response(PLUGIN_ERROR, "GC left stale pods", &error),
         }
     }
 

@@ -7,16 +7,18 @@
 //! parallel. Every status change is published through the policy source (in a cluster, the
 //! pod's `ambient.istio.io/redirection` annotation).
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     future::Future,
     path::PathBuf,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{
+        counter::Counter,
         family::Family,
         gauge::Gauge,
         histogram::{exponential_buckets, Histogram},
@@ -25,6 +27,7 @@ use prometheus_client::{
 };
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
+use weir_cni::protocol::Attachment;
 
 use crate::{
     datapath::Datapath,
@@ -63,6 +66,10 @@ pub struct Enroller {
     pods: Family<StatusLabels, Gauge>,
     /// Time to put one pod's redirection in place (the datapath's part of enrollment).
     redirect_seconds: Histogram,
+    /// Pods (or state records) a restart could not fully recover.
+    recovery_failures: Counter,
+    /// Pods unenrolled because nothing but weir and ztunnel held their netns any more.
+    orphans_removed: Counter,
 }
 
 impl Enroller {
@@ -82,6 +89,8 @@ impl Enroller {
             pods: Family::default(),
             // 50 µs .. ~100 ms: weir's enrollment is sub-millisecond; istio's iptables ~10 ms.
             redirect_seconds: Histogram::new(exponential_buckets(50e-6, 2.0, 12)),
+            recovery_failures: Counter::default(),
+            orphans_removed: Counter::default(),
         })
     }
 
@@ -96,13 +105,33 @@ impl Enroller {
             "Enrolled pods by status: pending (redirected, ztunnel has not acked) or enabled",
             self.pods.clone(),
         );
+        registry.register(
+            "weir_recovery_failures",
+            "Pods or state records an agent start could not recover (the agent serves the rest)",
+            self.recovery_failures.clone(),
+        );
+        registry.register(
+            "weir_orphans_removed",
+            "Enrolled pods unenrolled because no process and no mount held their netns any more",
+            self.orphans_removed.clone(),
+        );
     }
 
     /// After an agent restart: the pods the pinned maps still redirect are taken back, their
     /// netns found again, and registered with the ZDS server, so ztunnel's next snapshot names
     /// them (Add with the netns, or Keep when it cannot be found). They stay pending until
     /// ztunnel acks them.
+    ///
+    /// One pod never stops the start: a record that cannot be read, or a pod whose netns cannot
+    /// be taken back, is logged and counted, and the pod is recovered as far as it can be. It
+    /// stays redirected and named to ztunnel (Keep): removing its map entries would let a pod
+    /// that still runs send traffic around the mesh. The orphan sweep removes it once nothing
+    /// holds its netns, and a DEL or GC does as for any pod.
     pub async fn recover(&self) -> Result<()> {
+        for why in self.state.unreadable() {
+            self.recovery_failures.inc();
+            warn!("recovery: unreadable pod state, recovered from the maps unnamed: {why}");
+        }
         let enrolled = self.datapath_call(|d| d.enrolled()).await?;
         // Known to the state file but not to these maps: enrolled by an agent with another map
         // layout (an upgrade). They are enrolled again, into this one.
@@ -112,9 +141,17 @@ impl Enroller {
         for uid in enrolled {
             let record = self.state.get(&uid);
             let (hint, owned_uid) = (record.as_ref().map(|r| r.netns.clone()), uid.clone());
-            let netns = self
-                .datapath_call(move |d| d.adopt(&owned_uid, hint))
-                .await?;
+            let netns = match self.datapath_call(move |d| d.adopt(&owned_uid, hint)).await {
+                Ok(netns) => netns,
+                Err(error) => {
+                    self.recovery_failures.inc();
+                    warn!(
+                        uid,
+                        "recovery: taking the pod's netns back failed: {error:#}"
+                    );
+                    None
+                }
+            };
             let info: WorkloadInfo = record.as_ref().map(zds_info).unwrap_or_default();
             let name = PodName::new(&info.namespace, &info.name);
             info!(
@@ -142,7 +179,107 @@ impl Enroller {
         if let Err(error) = self.datapath_call(|d| d.retire_other_layouts()).await {
             warn!("retiring older map layouts: {error:#}");
         }
-        self.state.save()
+        // The next enrollment writes the file again.
+        if let Err(error) = self.state.save() {
+            warn!("recording the recovered pods: {error:#}");
+        }
+        Ok(())
+    }
+
+    /// CNI GC: unenrolls every pod enrolled through an attachment the runtime no longer lists.
+    /// A pod enrolled without one (live, or recorded by an older agent) is not the runtime's to
+    /// judge and stays; the orphan sweep covers it. Each pod is decided in its turn from its
+    /// current record, so one re-added meanwhile under a new container stays. A failing pod
+    /// does not stop the others; every failure is reported.
+    pub async fn collect_garbage(&self, valid: &[Attachment]) -> Result<usize> {
+        let valid: HashSet<&Attachment> = valid.iter().collect();
+        let stale = |pod: &Workload| {
+            pod.attachment
+                .as_ref()
+                .is_some_and(|attachment| !valid.contains(attachment))
+        };
+        let candidates: Vec<String> = self
+            .state
+            .workloads()
+            .into_iter()
+            .filter(|pod| stale(pod))
+            .map(|pod| pod.uid)
+            .collect();
+        let mut removed = 0;
+        let mut failures = Vec::new();
+        for uid in candidates {
+            let outcome = self
+                .in_turn(&uid, async {
+                    match self.state.get(&uid) {
+                        Some(pod) if stale(&pod) => self.unenroll(&uid).await.map(|_| true),
+                        _ => Ok(false),
+                    }
+                })
+                .await;
+            match outcome {
+                Ok(true) => {
+                    removed += 1;
+                    info!(
+                        uid,
+                        "GC: the runtime no longer has the pod's attachment: unenrolled"
+                    );
+                }
+                Ok(false) => {}
+                Err(error) => failures.push(format!("{uid}: {error:#}")),
+            }
+        }
+        if !failures.is_empty() {
+            bail!(
+                "{} stale pods could not be unenrolled: {}",
+                failures.len(),
+                failures.join("; ")
+            );
+        }
+        Ok(removed)
+    }
+
+    /// Every `interval`, unenrolls the pods whose DEL never came: nothing but weir and ztunnel
+    /// holds their netns (see [`Datapath::orphaned`]).
+    pub async fn sweep_orphans(self: Arc<Self>, interval: Duration) {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            if let Err(error) = self.sweep_orphans_once().await {
+                warn!("orphan sweep: {error:#}");
+            }
+        }
+    }
+
+    async fn sweep_orphans_once(&self) -> Result<()> {
+        let candidates = self.datapath_call(|d| d.orphaned(None)).await?;
+        for uid in candidates {
+            // Checked again in the pod's turn: an ADD meanwhile (a new sandbox for the same
+            // pod) holds a new netns, and that pod must stay.
+            let removed = self
+                .in_turn(&uid, async {
+                    let owned = uid.clone();
+                    let orphaned = self.datapath_call(move |d| d.orphaned(Some(owned))).await?;
+                    if orphaned.is_empty() {
+                        return Ok(false);
+                    }
+                    self.unenroll(&uid).await
+                })
+                .await;
+            match removed {
+                Ok(true) => {
+                    self.orphans_removed.inc();
+                    info!(
+                        uid,
+                        "orphan sweep: nothing holds the pod's netns: unenrolled"
+                    );
+                }
+                Ok(false) => {}
+                Err(error) => warn!(uid, "orphan sweep: unenrolling: {error:#}"),
+            }
+        }
+        Ok(())
     }
 
     /// Records a pod's status (`None`: no longer enrolled), updates the per-status gauge, and

@@ -255,6 +255,7 @@ mod tests {
                     inbound_bypass: true,
                     dns_capture: false,
                 },
+                attachment: None,
             },
             status,
         }

@@ -1,5 +1,5 @@
 //! weir-agent: the node agent binary.
-use std::{net::SocketAddr, path::PathBuf};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -142,6 +142,10 @@ struct RunArgs {
     /// in place for the next agent (an upgrade or restart).
     #[arg(long, env = "WEIR_UNINSTALL_ON_EXIT")]
     uninstall_on_exit: bool,
+    /// How often to look for enrolled pods whose DEL never came (no process and no mount holds
+    /// their netns any more) and unenroll them, e.g. `60s`, `5m`.
+    #[arg(long, env = "WEIR_ORPHAN_SWEEP_INTERVAL", default_value = "60s", value_parser = interval)]
+    orphan_sweep_interval: Duration,
 }
 
 /// The agent's state file: `run` keeps it, `pods` reads it.
@@ -285,12 +289,22 @@ impl RunArgs {
             health_addr: self.health_addr,
             metrics_addr: self.metrics_addr,
             uninstall_on_exit: self.uninstall_on_exit,
+            orphan_sweep_interval: self.orphan_sweep_interval,
         })
     }
 }
 
 fn selectors(text: &str) -> Result<Vec<EnablementSelector>, String> {
     parse_selectors(text).map_err(|error| format!("{error:#}"))
+}
+
+/// A period such as `60s`; zero is refused (it would be a busy loop).
+fn interval(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(period) if period.is_zero() => Err("must be longer than zero".into()),
+        Ok(period) => Ok(period),
+        Err(error) => Err(error.to_string()),
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -30,19 +30,41 @@ pub struct StateFile {
     path: PathBuf,
     /// Enrolled pods by uid, as last written to `path` (or about to be).
     records: Mutex<BTreeMap<String, Record>>,
+    /// What could not be read at open (a record by uid, or the whole file), for recovery to
+    /// count; dropped from the file with the next save.
+    unreadable: Vec<String>,
 }
 
 impl StateFile {
-    /// Reads what the previous agent recorded; an unreadable file is ignored.
+    /// Reads what the previous agent recorded. An unreadable record is left out (and the whole
+    /// file when it cannot be parsed at all): its pod is still recovered from the maps, unnamed.
     pub fn open(path: PathBuf) -> Self {
-        let records = read(&path).unwrap_or_else(|error| {
-            warn!(file = %path.display(), "unreadable pod state: ignored: {error:#}");
-            BTreeMap::new()
-        });
+        let (records, unreadable) = match read_each(&path) {
+            Ok(read) => read,
+            Err(error) => (BTreeMap::new(), vec![format!("{error:#}")]),
+        };
+        for why in &unreadable {
+            warn!(file = %path.display(), "unreadable pod state: ignored: {why}");
+        }
         Self {
             path,
             records: Mutex::new(records),
+            unreadable,
         }
+    }
+
+    /// What could not be read when the file was opened.
+    pub fn unreadable(&self) -> &[String] {
+        &self.unreadable
+    }
+
+    /// Every recorded pod.
+    pub fn workloads(&self) -> Vec<Workload> {
+        let records = self.records.lock().unwrap();
+        records
+            .values()
+            .map(|record| record.workload.clone())
+            .collect()
     }
 
     pub fn get(&self, uid: &str) -> Option<Workload> {
@@ -114,6 +136,30 @@ pub fn read(path: &Path) -> Result<BTreeMap<String, Record>> {
     }
 }
 
+/// Like [`read`], record by record: one that does not parse is set aside (why, by uid) rather
+/// than costing every other pod its record.
+fn read_each(path: &Path) -> Result<(BTreeMap<String, Record>, Vec<String>)> {
+    let raw: BTreeMap<String, serde_json::Value> = match std::fs::read(path) {
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))?
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
+        Err(error) => return Err(error).with_context(|| format!("reading {}", path.display())),
+    };
+    let mut unreadable = Vec::new();
+    let records = raw
+        .into_iter()
+        .filter_map(|(uid, value)| match serde_json::from_value(value) {
+            Ok(record) => Some((uid, record)),
+            Err(error) => {
+                unreadable.push(format!("record of pod {uid}: {error}"));
+                None
+            }
+        })
+        .collect();
+    Ok((records, unreadable))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +173,7 @@ mod tests {
             netns: "/var/run/netns/cni-1".into(),
             ips: vec!["10.1.0.5".parse().unwrap()],
             options: Default::default(),
+            attachment: None,
         }
     }
 
@@ -171,5 +218,25 @@ mod tests {
         assert!(read(&path).unwrap().is_empty());
         std::fs::write(&path, b"{not json").unwrap();
         assert!(read(&path).is_err());
+        assert_eq!(StateFile::open(path).unreadable().len(), 1);
+    }
+
+    #[test]
+    fn an_unreadable_record_costs_only_its_own_pod() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pods.json");
+        let state = StateFile::open(path.clone());
+        state.insert(&workload("u1"), Status::Enabled).unwrap();
+        state.insert(&workload("u2"), Status::Enabled).unwrap();
+        let mut raw: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        raw["u2"]["ips"] = "garbage".into();
+        std::fs::write(&path, raw.to_string()).unwrap();
+
+        let reopened = StateFile::open(path);
+        assert_eq!(reopened.get("u1"), Some(workload("u1")));
+        assert_eq!(reopened.get("u2"), None);
+        assert_eq!(reopened.unreadable().len(), 1);
+        assert!(reopened.unreadable()[0].contains("u2"));
     }
 }

@@ -3,6 +3,7 @@
 use std::{net::IpAddr, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
+use weir_cni::protocol::Attachment;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Workload {
@@ -18,6 +19,10 @@ pub struct Workload {
     pub ips: Vec<IpAddr>,
     #[serde(default)]
     pub options: PodOptions,
+    /// The runtime's attachment (container id, ifname) when the pod came in through a CNI ADD:
+    /// what CNI GC names. `None` for pods enrolled otherwise, and in older state files.
+    #[serde(default)]
+    pub attachment: Option<Attachment>,
 }
 
 /// How a pod's traffic is redirected, from its annotations.

@@ -153,6 +153,7 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.clone()))
                 .collect(),
+            valid_attachments: vec![],
         }
     }
 

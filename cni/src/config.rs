@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::error::{self, code, CniError};
 use crate::log::LogLevel;
-use crate::protocol::{PodIp, DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
+use crate::protocol::{Attachment, PodIp, DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
 
 /// Oldest first: the order is what [`version_at_least`] compares.
 pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
@@ -44,6 +44,9 @@ pub struct NetConf {
     pub prev_result: Option<Box<RawValue>>,
     #[serde(rename = "runtimeConfig", default)]
     pub runtime_config: RuntimeConfig,
+    /// GC only: the attachments the runtime still has on this network.
+    #[serde(rename = "cni.dev/valid-attachments", default)]
+    pub valid_attachments: Option<Vec<Attachment>>,
 }
 
 /// What the runtime fills in for the capabilities the plugin declares.

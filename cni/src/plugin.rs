@@ -106,7 +106,8 @@ fn dispatch(env: &CniEnv, stdin: &[u8], log: &mut Log) -> Result<String, CniErro
         CniCommand::Del => del(&conf, env, log).map(|()| String::new()),
         CniCommand::Check => check(&conf, env, log).map(|()| String::new()),
         CniCommand::Status => status(&conf, log).map(|()| String::new()),
-        CniCommand::Gc | CniCommand::Version => Ok(String::new()),
+        CniCommand::Gc => gc(&conf, log).map(|()| String::new()),
+        CniCommand::Version => Ok(String::new()),
     }
 }
 
@@ -199,6 +200,43 @@ fn status(conf: &NetConf, log: &mut Log) -> Result<(), CniError> {
     Ok(())
 }
 
+/// GC (CNI 1.1, no `prevResult`, no container): the agent unenrolls every pod it enrolled
+/// through an attachment the runtime no longer lists. The runtime only logs a failed GC, so an
+/// unreachable agent is reported as one (try again later) and nothing is removed; the agent's
+/// orphan sweep takes out what a missed GC leaves behind.
+fn gc(conf: &NetConf, log: &mut Log) -> Result<(), CniError> {
+    let valid_attachments = conf.valid_attachments.clone().ok_or_else(|| {
+        CniError::new(code::INVALID_CONFIG, "GC without cni.dev/valid-attachments")
+            .with_details("without the runtime's list no pod can be told stale; none was removed")
+    })?;
+    let request = Request {
+        command: Command::Gc,
+        container_id: String::new(),
+        netns: String::new(),
+        ifname: String::new(),
+        pod: PodRef::default(),
+        ips: Vec::new(),
+        annotations: Default::default(),
+        valid_attachments,
+    };
+    match agent::call(&conf.agent_socket, &request, conf.timeout()) {
+        Ok(Response::Ok { .. }) => {
+            log.info("stale attachments collected");
+            Ok(())
+        }
+        Ok(Response::Error { code, msg, details }) => Err(CniError { code, msg, details }),
+        Err(Failure::Invalid(why)) => Err(CniError::new(code::PLUGIN_SPECIFIC, why)),
+        Err(Failure::Unreachable(why)) => Err(CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!(
+                "weir agent unreachable at {}: stale pods not collected",
+                conf.agent_socket.display()
+            ),
+        )
+        .with_details(why)),
+    }
+}
+
 /// Builds the agent request from the environment, checking what the spec requires, and names
 /// the pod in the log from here on.
 fn request(
@@ -217,8 +255,8 @@ fn request(
         container_id.get(..12).unwrap_or(container_id)
     ));
     let netns = match command {
-        // The runtime's second DEL (RemovePodSandbox) has no netns left.
-        Command::Del => env.netns.clone().unwrap_or_default(),
+        // The runtime's second DEL (RemovePodSandbox) has no netns left; GC names none.
+        Command::Del | Command::Gc => env.netns.clone().unwrap_or_default(),
         Command::Add | Command::Check => env::require(&env.netns, "CNI_NETNS")?.to_owned(),
     };
     Ok(Request {
@@ -229,6 +267,7 @@ fn request(
         pod,
         ips: prev.map(PrevResult::ips).unwrap_or_default(),
         annotations: conf.runtime_config.pod_annotations.clone(),
+        valid_attachments: Vec::new(),
     })
 }
 
@@ -311,6 +350,7 @@ mod tests {
             },
             ips: vec![],
             annotations: Default::default(),
+            valid_attachments: vec![],
         }
     }
 
@@ -375,7 +415,8 @@ mod tests {
         let err: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
         assert_eq!(err["code"], code::INCOMPATIBLE_VERSION);
         assert_eq!(err["cniVersion"], "1.0.0");
-        assert_eq!(run_with("GC", r#"{"cniVersion":"1.1.0"}"#).exit_code, 0);
+        let without_list = run_with("GC", r#"{"cniVersion":"1.1.0"}"#);
+        assert!(without_list.stdout.contains("\"code\":7"));
         let check = run_with("CHECK", r#"{"cniVersion":"0.3.1"}"#);
         assert!(check.stdout.contains("\"code\":1"));
     }

@@ -17,6 +17,8 @@ pub enum Command {
     Add,
     Del,
     Check,
+    /// CNI GC: every pod enrolled through an attachment not in `valid_attachments` goes.
+    Gc,
 }
 
 /// The pod as the runtime names it in `CNI_ARGS`.
@@ -55,6 +57,17 @@ pub struct Request {
     /// Pod annotations, when the runtime passes them (`io.kubernetes.cri.pod-annotations`).
     #[serde(default)]
     pub annotations: BTreeMap<String, String>,
+    /// GC: the runtime's `cni.dev/valid-attachments` for this network; empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub valid_attachments: Vec<Attachment>,
+}
+
+/// One attachment of a container to the network, as CNI 1.1's GC names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Attachment {
+    #[serde(rename = "containerID")]
+    pub container_id: String,
+    pub ifname: String,
 }
 
 /// The agent's verdict on a request.

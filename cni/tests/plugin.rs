@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tempfile::TempDir;
-use weir_cni::protocol::{self, PodIp, PodRef, Request, Response, VerdictCache};
+use weir_cni::protocol::{self, Attachment, PodIp, PodRef, Request, Response, VerdictCache};
 
 const SAMPLES: &str = include_str!("data/containerd-1.6-cni-calls.txt");
 
@@ -239,6 +239,7 @@ fn add_forwards_the_pod_and_passes_prev_result_through() {
                 interface: Some("eth0".into()),
             }],
             annotations: serde_json::from_value(annotations.clone()).unwrap(),
+            valid_attachments: vec![],
         }
     );
     assert!(node
@@ -445,16 +446,45 @@ fn check_reports_agent_errors_and_falls_back_offline() {
 }
 
 #[test]
-fn status_is_ready_even_without_the_agent_and_gc_is_a_no_op() {
+fn status_is_ready_even_without_the_agent() {
     let node = Node::new();
-    let env = |command: &str| vec![("CNI_COMMAND".to_string(), command.to_string())];
+    let env = [("CNI_COMMAND".to_string(), "STATUS".to_string())];
     let config = node.config(r#"{"cniVersion":"1.1.0","name":"k8s"}"#, no_extra());
 
     // A failed STATUS would stop every new pod on the node, ambient or not.
-    assert_silent_success(&exec(&env("STATUS"), &config));
+    assert_silent_success(&exec(&env, &config));
     let _agent = FakeAgent::ok(&node.socket());
-    assert_silent_success(&exec(&env("STATUS"), &config));
-    assert_silent_success(&exec(&env("GC"), &config));
+    assert_silent_success(&exec(&env, &config));
+}
+
+#[test]
+fn gc_hands_the_valid_attachments_to_the_agent() {
+    let node = Node::new();
+    let env = [("CNI_COMMAND".to_string(), "GC".to_string())];
+    let config = node.config(
+        r#"{"cniVersion":"1.1.0","name":"k8s",
+            "cni.dev/valid-attachments":[{"containerID":"c1","ifname":"eth0"}]}"#,
+        no_extra(),
+    );
+    // Without the agent: an error the runtime logs, nothing removed.
+    cni_error(&exec(&env, &config), 11);
+
+    let agent = FakeAgent::ok(&node.socket());
+    assert_silent_success(&exec(&env, &config));
+    let request = agent.next_request();
+    assert_eq!(request.command, protocol::Command::Gc);
+    assert_eq!(
+        request.valid_attachments,
+        [Attachment {
+            container_id: "c1".into(),
+            ifname: "eth0".into()
+        }]
+    );
+
+    // No list is no verdict on any pod.
+    let without_list = node.config(r#"{"cniVersion":"1.1.0","name":"k8s"}"#, no_extra());
+    cni_error(&exec(&env, &without_list), 7);
+    agent.assert_no_request();
 }
 
 #[test]

@@ -123,6 +123,7 @@ pub fn agent_config_at(
         health_addr,
         metrics_addr,
         uninstall_on_exit: false,
+        orphan_sweep_interval: Duration::from_secs(60),
     }
 }
 

@@ -28,6 +28,8 @@ pub enum Command {
     Add,
     Del,
     Check,
+    /// CNI 1.1: no container, only `CNI_COMMAND` and `CNI_PATH` in the environment.
+    Gc,
 }
 
 impl Command {
@@ -36,6 +38,7 @@ impl Command {
             Command::Add => "ADD",
             Command::Del => "DEL",
             Command::Check => "CHECK",
+            Command::Gc => "GC",
         }
     }
 }
@@ -67,14 +70,18 @@ impl RuntimeConf {
             .collect::<Vec<_>>()
             .join(";");
         let path = std::env::join_paths(&self.path).unwrap_or_default();
-        vec![
+        let mut env = vec![
             ("CNI_COMMAND", command.as_str().into()),
             ("CNI_CONTAINERID", self.container_id.clone().into()),
             ("CNI_NETNS", self.netns.clone().unwrap_or_default().into()),
             ("CNI_IFNAME", self.ifname.clone().into()),
             ("CNI_ARGS", args.into()),
             ("CNI_PATH", path),
-        ]
+        ];
+        if command == Command::Gc {
+            env.retain(|(name, _)| matches!(*name, "CNI_COMMAND" | "CNI_PATH"));
+        }
+        env
     }
 }
 

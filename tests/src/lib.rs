@@ -21,6 +21,7 @@ use std::time::Duration;
 pub mod agent;
 pub mod apiserver;
 pub mod cgroup;
+pub mod chain;
 pub mod cni;
 mod fixture;
 pub mod istio_iptables;

@@ -416,6 +416,7 @@ impl Pod {
             netns: self.netns_path().to_path_buf(),
             ips: self.ips().to_vec(),
             options,
+            attachment: None,
         }
     }
 

@@ -91,6 +91,7 @@ enum Command {
         reply: Reply<Option<PodNetns>>,
     },
     RetireOtherLayouts(Reply<()>),
+    Orphaned(Option<String>, Reply<Vec<String>>),
     Enrolled(Reply<Vec<String>>),
     Stop {
         uninstall: bool,
@@ -194,6 +195,13 @@ impl Datapath {
     /// Until then its programs keep redirecting the pods only it knows: never a gap.
     pub fn retire_other_layouts(&self) -> Result<()> {
         self.ask(Command::RetireOtherLayouts)
+    }
+
+    /// Enrolled pods (all, or only `only`) whose netns nothing but weir and ztunnel holds any
+    /// more: no other process has it as its own and no nsfs mount is of it. Their DEL never
+    /// came; their traffic cannot either.
+    pub fn orphaned(&self, only: Option<String>) -> Result<Vec<String>> {
+        self.ask(|reply| Command::Orphaned(only, reply))
     }
 
     /// Uids of the enrolled pods.
@@ -342,6 +350,9 @@ impl Owner {
                 }
                 Command::IsRedirected(uid, reply) => {
                     let _ = reply.send(Ok(self.is_redirected(&uid)));
+                }
+                Command::Orphaned(only, reply) => {
+                    let _ = reply.send(Ok(self.orphaned(only.as_deref())));
                 }
                 Command::Enrolled(reply) => {
                     let _ = reply.send(Ok(self.pods.keys().cloned().collect()));

@@ -1,5 +1,6 @@
 //! After an agent restart: the enrolled pods rebuilt from the pinned maps, and each one's
-//! network namespace found again by its cookie (named namespaces, then every process's).
+//! network namespace found again by its cookie (named namespaces, then every process's). Also
+//! the orphan check over the same walk: an enrolled pod whose netns nothing holds any more.
 use std::{
     collections::{HashMap as StdHashMap, HashSet},
     fs::{self, File},
@@ -38,35 +39,33 @@ impl Owner {
         let Some(pod) = self.pods.get_mut(uid) else {
             return Ok(None);
         };
-        let cookie = pod.netns_cookie;
-        let candidates = hint
-            .map(Path::to_path_buf)
-            .into_iter()
-            .chain(named_namespaces())
-            .chain(discovery::processes().map(|process| discovery::netns_path(&process)));
-        let mut seen = HashSet::new();
-        for path in candidates {
-            let Ok(file) = File::open(&path) else {
-                continue;
-            };
-            let Ok(stat) = nix::sys::stat::fstat(file.as_raw_fd()) else {
-                continue;
-            };
-            if !seen.insert((stat.st_dev, stat.st_ino)) {
-                continue;
-            }
-            let matches = netns::enter(file.as_fd())
-                .and_then(|_inside| netns::current_cookie())
-                .is_ok_and(|found| found == cookie);
-            if matches {
-                debug!(uid, path = %path.display(), "pod netns recovered");
-                let handle = file.try_clone()?.into();
-                pod.netns = Some(file);
-                self.refresh_pod_netns(uid)?;
-                return Ok(Some(handle));
-            }
-        }
-        Ok(None)
+        let Some((file, path)) = find_by_cookie(pod.netns_cookie, hint) else {
+            return Ok(None);
+        };
+        debug!(uid, path = %path.display(), "pod netns recovered");
+        let handle = file.try_clone()?.into();
+        pod.netns = Some(file);
+        self.refresh_pod_netns(uid)?;
+        Ok(Some(handle))
+    }
+
+    /// The enrolled pods (all, or only `only`) whose DEL never came: no process but the agent
+    /// has their netns as its own, and no nsfs mount (the runtime's /var/run/netns/cni-…) is
+    /// of it. What holds it otherwise (this owner's handle, ztunnel's from ZDS) keeps nothing
+    /// alive that could send traffic. A pod whose netns this owner does not hold (recovered
+    /// without it) is looked for by cookie in the same places.
+    pub(super) fn orphaned(&self, only: Option<&str>) -> Vec<String> {
+        let held = held_namespaces();
+        self.pods
+            .iter()
+            .filter(|(uid, _)| only.is_none_or(|only| only == uid.as_str()))
+            .filter(|(_, pod)| match &pod.netns {
+                Some(netns) => nix::sys::stat::fstat(netns.as_raw_fd())
+                    .is_ok_and(|stat| !held.contains(&(stat.st_dev, stat.st_ino))),
+                None => find_by_cookie(pod.netns_cookie, None).is_none(),
+            })
+            .map(|(uid, _)| uid.clone())
+            .collect()
     }
 
     /// Puts this agent's tc program on a recovered pod (replacing the previous agent's in
@@ -81,11 +80,67 @@ impl Owner {
     }
 }
 
-/// The namespaces runtimes name under /var/run/netns (containerd's `cni-<uuid>`).
+/// The network namespace with `cookie` and where it was found: `hint`, a named namespace, or a
+/// process's (never the agent's own, the node's).
+fn find_by_cookie(cookie: u64, hint: Option<&Path>) -> Option<(File, PathBuf)> {
+    let candidates = hint
+        .map(Path::to_path_buf)
+        .into_iter()
+        .chain(named_namespaces())
+        .chain(other_processes().map(|process| discovery::netns_path(&process)));
+    let mut seen = HashSet::new();
+    for path in candidates {
+        let Ok(file) = File::open(&path) else {
+            continue;
+        };
+        let Ok(stat) = nix::sys::stat::fstat(file.as_raw_fd()) else {
+            continue;
+        };
+        if !seen.insert((stat.st_dev, stat.st_ino)) {
+            continue;
+        }
+        let matches = netns::enter(file.as_fd())
+            .and_then(|_inside| netns::current_cookie())
+            .is_ok_and(|found| found == cookie);
+        if matches {
+            return Some((file, path));
+        }
+    }
+    None
+}
+
+/// Every namespace something other than the agent keeps alive on purpose: a process's own, or
+/// an nsfs mount's; by (device, inode).
+fn held_namespaces() -> HashSet<(u64, u64)> {
+    other_processes()
+        .map(|process| discovery::netns_path(&process))
+        .chain(nsfs_mounts())
+        .filter_map(|path| nix::sys::stat::stat(&path).ok())
+        .map(|stat| (stat.st_dev, stat.st_ino))
+        .collect()
+}
+
+fn other_processes() -> impl Iterator<Item = procfs::process::Process> {
+    let agent = std::process::id() as i32;
+    discovery::processes().filter(move |process| process.pid != agent)
+}
+
+/// The namespaces runtimes name: under /var/run/netns (containerd's `cni-<uuid>`), and any
+/// other nsfs mount.
 fn named_namespaces() -> impl Iterator<Item = PathBuf> {
     fs::read_dir("/var/run/netns")
         .into_iter()
         .flatten()
         .flatten()
         .map(|entry| entry.path())
+        .chain(nsfs_mounts())
+}
+
+fn nsfs_mounts() -> impl Iterator<Item = PathBuf> {
+    procfs::process::Process::myself()
+        .and_then(|me| me.mountinfo())
+        .into_iter()
+        .flatten()
+        .filter(|mount| mount.fs_type == "nsfs")
+        .map(|mount| mount.mount_point)
 }

@@ -1,0 +1,196 @@
+//! Missed events never leak state: pods whose removal the agent was never told about, through
+//! the runtime's CNI GC or a DEL that never came, are unenrolled, and a pod an agent start cannot
+//! recover costs only itself. Through the real chain and the real agent, as tests/cni.rs.
+use std::{
+    collections::BTreeSet,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    process::Command as Process,
+    time::Duration,
+};
+
+use weir_agent::{app::AgentConfig, datapath::pinned_pods, state};
+use weir_common::OUTBOUND_PORT;
+use weir_tests::{
+    agent::Agent,
+    cgroup::{CgroupDriver, PodProcess},
+    chain::{gc, wait_for_metric, ChainNode, MESH, WAIT},
+    cni::CniError,
+    tcp_request, ZdsEvent, ZdsZtunnel, APP_PORT,
+};
+
+/// Uids of the pods in the pinned maps at `pin_root`.
+fn uids_in_maps(pin_root: &Path) -> BTreeSet<String> {
+    pinned_pods(pin_root)
+        .unwrap()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|pod| pod.uid)
+        .collect()
+}
+
+/// Uids recorded in the agent's state file.
+fn uids_recorded(config: &AgentConfig) -> BTreeSet<String> {
+    state::read(&config.state_file)
+        .unwrap()
+        .into_keys()
+        .collect()
+}
+
+#[test]
+fn gc_unenrolls_the_pods_whose_attachment_the_runtime_no_longer_lists() {
+    let Some(node) = ChainNode::privileged() else {
+        return;
+    };
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let (server, echo, kept, kept_ztunnel) = node.server_and_ambient_pod(&ztunnel, "kept");
+    let stale = node.pod(MESH, "stale").unwrap();
+    ztunnel.wait_for_pod(stale.uid(), WAIT).unwrap();
+    let pin_root = agent.config.datapath.pin_root.clone();
+
+    // The runtime still has `server` (not ambient) and `kept`; `stale`'s sandbox is gone.
+    gc(&node, &[&server, &kept]).expect("GC succeeds");
+    assert!(
+        ztunnel.wait_for_del(stale.uid(), WAIT),
+        "ztunnel told to drop it"
+    );
+    let in_maps = uids_in_maps(&pin_root);
+    assert!(!in_maps.contains(stale.uid()), "{in_maps:?}");
+    assert!(in_maps.contains(kept.uid()), "{in_maps:?}");
+    let recorded = uids_recorded(&agent.config);
+    assert!(!recorded.contains(stale.uid()) && recorded.contains(kept.uid()));
+
+    // The listed pod still goes through ztunnel; the collected one talks directly again.
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = kept.run(|| tcp_request(target, "kept")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("kept"));
+    assert!(kept_ztunnel
+        .wait_for(
+            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
+            WAIT
+        )
+        .is_some());
+    stale.run(|| tcp_request(target, "direct")).unwrap();
+    let received = echo.wait_for(|r| r.line == "direct", WAIT).unwrap();
+    assert_eq!(received.peer.ip(), IpAddr::V4(stale.ipv4()));
+    assert!(!ztunnel.events().contains(&ZdsEvent::Del {
+        uid: kept.uid().to_owned()
+    }));
+
+    // The agent is down: the runtime gets a spec error to log, and nothing is removed.
+    let config = agent.config.clone();
+    agent.stop().unwrap();
+    match gc(&node, &[]) {
+        Err(CniError::Plugin(failure)) => {
+            assert_eq!(failure.code, Some(11), "try again later: {failure}");
+            assert!(failure.msg.contains("unreachable"), "{failure}");
+        }
+        other => panic!("expected a CNI error, got {other:?}"),
+    }
+    assert!(uids_in_maps(&pin_root).contains(kept.uid()));
+    assert!(uids_recorded(&config).contains(kept.uid()));
+}
+
+#[test]
+fn the_sweep_unenrolls_a_pod_whose_del_never_came_and_keeps_one_still_held() {
+    let Some(node) = ChainNode::privileged() else {
+        return;
+    };
+    let agent = Agent::start(AgentConfig {
+        orphan_sweep_interval: Duration::from_millis(200),
+        ..node.files.agent_config(node.netns()).unwrap()
+    })
+    .expect("agent ready");
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
+    let (server, echo, held, held_ztunnel) = node.server_and_ambient_pod(&ztunnel, "held");
+    let released = node.pod(MESH, "released").unwrap();
+    ztunnel.wait_for_pod(released.uid(), WAIT).unwrap();
+
+    // Both lose the runtime's bind mount without a DEL; only `held` keeps a process. `held`
+    // goes first, so the sweep that finds `released` gone has seen `held` unmounted too.
+    let _process = PodProcess::start(held.netns(), held.uid(), CgroupDriver::Cgroupfs).unwrap();
+    for pod in [&held, &released] {
+        // Detached, as `ip netns delete` unmounts it.
+        let status = Process::new("umount")
+            .arg("--lazy")
+            .arg(pod.netns_path())
+            .status()
+            .unwrap();
+        assert!(status.success(), "umount {}", pod.netns_path().display());
+    }
+
+    assert!(
+        ztunnel.wait_for_del(released.uid(), WAIT),
+        "the sweep told ztunnel to drop the released pod"
+    );
+    wait_for_metric(&agent, "weir_orphans_removed_total 1");
+    let pin_root = &agent.config.datapath.pin_root;
+    let in_maps = uids_in_maps(pin_root);
+    assert!(!in_maps.contains(released.uid()), "{in_maps:?}");
+    assert!(in_maps.contains(held.uid()), "{in_maps:?}");
+    let recorded = uids_recorded(&agent.config);
+    assert!(!recorded.contains(released.uid()) && recorded.contains(held.uid()));
+    assert!(!ztunnel.events().contains(&ZdsEvent::Del {
+        uid: held.uid().to_owned()
+    }));
+
+    // The held pod is still redirected.
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = held.run(|| tcp_request(target, "held")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("held"));
+    assert!(held_ztunnel
+        .wait_for(
+            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
+            WAIT
+        )
+        .is_some());
+    agent.stop().unwrap();
+}
+
+#[test]
+fn a_pod_a_restart_cannot_recover_costs_only_itself() {
+    let Some(node) = ChainNode::privileged() else {
+        return;
+    };
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let (server, echo, good, _) = node.server_and_ambient_pod(&ztunnel, "good");
+    let broken = node.pod(MESH, "broken").unwrap();
+    ztunnel.wait_for_pod(broken.uid(), WAIT).unwrap();
+    agent.stop().unwrap();
+    assert!(ztunnel.wait_for_close(WAIT));
+    drop(ztunnel);
+
+    // The broken pod's record is garbage (a partial write, a bug in an older agent).
+    let state_file = node.files.agent_config(node.netns()).unwrap().state_file;
+    let mut records: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&state_file).unwrap()).unwrap();
+    records[broken.uid()]["ips"] = "garbage".into();
+    std::fs::write(&state_file, records.to_string()).unwrap();
+
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    wait_for_metric(&agent, "weir_recovery_failures_total 1");
+    assert!(ztunnel.wait_for_snapshot(WAIT));
+    let events = ztunnel.events();
+    let named = events.iter().any(|event| match event {
+        ZdsEvent::Add { uid, info, .. } => {
+            uid == good.uid() && info.as_ref().is_some_and(|info| info.name == "good")
+        }
+        _ => false,
+    });
+    assert!(named, "the good pod is recovered with its name: {events:?}");
+    // The broken pod stays redirected and named to ztunnel, for a DEL, GC or the sweep.
+    assert!(events.iter().any(|e| e.uid() == Some(broken.uid())));
+    assert!(uids_in_maps(&agent.config.datapath.pin_root).contains(broken.uid()));
+
+    let stand_in = ztunnel.wait_for_pod(good.uid(), WAIT).unwrap();
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = good.run(|| tcp_request(target, "after restart")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("after restart"));
+    assert!(stand_in
+        .wait_for(
+            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
+            WAIT
+        )
+        .is_some());
+    agent.stop().unwrap();
+}

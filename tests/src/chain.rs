@@ -1,0 +1,156 @@
+//! A node as kubelet's runtime drives it, for the tests that go through the whole CNI chain:
+//! the node's conflist with weir-cni chained by weir's installer, the ambient policy, the real
+//! agent, and calls to weir-cni alone as the runtime makes them.
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use weir_agent::policy::{
+    local::{LocalPolicy, ObjectMeta},
+    DATAPLANE_MODE_LABEL,
+};
+
+use crate::{
+    agent::{http_get, Agent, NodeFiles},
+    cni::{Command, RuntimeConf},
+    zds_client::ZdsZtunnel,
+    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn,
+};
+
+/// How long a test waits for something the agent does on its own.
+pub const WAIT: Duration = Duration::from_secs(3);
+/// The ambient namespace of [`ambient_policy`].
+pub const MESH: &str = "mesh";
+
+/// The namespace `mesh` is ambient; `default` is not.
+pub fn ambient_policy() -> LocalPolicy {
+    let mut policy = LocalPolicy::default();
+    policy.namespaces.insert(
+        MESH.into(),
+        ObjectMeta {
+            labels: BTreeMap::from([(DATAPLANE_MODE_LABEL.into(), "ambient".into())]),
+            ..ObjectMeta::default()
+        },
+    );
+    policy
+}
+
+/// A node as kubelet's runtime sees it: its CNI config directory (where weir's installer chains
+/// weir-cni), the ambient policy, and the agent's files. Agents here stop as an upgrade does,
+/// leaving the datapath in place: the fixture removes it.
+pub struct ChainNode {
+    pub files: NodeFiles,
+    pub fixture: Fixture,
+}
+
+impl ChainNode {
+    pub fn privileged() -> Option<Self> {
+        let files = NodeFiles::new().unwrap();
+        files.write_policy(&ambient_policy()).unwrap();
+        let fixture = Fixture::privileged_with(files.node_options())?;
+        Some(Self { files, fixture })
+    }
+
+    pub fn netns(&self) -> &NetNs {
+        self.fixture.node().netns()
+    }
+
+    pub fn start_agent(&self) -> Agent {
+        Agent::start(self.files.agent_config(self.netns()).unwrap()).expect("agent ready")
+    }
+
+    /// A plain `server` pod with an echo app, and an ambient pod `name` that ztunnel received.
+    pub fn server_and_ambient_pod(
+        &self,
+        ztunnel: &ZdsZtunnel,
+        name: &str,
+    ) -> (Pod, EchoServer, Pod, Arc<ZtunnelStandIn>) {
+        let server = self.pod("default", "server").unwrap();
+        let echo = EchoServer::app(&server).unwrap();
+        let pod = self.pod(MESH, name).unwrap();
+        let stand_in = ztunnel
+            .wait_for_pod(pod.uid(), WAIT)
+            .expect("ztunnel got the pod's netns over ZDS");
+        (server, echo, pod, stand_in)
+    }
+
+    /// The agent, with ztunnel connected to it.
+    pub fn start_agent_and_ztunnel(&self) -> (Agent, ZdsZtunnel) {
+        let agent = self.start_agent();
+        let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
+        (agent, ztunnel)
+    }
+
+    pub fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<Pod> {
+        self.fixture.node().add_pod_with(PodSpec {
+            namespace: namespace.into(),
+            ..PodSpec::new(name)
+        })
+    }
+}
+
+/// Waits until the agent's /metrics shows `line`.
+pub fn wait_for_metric(agent: &Agent, line: &str) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
+        if metrics.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {line} in\n{metrics}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The node's conflist as the installer left it: bridge, then weir-cni.
+pub fn weir_conflist(node: &ChainNode) -> crate::cni::NetworkConfigList {
+    let list: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(node.files.net_dir().join("10-weir-test.conflist")).unwrap(),
+    )
+    .unwrap();
+    crate::cni::NetworkConfigList::from_json(&list).unwrap()
+}
+
+/// A call to weir-cni alone, configured as the node's conflist configures it.
+pub fn weir_only(
+    node: &ChainNode,
+    command: Command,
+    runtime: &RuntimeConf,
+    prev_result: Option<&serde_json::Value>,
+) -> Result<serde_json::Value, crate::cni::CniError> {
+    let conflist = weir_conflist(node);
+    let weir = conflist.plugins.last().unwrap().clone();
+    let config = conflist.plugin_config(&weir, runtime, prev_result);
+    let binary = crate::cni::find_plugin(&weir, &runtime.path).unwrap();
+    crate::cni::invoke(&binary, command, runtime, &config, node.netns())
+}
+
+/// The runtime's GC of the node's network (CNI 1.1), naming `valid` pods' attachments as the
+/// ones it still has; run through weir-cni alone, as the runtime runs it for each plugin.
+pub fn gc(node: &ChainNode, valid: &[&Pod]) -> Result<serde_json::Value, crate::cni::CniError> {
+    let conflist = weir_conflist(node);
+    let weir = conflist.plugins.last().unwrap().clone();
+    let runtime = RuntimeConf {
+        container_id: String::new(),
+        netns: None,
+        ifname: String::new(),
+        args: Vec::new(),
+        path: node.fixture.node().cni_path().to_vec(),
+        capability_args: Default::default(),
+    };
+    let mut config = conflist.plugin_config(&weir, &runtime, None);
+    // GC exists from 1.1.0 on: a runtime sends it for a conflist of that version only.
+    config["cniVersion"] = "1.1.0".into();
+    config["cni.dev/valid-attachments"] = valid
+        .iter()
+        .map(|pod| {
+            serde_json::json!({
+                "containerID": pod.runtime_conf().container_id,
+                "ifname": pod.runtime_conf().ifname,
+            })
+        })
+        .collect();
+    let binary = crate::cni::find_plugin(&weir, &runtime.path).unwrap();
+    crate::cni::invoke(&binary, Command::Gc, &runtime, &config, node.netns())
+}
