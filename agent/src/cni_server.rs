@@ -17,7 +17,7 @@ use prometheus_client::{
     registry::Registry,
 };
 use tokio::{
-    io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader},
+    io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader},
     net::{UnixListener, UnixStream},
 };
 use tracing::{debug, warn};
@@ -113,8 +113,9 @@ async fn serve_connection(stream: UnixStream, handler: &CniHandler) -> Result<()
     Ok(())
 }
 
-/// One request line; `None` when the peer closed without sending anything.
-async fn read_request(read: tokio::net::unix::OwnedReadHalf) -> Result<Option<Request>> {
+/// One request line, at most [`MAX_REQUEST_BYTES`]; `None` when the peer closed without sending
+/// anything.
+pub async fn read_request(read: impl AsyncRead + Unpin) -> Result<Option<Request>> {
     let mut line = Vec::new();
     let mut reader = BufReader::new(read.take(MAX_REQUEST_BYTES as u64 + 1));
     reader.read_until(b'\n', &mut line).await?;

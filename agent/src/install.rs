@@ -11,7 +11,7 @@
 //! Only weir's own entry is ever changed: every other field keeps its meaning, and the other
 //! plugins keep their order. Key order and formatting are not kept (the file is re-serialized,
 //! pretty-printed), as with istio-cni.
-mod conflist;
+pub mod conflist;
 mod files;
 mod watch;
 

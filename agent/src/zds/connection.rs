@@ -122,7 +122,12 @@ async fn read_hello(socket: &SeqpacketConnection) -> Result<ZdsHello, ZdsError> 
     let datagram = timeout(IO_TIMEOUT, socket.recv())
         .await
         .map_err(|_| ZdsError::Timeout)??;
-    ZdsHello::decode(valid_bytes(&datagram)?)
+    decode_hello(&datagram)
+}
+
+/// ztunnel's first datagram, its hello.
+pub fn decode_hello(datagram: &Datagram) -> Result<ZdsHello, ZdsError> {
+    ZdsHello::decode(valid_bytes(datagram)?)
         .map_err(|err| ZdsError::Protocol(format!("undecodable hello: {err}")))
 }
 
@@ -163,7 +168,13 @@ async fn send_and_wait(
     let datagram = timeout(IO_TIMEOUT, socket.recv())
         .await
         .map_err(|_| ZdsError::Timeout)??;
-    let response = WorkloadResponse::decode(valid_bytes(&datagram)?)
+    decode_answer(&datagram)
+}
+
+/// ztunnel's answer to a request: `Ok` for an ack, [`ZdsError::Nack`] for an ack with an error,
+/// [`ZdsError::Protocol`] for anything else.
+pub fn decode_answer(datagram: &Datagram) -> Result<(), ZdsError> {
+    let response = WorkloadResponse::decode(valid_bytes(datagram)?)
         .map_err(|err| ZdsError::Protocol(format!("undecodable answer: {err}")))?;
     match response.payload {
         Some(Response::Ack(Ack { error })) if error.is_empty() => Ok(()),

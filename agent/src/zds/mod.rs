@@ -41,6 +41,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, error, info, warn};
 
+pub use connection::{decode_answer, decode_hello};
 use proto::workload_request::Payload;
 use proto::{AddWorkload, DelWorkload, WorkloadRequest};
 pub use proto::{WorkloadInfo, ZdsHello};
