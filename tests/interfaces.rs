@@ -3,14 +3,18 @@
 //! addresses that appear (or go) after enrollment.
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    time::Duration,
+    thread,
+    time::{Duration, Instant},
 };
 
-use weir_agent::workload::PodOptions;
+use weir_agent::{
+    datapath::{pinned_pods, Datapath},
+    workload::PodOptions,
+};
 use weir_common::{INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     netns::{ip, NetNs},
-    tcp_request, EchoServer, Fixture, Pod, ZtunnelStandIn, APP_PORT,
+    tcp_request, EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
@@ -181,5 +185,166 @@ fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() 
         let _ = vm.netns.run(|| tcp_request(target, "direct"));
     }
     assert_eq!(reached_15001(&vm), before);
+    datapath.uninstall().unwrap();
+}
+
+/// Whether the pinned maps index `address` for `pod`, once the datapath has caught up with a
+/// change it learns of asynchronously (or the deadline passes: the caller's assert then fails).
+fn indexed_eventually(node: &TestNode, pod: &Pod, address: IpAddr, indexed: bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pods = pinned_pods(&node.datapath_config().pin_root)
+            .unwrap()
+            .unwrap_or_default();
+        let now = pods
+            .iter()
+            .any(|p| p.uid == pod.uid() && p.ips.contains(&address));
+        if now == indexed || Instant::now() > deadline {
+            return now;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A new inbound connection from `client` to `target` went through ztunnel's 15006 and on to
+/// the app.
+fn inbound_through_ztunnel(
+    client: &NetNs,
+    target: SocketAddr,
+    ztunnel: &ZtunnelStandIn,
+    app: &EchoServer,
+) {
+    let reply = client
+        .run(|| tcp_request(target, "late"))
+        .unwrap_or_else(|e| panic!("request to {target}: {e}"));
+    assert_eq!(reply.response, app.reply_to("late"));
+    let seen = ztunnel
+        .wait_for(
+            |s| s.listener == INBOUND_PORT && s.peer == reply.local,
+            WAIT,
+        )
+        .unwrap_or_else(|| panic!("connection to {target} never reached 15006"));
+    assert_eq!(seen.local, target);
+}
+
+#[test]
+fn addresses_and_interfaces_added_after_enrollment_are_captured() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (server, client) = (fixture.pod("server"), fixture.pod("client"));
+    // An address in the pod network's subnet, which host-local has not handed out.
+    let [a, b, c, _] = server.ipv4().octets();
+    let added = Ipv4Addr::new(a, b, c, 250);
+    let secondary = Ipv4Addr::new(192, 168, 78, 1);
+    let app = EchoServer::app(&server).unwrap();
+    let ztunnel = ZtunnelStandIn::start_in_netns(
+        server.netns().open().unwrap(),
+        &[server.ips().as_slice(), &[added.into(), secondary.into()]].concat(),
+    )
+    .unwrap();
+    let datapath: Datapath = fixture.enrolled(&server, PodOptions::default());
+    let server_ns = server.netns().name();
+
+    // An address added to eth0.
+    ip(&[
+        "-n",
+        server_ns,
+        "addr",
+        "add",
+        &format!("{added}/32"),
+        "dev",
+        "eth0",
+    ])
+    .unwrap();
+    assert!(indexed_eventually(
+        fixture.node(),
+        &server,
+        added.into(),
+        true
+    ));
+    inbound_through_ztunnel(
+        client.netns(),
+        SocketAddr::new(added.into(), APP_PORT),
+        &ztunnel,
+        &app,
+    );
+
+    // A secondary network: a new interface, with its peer in a namespace of its own.
+    let network = NetNs::create("net1").unwrap();
+    for command in [
+        &[
+            "-n",
+            server_ns,
+            "link",
+            "add",
+            "net1",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            network.name(),
+        ][..],
+        &[
+            "-n",
+            server_ns,
+            "addr",
+            "add",
+            &format!("{secondary}/24"),
+            "dev",
+            "net1",
+        ],
+        &["-n", server_ns, "link", "set", "net1", "up"],
+        &[
+            "-n",
+            network.name(),
+            "addr",
+            "add",
+            "192.168.78.2/24",
+            "dev",
+            "eth0",
+        ],
+        &["-n", network.name(), "link", "set", "eth0", "up"],
+    ] {
+        ip(command).unwrap();
+    }
+    assert!(indexed_eventually(
+        fixture.node(),
+        &server,
+        secondary.into(),
+        true
+    ));
+    inbound_through_ztunnel(
+        &network,
+        SocketAddr::new(secondary.into(), APP_PORT),
+        &ztunnel,
+        &app,
+    );
+
+    // A removed address loses its entry; the pod's own IPs stay.
+    ip(&[
+        "-n",
+        server_ns,
+        "addr",
+        "del",
+        &format!("{added}/32"),
+        "dev",
+        "eth0",
+    ])
+    .unwrap();
+    assert!(!indexed_eventually(
+        fixture.node(),
+        &server,
+        added.into(),
+        false
+    ));
+    assert!(indexed_eventually(
+        fixture.node(),
+        &server,
+        server.ipv4().into(),
+        true
+    ));
     datapath.uninstall().unwrap();
 }

@@ -60,6 +60,12 @@ impl Owner {
                 return Err(error.context(format!("enrolling pod {}", pod.uid)));
             }
         };
+        if let Err(error) = self.watch(pod, netns_cookie) {
+            self.remove_map_entries(&pod.uid);
+            self.remove_entries(netns_cookie, &ips);
+            undo_pod_netns();
+            return Err(error.context(format!("enrolling pod {}", pod.uid)));
+        }
         debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
         let handle = netns_file.try_clone()?.into();
         self.pods.insert(
@@ -169,8 +175,10 @@ impl Owner {
         Ok(true)
     }
 
-    /// Removes a pod's map entries and forgets it; returns its netns handle, if held.
+    /// Removes a pod's map entries and forgets it (it is no longer followed either); returns its
+    /// netns handle, if held.
     fn remove_map_entries(&mut self, uid: &str) -> Option<File> {
+        self.watches.remove(uid);
         let pod = self.pods.remove(uid)?;
         self.remove_entries(pod.netns_cookie, &pod.ips);
         pod.netns

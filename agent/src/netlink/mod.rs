@@ -147,6 +147,17 @@ pub fn remove_probe_source() -> io::Result<()> {
     apply(Op::Delete, probe_source())
 }
 
+/// A non-blocking socket in the current netns that receives every link and address change there
+/// (`RTNLGRP_LINK`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_IPV6_IFADDR`). Its messages only say that
+/// something changed; an overflow (`ENOBUFS`) says the same.
+pub fn subscribe_interface_changes() -> io::Result<Socket> {
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    let groups = libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR;
+    socket.bind(&SocketAddr::new(0, groups as u32))?;
+    socket.set_non_blocking(true)?;
+    Ok(socket)
+}
+
 /// All links of the current netns (`RTM_GETLINK` dump).
 pub(crate) fn links() -> io::Result<Vec<LinkMessage>> {
     let replies = Rtnl::new()?.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))?;
