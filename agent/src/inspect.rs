@@ -35,7 +35,8 @@ JSON output (--output json): one array, sorted like the table, of objects with t
                      addresses); the recorded IPs for a pod not in the maps
   netns_cookie       the pod's network namespace cookie, the maps' key (null: not in the maps)
   netns              the netns path recorded at enrollment (null: no record)
-  options            {\"inbound_bypass\": bool, \"dns_capture\": bool}
+  options            {\"inbound_bypass\": bool, \"dns_capture\": bool, and
+                     \"reroute_interfaces\": [names], from the state file, when there are any}
   counters           {\"outbound\", \"inbound\", \"dns\", \"bypassed\", \"dropped\"}, summed over
                      CPUs (null: not in the maps)
   in_maps            the pinned maps hold the pod (false: an orphan record, nothing redirects it)
@@ -104,7 +105,14 @@ pub fn rows(pinned: Vec<PinnedPod>, mut records: BTreeMap<String, Record>) -> Ve
                 uid: pod.uid,
                 ips: pod.ips,
                 netns_cookie: Some(pod.netns_cookie),
-                options: pod.options,
+                // The maps hold the flags; which interfaces are rerouted, only the record.
+                options: PodOptions {
+                    reroute_interfaces: record
+                        .as_ref()
+                        .map(|r| r.workload.options.reroute_interfaces.clone())
+                        .unwrap_or_default(),
+                    ..pod.options
+                },
                 counters: pod.counters.map(Counters::from),
                 in_maps: true,
             }
@@ -254,6 +262,7 @@ mod tests {
                 options: PodOptions {
                     inbound_bypass: true,
                     dns_capture: false,
+                    ..PodOptions::default()
                 },
                 attachment: None,
             },

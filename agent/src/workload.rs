@@ -26,13 +26,17 @@ pub struct Workload {
 }
 
 /// How a pod's traffic is redirected, from its annotations.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PodOptions {
     /// `ambient.istio.io/bypass-inbound-capture=true`
     pub inbound_bypass: bool,
     /// DNS to port 53 goes to ztunnel's DNS proxy (the node default is on).
     pub dns_capture: bool,
+    /// `istio.io/reroute-virtual-interfaces`: interfaces in the pod (a VM's tap or bridge) whose
+    /// incoming TCP goes to ztunnel's outbound listener, as if the pod had sent it. Sorted.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub reroute_interfaces: Vec<String>,
 }
 
 impl Default for PodOptions {
@@ -40,6 +44,7 @@ impl Default for PodOptions {
         Self {
             inbound_bypass: false,
             dns_capture: true,
+            reroute_interfaces: Vec::new(),
         }
     }
 }

@@ -183,6 +183,8 @@ pub mod programs {
     pub const SOCKOPS: &str = "weir_sockops";
     pub const GETSOCKOPT: &str = "weir_getsockopt";
     pub const INBOUND: &str = "weir_inbound";
+    /// In place of `INBOUND` on a pod's `istio.io/reroute-virtual-interfaces`.
+    pub const REROUTE: &str = "weir_reroute";
 }
 
 #[cfg(feature = "user")]

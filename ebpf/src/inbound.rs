@@ -15,6 +15,18 @@
 //!   listener.
 //!
 //! Every drop is counted in the pod's `dropped` counter.
+//!
+//! [`weir_reroute`] takes the inbound program's place on an interface named in the pod's
+//! `istio.io/reroute-virtual-interfaces` (a VM behind a tap or bridge in the pod): not an
+//! entrance to the pod but to its outbound. Every new TCP connection arriving there goes to
+//! ztunnel's 15001 listener, as if the pod had opened it (istio's
+//! `-i <interface> -p tcp -j REDIRECT --to-ports 15001`). The packet keeps its destination (the
+//! accepted socket's local address is the original destination), and the connection is recorded
+//! for `SO_ORIGINAL_DST` exactly as the pod's own outbound is. A routing rule the agent adds per
+//! such interface (`iif <interface> ipproto tcp lookup 100`) delivers that TCP locally instead
+//! of forwarding it. A program of its own, because the attachment is the only thing that tells
+//! which pod a packet for a remote address belongs to (`bpf_get_netns_cookie` in tc answers the
+//! initial namespace for a packet without a socket); so its connections are not counted.
 use core::ffi::c_void;
 
 use aya_ebpf::{
@@ -27,13 +39,13 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use weir_common::{
-    IpKey, PodCounters, HBONE_PORT, INBOUND_PORT, POD_INBOUND_BYPASS, PROBE_SOURCE_V4,
-    PROBE_SOURCE_V6,
+    ConnectionKey, Endpoint, IpKey, PodCounters, HBONE_PORT, INBOUND_PORT,
+    OUTBOUND_PORT, POD_INBOUND_BYPASS, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 
 use crate::{
     diag::{diag, ip},
-    maps::{count, pod, pod_with_ip},
+    maps::{count, pod, pod_with_ip, CONN_ORIG_DST},
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
 };
 
@@ -277,7 +289,7 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
     if connected || !opens {
         return Ok(PASS);
     }
-    if assign_to_ztunnel(ctx, &mut tuple, tuple_len) {
+    if assign_to_ztunnel(ctx, &mut tuple, tuple_len, INBOUND_PORT) {
         diag!(
             by_ref debug,
             ctx.skb.skb,
@@ -301,6 +313,85 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         u16::from_be(dport)
     );
     Ok(drop_counted(netns))
+}
+
+#[classifier]
+pub fn weir_reroute(ctx: TcContext) -> i32 {
+    let Ok(Some(packet)) = network_header(&ctx) else {
+        return PASS;
+    };
+    reroute(&ctx, &packet).unwrap_or_else(|()| {
+        diag!(
+            by_ref warn,
+            ctx.skb.skb,
+            "rerouted interface: drop {:i} to {:i}: headers not readable",
+            ip(&packet.source),
+            ip(&packet.destination)
+        );
+        DROP
+    })
+}
+
+/// The verdict on a packet that arrived on a rerouted interface: new TCP goes to ztunnel's
+/// outbound listener with its destination recorded; `Err` as for [`decide`].
+#[inline(always)]
+fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
+    let transport = transport(ctx, packet.v6)?;
+    if transport.fragment == Fragment::Later || transport.protocol != IPPROTO_TCP {
+        return Ok(PASS);
+    }
+    let (sport, dport): (u16, u16) = (
+        ctx.load(transport.offset).map_err(|_| ())?,
+        ctx.load(transport.offset + 2).map_err(|_| ())?,
+    );
+    let (mut tuple, tuple_len) = sock_tuple(packet, sport, dport);
+    let owner = socket_state(ctx, &mut tuple, tuple_len);
+    // ztunnel's accepted socket for an earlier SYN, which the routing rule delivers to.
+    let connected = matches!(owner, Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT);
+    if transport.fragment == Fragment::First {
+        return Ok(if connected && owner != Some(TCP_NEW_SYN_RECV) {
+            PASS
+        } else {
+            DROP
+        });
+    }
+    let flags: u8 = ctx
+        .load(transport.offset + TCP_FLAGS_OFFSET)
+        .map_err(|_| ())?;
+    if connected || flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
+        return Ok(PASS);
+    }
+    let original = Endpoint::new(packet.destination, u16::from_be(dport));
+    let connection = ConnectionKey {
+        client: Endpoint::new(packet.source, u16::from_be(sport)),
+        // TPROXY semantics: ztunnel's accepted socket has the original destination as its
+        // local address.
+        listener: original,
+    };
+    // Recorded before the SYN can reach ztunnel, which asks as soon as it accepts.
+    if CONN_ORIG_DST.insert(&connection, &original, 0).is_err()
+        || !assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT)
+    {
+        let _ = CONN_ORIG_DST.remove(&connection);
+        diag!(
+            by_ref warn,
+            ctx.skb.skb,
+            "drop rerouted {:i} to {:i}:{}: ztunnel's 15001 listener not found",
+            ip(&packet.source),
+            ip(&packet.destination),
+            u16::from_be(dport)
+        );
+        return Ok(DROP);
+    }
+    diag!(
+        by_ref debug,
+        ctx.skb.skb,
+        "rerouted {:i} to {:i}:{} assigned to 15001",
+        ip(&packet.source),
+        ip(&packet.destination),
+        u16::from_be(dport)
+    );
+    Ok(PASS)
 }
 
 /// The verdict that drops a packet for the pod, counted in its `dropped` counter.
@@ -352,14 +443,14 @@ fn socket_state(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> Option
     }
 }
 
-/// Hands the packet to ztunnel's 15006 listener in this netns; false when there is none.
+/// Hands the packet to ztunnel's listener on `port` in this netns; false when there is none.
 #[inline(always)]
-fn assign_to_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> bool {
+fn assign_to_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32, port: u16) -> bool {
     // The member written is the one `len` says is in use.
     if len == IPV4_TUPLE_LEN {
-        tuple.__bindgen_anon_1.ipv4.dport = INBOUND_PORT.to_be();
+        tuple.__bindgen_anon_1.ipv4.dport = port.to_be();
     } else {
-        tuple.__bindgen_anon_1.ipv6.dport = INBOUND_PORT.to_be();
+        tuple.__bindgen_anon_1.ipv6.dport = port.to_be();
     }
     let listener = lookup(ctx, tuple, len);
     if listener.is_null() {

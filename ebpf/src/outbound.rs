@@ -93,7 +93,7 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
     if sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
         // ztunnel's own socket: never redirected. Its source-preserving dials to the app in
         // its own pod get the return mark, so the app's replies route back to ztunnel.
-        if hook == Hook::Connect && pod_owns(pod, &dst.ip) {
+        if hook == Hook::Connect && pod_owns(netns, &dst.ip) {
             let mut mark = sa.mark() | RETURN_MARK;
             // SAFETY: bpf_setsockopt is allowed in connect hooks; the value lives on the stack.
             unsafe {
@@ -108,7 +108,7 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
         }
         return ALLOW;
     }
-    if is_loopback(&dst.ip) || pod_owns(pod, &dst.ip) || is_probe_source(&dst.ip) {
+    if is_loopback(&dst.ip) || pod_owns(netns, &dst.ip) || is_probe_source(&dst.ip) {
         return ALLOW;
     }
     let is_dns = dst.port == DNS_PORT && pod.has(POD_DNS_CAPTURE);
@@ -226,12 +226,11 @@ fn show_original_peer(sa: SockAddr) -> i32 {
     ALLOW
 }
 
+/// Whether `ip` is one of the addresses indexed for the pod: its IPs, and addresses its
+/// interfaces have or were given after enrollment.
 #[inline(always)]
-fn pod_owns(pod: &PodConfig, ip: &IpKey) -> bool {
-    match pod_address_like(pod, ip) {
-        Some(own) => same_ip(&own, ip),
-        None => false,
-    }
+fn pod_owns(netns: u64, ip: &IpKey) -> bool {
+    pod_with_ip(ip) == Some(netns)
 }
 
 /// The pod's address of the same family as `like`.

@@ -20,6 +20,7 @@ mod pods;
 mod programs;
 mod recovery;
 mod snapshot;
+mod watch;
 
 pub use snapshot::{pinned_pods, PinnedPod};
 
@@ -92,6 +93,11 @@ enum Command {
     },
     RetireOtherLayouts(Reply<()>),
     Orphaned(Option<String>, Reply<Vec<String>>),
+    /// From the watcher: an enrolled pod's links or addresses changed.
+    InterfacesChanged {
+        uid: String,
+        netns_cookie: u64,
+    },
     Enrolled(Reply<Vec<String>>),
     Stop {
         uninstall: bool,
@@ -110,9 +116,10 @@ impl Datapath {
     pub fn start(config: DatapathConfig) -> Result<Self> {
         let (commands, inbox) = mpsc::channel();
         let (ready_tx, ready) = mpsc::sync_channel(1);
+        let changes = commands.clone();
         let thread = thread::Builder::new()
             .name("weir-datapath".into())
-            .spawn(move || match Owner::open(&config) {
+            .spawn(move || match Owner::open(&config, changes) {
                 Ok(mut owner) => {
                     let _ = ready_tx.send(Ok(()));
                     owner.serve(inbox);
@@ -252,12 +259,16 @@ struct Owner {
     pod_ips: HashMap<MapData, IpKey, u64>,
     counters: PerCpuHashMap<MapData, u64, PodCounters>,
     pods: StdHashMap<String, Enrolled>,
+    /// Enrolled pods' interface subscriptions, by uid (pods recovered after a restart are
+    /// followed once enrolled again).
+    watches: StdHashMap<String, watch::Watch>,
+    watcher: watch::Watcher,
     pin_root: PathBuf,
     probe_bypass: bool,
 }
 
 impl Owner {
-    fn open(config: &DatapathConfig) -> Result<Self> {
+    fn open(config: &DatapathConfig, changes: mpsc::Sender<Command>) -> Result<Self> {
         if let Some(node) = &config.node_netns {
             let file = File::open(node).with_context(|| format!("opening {}", node.display()))?;
             // This thread lives in the node's netns from now on.
@@ -316,6 +327,8 @@ impl Owner {
             pod_ips,
             counters,
             pods,
+            watches: StdHashMap::new(),
+            watcher: watch::Watcher::start(changes)?,
             pin_root: config.pin_root.clone(),
             probe_bypass: config.probe_bypass,
         })
@@ -344,6 +357,9 @@ impl Owner {
                 } => {
                     let found = discovery::find_running_pod(&uid, &ips, hint.as_deref());
                     let _ = reply.send(found);
+                }
+                Command::InterfacesChanged { uid, netns_cookie } => {
+                    self.interfaces_changed(&uid, netns_cookie);
                 }
                 Command::RetireOtherLayouts(reply) => {
                     let _ = reply.send(self.retire_other_layouts());

@@ -8,7 +8,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use aya::{maps::PerCpuValues, programs::SchedClassifier};
+use aya::{maps::PerCpuValues, Ebpf};
 use tracing::{debug, warn};
 use weir_common::{
     IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS,
@@ -60,6 +60,12 @@ impl Owner {
                 return Err(error.context(format!("enrolling pod {}", pod.uid)));
             }
         };
+        if let Err(error) = self.watch(pod, netns_cookie) {
+            self.remove_map_entries(&pod.uid);
+            self.remove_entries(netns_cookie, &ips);
+            undo_pod_netns();
+            return Err(error.context(format!("enrolling pod {}", pod.uid)));
+        }
         debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
         let handle = netns_file.try_clone()?.into();
         self.pods.insert(
@@ -103,7 +109,11 @@ impl Owner {
             .write_map_entries(netns_cookie, config, pod_ips, other_ips)
             .context("writing the maps")?;
         fail::fail_point!("enroll-maps-written");
-        attach_inbound_everywhere(programs::inbound(&mut self.ebpf)?)?;
+        let reroute = &pod.options.reroute_interfaces;
+        attach_everywhere(&mut self.ebpf, reroute)?;
+        // Last: until the tc program assigns a rerouted SYN to ztunnel, local delivery would
+        // hand it to whatever listens on its port in the pod.
+        netlink::set_reroute_rules(reroute).context("rerouted interfaces' routing rules")?;
         Ok(ips)
     }
 
@@ -166,8 +176,10 @@ impl Owner {
         Ok(true)
     }
 
-    /// Removes a pod's map entries and forgets it; returns its netns handle, if held.
+    /// Removes a pod's map entries and forgets it (it is no longer followed either); returns its
+    /// netns handle, if held.
     fn remove_map_entries(&mut self, uid: &str) -> Option<File> {
+        self.watches.remove(uid);
         let pod = self.pods.remove(uid)?;
         self.remove_entries(pod.netns_cookie, &pod.ips);
         pod.netns
@@ -213,11 +225,12 @@ impl Owner {
 }
 
 /// Per-pod setup of a pod whose map entries are in place already (a recovered pod): the reply
-/// path, and this agent's tc program in place of the previous one. The calling thread is in the
-/// pod's netns.
-pub(super) fn prepare_pod_netns(inbound: &mut SchedClassifier) -> Result<()> {
+/// path, and this agent's tc programs in place of the previous ones, on the interfaces the pod's
+/// routing rules say are rerouted. The calling thread is in the pod's netns.
+pub(super) fn prepare_pod_netns(ebpf: &mut Ebpf) -> Result<()> {
     install_reply_path()?;
-    attach_inbound_everywhere(inbound)
+    let reroute = netlink::reroute_rules().context("reading the rerouted interfaces")?;
+    attach_everywhere(ebpf, &reroute)
 }
 
 /// The routing and sysctls that bring the app's replies (and the kernel's) back to ztunnel.
@@ -226,11 +239,15 @@ fn install_reply_path() -> Result<()> {
     netns::set_reply_mark_sysctls().context("reply-mark sysctls")
 }
 
-/// The inbound program on each of the pod's interfaces, replacing an earlier filter in place.
-fn attach_inbound_everywhere(inbound: &mut SchedClassifier) -> Result<()> {
+/// The inbound program on each of the pod's interfaces, the reroute program on those named in
+/// `reroute`, each replacing an earlier filter in place.
+fn attach_everywhere(ebpf: &mut Ebpf, reroute: &[String]) -> Result<()> {
     for (_, interface) in netns::non_loopback_interfaces()? {
-        programs::attach_inbound(inbound, &interface)
-            .with_context(|| format!("tc on {interface}"))?;
+        let program = match reroute.contains(&interface) {
+            true => programs::reroute(ebpf)?,
+            false => programs::inbound(ebpf)?,
+        };
+        programs::attach_tc(program, &interface).with_context(|| format!("tc on {interface}"))?;
     }
     Ok(())
 }
@@ -239,8 +256,11 @@ fn attach_inbound_everywhere(inbound: &mut SchedClassifier) -> Result<()> {
 fn undo_pod_netns() {
     if let Ok(interfaces) = netns::non_loopback_interfaces() {
         for (_, interface) in interfaces {
-            programs::detach_inbound(&interface);
+            programs::detach_tc(&interface);
         }
+    }
+    if let Err(error) = netlink::set_reroute_rules(&[]) {
+        debug!(%error, "removing the rerouted interfaces' rules");
     }
     if let Err(error) = netlink::remove_return_path() {
         debug!(%error, "removing the return path");
@@ -288,6 +308,8 @@ pub(super) fn pod_options(config: &PodConfig) -> PodOptions {
     PodOptions {
         inbound_bypass: config.has(POD_INBOUND_BYPASS),
         dns_capture: config.has(POD_DNS_CAPTURE),
+        // Kept per interface, not in the pod's entry: not recovered from the maps.
+        reroute_interfaces: Vec::new(),
     }
 }
 

@@ -83,14 +83,26 @@ pub(super) fn attach(ebpf: &mut Ebpf, cgroup_path: &Path, links_dir: &Path) -> R
         attach_pinned(program, &cgroup, attach_type as u32, &links_dir.join(name))
             .with_context(|| format!("attaching {name} to {}", cgroup_path.display()))?;
     }
-    inbound(ebpf)?.load().context("loading the tc program")
+    inbound(ebpf)?.load().context("loading the tc program")?;
+    reroute(ebpf)?
+        .load()
+        .context("loading the rerouted interfaces' tc program")
 }
 
 /// The tc program for pods' interfaces.
 pub(super) fn inbound(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier> {
+    classifier(ebpf, programs::INBOUND)
+}
+
+/// The tc program for the interfaces a pod's `istio.io/reroute-virtual-interfaces` names.
+pub(super) fn reroute(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier> {
+    classifier(ebpf, programs::REROUTE)
+}
+
+fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut SchedClassifier> {
     Ok(ebpf
-        .program_mut(programs::INBOUND)
-        .ok_or_else(|| anyhow!("program {} missing", programs::INBOUND))?
+        .program_mut(name)
+        .ok_or_else(|| anyhow!("program {name} missing"))?
         .try_into()?)
 }
 
@@ -121,9 +133,10 @@ pub(super) fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
     Ok(runtime)
 }
 
-/// Attaches the inbound program as a classic cls_bpf filter: a TCX link costs a
-/// `synchronize_rcu()` under the rtnl lock per pod (~16 ms), a netlink filter does not.
-pub(super) fn attach_inbound(inbound: &mut SchedClassifier, interface: &str) -> Result<()> {
+/// Attaches a tc program (inbound or reroute) as a classic cls_bpf filter: a TCX link costs a
+/// `synchronize_rcu()` under the rtnl lock per pod (~16 ms), a netlink filter does not. Both
+/// programs take the same filter slot, so either replaces the other in place.
+pub(super) fn attach_tc(program: &mut SchedClassifier, interface: &str) -> Result<()> {
     match tc::qdisc_add_clsact(interface) {
         Err(TcError::NetlinkError(error)) if error.raw_os_error() == Some(libc::EEXIST) => {}
         other => other.context("adding the clsact qdisc")?,
@@ -133,19 +146,19 @@ pub(super) fn attach_inbound(inbound: &mut SchedClassifier, interface: &str) -> 
         handle: TC_HANDLE.into(),
         ..NlOptions::default()
     });
-    let link_id = match inbound.attach_with_options(interface, TcAttachType::Ingress, options) {
+    let link_id = match program.attach_with_options(interface, TcAttachType::Ingress, options) {
         Ok(id) => id,
         // Already attached (re-enroll, or an earlier agent): replace the program in place.
-        Err(_) => inbound.attach_to_link(our_filter(interface)?)?,
+        Err(_) => program.attach_to_link(our_filter(interface)?)?,
     };
     // The filter lives in the pod's netns, not in this process: dropping aya's link would
     // detach it, so it is released instead (it holds no file descriptor).
-    std::mem::forget(inbound.take_link(link_id)?);
+    std::mem::forget(program.take_link(link_id)?);
     Ok(())
 }
 
 /// Removes our tc filter from `interface`, if it is there.
-pub(super) fn detach_inbound(interface: &str) {
+pub(super) fn detach_tc(interface: &str) {
     if let Ok(link) = our_filter(interface) {
         let _ = aya::programs::Link::detach(link);
     }

@@ -13,7 +13,7 @@ use aya::maps::{HashMap, MapData};
 use tracing::debug;
 use weir_common::{IpKey, PodConfig};
 
-use super::{discovery, pods::prepare_pod_netns, programs, snapshot, Enrolled, Owner};
+use super::{discovery, pods::prepare_pod_netns, snapshot, Enrolled, Owner};
 use crate::netns;
 
 /// Rebuilds the owner's index from the pinned maps after a restart.
@@ -68,7 +68,7 @@ impl Owner {
             .collect()
     }
 
-    /// Puts this agent's tc program on a recovered pod (replacing the previous agent's in
+    /// Puts this agent's tc programs on a recovered pod (replacing the previous agent's in
     /// place, so an upgrade reaches running pods) and makes sure its return path is there.
     fn refresh_pod_netns(&mut self, uid: &str) -> Result<()> {
         let netns = match self.pods.get(uid).and_then(|pod| pod.netns.as_ref()) {
@@ -76,7 +76,7 @@ impl Owner {
             None => return Ok(()),
         };
         let _inside = netns::enter(netns.as_fd()).context("entering the pod netns")?;
-        prepare_pod_netns(programs::inbound(&mut self.ebpf)?)
+        prepare_pod_netns(&mut self.ebpf)
     }
 }
 

@@ -23,7 +23,7 @@ use netlink_packet_route::{
     link::LinkMessage,
     route::{RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
-    AddressFamily, RouteNetlinkMessage,
+    AddressFamily, IpProtocol, RouteNetlinkMessage,
 };
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 use weir_common::{PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK, RETURN_ROUTE_TABLE};
@@ -60,6 +60,74 @@ pub fn remove_return_path() -> io::Result<()> {
     apply(Op::Delete, return_path().into_iter().rev())
 }
 
+/// Makes the TCP arriving on each of `interfaces` in the current netns take the `local` route of
+/// table `RETURN_ROUTE_TABLE` (installed by [`install_return_path`]), so that it is delivered to
+/// ztunnel's outbound listener (the tc program assigns it) instead of being forwarded:
+/// `ip rule add iif <interface> ipproto tcp lookup 100 priority 32764`, IPv4 and IPv6. Rules of
+/// this shape for other interfaces are removed, so the set is exactly `interfaces`. A rule names
+/// its interface, so it applies as soon as an interface of that name appears.
+pub fn set_reroute_rules(interfaces: &[String]) -> io::Result<()> {
+    let stale: Vec<Object> = installed_reroute_rules()?
+        .into_iter()
+        .filter(|rule| !reroute_interface(rule).is_some_and(|name| interfaces.contains(name)))
+        .map(Object::Rule)
+        .collect();
+    apply(Op::Delete, stale)?;
+    apply(
+        Op::Add,
+        interfaces.iter().flat_map(|interface| {
+            [Ipv4Addr::UNSPECIFIED.into(), Ipv6Addr::UNSPECIFIED.into()]
+                .map(|any| Object::Rule(reroute_rule(any, interface)))
+        }),
+    )
+}
+
+/// The interfaces [`set_reroute_rules`] made rerouted in the current netns, sorted.
+pub fn reroute_rules() -> io::Result<Vec<String>> {
+    let mut names: Vec<String> = installed_reroute_rules()?
+        .iter()
+        .filter_map(reroute_interface)
+        .cloned()
+        .collect();
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
+/// The rerouted interfaces' rules in the current netns (by their shape, see [`set_reroute_rules`]).
+fn installed_reroute_rules() -> io::Result<Vec<RuleMessage>> {
+    let replies = Rtnl::new()?.dump(RouteNetlinkMessage::GetRule(RuleMessage::default()))?;
+    Ok(replies
+        .into_iter()
+        .filter_map(|reply| match reply {
+            RouteNetlinkMessage::NewRule(rule) => Some(rule),
+            _ => None,
+        })
+        .filter_map(|rule| {
+            let has = |wanted: &RuleAttribute| rule.attributes.contains(wanted);
+            let ours = has(&RuleAttribute::Table(RETURN_ROUTE_TABLE))
+                && has(&RuleAttribute::Priority(RETURN_RULE_PRIORITY))
+                && has(&RuleAttribute::IpProtocol(IpProtocol::Tcp));
+            let any = match rule.header.family {
+                AddressFamily::Inet6 => Ipv6Addr::UNSPECIFIED.into(),
+                _ => Ipv4Addr::UNSPECIFIED.into(),
+            };
+            // Deleted as built, not as dumped: the dump carries attributes a delete must not
+            // name.
+            ours.then(|| reroute_interface(&rule).map(|name| reroute_rule(any, name)))?
+        })
+        .collect())
+}
+
+fn reroute_interface(rule: &RuleMessage) -> Option<&String> {
+    rule.attributes
+        .iter()
+        .find_map(|attribute| match attribute {
+            RuleAttribute::Iifname(name) => Some(name),
+            _ => None,
+        })
+}
+
 /// Makes the probe source addresses local in the current (the node's) netns, so that a socket, and
 /// the connect programs' `bpf_bind`, can bind to them:
 /// `ip route add local 169.254.7.127/32 dev lo table local`, and
@@ -77,6 +145,17 @@ pub fn install_probe_source() -> io::Result<()> {
 /// Undoes [`install_probe_source`]; what is already gone is success.
 pub fn remove_probe_source() -> io::Result<()> {
     apply(Op::Delete, probe_source())
+}
+
+/// A non-blocking socket in the current netns that receives every link and address change there
+/// (`RTNLGRP_LINK`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_IPV6_IFADDR`). Its messages only say that
+/// something changed; an overflow (`ENOBUFS`) says the same.
+pub fn subscribe_interface_changes() -> io::Result<Socket> {
+    let mut socket = Socket::new(NETLINK_ROUTE)?;
+    let groups = libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR;
+    socket.bind(&SocketAddr::new(0, groups as u32))?;
+    socket.set_non_blocking(true)?;
+    Ok(socket)
 }
 
 /// All links of the current netns (`RTM_GETLINK` dump).
@@ -158,6 +237,21 @@ fn return_rule(any: IpAddr) -> RuleMessage {
         RuleAttribute::FwMark(RETURN_MARK),
         RuleAttribute::FwMask(RETURN_MARK),
         RuleAttribute::Table(RETURN_ROUTE_TABLE),
+    ];
+    rule
+}
+
+/// `iif <interface> ipproto tcp lookup RETURN_ROUTE_TABLE`, for the family of `any`.
+fn reroute_rule(any: IpAddr, interface: &str) -> RuleMessage {
+    let mut rule = RuleMessage::default();
+    rule.header.family = family_of(any);
+    rule.header.table = header_table(RETURN_ROUTE_TABLE);
+    rule.header.action = RuleAction::ToTable;
+    rule.attributes = vec![
+        RuleAttribute::Iifname(interface.to_owned()),
+        RuleAttribute::Priority(RETURN_RULE_PRIORITY),
+        RuleAttribute::Table(RETURN_ROUTE_TABLE),
+        RuleAttribute::IpProtocol(IpProtocol::Tcp),
     ];
     rule
 }
@@ -288,6 +382,9 @@ impl fmt::Display for Object {
 /// Applies `op` to every object, in order, in one round trip.
 fn apply(op: Op, objects: impl IntoIterator<Item = Object>) -> io::Result<()> {
     let objects: Vec<Object> = objects.into_iter().collect();
+    if objects.is_empty() {
+        return Ok(());
+    }
     let messages = objects.iter().map(|object| object.message(op));
     let errnos = Rtnl::new()?.execute(messages, op.flags())?;
     for (object, errno) in objects.iter().zip(errnos) {

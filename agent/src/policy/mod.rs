@@ -26,6 +26,8 @@ pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
 pub const SIDECAR_STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
 pub const BYPASS_INBOUND_ANNOTATION: &str = "ambient.istio.io/bypass-inbound-capture";
 pub const DNS_CAPTURE_ANNOTATION: &str = "ambient.istio.io/dns-capture";
+/// Comma-separated interface names whose incoming TCP goes to ztunnel's outbound listener.
+pub const REROUTE_VIRTUAL_INTERFACES_ANNOTATION: &str = "istio.io/reroute-virtual-interfaces";
 /// The pod's enrollment status as ztunnel's peers and operators see it (REFERENCE §7).
 pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
 
@@ -144,9 +146,25 @@ impl PolicyConfig {
                 default
             }
         };
+        let inbound_bypass = flag(BYPASS_INBOUND_ANNOTATION, false);
+        let dns_capture = flag(DNS_CAPTURE_ANNOTATION, self.dns_capture);
+        let annotation = REROUTE_VIRTUAL_INTERFACES_ANNOTATION;
+        let reroute_interfaces = match annotations.get(annotation) {
+            None => Vec::new(),
+            Some(value) => interface_names(value).unwrap_or_else(|| {
+                // No guess at which names were meant: none is rerouted.
+                problems.push(AnnotationProblem {
+                    annotation,
+                    value: value.clone(),
+                    used: "no interface rerouted",
+                });
+                Vec::new()
+            }),
+        };
         let options = PodOptions {
-            inbound_bypass: flag(BYPASS_INBOUND_ANNOTATION, false),
-            dns_capture: flag(DNS_CAPTURE_ANNOTATION, self.dns_capture),
+            inbound_bypass,
+            dns_capture,
+            reroute_interfaces,
         };
         (options, problems)
     }
@@ -305,6 +323,30 @@ pub fn write_verdict_cache(path: &Path, cache: &VerdictCache) -> Result<()> {
     std::fs::rename(&temp, path).with_context(|| format!("writing {}", path.display()))
 }
 
+/// The names of a comma-separated list, as istio splits it (blanks around names and empty items
+/// are ignored), sorted and without duplicates; `None` when one is not a valid Linux interface
+/// name (1 to 15 bytes, no `/`, `:` or whitespace, not `.` or `..`).
+fn interface_names(list: &str) -> Option<Vec<String>> {
+    let mut names = Vec::new();
+    for name in list
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+    {
+        let valid = name.len() < libc::IFNAMSIZ
+            && name != "."
+            && name != ".."
+            && !name.contains(|c: char| c == '/' || c == ':' || c.is_whitespace());
+        if !valid {
+            return None;
+        }
+        names.push(name.to_owned());
+    }
+    names.sort();
+    names.dedup();
+    Some(names)
+}
+
 /// Logs a pod's annotation problems; the source turns them into Events where it can.
 pub async fn report_problems(source: &dyn PolicySource, pod: &PodName, ambient: &AmbientPod) {
     for problem in &ambient.problems {
@@ -348,6 +390,29 @@ mod tests {
         assert_eq!(options, PodOptions::default());
         assert_eq!(problems.len(), 1);
         assert_eq!(problems[0].used, "true");
+    }
+
+    #[test]
+    fn reroute_virtual_interfaces_are_a_list_of_interface_names() {
+        let config = PolicyConfig::default();
+        let reroute = |value: &str| {
+            config.options(&labels(&[(REROUTE_VIRTUAL_INTERFACES_ANNOTATION, value)]))
+        };
+        let (options, problems) = reroute(" tap0, net1 ,,tap0");
+        assert_eq!(options.reroute_interfaces, ["net1", "tap0"]);
+        assert!(problems.is_empty());
+        assert!(reroute("").0.reroute_interfaces.is_empty());
+
+        for invalid in ["tap0,a/b", "eth0:1", "a name", "sixteen-bytes-xx", ".."] {
+            let (options, problems) = reroute(invalid);
+            assert_eq!(options, PodOptions::default(), "{invalid}");
+            assert_eq!(problems.len(), 1, "{invalid}");
+            assert_eq!(
+                problems[0].annotation,
+                REROUTE_VIRTUAL_INTERFACES_ANNOTATION
+            );
+            assert_eq!(problems[0].used, "no interface rerouted");
+        }
     }
 
     #[test]

@@ -1,0 +1,350 @@
+//! A pod's interfaces beyond the ones it had at ADD: a VM's interface whose TCP
+//! `istio.io/reroute-virtual-interfaces` sends to ztunnel's outbound listener, and interfaces and
+//! addresses that appear (or go) after enrollment.
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    thread,
+    time::{Duration, Instant},
+};
+
+use weir_agent::{
+    datapath::{pinned_pods, Datapath},
+    workload::PodOptions,
+};
+use weir_common::{INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::{
+    netns::{ip, NetNs},
+    tcp_request, EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn, APP_PORT,
+};
+
+const WAIT: Duration = Duration::from_secs(2);
+
+/// A VM behind a veth in a pod, as KubeVirt puts one behind a tap: its end is in a network
+/// namespace of its own, and its default route is the pod.
+struct VirtualMachine {
+    netns: NetNs,
+    /// The pod's end.
+    interface: &'static str,
+    ipv4: Ipv4Addr,
+    ipv6: Ipv6Addr,
+}
+
+impl VirtualMachine {
+    fn behind(pod: &Pod, interface: &'static str) -> Self {
+        let netns = NetNs::create("vm").unwrap();
+        let (pod_ns, vm_ns) = (pod.netns().name(), netns.name());
+        let commands: [&[&str]; 10] = [
+            &[
+                "-n", pod_ns, "link", "add", interface, "type", "veth", "peer", "name", "eth0",
+                "netns", vm_ns,
+            ],
+            &[
+                "-n",
+                pod_ns,
+                "addr",
+                "add",
+                "192.168.77.1/24",
+                "dev",
+                interface,
+            ],
+            &[
+                "-n",
+                pod_ns,
+                "addr",
+                "add",
+                "fd77::1/64",
+                "dev",
+                interface,
+                "nodad",
+            ],
+            &["-n", pod_ns, "link", "set", interface, "up"],
+            &["-n", vm_ns, "addr", "add", "192.168.77.2/24", "dev", "eth0"],
+            &[
+                "-n",
+                vm_ns,
+                "addr",
+                "add",
+                "fd77::2/64",
+                "dev",
+                "eth0",
+                "nodad",
+            ],
+            &["-n", vm_ns, "link", "set", "eth0", "up"],
+            &["-n", vm_ns, "link", "set", "lo", "up"],
+            &[
+                "-n",
+                vm_ns,
+                "route",
+                "add",
+                "default",
+                "via",
+                "192.168.77.1",
+            ],
+            &[
+                "-n", vm_ns, "-6", "route", "add", "default", "via", "fd77::1",
+            ],
+        ];
+        for command in commands {
+            ip(command).unwrap();
+        }
+        Self {
+            netns,
+            interface,
+            ipv4: Ipv4Addr::new(192, 168, 77, 2),
+            ipv6: "fd77::2".parse().unwrap(),
+        }
+    }
+
+    fn ips(&self) -> [IpAddr; 2] {
+        [self.ipv4.into(), self.ipv6.into()]
+    }
+}
+
+fn rerouting(interfaces: &[&str]) -> PodOptions {
+    PodOptions {
+        reroute_interfaces: interfaces.iter().map(|name| name.to_string()).collect(),
+        ..PodOptions::default()
+    }
+}
+
+#[test]
+fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (host, server, client) = (
+        fixture.pod("vmhost"),
+        fixture.pod("server"),
+        fixture.pod("client"),
+    );
+    let vm = VirtualMachine::behind(&host, "tap0");
+    let echo = EchoServer::app(&server).unwrap();
+    let host_app = EchoServer::app(&host).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&host).unwrap();
+    let datapath = fixture.enrolled(&host, PodOptions::default());
+    let destinations = [
+        SocketAddr::new(server.ipv4().into(), APP_PORT),
+        SocketAddr::new(server.ipv6().into(), APP_PORT),
+    ];
+    let reached_15001 = |vm: &VirtualMachine| {
+        ztunnel
+            .seen()
+            .into_iter()
+            .filter(|seen| seen.listener == OUTBOUND_PORT && vm.ips().contains(&seen.peer.ip()))
+            .count()
+    };
+
+    // Without the annotation the pod only routes the VM's traffic (here: it does not forward).
+    for target in destinations {
+        let _ = vm.netns.run(|| tcp_request(target, "direct"));
+    }
+    assert_eq!(reached_15001(&vm), 0);
+
+    // Re-enrolled with the annotation: as if the pod had opened the connections.
+    datapath
+        .enroll(host.workload(rerouting(&[vm.interface])))
+        .unwrap();
+    for target in destinations {
+        let reply = vm
+            .netns
+            .run(|| tcp_request(target, "from the vm"))
+            .unwrap_or_else(|e| panic!("request to {target}: {e}"));
+        assert_eq!(reply.response, echo.reply_to("from the vm"));
+        let seen = ztunnel
+            .wait_for(
+                |s| s.listener == OUTBOUND_PORT && s.peer == reply.local,
+                WAIT,
+            )
+            .unwrap_or_else(|| panic!("connection to {target} never reached 15001"));
+        assert_eq!(seen.original_dst, Some(target), "SO_ORIGINAL_DST");
+        assert!(echo
+            .wait_for(
+                |r| r.line == "from the vm" && host.ips().contains(&r.peer.ip()),
+                WAIT
+            )
+            .is_some());
+    }
+
+    // The pod's own inbound is still ztunnel's inbound.
+    let target = SocketAddr::new(host.ipv4().into(), APP_PORT);
+    let reply = client.run(|| tcp_request(target, "inbound")).unwrap();
+    assert_eq!(reply.response, host_app.reply_to("inbound"));
+    assert!(ztunnel
+        .wait_for(
+            |s| s.listener == INBOUND_PORT && s.peer == reply.local,
+            WAIT
+        )
+        .is_some());
+
+    // Re-enrolled without it again: back to plain routing.
+    datapath
+        .enroll(host.workload(PodOptions::default()))
+        .unwrap();
+    let before = reached_15001(&vm);
+    for target in destinations {
+        let _ = vm.netns.run(|| tcp_request(target, "direct"));
+    }
+    assert_eq!(reached_15001(&vm), before);
+    datapath.uninstall().unwrap();
+}
+
+/// Whether the pinned maps index `address` for `pod`, once the datapath has caught up with a
+/// change it learns of asynchronously (or the deadline passes: the caller's assert then fails).
+fn indexed_eventually(node: &TestNode, pod: &Pod, address: IpAddr, indexed: bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pods = pinned_pods(&node.datapath_config().pin_root)
+            .unwrap()
+            .unwrap_or_default();
+        let now = pods
+            .iter()
+            .any(|p| p.uid == pod.uid() && p.ips.contains(&address));
+        if now == indexed || Instant::now() > deadline {
+            return now;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A new inbound connection from `client` to `target` went through ztunnel's 15006 and on to
+/// the app.
+fn inbound_through_ztunnel(
+    client: &NetNs,
+    target: SocketAddr,
+    ztunnel: &ZtunnelStandIn,
+    app: &EchoServer,
+) {
+    let reply = client
+        .run(|| tcp_request(target, "late"))
+        .unwrap_or_else(|e| panic!("request to {target}: {e}"));
+    assert_eq!(reply.response, app.reply_to("late"));
+    let seen = ztunnel
+        .wait_for(
+            |s| s.listener == INBOUND_PORT && s.peer == reply.local,
+            WAIT,
+        )
+        .unwrap_or_else(|| panic!("connection to {target} never reached 15006"));
+    assert_eq!(seen.local, target);
+}
+
+#[test]
+fn addresses_and_interfaces_added_after_enrollment_are_captured() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (server, client) = (fixture.pod("server"), fixture.pod("client"));
+    // An address in the pod network's subnet, which host-local has not handed out.
+    let [a, b, c, _] = server.ipv4().octets();
+    let added = Ipv4Addr::new(a, b, c, 250);
+    let secondary = Ipv4Addr::new(192, 168, 78, 1);
+    let app = EchoServer::app(&server).unwrap();
+    let ztunnel = ZtunnelStandIn::start_in_netns(
+        server.netns().open().unwrap(),
+        &[server.ips().as_slice(), &[added.into(), secondary.into()]].concat(),
+    )
+    .unwrap();
+    let datapath: Datapath = fixture.enrolled(&server, PodOptions::default());
+    let server_ns = server.netns().name();
+
+    // An address added to eth0.
+    ip(&[
+        "-n",
+        server_ns,
+        "addr",
+        "add",
+        &format!("{added}/32"),
+        "dev",
+        "eth0",
+    ])
+    .unwrap();
+    assert!(indexed_eventually(
+        fixture.node(),
+        &server,
+        added.into(),
+        true
+    ));
+    inbound_through_ztunnel(
+        client.netns(),
+        SocketAddr::new(added.into(), APP_PORT),
+        &ztunnel,
+        &app,
+    );
+
+    // A secondary network: a new interface, with its peer in a namespace of its own.
+    let network = NetNs::create("net1").unwrap();
+    for command in [
+        &[
+            "-n",
+            server_ns,
+            "link",
+            "add",
+            "net1",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            network.name(),
+        ][..],
+        &[
+            "-n",
+            server_ns,
+            "addr",
+            "add",
+            &format!("{secondary}/24"),
+            "dev",
+            "net1",
+        ],
+        &["-n", server_ns, "link", "set", "net1", "up"],
+        &[
+            "-n",
+            network.name(),
+            "addr",
+            "add",
+            "192.168.78.2/24",
+            "dev",
+            "eth0",
+        ],
+        &["-n", network.name(), "link", "set", "eth0", "up"],
+    ] {
+        ip(command).unwrap();
+    }
+    assert!(indexed_eventually(
+        fixture.node(),
+        &server,
+        secondary.into(),
+        true
+    ));
+    inbound_through_ztunnel(
+        &network,
+        SocketAddr::new(secondary.into(), APP_PORT),
+        &ztunnel,
+        &app,
+    );
+
+    // A removed address loses its entry; the pod's own IPs stay.
+    ip(&[
+        "-n",
+        server_ns,
+        "addr",
+        "del",
+        &format!("{added}/32"),
+        "dev",
+        "eth0",
+    ])
+    .unwrap();
+    assert!(!indexed_eventually(
+        fixture.node(),
+        &server,
+        added.into(),
+        false
+    ));
+    assert!(indexed_eventually(
+        fixture.node(),
+        &server,
+        server.ipv4().into(),
+        true
+    ));
+    datapath.uninstall().unwrap();
+}
