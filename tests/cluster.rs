@@ -332,3 +332,53 @@ fn sigterm_keeps_weir_only_while_its_daemonset_selects_the_node() {
     agent.stop().unwrap();
     assert!(!cluster.plugin_installed(), "weir left the node");
 }
+
+#[test]
+fn namespace_label_enrolls_and_removes_a_running_pod() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    // Wired before the agent installs weir-cni: only live enrollment can redirect it.
+    let pod = cluster.pod("default", "live").unwrap();
+    let ips = [pod.ipv4().to_string(), pod.ipv6().to_string()];
+    cluster.pod_object("default", "live", |object| {
+        object.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some("Running".into()),
+            pod_ips: Some(
+                ips.iter()
+                    .map(|ip| k8s_openapi::api::core::v1::PodIP { ip: ip.clone() })
+                    .collect(),
+            ),
+            ..Default::default()
+        });
+    });
+    let object: PodObject = cluster.api.get("default", "live").unwrap();
+    let uid = object.metadata.uid.unwrap();
+    let _process = weir_tests::cgroup::PodProcess::start(
+        pod.netns(),
+        &uid,
+        weir_tests::cgroup::CgroupDriver::Cgroupfs,
+    )
+    .unwrap();
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    assert!(ztunnel.pod(&uid).is_none(), "not ambient yet");
+
+    let labelled = |labels: &[(&str, &str)]| Namespace {
+        metadata: meta(None, "default", labels),
+        ..Namespace::default()
+    };
+    cluster
+        .api
+        .update(&labelled(&[(DATAPLANE_MODE_LABEL, "ambient")]));
+    assert!(
+        ztunnel.wait_for_pod(&uid, WAIT).is_some(),
+        "ztunnel gets the Add"
+    );
+    cluster.wait_for_redirection("default", "live", Some("enabled"));
+
+    cluster.api.update(&labelled(&[]));
+    assert!(ztunnel.wait_for_del(&uid, WAIT), "ztunnel gets the Del");
+    cluster.wait_for_redirection("default", "live", None);
+    agent.stop().unwrap();
+}

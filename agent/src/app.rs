@@ -12,7 +12,7 @@ use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
 use crate::{
-    cluster::ClusterConfig,
+    cluster::{reconcile::Reconciler, ClusterConfig},
     cni_server::{CniHandler, CniServer},
     datapath::{Datapath, DatapathConfig},
     enroll::Enroller,
@@ -69,16 +69,23 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         &mut registry,
     )
     .context("starting the ZDS server")?;
-    let policy: Arc<dyn PolicySource> = match &config.source {
-        SourceConfig::File(file) => Arc::new(LocalSource::new(
-            config.policy.clone(),
-            file.clone(),
-            config.verdict_cache.clone(),
-        )?),
+    // In a cluster, the reflectors feed a reconcile loop besides the enrollment path.
+    let (policy, reflectors): (Arc<dyn PolicySource>, _) = match &config.source {
+        SourceConfig::File(file) => (
+            Arc::new(LocalSource::new(
+                config.policy.clone(),
+                file.clone(),
+                config.verdict_cache.clone(),
+            )?),
+            None,
+        ),
         SourceConfig::Cluster(cluster) => {
-            ClusterSource::start(config.policy.clone(), cluster, config.verdict_cache.clone())
-                .await
-                .context("following the cluster")?
+            let source =
+                ClusterSource::start(config.policy.clone(), cluster, config.verdict_cache.clone())
+                    .await
+                    .context("following the cluster")?;
+            let reflectors = (source.reflectors().clone(), cluster.resync_interval);
+            (source, Some(reflectors))
         }
     };
     let enroller = Enroller::new(
@@ -94,6 +101,20 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         .recover()
         .await
         .context("recovering enrolled pods")?;
+    // Not ready before one full reconcile pass (where there is one): until then pods may be
+    // enrolled that should not be, or missing.
+    let (first_pass_tx, mut first_pass) = tokio::sync::watch::channel(reflectors.is_none());
+    let reconciler = reflectors.map(|(reflectors, resync_interval)| {
+        let reconciler = Reconciler::new(
+            enroller.clone(),
+            reflectors,
+            config.policy.clone(),
+            policy.clone(),
+            resync_interval,
+        );
+        reconciler.register_metrics(&mut registry);
+        reconciler
+    });
     let cni_server = CniServer::bind(&config.cni_socket)?;
     let installer = Arc::new(Installer::new(InstallConfig {
         cni_bin_dir: config.cni_bin_dir.clone(),
@@ -112,10 +133,16 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     tasks.spawn(cni_server.serve(cni_handler));
     tasks.spawn(enroller.clone().follow_acks());
     tasks.spawn(enroller.clone().sweep_orphans(config.orphan_sweep_interval));
+    if let Some(reconciler) = reconciler {
+        tasks.spawn(reconciler.run(first_pass_tx));
+    }
     let synced = policy.clone();
     tasks.spawn(async move {
         // Not ready before the policy source can answer for every pod.
         synced.synced().await;
+        if first_pass.wait_for(|done| *done).await.is_err() {
+            return;
+        }
         loop {
             let installed = install_status.borrow_and_update().ready();
             ready_tx.send_replace(installed);

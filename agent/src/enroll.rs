@@ -9,6 +9,7 @@
 use std::{
     collections::{HashMap, HashSet},
     future::Future,
+    net::IpAddr,
     path::PathBuf,
     sync::{Arc, Mutex},
     time::Duration,
@@ -30,7 +31,7 @@ use tracing::{info, warn};
 use weir_cni::protocol::Attachment;
 
 use crate::{
-    datapath::Datapath,
+    datapath::{Datapath, PodNetns},
     policy::{PodName, PolicySource},
     state::StateFile,
     workload::Workload,
@@ -352,6 +353,32 @@ impl Enroller {
             .unwrap()
             .get(uid)
             .map(|(status, _)| *status)
+    }
+
+    /// The enrolled pods' uids, with the names their statuses are published under.
+    pub fn enrolled_pods(&self) -> Vec<(String, PodName)> {
+        let status = self.status.lock().unwrap();
+        status
+            .iter()
+            .map(|(uid, (_, pod))| (uid.clone(), pod.clone()))
+            .collect()
+    }
+
+    /// What the agent recorded of an enrolled pod (its netns path, addresses and options).
+    pub fn record(&self, uid: &str) -> Option<Workload> {
+        self.state.get(uid)
+    }
+
+    /// A running pod's netns, to enroll it live (see [`Datapath::find_running_pod`]).
+    pub async fn find_running_pod(
+        &self,
+        uid: &str,
+        ips: &[IpAddr],
+        hint: Option<PathBuf>,
+    ) -> Result<Option<PodNetns>> {
+        let (uid, ips) = (uid.to_owned(), ips.to_vec());
+        self.datapath_call(move |d| d.find_running_pod(&uid, &ips, hint))
+            .await
     }
 
     /// Runs one step for a pod (keyed by its uid, or whatever names it) once every earlier step

@@ -90,6 +90,10 @@ struct RunArgs {
     /// while it exists and still selects the node (an upgrade).
     #[arg(long, env = "WEIR_DAEMONSET_NAME", default_value = "weir")]
     daemonset_name: String,
+    /// Seconds between full reconcile passes over the node's pods (changes are acted on as they
+    /// come; the pass catches whatever was missed and retries failed pods).
+    #[arg(long, env = "WEIR_RESYNC_INTERVAL", default_value_t = 60)]
+    resync_interval: u64,
     /// Which pods are ambient: a list of {podSelector, namespaceSelector} label selectors, YAML
     /// or JSON, as istio's AMBIENT_ENABLEMENT_SELECTOR (default: istio's rule on the
     /// `istio.io/dataplane-mode` labels).
@@ -253,6 +257,7 @@ impl RunArgs {
             (None, Some(node_name)) => SourceConfig::Cluster(ClusterConfig {
                 kubeconfig: self.kubeconfig,
                 node_name,
+                resync_interval: std::time::Duration::from_secs(self.resync_interval),
             }),
             (None, None) => anyhow::bail!(
                 "--node-name (WEIR_NODE_NAME) is required without --policy-file: \

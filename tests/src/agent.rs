@@ -155,6 +155,7 @@ impl NodeFiles {
             source: SourceConfig::Cluster(ClusterConfig {
                 kubeconfig: Some(kubeconfig),
                 node_name: node_name.to_owned(),
+                resync_interval: std::time::Duration::from_secs(60),
             }),
             ..self.agent_config(node)?
         })

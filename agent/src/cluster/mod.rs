@@ -2,10 +2,11 @@
 //! over the pods on this node, all namespaces and weir's own DaemonSet ([`Reflectors`]), the
 //! status annotation and Events on pods ([`report`]), and the SIGTERM rule ([`shutdown`]).
 //! The policy source (`policy::cluster`) decides from these caches.
+pub mod reconcile;
 pub mod report;
 pub mod shutdown;
 
-use std::{fmt::Debug, path::PathBuf};
+use std::{fmt::Debug, path::PathBuf, time::Duration};
 
 use anyhow::{Context, Result};
 use futures::{future::join3, StreamExt};
@@ -38,6 +39,8 @@ pub struct ClusterConfig {
     pub kubeconfig: Option<PathBuf>,
     /// The node this agent serves (the pods' `spec.nodeName`).
     pub node_name: String,
+    /// How often every pod on the node is checked again, changes or not.
+    pub resync_interval: Duration,
 }
 
 /// A kube client for `config`.

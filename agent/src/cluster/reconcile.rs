@@ -1,0 +1,262 @@
+//! The reconcile loop: what the cluster says each pod on this node should be, made so while pods
+//! run. Label flips enroll or remove running pods, annotation changes apply live, terminated and
+//! deleted pods are removed, and pods the API server no longer knows are dropped. It is driven by
+//! the reflectors' changes and a periodic full pass, and acts through the [`Enroller`] in turn
+//! with any CNI ADD or DEL for the same pod. One pod's failure is logged, reported and retried
+//! with its own backoff; the others go on.
+use std::{
+    collections::HashMap,
+    net::IpAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Result};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use prometheus_client::{metrics::counter::Counter, registry::Registry};
+use tokio::sync::{broadcast::error::RecvError, watch};
+use tracing::{debug, info, warn};
+
+use super::{facts_of, Change, Reflectors};
+use crate::{
+    enroll::Enroller,
+    policy::{AmbientPod, PodName, PolicyConfig, PolicySource, Warning},
+    workload::Workload,
+};
+
+/// A failing pod is retried after this, doubling up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(300);
+
+pub struct Reconciler {
+    enroller: Arc<Enroller>,
+    reflectors: Reflectors,
+    policy: PolicyConfig,
+    source: Arc<dyn PolicySource>,
+    resync_interval: Duration,
+    /// Failing pods by uid: how long they wait now, and until when.
+    backoff: Mutex<HashMap<String, (Duration, Instant)>>,
+    failures: Counter,
+}
+
+/// What one pod should be, from the API server's view of it.
+enum Wanted {
+    /// Ambient and running: enrolled with these options, at these addresses.
+    Enrolled(AmbientPod, Vec<IpAddr>),
+    /// Not ambient, terminated, or gone: not enrolled.
+    Out,
+}
+
+impl Reconciler {
+    pub fn new(
+        enroller: Arc<Enroller>,
+        reflectors: Reflectors,
+        policy: PolicyConfig,
+        source: Arc<dyn PolicySource>,
+        resync_interval: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            enroller,
+            reflectors,
+            policy,
+            source,
+            resync_interval,
+            backoff: Mutex::new(HashMap::new()),
+            failures: Counter::default(),
+        })
+    }
+
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        registry.register(
+            "weir_reconcile_failures",
+            "Pods the reconcile loop could not bring to what the cluster asks (each is retried)",
+            self.failures.clone(),
+        );
+    }
+
+    /// Runs until the agent stops. `first_pass` turns true once the caches have synced and one
+    /// full pass is done: before that the node is not ready.
+    pub async fn run(self: Arc<Self>, first_pass: watch::Sender<bool>) {
+        // Subscribed before the sync, so nothing that changes during the first pass is missed.
+        let mut changes = self.reflectors.changes();
+        self.reflectors.synced().await;
+        self.full_pass().await;
+        first_pass.send_replace(true);
+        let mut resync = tokio::time::interval(self.resync_interval);
+        resync.reset();
+        loop {
+            tokio::select! {
+                change = changes.recv() => match change {
+                    Ok(Change::Pod(pod)) => self.reconcile_named(&pod).await,
+                    Ok(Change::Namespace(namespace)) => self.reconcile_namespace(&namespace).await,
+                    Ok(Change::DaemonSet) => {}
+                    // Changes were missed: only the stores know them now.
+                    Err(RecvError::Lagged(_)) => self.full_pass().await,
+                    Err(RecvError::Closed) => return,
+                },
+                _ = resync.tick() => self.full_pass().await,
+            }
+        }
+    }
+
+    /// Every pod on the node, and every enrolled pod the API server does not know.
+    async fn full_pass(&self) {
+        let pods = self.reflectors.pods.state();
+        for pod in &pods {
+            self.reconcile(pod).await;
+        }
+        let known: Vec<String> = pods.iter().filter_map(|pod| pod.uid()).collect();
+        self.backoff
+            .lock()
+            .unwrap()
+            .retain(|uid, _| known.contains(uid));
+        for (uid, name) in self.enroller.enrolled_pods() {
+            if !known.contains(&uid) {
+                self.apply(&uid, &name, Wanted::Out).await;
+            }
+        }
+        debug!(pods = pods.len(), "full reconcile pass done");
+    }
+
+    async fn reconcile_namespace(&self, namespace: &str) {
+        for pod in self.reflectors.pods.state() {
+            if pod.namespace().as_deref() == Some(namespace) {
+                self.reconcile(&pod).await;
+            }
+        }
+    }
+
+    /// A pod named by a change: in the cache, or deleted (then whatever is enrolled under its
+    /// name goes).
+    async fn reconcile_named(&self, name: &PodName) {
+        match self.reflectors.pod(name) {
+            Some(pod) => self.reconcile(&pod).await,
+            None => {
+                let gone = self.enroller.enrolled_pods();
+                for (uid, _) in gone.iter().filter(|(_, enrolled)| enrolled == name) {
+                    self.apply(uid, name, Wanted::Out).await;
+                }
+            }
+        }
+    }
+
+    async fn reconcile(&self, pod: &Pod) {
+        let Some(uid) = pod.uid() else { return };
+        let name = PodName::new(&pod.namespace().unwrap_or_default(), &pod.name_any());
+        let wanted = self.wanted(pod);
+        self.apply(&uid, &name, wanted).await;
+    }
+
+    fn wanted(&self, pod: &Pod) -> Wanted {
+        let status = pod.status.as_ref();
+        let phase = status.and_then(|s| s.phase.as_deref());
+        if matches!(phase, Some("Succeeded" | "Failed")) {
+            return Wanted::Out;
+        }
+        let namespace = pod.namespace().unwrap_or_default();
+        let namespace_labels = self
+            .reflectors
+            .namespace_labels(&namespace)
+            .unwrap_or_default();
+        match self.policy.decide(&facts_of(pod, namespace_labels)) {
+            None => Wanted::Out,
+            Some(ambient) => {
+                let ips = status
+                    .and_then(|s| s.pod_ips.as_ref())
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|ip| ip.ip.parse().ok())
+                    .collect();
+                Wanted::Enrolled(ambient, ips)
+            }
+        }
+    }
+
+    /// Brings one pod to `wanted`, in turn with its other steps; a failure is reported and
+    /// retried later with backoff.
+    async fn apply(&self, uid: &str, name: &PodName, wanted: Wanted) {
+        if !self.due(uid) {
+            return;
+        }
+        let result = self
+            .enroller
+            .in_turn(uid, self.converge(uid, name, wanted))
+            .await;
+        match result {
+            Ok(()) => drop(self.backoff.lock().unwrap().remove(uid)),
+            Err(error) => {
+                self.failures.inc();
+                let wait = self.back_off(uid);
+                warn!(%name, uid, retry_in = ?wait, "reconciling the pod: {error:#}");
+                self.source
+                    .warn(name, Warning::EnrollmentFailed(format!("{error:#}")))
+                    .await;
+            }
+        }
+    }
+
+    async fn converge(&self, uid: &str, name: &PodName, wanted: Wanted) -> Result<()> {
+        let enrolled = self.enroller.status(uid).is_some();
+        match wanted {
+            Wanted::Out if enrolled => {
+                self.enroller.unenroll(uid).await?;
+                info!(%name, uid, "pod no longer ambient: removed");
+            }
+            Wanted::Out => {}
+            // No address or sandbox yet: its CNI ADD enrolls it.
+            Wanted::Enrolled(_, ips) if ips.is_empty() => {}
+            Wanted::Enrolled(ambient, ips) => {
+                let record = self.enroller.record(uid);
+                if let Some(record) = record.as_ref().filter(|_| enrolled) {
+                    if record.options != ambient.options {
+                        let updated = Workload {
+                            options: ambient.options,
+                            ..record.clone()
+                        };
+                        self.enroller.enroll(&updated).await?;
+                        info!(%name, uid, options = ?ambient.options, "pod options applied live");
+                    }
+                    return Ok(());
+                }
+                let hint = record.map(|record| record.netns);
+                let found = self.enroller.find_running_pod(uid, &ips, hint).await?;
+                let found = found.ok_or_else(|| {
+                    anyhow!("no network namespace on this node holds the pod's addresses")
+                })?;
+                let pod = Workload {
+                    uid: uid.to_owned(),
+                    name: name.name.clone(),
+                    namespace: name.namespace.clone(),
+                    service_account: Some(ambient.service_account),
+                    netns: found.path.clone(),
+                    ips,
+                    options: ambient.options,
+                };
+                // `found` holds the namespace open while it is enrolled.
+                self.enroller.enroll(&pod).await?;
+                drop(found);
+                info!(%name, uid, "running pod enrolled");
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a pod that failed before may be tried again now.
+    fn due(&self, uid: &str) -> bool {
+        let backoff = self.backoff.lock().unwrap();
+        backoff
+            .get(uid)
+            .is_none_or(|(_, until)| Instant::now() >= *until)
+    }
+
+    /// Records a failure; returns how long the pod now waits.
+    fn back_off(&self, uid: &str) -> Duration {
+        let mut backoff = self.backoff.lock().unwrap();
+        let wait = backoff
+            .get(uid)
+            .map_or(FIRST_BACKOFF, |(wait, _)| (*wait * 2).min(MAX_BACKOFF));
+        backoff.insert(uid.to_owned(), (wait, Instant::now() + wait));
+        wait
+    }
+}
