@@ -39,6 +39,9 @@ pub struct NodeOptions {
     /// primary CNI does), and reads the first conflist there for every pod (as the runtime
     /// does), so a plugin another component inserts into it (weir's installer) is chained.
     pub conflist_dir: Option<PathBuf>,
+    /// Room for thousands of pods (the bench's scale runs): the IPv4 range spans the rest of
+    /// 10.244.0.0/16 from this node's /24 on, instead of the /24 alone (253 pods).
+    pub wide_ipv4_range: bool,
 }
 
 /// What a pod is, as far as the runtime and the CNI plugins can tell.
@@ -141,7 +144,7 @@ impl TestNode {
                 "type": "host-local",
                 "dataDir": ipam_dir.path(),
                 "ranges": [
-                    [{ "subnet": format!("{}/24", subnet_v4(subnet, 0)) }],
+                    [ipv4_range(subnet, options.wide_ipv4_range)],
                     [{ "subnet": format!("{}/64", subnet_v6(subnet, 0)) }],
                 ],
                 "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }],
@@ -513,6 +516,19 @@ fn pod_ip<T>(result: &Value, pick: fn(IpAddr) -> Option<T>) -> Result<T> {
 }
 
 /// `10.244.<subnet>.<host>`.
+/// host-local's IPv4 range for node `subnet`: its /24, or (wide) the /16 from that /24 on, with
+/// the same gateway either way.
+fn ipv4_range(subnet: u8, wide: bool) -> Value {
+    if !wide {
+        return json!({ "subnet": format!("{}/24", subnet_v4(subnet, 0)) });
+    }
+    json!({
+        "subnet": format!("{}/16", subnet_v4(0, 0)),
+        "rangeStart": subnet_v4(subnet, 2).to_string(),
+        "gateway": subnet_v4(subnet, 1).to_string(),
+    })
+}
+
 fn subnet_v4(subnet: u8, host: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, subnet, host)
 }

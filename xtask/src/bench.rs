@@ -1,19 +1,23 @@
 //! `cargo xtask bench`: weir's datapath side by side with istio-cni's iptables rules, in one run
-//! on a throwaway node (release build; medians and ratios).
+//! on a throwaway node (release build; medians and pair-by-pair ratios), written to
+//! `target/bench/`. `--quick` (into `target/bench/quick/`) runs tiny sizes from the dev build the tests use, so the bench
+//! cannot rot; its figures mean nothing.
 
 use anyhow::Result;
 
 use crate::{ebpf, step, system};
 
-pub fn run() -> Result<()> {
+pub fn run(quick: bool, args: &[String]) -> Result<()> {
     let object = ebpf::build(false)?;
-    step("building the benchmark (release)");
+    let profile = if quick { "dev" } else { "release" };
+    step(&format!("building the benchmark ({profile})"));
     system::run(
         system::cargo()
             .current_dir(crate::workspace_root())
             .args([
                 "build",
-                "--release",
+                "--profile",
+                profile,
                 "-p",
                 "weir-tests",
                 "--bin",
@@ -22,6 +26,23 @@ pub fn run() -> Result<()> {
             .env("WEIR_EBPF_OBJECT", &object),
     )?;
     step("running it: a throwaway node, weir and iptables side by side");
-    let bench = crate::workspace_root().join("target/release/weir-bench");
-    system::run(&mut system::as_root(bench))
+    run_built(quick, args)
+}
+
+/// Runs the weir-bench binary the build left (dev for `--quick`, else release).
+pub fn run_built(quick: bool, args: &[String]) -> Result<()> {
+    let root = crate::workspace_root();
+    let profile_dir = if quick { "debug" } else { "release" };
+    let mut bench = system::as_root(root.join("target").join(profile_dir).join("weir-bench"));
+    // The quick run's figures mean nothing: they never replace a real run's.
+    let out = if quick {
+        "target/bench/quick"
+    } else {
+        "target/bench"
+    };
+    bench.arg("--out").arg(root.join(out));
+    if quick {
+        bench.arg("--quick");
+    }
+    system::run(bench.args(args))
 }

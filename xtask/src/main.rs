@@ -50,8 +50,17 @@ enum Command {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Measure weir's datapath against istio's iptables rules, side by side.
-    Bench,
+    /// Measure weir's datapath against istio's iptables rules, side by side; writes
+    /// target/bench/{bench.md,bench.json,scale.svg}.
+    Bench {
+        /// Tiny sizes in a dev build: shows that the bench runs (the test run does this), no
+        /// figures to read.
+        #[arg(long)]
+        quick: bool,
+        /// Extra arguments for weir-bench, after `--` (e.g. `--sizes 10,100,1000`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// Remove leftovers of killed test runs: `weir-t-*` network namespaces and bpffs pins (needs root).
     Sweep,
 }
@@ -64,7 +73,7 @@ fn main() -> ExitCode {
         Command::Test { args } => test::run(&args),
         Command::Demo => demo::run(),
         Command::Run { dir, args } => run::run(&dir, &args),
-        Command::Bench => bench::run(),
+        Command::Bench { quick, args } => bench::run(quick, &args),
         Command::Sweep => sweep::run(),
     };
     match result {

@@ -5,7 +5,7 @@ use std::process::Command;
 use anyhow::{bail, Result};
 
 use crate::system::{self, cargo};
-use crate::{ebpf, step, sweep};
+use crate::{bench, ebpf, step, sweep};
 
 /// What the privileged tests run: the CNI plugins that wire test pods, `ip`, iptables and bpftool.
 const TEST_PACKAGES: &[&str] = &[
@@ -46,7 +46,7 @@ pub fn run(test_args: &[String]) -> Result<()> {
     step("testing the kernel crate's helpers on the host");
     system::run(ebpf_on_host().arg("test"))?;
 
-    step("building the binaries the tests run (weir-cni, weir-agent)");
+    step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
     system::run(with_object(cargo()).args(["build", "--workspace", "--bins"]))?;
 
     let mut test = with_object(cargo());
@@ -57,7 +57,10 @@ pub fn run(test_args: &[String]) -> Result<()> {
     step("sweeping leftovers of earlier test runs");
     sweep::run_privileged()?;
     step("running tests");
-    let result = system::run(&mut test);
+    let result = system::run(&mut test).and_then(|()| {
+        step("running the bench's quick configuration (it runs; no figures)");
+        bench::run_built(true, &[])
+    });
     step("sweeping leftovers of this test run");
     let swept = sweep::run_privileged();
     result.and(swept)
