@@ -211,7 +211,7 @@ impl Reconciler {
                 if let Some(record) = record.as_ref().filter(|_| enrolled) {
                     if record.options != ambient.options {
                         let updated = Workload {
-                            options: ambient.options,
+                            options: ambient.options.clone(),
                             ..record.clone()
                         };
                         self.enroller.enroll(&updated).await?;
@@ -219,6 +219,8 @@ impl Reconciler {
                     }
                     return Ok(());
                 }
+                // Enrolled outside a CNI ADD, the pod keeps the attachment an earlier ADD recorded.
+                let attachment = record.as_ref().and_then(|record| record.attachment.clone());
                 let hint = record.map(|record| record.netns);
                 let found = self.enroller.find_running_pod(uid, &ips, hint).await?;
                 let found = found.ok_or_else(|| {
@@ -232,6 +234,7 @@ impl Reconciler {
                     netns: found.path.clone(),
                     ips,
                     options: ambient.options,
+                    attachment,
                 };
                 // `found` holds the namespace open while it is enrolled.
                 self.enroller.enroll(&pod).await?;
