@@ -39,8 +39,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use weir_common::{
-    ConnectionKey, Endpoint, IpKey, PodCounters, HBONE_PORT, INBOUND_PORT,
-    OUTBOUND_PORT, POD_INBOUND_BYPASS, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
+    ConnectionKey, Endpoint, IpKey, PodCounters, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
+    POD_INBOUND_BYPASS, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 
 use crate::{
@@ -369,10 +369,10 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
         listener: original,
     };
     // Recorded before the SYN can reach ztunnel, which asks as soon as it accepts.
-    if CONN_ORIG_DST.insert(&connection, &original, 0).is_err()
+    if CONN_ORIG_DST.insert(connection, original, 0).is_err()
         || !assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT)
     {
-        let _ = CONN_ORIG_DST.remove(&connection);
+        let _ = CONN_ORIG_DST.remove(connection);
         diag!(
             by_ref warn,
             ctx.skb.skb,
