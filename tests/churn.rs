@@ -19,16 +19,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use weir_agent::policy::{
-    local::{LocalPolicy, ObjectMeta},
-    DATAPLANE_MODE_LABEL,
-};
 use weir_tests::{
     agent::{http_status, workspace_binary, NodeFiles},
+    chain::{ambient_policy, MESH},
     netns, Fixture, PodSpec, ZdsEvent, ZdsZtunnel,
 };
 
-const MESH: &str = "mesh";
 /// Pods created and deleted at once, as a busy node's runtime does.
 const CONCURRENCY: usize = 32;
 /// Cycles in a CI run: a cycle takes about 0.1 s of the shared 2-core machine (more when other
@@ -56,19 +52,6 @@ const THREADS_SETTLE: Duration = Duration::from_secs(30);
 /// The tests here do not run alongside each other: the churn saturates the machine, and the
 /// hostile-clients test is about the agent's deadlines, not the machine's spare time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// The namespace `mesh` is ambient.
-fn ambient_policy() -> LocalPolicy {
-    let mut policy = LocalPolicy::default();
-    policy.namespaces.insert(
-        MESH.into(),
-        ObjectMeta {
-            labels: BTreeMap::from([(DATAPLANE_MODE_LABEL.into(), "ambient".into())]),
-            ..ObjectMeta::default()
-        },
-    );
-    policy
-}
 
 /// The `weir-agent run` binary in the node's network namespace, as the DaemonSet runs it (host
 /// network); stopped with SIGTERM on drop, which leaves the datapath for the fixture to remove.

@@ -2,7 +2,6 @@
 //! under continuous traffic, the agent SIGKILLed between enrollment steps, what a process in an
 //! enrolled pod can and cannot do, and who may reach weir's sockets and pins.
 use std::{
-    collections::BTreeMap,
     fs,
     io::{self, ErrorKind},
     net::{IpAddr, SocketAddr, TcpStream},
@@ -18,18 +17,13 @@ use std::{
 
 use serde_json::Value;
 use socket2::{Domain, SockAddr, Socket, Type};
-use weir_agent::{
-    policy::{
-        local::{LocalPolicy, ObjectMeta},
-        DATAPLANE_MODE_LABEL,
-    },
-    workload::PodOptions,
-};
+use weir_agent::workload::PodOptions;
 use weir_common::{
     ABI_VERSION, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK,
 };
 use weir_tests::{
     agent::{workspace_binary, Agent, AgentProcess, NodeFiles},
+    chain::{ambient_policy, MESH},
     sockopt::canonical,
     tcp_request,
     traffic::{read_line, set_timeouts, write_line},
@@ -40,7 +34,6 @@ use weir_tests::{
 };
 
 const WAIT: Duration = Duration::from_secs(3);
-const MESH: &str = "mesh";
 /// uid and gid of an unprivileged process.
 const NOBODY: u32 = 65534;
 
@@ -55,15 +48,7 @@ struct Node {
 impl Node {
     fn privileged() -> Option<Self> {
         let files = NodeFiles::new().unwrap();
-        let mut policy = LocalPolicy::default();
-        policy.namespaces.insert(
-            MESH.into(),
-            ObjectMeta {
-                labels: BTreeMap::from([(DATAPLANE_MODE_LABEL.into(), "ambient".into())]),
-                ..ObjectMeta::default()
-            },
-        );
-        files.write_policy(&policy).unwrap();
+        files.write_policy(&ambient_policy()).unwrap();
         let fixture = Fixture::privileged_with(files.node_options())?;
         Some(Self { files, fixture })
     }
