@@ -382,3 +382,120 @@ fn namespace_label_enrolls_and_removes_a_running_pod() {
     cluster.wait_for_redirection("default", "live", None);
     agent.stop().unwrap();
 }
+
+#[test]
+fn opt_out_deletion_and_completion_remove_running_pods_live() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let names = ["opting-out", "deleted", "completed"];
+    let mut running = Vec::new();
+    for name in names {
+        cluster.pod_object(MESH, name, |_| {});
+        let object: PodObject = cluster.api.get(MESH, name).unwrap();
+        let uid = object.metadata.uid.unwrap();
+        // The runtime names the pod by the uid the API server gave it, as kubelet does.
+        let pod = cluster
+            .node
+            .node()
+            .add_pod_with(PodSpec {
+                namespace: MESH.into(),
+                uid: Some(uid.clone()),
+                ..PodSpec::new(name)
+            })
+            .unwrap();
+        ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+        cluster.wait_for_redirection(MESH, name, Some("enabled"));
+        running.push((uid, pod));
+    }
+    let recorded = |uid: &str| {
+        let state = std::fs::read_to_string(&agent.config.state_file).unwrap_or_default();
+        state.contains(uid)
+    };
+    assert!(running.iter().all(|(uid, _)| recorded(uid)));
+
+    let mut opting_out: PodObject = cluster.api.get(MESH, "opting-out").unwrap();
+    opting_out.metadata.labels = map(&[(DATAPLANE_MODE_LABEL, "none")]);
+    cluster.api.update(&opting_out);
+    cluster
+        .api
+        .delete::<PodObject>(MESH, "deleted")
+        .expect("the pod existed");
+    let mut completed: PodObject = cluster.api.get(MESH, "completed").unwrap();
+    completed.status = Some(k8s_openapi::api::core::v1::PodStatus {
+        phase: Some("Succeeded".into()),
+        ..Default::default()
+    });
+    cluster.api.update(&completed);
+
+    for (name, (uid, _)) in names.iter().zip(&running) {
+        assert!(
+            ztunnel.wait_for_del(uid, WAIT),
+            "{name}: ztunnel gets the Del"
+        );
+    }
+    let deadline = std::time::Instant::now() + WAIT;
+    while running.iter().any(|(uid, _)| recorded(uid)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the state file still records a removed pod"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    cluster.wait_for_redirection(MESH, "opting-out", None);
+    agent.stop().unwrap();
+}
+
+#[test]
+fn changes_made_while_the_watches_are_down_are_not_lost() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    cluster.pod_object(MESH, "app", |_| {});
+    let object: PodObject = cluster.api.get(MESH, "app").unwrap();
+    let uid = object.metadata.uid.unwrap();
+    let _pod = cluster
+        .node
+        .node()
+        .add_pod_with(PodSpec {
+            namespace: MESH.into(),
+            uid: Some(uid.clone()),
+            ..PodSpec::new("app")
+        })
+        .unwrap();
+    ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+    let lists_before = cluster
+        .api
+        .requests()
+        .iter()
+        .filter(|request| request.verb == "list")
+        .count();
+
+    // As an API server restart: the streams end, and no resourceVersion handed out so far can be
+    // resumed from. The namespace leaves the mesh meanwhile.
+    cluster.api.expire_history();
+    cluster.api.drop_watches();
+    cluster.api.update(&Namespace {
+        metadata: meta(None, MESH, &[]),
+        ..Namespace::default()
+    });
+
+    assert!(
+        ztunnel.wait_for_del(&uid, WAIT),
+        "the relist shows the namespace left the mesh"
+    );
+    cluster.wait_for_redirection(MESH, "app", None);
+    let relists = cluster
+        .api
+        .requests()
+        .iter()
+        .filter(|request| request.verb == "list")
+        .count()
+        - lists_before;
+    assert!(relists > 0, "the reflectors relisted after 410");
+    agent.stop().unwrap();
+}
