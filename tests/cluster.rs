@@ -499,3 +499,56 @@ fn changes_made_while_the_watches_are_down_are_not_lost() {
     assert!(relists > 0, "the reflectors relisted after 410");
     agent.stop().unwrap();
 }
+
+#[test]
+fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    // With its DaemonSet selecting the node, a stopping agent leaves weir in place (an upgrade).
+    cluster.daemonset();
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let names = ["stays", "deleted", "opted-out"];
+    let mut pods = Vec::new();
+    for name in names {
+        cluster.pod_object(MESH, name, |_| {});
+        let object: PodObject = cluster.api.get(MESH, name).unwrap();
+        let uid = object.metadata.uid.unwrap();
+        let pod = cluster
+            .node
+            .node()
+            .add_pod_with(PodSpec {
+                namespace: MESH.into(),
+                uid: Some(uid.clone()),
+                ..PodSpec::new(name)
+            })
+            .unwrap();
+        ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+        pods.push((uid, pod));
+    }
+    agent.stop().unwrap();
+    drop(ztunnel);
+
+    // While no agent runs: one pod leaves the API, another opts out.
+    cluster.api.delete::<PodObject>(MESH, "deleted").unwrap();
+    let mut opted_out: PodObject = cluster.api.get(MESH, "opted-out").unwrap();
+    opted_out.metadata.labels = map(&[(DATAPLANE_MODE_LABEL, "none")]);
+    cluster.api.update(&opted_out);
+
+    // Ready means reconciled: at the first 200 from /readyz, only the live ambient pod is held.
+    let agent = cluster.start_agent();
+    let state = std::fs::read_to_string(&agent.config.state_file).unwrap();
+    assert!(state.contains(&pods[0].0), "the live ambient pod is kept");
+    for (name, (uid, _)) in names.iter().zip(&pods).skip(1) {
+        assert!(!state.contains(uid.as_str()), "{name} is gone before ready");
+    }
+    assert_eq!(
+        cluster.redirection(MESH, "opted-out"),
+        None,
+        "the opted-out pod's annotation is removed"
+    );
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    assert!(ztunnel.wait_for_pod(&pods[0].0, WAIT).is_some());
+    agent.stop().unwrap();
+}
