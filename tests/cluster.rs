@@ -552,3 +552,61 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
     assert!(ztunnel.wait_for_pod(&pods[0].0, WAIT).is_some());
     agent.stop().unwrap();
 }
+
+#[test]
+fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let running = |ips: &[String]| {
+        let ips = ips.to_vec();
+        move |object: &mut PodObject| {
+            object.status = Some(k8s_openapi::api::core::v1::PodStatus {
+                phase: Some("Running".into()),
+                pod_ips: Some(
+                    ips.into_iter()
+                        .map(|ip| k8s_openapi::api::core::v1::PodIP { ip })
+                        .collect(),
+                ),
+                ..Default::default()
+            });
+        }
+    };
+    // Running by the API, but no network namespace on the node holds its address.
+    cluster.pod_object(MESH, "broken", running(&["10.255.0.9".into()]));
+    // Wired before weir-cni was in the chain: only the agent's reconcile can enroll it.
+    let pod = cluster.pod(MESH, "healthy").unwrap();
+    cluster.pod_object(
+        MESH,
+        "healthy",
+        running(&[pod.ipv4().to_string(), pod.ipv6().to_string()]),
+    );
+    let object: PodObject = cluster.api.get(MESH, "healthy").unwrap();
+    let uid = object.metadata.uid.unwrap();
+    let _process = weir_tests::cgroup::PodProcess::start(
+        pod.netns(),
+        &uid,
+        weir_tests::cgroup::CgroupDriver::Systemd,
+    )
+    .unwrap();
+
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    assert!(
+        ztunnel.wait_for_pod(&uid, WAIT).is_some(),
+        "the healthy pod is enrolled"
+    );
+    cluster.wait_for_redirection(MESH, "healthy", Some("enabled"));
+    let deadline = std::time::Instant::now() + WAIT;
+    let failed = loop {
+        let failed = cluster.warnings("AmbientEnrollmentFailed");
+        if !failed.is_empty() || std::time::Instant::now() > deadline {
+            break failed;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(failed.len(), 1, "{failed:#?}");
+    assert_eq!(failed[0]["regarding"]["name"], "broken");
+    assert_eq!(cluster.redirection(MESH, "broken"), None);
+    agent.stop().unwrap();
+}
