@@ -112,6 +112,24 @@ impl Cluster {
         })
     }
 
+    /// The pod object and its sandbox, made by the node's CNI chain under the uid the API
+    /// server gave the object, as kubelet names it.
+    fn pod_with_object(&self, namespace: &str, name: &str) -> (String, weir_tests::Pod) {
+        self.pod_object(namespace, name, |_| {});
+        let object: PodObject = self.api.get(namespace, name).unwrap();
+        let uid = object.metadata.uid.unwrap();
+        let pod = self
+            .node
+            .node()
+            .add_pod_with(PodSpec {
+                namespace: namespace.into(),
+                uid: Some(uid.clone()),
+                ..PodSpec::new(name)
+            })
+            .unwrap();
+        (uid, pod)
+    }
+
     fn redirection(&self, namespace: &str, name: &str) -> Option<String> {
         let pod: PodObject = self.api.get(namespace, name)?;
         pod.metadata
@@ -393,19 +411,7 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
     let names = ["opting-out", "deleted", "completed"];
     let mut running = Vec::new();
     for name in names {
-        cluster.pod_object(MESH, name, |_| {});
-        let object: PodObject = cluster.api.get(MESH, name).unwrap();
-        let uid = object.metadata.uid.unwrap();
-        // The runtime names the pod by the uid the API server gave it, as kubelet does.
-        let pod = cluster
-            .node
-            .node()
-            .add_pod_with(PodSpec {
-                namespace: MESH.into(),
-                uid: Some(uid.clone()),
-                ..PodSpec::new(name)
-            })
-            .unwrap();
+        let (uid, pod) = cluster.pod_with_object(MESH, name);
         ztunnel.wait_for_pod(&uid, WAIT).unwrap();
         cluster.wait_for_redirection(MESH, name, Some("enabled"));
         running.push((uid, pod));
@@ -455,18 +461,7 @@ fn changes_made_while_the_watches_are_down_are_not_lost() {
     };
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
-    cluster.pod_object(MESH, "app", |_| {});
-    let object: PodObject = cluster.api.get(MESH, "app").unwrap();
-    let uid = object.metadata.uid.unwrap();
-    let _pod = cluster
-        .node
-        .node()
-        .add_pod_with(PodSpec {
-            namespace: MESH.into(),
-            uid: Some(uid.clone()),
-            ..PodSpec::new("app")
-        })
-        .unwrap();
+    let (uid, _pod) = cluster.pod_with_object(MESH, "app");
     ztunnel.wait_for_pod(&uid, WAIT).unwrap();
     let lists_before = cluster
         .api
@@ -512,18 +507,7 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
     let names = ["stays", "deleted", "opted-out"];
     let mut pods = Vec::new();
     for name in names {
-        cluster.pod_object(MESH, name, |_| {});
-        let object: PodObject = cluster.api.get(MESH, name).unwrap();
-        let uid = object.metadata.uid.unwrap();
-        let pod = cluster
-            .node
-            .node()
-            .add_pod_with(PodSpec {
-                namespace: MESH.into(),
-                uid: Some(uid.clone()),
-                ..PodSpec::new(name)
-            })
-            .unwrap();
+        let (uid, pod) = cluster.pod_with_object(MESH, name);
         ztunnel.wait_for_pod(&uid, WAIT).unwrap();
         pods.push((uid, pod));
     }
@@ -608,5 +592,52 @@ fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
     assert_eq!(failed.len(), 1, "{failed:#?}");
     assert_eq!(failed[0]["regarding"]["name"], "broken");
     assert_eq!(cluster.redirection(MESH, "broken"), None);
+    agent.stop().unwrap();
+}
+
+#[test]
+fn an_annotation_change_applies_to_a_running_pod() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (_, pod) = cluster.pod_with_object(MESH, "app");
+    ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    let resolver = std::net::SocketAddr::new(
+        cluster.node.node().gateway_v4().into(),
+        weir_common::DNS_PORT,
+    );
+    let answer = pod
+        .run(|| weir_tests::udp_request(resolver, "query"))
+        .unwrap();
+    assert_eq!(
+        answer.response,
+        format!("{}query", weir_tests::ztunnel::DNS_REPLY_PREFIX),
+        "DNS capture is on by default"
+    );
+
+    let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
+    object.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "false")]);
+    cluster.api.update(&object);
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        // Nothing answers DNS on the node's gateway: once capture is off, the query goes there.
+        match pod.run(|| weir_tests::udp_request(resolver, "query")) {
+            Ok(answer)
+                if answer
+                    .response
+                    .starts_with(weir_tests::ztunnel::DNS_REPLY_PREFIX) =>
+            {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "DNS still captured after the annotation turned it off"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            _ => break,
+        }
+    }
+    assert!(ztunnel.pod(pod.uid()).is_some(), "the pod stays enrolled");
     agent.stop().unwrap();
 }

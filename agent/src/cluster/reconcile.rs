@@ -204,8 +204,6 @@ impl Reconciler {
                 info!(%name, uid, "pod no longer ambient: removed");
             }
             Wanted::Out => {}
-            // No address or sandbox yet: its CNI ADD enrolls it.
-            Wanted::Enrolled(_, ips) if ips.is_empty() => {}
             Wanted::Enrolled(ambient, ips) => {
                 let record = self.enroller.record(uid);
                 if let Some(record) = record.as_ref().filter(|_| enrolled) {
@@ -217,6 +215,10 @@ impl Reconciler {
                         self.enroller.enroll(&updated).await?;
                         info!(%name, uid, options = ?ambient.options, "pod options applied live");
                     }
+                    return Ok(());
+                }
+                if ips.is_empty() {
+                    // No address or sandbox yet: its CNI ADD enrolls it.
                     return Ok(());
                 }
                 // Enrolled outside a CNI ADD, the pod keeps the attachment an earlier ADD recorded.
