@@ -147,7 +147,7 @@ fn wait_for_connections(logs: &[&Arc<Mutex<Vec<Connection>>>], since: Instant, c
     }
 }
 
-/// The connections of `log` that did not go through ztunnel: failed, or never seen on
+/// The connections of `log` that succeeded without going through ztunnel: never seen on
 /// `listener` (by client address) with `target` as their destination.
 fn bypassing<'a>(
     log: &'a [Connection],
