@@ -34,6 +34,19 @@ fn map(pairs: &[(&str, &str)]) -> Option<BTreeMap<String, String>> {
     )
 }
 
+/// A pod's status once kubelet reports it running at `ips`.
+fn running_at(ips: &[String]) -> k8s_openapi::api::core::v1::PodStatus {
+    k8s_openapi::api::core::v1::PodStatus {
+        phase: Some("Running".into()),
+        pod_ips: Some(
+            ips.iter()
+                .map(|ip| k8s_openapi::api::core::v1::PodIP { ip: ip.clone() })
+                .collect(),
+        ),
+        ..Default::default()
+    }
+}
+
 fn meta(namespace: Option<&str>, name: &str, labels: &[(&str, &str)]) -> ObjectMeta {
     ObjectMeta {
         name: Some(name.into()),
@@ -360,15 +373,7 @@ fn namespace_label_enrolls_and_removes_a_running_pod() {
     let pod = cluster.pod("default", "live").unwrap();
     let ips = [pod.ipv4().to_string(), pod.ipv6().to_string()];
     cluster.pod_object("default", "live", |object| {
-        object.status = Some(k8s_openapi::api::core::v1::PodStatus {
-            phase: Some("Running".into()),
-            pod_ips: Some(
-                ips.iter()
-                    .map(|ip| k8s_openapi::api::core::v1::PodIP { ip: ip.clone() })
-                    .collect(),
-            ),
-            ..Default::default()
-        });
+        object.status = Some(running_at(&ips));
     });
     let object: PodObject = cluster.api.get("default", "live").unwrap();
     let uid = object.metadata.uid.unwrap();
@@ -543,18 +548,8 @@ fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
         return;
     };
     let running = |ips: &[String]| {
-        let ips = ips.to_vec();
-        move |object: &mut PodObject| {
-            object.status = Some(k8s_openapi::api::core::v1::PodStatus {
-                phase: Some("Running".into()),
-                pod_ips: Some(
-                    ips.into_iter()
-                        .map(|ip| k8s_openapi::api::core::v1::PodIP { ip })
-                        .collect(),
-                ),
-                ..Default::default()
-            });
-        }
+        let status = running_at(ips);
+        move |object: &mut PodObject| object.status = Some(status)
     };
     // Running by the API, but no network namespace on the node holds its address.
     cluster.pod_object(MESH, "broken", running(&["10.255.0.9".into()]));
