@@ -7,11 +7,9 @@
 use std::{
     collections::{BTreeMap, HashMap},
     io::{BufRead, BufReader, Read, Write},
-    net::SocketAddr,
     os::unix::net::UnixStream,
-    os::{fd::AsFd, unix::process::CommandExt},
     path::Path,
-    process::{Child, Command, Stdio},
+    process::Command,
     sync::{
         atomic::{AtomicUsize, Ordering},
         Mutex, PoisonError,
@@ -20,9 +18,9 @@ use std::{
 };
 
 use weir_tests::{
-    agent::{http_status, workspace_binary, NodeFiles},
-    chain::{ambient_policy, MESH},
-    netns, Fixture, PodSpec, ZdsEvent, ZdsZtunnel,
+    agent::{AgentBinary, AgentProcess},
+    chain::{ChainNode, MESH},
+    ZdsEvent, ZdsZtunnel,
 };
 
 /// Pods created and deleted at once, as a busy node's runtime does.
@@ -53,124 +51,59 @@ const THREADS_SETTLE: Duration = Duration::from_secs(30);
 /// hostile-clients test is about the agent's deadlines, not the machine's spare time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-/// The `weir-agent run` binary in the node's network namespace, as the DaemonSet runs it (host
-/// network); stopped with SIGTERM on drop, which leaves the datapath for the fixture to remove.
-struct AgentProcess {
-    child: Child,
-    health_addr: SocketAddr,
+/// The production agent, with the memory allocator set up for comparing the memory it uses.
+fn start_agent(node: &ChainNode) -> AgentProcess {
+    // One malloc arena: with glibc's default of one per thread (up to 8 per core), the memory of
+    // a burst of blocking threads stays in their arenas after they end, and RSS rose by ~40 MiB,
+    // the same after 600 cycles as after 2,000, on a loaded machine. The test compares memory in
+    // use, not the allocator's retention.
+    let binary = AgentBinary::Run {
+        env: &[("MALLOC_ARENA_MAX", "1")],
+    };
+    AgentProcess::start(&node.files, node.netns(), binary).expect("weir-agent ready")
 }
 
-impl AgentProcess {
-    fn start(files: &NodeFiles, fixture: &Fixture) -> Self {
-        let node = fixture.node();
-        let config = files.agent_config(node.netns()).unwrap();
-        let node_netns = node.netns().open().unwrap();
-        let mut command = Command::new(workspace_binary("weir-agent"));
-        command
-            .arg("--pin-root")
-            .arg(&config.datapath.pin_root)
-            .arg("run")
-            .arg("--policy-file")
-            .arg(files.policy_file())
-            .arg("--cni-socket")
-            .arg(&config.cni_socket)
-            .arg("--verdict-cache")
-            .arg(&config.verdict_cache)
-            .arg("--state-file")
-            .arg(&config.state_file)
-            .arg("--zds-socket")
-            .arg(&config.zds_socket)
-            .arg("--cni-bin-dir")
-            .arg(&config.cni_bin_dir)
-            .arg("--cni-net-dir")
-            .arg(&config.cni_net_dir)
-            .arg("--cni-plugin")
-            .arg(&config.cni_plugin)
-            .arg("--health-addr")
-            .arg(config.health_addr.to_string())
-            .arg("--metrics-addr")
-            .arg(config.metrics_addr.to_string())
-            .env("RUST_LOG", "warn")
-            // One malloc arena: with glibc's default of one per thread (up to 8 per core), the
-            // memory of a burst of blocking threads stays in their arenas after they end, and
-            // RSS rose by ~40 MiB, the same after 600 cycles as after 2,000, on a loaded
-            // machine. The test compares memory in use, not the allocator's retention.
-            .env("MALLOC_ARENA_MAX", "1")
-            .stdin(Stdio::null());
-        // SAFETY: setns is async-signal-safe, and the fd stays open until spawn returns.
-        unsafe {
-            command.pre_exec(move || netns::enter(node_netns.as_fd()));
-        }
-        let agent = Self {
-            child: command.spawn().expect("weir-agent starts"),
-            health_addr: config.health_addr,
-        };
-        agent.wait_ready(fixture);
-        agent
-    }
-
-    fn wait_ready(&self, fixture: &Fixture) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while fixture
-            .node()
-            .run(|| http_status(self.health_addr, "/readyz").ok())
-            != Some(200)
-        {
-            assert!(Instant::now() < deadline, "the agent did not become ready");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// The agent's open file descriptors, with what each one is (for the failure message).
-    fn open_fds(&self) -> BTreeMap<u32, String> {
-        let dir = format!("/proc/{}/fd", self.child.id());
-        std::fs::read_dir(dir)
-            .unwrap()
-            .filter_map(Result::ok)
-            .filter_map(|entry| {
-                let fd = entry.file_name().to_str()?.parse().ok()?;
-                let target = std::fs::read_link(entry.path()).ok()?;
-                Some((fd, target.display().to_string()))
-            })
-            .collect()
-    }
-
-    /// A number from the agent's `/proc/<pid>/status` (`VmRSS` in KiB, `Threads`).
-    fn status(&self, field: &str) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
-            .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {field} in /proc/<pid>/status"))
-    }
-
-    /// Waits until the agent is back to `idle` threads; panics if it is not within
-    /// [`THREADS_SETTLE`] (a thread left behind).
-    fn wait_for_threads(&self, idle: u64) {
-        let deadline = Instant::now() + THREADS_SETTLE;
-        while self.status("Threads") > idle {
-            assert!(
-                Instant::now() < deadline,
-                "the agent has {} threads, {idle} when idle",
-                self.status("Threads")
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
+/// The agent's open file descriptors, with what each one is (for the failure message).
+fn open_fds(agent: &AgentProcess) -> BTreeMap<u32, String> {
+    let dir = format!("/proc/{}/fd", agent.pid());
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let fd = entry.file_name().to_str()?.parse().ok()?;
+            let target = std::fs::read_link(entry.path()).ok()?;
+            Some((fd, target.display().to_string()))
+        })
+        .collect()
 }
 
-impl Drop for AgentProcess {
-    fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let _ = self.child.wait();
+/// A number from the agent's `/proc/<pid>/status` (`VmRSS` in KiB, `Threads`).
+fn status(agent: &AgentProcess, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.pid())).unwrap();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/<pid>/status"))
+}
+
+/// Waits until the agent is back to `idle` threads; panics if it is not within
+/// [`THREADS_SETTLE`] (a thread left behind).
+fn wait_for_threads(agent: &AgentProcess, idle: u64) {
+    let deadline = Instant::now() + THREADS_SETTLE;
+    while status(agent, "Threads") > idle {
+        assert!(
+            Instant::now() < deadline,
+            "the agent has {} threads, {idle} when idle",
+            status(agent, "Threads")
+        );
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
 /// Runs `cycles` pod ADD/DEL cycles, `CONCURRENCY` at a time, through the node's CNI chain;
 /// returns the uids of the pods created.
-fn churn(fixture: &Fixture, first: usize, cycles: usize) -> Vec<String> {
+fn churn(node: &ChainNode, first: usize, cycles: usize) -> Vec<String> {
     let next = AtomicUsize::new(first);
     let uids = Mutex::new(Vec::with_capacity(cycles));
     std::thread::scope(|scope| {
@@ -184,19 +117,13 @@ fn churn(fixture: &Fixture, first: usize, cycles: usize) -> Vec<String> {
                 // can outlast weir-cni's 5 s deadline, and speed is not what this test is
                 // about. The failed attempt's DEL runs too, and whatever it left is counted.
                 let pod = (1..=ADD_ATTEMPTS)
-                    .find_map(|attempt| {
-                        let added = fixture.node().add_pod_with(PodSpec {
-                            namespace: MESH.into(),
-                            ..PodSpec::new(&format!("c{i}"))
-                        });
-                        match added {
-                            Ok(pod) => Some(pod),
-                            Err(error) if attempt < ADD_ATTEMPTS => {
-                                eprintln!("ADD of pod c{i}, attempt {attempt}: {error:#}");
-                                None
-                            }
-                            Err(error) => panic!("ADD of pod c{i}: {error:#}"),
+                    .find_map(|attempt| match node.pod(MESH, &format!("c{i}")) {
+                        Ok(pod) => Some(pod),
+                        Err(error) if attempt < ADD_ATTEMPTS => {
+                            eprintln!("ADD of pod c{i}, attempt {attempt}: {error:#}");
+                            None
                         }
+                        Err(error) => panic!("ADD of pod c{i}: {error:#}"),
                     })
                     .expect("the last attempt succeeds or panics");
                 uids.lock().unwrap().push(pod.uid().to_owned());
@@ -252,21 +179,19 @@ fn settles(mut settled: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn pod_churn_leaves_nothing_behind() {
-    let files = NodeFiles::new().unwrap();
-    files.write_policy(&ambient_policy()).unwrap();
-    let Some(fixture) = Fixture::privileged_with(files.node_options()) else {
+    let Some(node) = ChainNode::privileged() else {
         return;
     };
     let cycles = std::env::var("WEIR_CHURN_CYCLES")
         .map(|value| value.parse().expect("WEIR_CHURN_CYCLES is a number"))
         .unwrap_or(DEFAULT_CYCLES);
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
-    let agent = AgentProcess::start(&files, &fixture);
-    let config = files.agent_config(fixture.node().netns()).unwrap();
+    let agent = start_agent(&node);
+    let config = &agent.config;
     let ztunnel = ZdsZtunnel::connect(&config.zds_socket).expect("ztunnel connects");
-    let idle_threads = agent.status("Threads");
+    let idle_threads = status(&agent, "Threads");
 
-    let warm_up = churn(&fixture, 0, WARM_UP_CYCLES);
+    let warm_up = churn(&node, 0, WARM_UP_CYCLES);
     // The baseline: what the agent holds with ztunnel connected and no pod.
     assert!(
         settles(|| {
@@ -277,12 +202,12 @@ fn pod_churn_leaves_nothing_behind() {
         }),
         "ztunnel was told to drop every warm-up pod"
     );
-    agent.wait_for_threads(idle_threads);
-    let baseline_fds = agent.open_fds();
-    let baseline_rss = agent.status("VmRSS");
+    wait_for_threads(&agent, idle_threads);
+    let baseline_fds = open_fds(&agent);
+    let baseline_rss = status(&agent, "VmRSS");
 
     let started = Instant::now();
-    let uids = churn(&fixture, WARM_UP_CYCLES, cycles);
+    let uids = churn(&node, WARM_UP_CYCLES, cycles);
     println!(
         "{cycles} ADD/DEL cycles at concurrency {CONCURRENCY} in {:?}",
         started.elapsed()
@@ -319,7 +244,7 @@ fn pod_churn_leaves_nothing_behind() {
     // The agent holds exactly the fds it held before the churn.
     let mut fds = BTreeMap::new();
     let same_fds = settles(|| {
-        fds = agent.open_fds();
+        fds = open_fds(&agent);
         fds.len() == baseline_fds.len()
     });
     assert!(
@@ -331,8 +256,8 @@ fn pod_churn_leaves_nothing_behind() {
             .filter(|(fd, target)| baseline_fds.get(fd) != Some(target))
             .collect::<Vec<_>>()
     );
-    agent.wait_for_threads(idle_threads);
-    let rss = agent.status("VmRSS");
+    wait_for_threads(&agent, idle_threads);
+    let rss = status(&agent, "VmRSS");
     println!("agent RSS: {baseline_rss} KiB before the churn, {rss} KiB after");
     assert!(
         rss <= baseline_rss + RSS_TOLERANCE_KIB,
@@ -391,14 +316,12 @@ fn garbage(len: usize) -> Vec<u8> {
 
 #[test]
 fn hostile_cni_clients_do_not_delay_pods() {
-    let files = NodeFiles::new().unwrap();
-    files.write_policy(&ambient_policy()).unwrap();
-    let Some(fixture) = Fixture::privileged_with(files.node_options()) else {
+    let Some(node) = ChainNode::privileged() else {
         return;
     };
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
-    let _agent = AgentProcess::start(&files, &fixture);
-    let config = files.agent_config(fixture.node().netns()).unwrap();
+    let agent = start_agent(&node);
+    let config = &agent.config;
     let socket = &config.cni_socket;
     let ztunnel = ZdsZtunnel::connect(&config.zds_socket).expect("ztunnel connects");
 
@@ -443,13 +366,8 @@ fn hostile_cni_clients_do_not_delay_pods() {
         let pods: Vec<_> = std::thread::scope(|adds| {
             let handles: Vec<_> = (0..PODS_UNDER_ATTACK)
                 .map(|i| {
-                    let fixture = &fixture;
-                    adds.spawn(move || {
-                        fixture.node().add_pod_with(PodSpec {
-                            namespace: MESH.into(),
-                            ..PodSpec::new(&format!("a{i}"))
-                        })
-                    })
+                    let node = &node;
+                    adds.spawn(move || node.pod(MESH, &format!("a{i}")))
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()

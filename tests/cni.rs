@@ -6,16 +6,18 @@ use std::{
     io::{BufRead, BufReader, Write},
     net::{IpAddr, SocketAddr},
     os::unix::net::UnixStream,
-    path::Path,
     time::Duration,
 };
 
 use serde_json::json;
 use weir_agent::policy::{local::ObjectMeta, BYPASS_INBOUND_ANNOTATION, DNS_CAPTURE_ANNOTATION};
-use weir_common::{DNS_PORT, INBOUND_PORT, OUTBOUND_PORT};
+use weir_common::{DNS_PORT, INBOUND_PORT};
 use weir_tests::{
-    agent::{http_get, workspace_binary, Agent},
-    chain::{ambient_policy, wait_for_metric, weir_only, ChainNode as Node, MESH, WAIT},
+    agent::http_get,
+    chain::{
+        ambient_policy, assert_direct, assert_through_ztunnel, pods_command, wait_for_metric,
+        weir_only, ChainNode as Node, MESH, WAIT,
+    },
     cni::{Command, RuntimeConf},
     raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
@@ -62,17 +64,8 @@ fn add_enrolls_an_ambient_pod_and_hands_it_to_ztunnel() {
     );
 
     // The ambient pod's traffic goes through ztunnel; the plain pod's does not.
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
-    let reply = client.run(|| tcp_request(target, "mesh")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("mesh"));
-    let seen = stand_in
-        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
-        .expect("outbound through ztunnel");
-    assert_eq!(seen.original_dst, Some(target));
-    let reply = plain.run(|| tcp_request(target, "plain")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("plain"));
-    let received = echo.wait_for(|r| r.line == "plain", WAIT).unwrap();
-    assert_eq!(received.peer.ip(), IpAddr::V4(plain.ipv4()));
+    assert_through_ztunnel(&client, &stand_in, &server, &echo, "mesh");
+    assert_direct(&plain, &server, &echo, "plain");
 
     check(&node, &client).expect("CHECK passes while the pod is redirected");
     check(&node, &plain).expect("CHECK passes for a plain pod");
@@ -104,10 +97,7 @@ fn del_unenrolls_and_is_idempotent() {
 
     // The pod talks directly again.
     let before = stand_in.seen().len();
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
-    client.run(|| tcp_request(target, "direct")).unwrap();
-    let received = echo.wait_for(|r| r.line == "direct", WAIT).unwrap();
-    assert_eq!(received.peer.ip(), IpAddr::V4(client.ipv4()));
+    assert_direct(&client, &server, &echo, "direct");
     assert_eq!(stand_in.seen().len(), before);
     agent.stop().unwrap();
 }
@@ -303,15 +293,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
     let stand_in = ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
     // Pending after the restart until ztunnel acked the snapshot's Add, then enabled.
     wait_for_metric(&agent, r#"weir_enrolled_pods{status="enabled"} 1"#);
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
-    let reply = pod.run(|| tcp_request(target, "after restart")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("after restart"));
-    assert!(stand_in
-        .wait_for(
-            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
-            WAIT
-        )
-        .is_some());
+    assert_through_ztunnel(&pod, &stand_in, &server, &echo, "after restart");
     // Inbound too, through the tc program the new agent put in place of the old one's.
     let pod_app = EchoServer::app(&pod).unwrap();
     let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
@@ -331,7 +313,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
     .unwrap();
     assert!(ztunnel.wait_for_del(pod.uid(), WAIT));
     let before = stand_in.seen().len();
-    pod.run(|| tcp_request(target, "direct")).unwrap();
+    assert_direct(&pod, &server, &echo, "direct");
     assert_eq!(stand_in.seen().len(), before);
     agent.stop().unwrap();
 }
@@ -372,11 +354,7 @@ fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
     let stand_in = ztunnel
         .wait_for_pod(pod.uid(), WAIT)
         .expect("handed to ztunnel");
-    let reply = pod.run(|| tcp_request(target, "new layout")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("new layout"));
-    assert!(stand_in
-        .wait_for(|s| s.original_dst == Some(target), WAIT)
-        .is_some());
+    assert_through_ztunnel(&pod, &stand_in, &server, &echo, "new layout");
     check(&node, &pod).expect("the pod is redirected by the new layout");
     agent.stop().unwrap();
 }
@@ -530,36 +508,8 @@ fn pods_command_lists_what_the_node_holds() {
     println!("{table}");
 
     // Reading did not disturb the agent: its pods are still redirected, and counted.
-    client.run(|| tcp_request(to_server, "again")).unwrap();
-    assert!(stand_in
-        .wait_for(
-            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(to_server),
-            WAIT
-        )
-        .is_some());
-    assert!(echo.wait_for(|r| r.line == "again", WAIT).is_some());
+    assert_through_ztunnel(&client, &stand_in, &server, &echo, "again");
     let listed = pods_command(&agent, &state_file, &["--output", "json"]);
     assert_eq!(listed[0]["counters"]["outbound"], 2);
     agent.stop().unwrap();
-}
-
-/// Runs the built `weir-agent pods` on the agent's pins and `state_file` with `args`; returns
-/// its output, parsed when it is JSON.
-fn pods_command(agent: &Agent, state_file: &Path, args: &[&str]) -> serde_json::Value {
-    let output = std::process::Command::new(workspace_binary("weir-agent"))
-        .arg("pods")
-        .arg("--pin-root")
-        .arg(&agent.config.datapath.pin_root)
-        .arg("--state-file")
-        .arg(state_file)
-        .args(args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8(output.stdout).unwrap();
-    assert!(
-        output.status.success(),
-        "{}\n{stdout}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_str(&stdout).unwrap_or(serde_json::Value::String(stdout))
 }

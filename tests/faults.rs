@@ -22,77 +22,19 @@ use weir_common::{
     ABI_VERSION, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK,
 };
 use weir_tests::{
-    agent::{workspace_binary, Agent, AgentProcess, NodeFiles},
-    chain::{ambient_policy, MESH},
+    agent::{AgentBinary, AgentProcess},
+    chain::{listed_pods, ChainNode, MESH, WAIT},
     sockopt::canonical,
     tcp_request,
     traffic::{read_line, set_timeouts, write_line},
     udp_request, udp_request_connected,
     ztunnel::DNS_REPLY_PREFIX,
-    EchoServer, Fixture, NetNs, Pod, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn,
+    EchoServer, Fixture, NetNs, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn,
     APP_PORT, IO_TIMEOUT,
 };
 
-const WAIT: Duration = Duration::from_secs(3);
 /// uid and gid of an unprivileged process.
 const NOBODY: u32 = 65534;
-
-/// A node whose runtime chains weir-cni as weir's installer writes it, with the namespace `mesh`
-/// ambient. Agents here stop as an upgrade does, leaving the datapath in place: the fixture
-/// removes it.
-struct Node {
-    files: NodeFiles,
-    fixture: Fixture,
-}
-
-impl Node {
-    fn privileged() -> Option<Self> {
-        let files = NodeFiles::new().unwrap();
-        files.write_policy(&ambient_policy()).unwrap();
-        let fixture = Fixture::privileged_with(files.node_options())?;
-        Some(Self { files, fixture })
-    }
-
-    fn netns(&self) -> &NetNs {
-        self.fixture.node().netns()
-    }
-
-    fn start_agent(&self) -> Agent {
-        Agent::start(self.files.agent_config(self.netns()).unwrap()).expect("agent ready")
-    }
-
-    fn start_agent_and_ztunnel(&self) -> (Agent, ZdsZtunnel) {
-        let agent = self.start_agent();
-        let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
-        (agent, ztunnel)
-    }
-
-    fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<Pod> {
-        self.fixture.node().add_pod_with(PodSpec {
-            namespace: namespace.into(),
-            ..PodSpec::new(name)
-        })
-    }
-
-    /// What `weir-agent pods --output json` lists for `agent`'s pins and state file.
-    fn listed(&self, agent: &Agent) -> Vec<Value> {
-        let output = std::process::Command::new(workspace_binary("weir-agent"))
-            .arg("pods")
-            .arg("--pin-root")
-            .arg(&agent.config.datapath.pin_root)
-            .arg("--state-file")
-            .arg(&agent.config.state_file)
-            .args(["--output", "json"])
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        serde_json::from_slice(&output.stdout).unwrap()
-    }
-}
 
 /// One connection of a traffic loop.
 struct Connection {
@@ -174,7 +116,7 @@ fn bypassing<'a>(
 fn upgrade_across_map_layouts_under_traffic_lets_no_connection_bypass_ztunnel() {
     /// Connections each loop makes before the upgrade and after it.
     const PER_PHASE: usize = 20;
-    let Some(node) = Node::privileged() else {
+    let Some(node) = ChainNode::privileged() else {
         return;
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
@@ -293,7 +235,7 @@ enum KilledAt {
 /// 15006) or untouched; the runtime tears it down and retries, the retry completes the pod, and
 /// then the pinned maps and the agent's state name that pod once, and nothing else.
 fn killed_mid_enroll(killed_at: KilledAt) {
-    let Some(node) = Node::privileged() else {
+    let Some(node) = ChainNode::privileged() else {
         return;
     };
     let server = node.pod("default", "server").unwrap();
@@ -302,7 +244,12 @@ fn killed_mid_enroll(killed_at: KilledAt) {
         KilledAt::Point(point) => Some(point),
         KilledAt::AddSentNotAcked => None,
     };
-    let agent = AgentProcess::start(&node.files, node.netns(), pause_at).expect("agent ready");
+    let agent = AgentProcess::start(
+        &node.files,
+        node.netns(),
+        AgentBinary::WithFailpoints { pause_at },
+    )
+    .expect("agent ready");
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
     if let KilledAt::AddSentNotAcked = killed_at {
         ztunnel.reply_next_add(ZdsReply::Silent);
@@ -335,8 +282,7 @@ fn killed_mid_enroll(killed_at: KilledAt) {
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let sandbox = failed.sandbox;
     let sandbox_app = EchoServer::app(&sandbox).unwrap();
-    let in_maps = node
-        .listed(&agent)
+    let in_maps = listed_pods(&agent)
         .iter()
         .any(|row| row["uid"] == uid.as_str() && row["in_maps"] == true);
     let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
@@ -406,7 +352,7 @@ fn killed_mid_enroll(killed_at: KilledAt) {
             .is_some(),
         "the retried pod's traffic reaches 15001 with its original destination"
     );
-    let listed = node.listed(&agent);
+    let listed = listed_pods(&agent);
     assert_eq!(listed.len(), 1, "one pod, nothing orphaned: {listed:#?}");
     let row = &listed[0];
     assert_eq!(row["uid"], uid.as_str(), "{row:#}");
@@ -619,7 +565,7 @@ fn unprivileged_request(socket: &Path, kind: Type, request: &[u8]) -> io::Result
 /// permissions loosened, the agent still refuses a peer that is not root (peer credentials).
 #[test]
 fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
-    let Some(node) = Node::privileged() else {
+    let Some(node) = ChainNode::privileged() else {
         return;
     };
     let agent = node.start_agent();

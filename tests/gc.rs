@@ -1,22 +1,15 @@
 //! Missed events never leak state: pods whose removal the agent was never told about, through
 //! the runtime's CNI GC or a DEL that never came, are unenrolled, and a pod an agent start cannot
 //! recover costs only itself. Through the real chain and the real agent, as tests/cni.rs.
-use std::{
-    collections::BTreeSet,
-    net::{IpAddr, SocketAddr},
-    path::Path,
-    process::Command as Process,
-    time::Duration,
-};
+use std::{collections::BTreeSet, path::Path, process::Command as Process, time::Duration};
 
 use weir_agent::{app::AgentConfig, datapath::pinned_pods, state};
-use weir_common::OUTBOUND_PORT;
 use weir_tests::{
     agent::Agent,
     cgroup::{CgroupDriver, PodProcess},
-    chain::{gc, wait_for_metric, ChainNode, MESH, WAIT},
+    chain::{assert_direct, assert_through_ztunnel, gc, wait_for_metric, ChainNode, MESH, WAIT},
     cni::CniError,
-    tcp_request, ZdsEvent, ZdsZtunnel, APP_PORT,
+    Pod, ZdsEvent, ZdsZtunnel,
 };
 
 /// Uids of the pods in the pinned maps at `pin_root`.
@@ -37,6 +30,24 @@ fn uids_recorded(config: &AgentConfig) -> BTreeSet<String> {
         .collect()
 }
 
+/// The agent removed `removed` (ztunnel told, map entries and state record gone) and still holds
+/// `kept` (in the maps and the state file, never dropped from ztunnel).
+fn assert_removed_and_kept(agent: &Agent, ztunnel: &ZdsZtunnel, removed: &Pod, kept: &Pod) {
+    assert!(
+        ztunnel.wait_for_del(removed.uid(), WAIT),
+        "ztunnel told to drop {}",
+        removed.name()
+    );
+    let in_maps = uids_in_maps(&agent.config.datapath.pin_root);
+    assert!(!in_maps.contains(removed.uid()), "{in_maps:?}");
+    assert!(in_maps.contains(kept.uid()), "{in_maps:?}");
+    let recorded = uids_recorded(&agent.config);
+    assert!(!recorded.contains(removed.uid()) && recorded.contains(kept.uid()));
+    assert!(!ztunnel.events().contains(&ZdsEvent::Del {
+        uid: kept.uid().to_owned()
+    }));
+}
+
 #[test]
 fn gc_unenrolls_the_pods_whose_attachment_the_runtime_no_longer_lists() {
     let Some(node) = ChainNode::privileged() else {
@@ -50,32 +61,11 @@ fn gc_unenrolls_the_pods_whose_attachment_the_runtime_no_longer_lists() {
 
     // The runtime still has `server` (not ambient) and `kept`; `stale`'s sandbox is gone.
     gc(&node, &[&server, &kept]).expect("GC succeeds");
-    assert!(
-        ztunnel.wait_for_del(stale.uid(), WAIT),
-        "ztunnel told to drop it"
-    );
-    let in_maps = uids_in_maps(&pin_root);
-    assert!(!in_maps.contains(stale.uid()), "{in_maps:?}");
-    assert!(in_maps.contains(kept.uid()), "{in_maps:?}");
-    let recorded = uids_recorded(&agent.config);
-    assert!(!recorded.contains(stale.uid()) && recorded.contains(kept.uid()));
+    assert_removed_and_kept(&agent, &ztunnel, &stale, &kept);
 
     // The listed pod still goes through ztunnel; the collected one talks directly again.
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
-    let reply = kept.run(|| tcp_request(target, "kept")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("kept"));
-    assert!(kept_ztunnel
-        .wait_for(
-            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
-            WAIT
-        )
-        .is_some());
-    stale.run(|| tcp_request(target, "direct")).unwrap();
-    let received = echo.wait_for(|r| r.line == "direct", WAIT).unwrap();
-    assert_eq!(received.peer.ip(), IpAddr::V4(stale.ipv4()));
-    assert!(!ztunnel.events().contains(&ZdsEvent::Del {
-        uid: kept.uid().to_owned()
-    }));
+    assert_through_ztunnel(&kept, &kept_ztunnel, &server, &echo, "kept");
+    assert_direct(&stale, &server, &echo, "direct");
 
     // The agent is down: the runtime gets a spec error to log, and nothing is removed.
     let config = agent.config.clone();
@@ -119,31 +109,12 @@ fn the_sweep_unenrolls_a_pod_whose_del_never_came_and_keeps_one_still_held() {
         assert!(status.success(), "umount {}", pod.netns_path().display());
     }
 
-    assert!(
-        ztunnel.wait_for_del(released.uid(), WAIT),
-        "the sweep told ztunnel to drop the released pod"
-    );
+    // The sweep removed the released pod, and counted it once that was done.
     wait_for_metric(&agent, "weir_orphans_removed_total 1");
-    let pin_root = &agent.config.datapath.pin_root;
-    let in_maps = uids_in_maps(pin_root);
-    assert!(!in_maps.contains(released.uid()), "{in_maps:?}");
-    assert!(in_maps.contains(held.uid()), "{in_maps:?}");
-    let recorded = uids_recorded(&agent.config);
-    assert!(!recorded.contains(released.uid()) && recorded.contains(held.uid()));
-    assert!(!ztunnel.events().contains(&ZdsEvent::Del {
-        uid: held.uid().to_owned()
-    }));
+    assert_removed_and_kept(&agent, &ztunnel, &released, &held);
 
     // The held pod is still redirected.
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
-    let reply = held.run(|| tcp_request(target, "held")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("held"));
-    assert!(held_ztunnel
-        .wait_for(
-            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
-            WAIT
-        )
-        .is_some());
+    assert_through_ztunnel(&held, &held_ztunnel, &server, &echo, "held");
     agent.stop().unwrap();
 }
 
@@ -183,14 +154,6 @@ fn a_pod_a_restart_cannot_recover_costs_only_itself() {
     assert!(uids_in_maps(&agent.config.datapath.pin_root).contains(broken.uid()));
 
     let stand_in = ztunnel.wait_for_pod(good.uid(), WAIT).unwrap();
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
-    let reply = good.run(|| tcp_request(target, "after restart")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("after restart"));
-    assert!(stand_in
-        .wait_for(
-            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
-            WAIT
-        )
-        .is_some());
+    assert_through_ztunnel(&good, &stand_in, &server, &echo, "after restart");
     agent.stop().unwrap();
 }

@@ -258,59 +258,52 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
     let owner = socket_state(ctx, &mut tuple, tuple_len);
     let connected = matches!(owner, Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT);
 
-    if transport.fragment == Fragment::First {
+    let refused = if transport.fragment == Fragment::First {
         // Reassembly happens after this program; only a connection's own socket can be trusted
         // to receive the whole segment (the kernel drops overlapping fragments).
         if bypass || (connected && owner != Some(TCP_NEW_SYN_RECV)) {
             return Ok(PASS);
         }
-        diag!(
-            by_ref warn,
-            ctx.skb.skb,
-            "netns {}: drop fragmented TCP {:i} to {:i}:{}: no connection owns it",
-            netns,
-            ip(&packet.source),
-            ip(&packet.destination),
-            u16::from_be(dport)
-        );
-        return Ok(drop_counted(netns));
-    }
-
-    let flags: u8 = ctx
-        .load(transport.offset + TCP_FLAGS_OFFSET)
-        .map_err(|_| ())?;
-    let opens = flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-    if bypass {
-        if opens {
-            count(netns, |c: &mut PodCounters| &mut c.bypassed);
+        "a first fragment no connection owns"
+    } else {
+        let flags: u8 = ctx
+            .load(transport.offset + TCP_FLAGS_OFFSET)
+            .map_err(|_| ())?;
+        let opens = flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        if bypass {
+            if opens {
+                count(netns, |c: &mut PodCounters| &mut c.bypassed);
+            }
+            return Ok(PASS);
         }
-        return Ok(PASS);
-    }
-    if connected || !opens {
-        return Ok(PASS);
-    }
-    if assign_to_ztunnel(ctx, &mut tuple, tuple_len, INBOUND_PORT) {
-        diag!(
-            by_ref debug,
-            ctx.skb.skb,
-            "netns {}: inbound {:i} to {:i}:{} assigned to 15006",
-            netns,
-            ip(&packet.source),
-            ip(&packet.destination),
-            u16::from_be(dport)
-        );
-        count(netns, |c: &mut PodCounters| &mut c.inbound);
-        return Ok(PASS);
-    }
-    // ztunnel is not listening in this pod (yet): refuse to deliver around it.
+        if connected || !opens {
+            return Ok(PASS);
+        }
+        if assign_to_ztunnel(ctx, &mut tuple, tuple_len, INBOUND_PORT) {
+            diag!(
+                by_ref debug,
+                ctx.skb.skb,
+                "netns {}: inbound {:i} to {:i}:{} assigned to 15006",
+                netns,
+                ip(&packet.source),
+                ip(&packet.destination),
+                u16::from_be(dport)
+            );
+            count(netns, |c: &mut PodCounters| &mut c.inbound);
+            return Ok(PASS);
+        }
+        // ztunnel is not listening in this pod (yet): refuse to deliver around it.
+        "ztunnel's 15006 listener not found"
+    };
     diag!(
         by_ref warn,
         ctx.skb.skb,
-        "netns {}: drop {:i} to {:i}:{}: ztunnel's 15006 listener not found",
+        "netns {}: drop TCP {:i} to {:i}:{}: {}",
         netns,
         ip(&packet.source),
         ip(&packet.destination),
-        u16::from_be(dport)
+        u16::from_be(dport),
+        refused
     );
     Ok(drop_counted(netns))
 }

@@ -3,6 +3,7 @@
 //! node, so tests run in parallel.
 use std::{
     net::{SocketAddr, TcpListener},
+    os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
     thread,
     time::{Duration, Instant},
@@ -85,18 +86,12 @@ impl NodeFiles {
 
     /// The agent's configuration for `node`.
     pub fn agent_config(&self, node: &NetNs) -> Result<AgentConfig> {
-        Ok(self.agent_config_with_ports(node.name(), free_port()?, free_port()?))
-    }
-
-    /// The same for an agent in another process ([`AgentProcess`]), which is handed the
-    /// ports this process picked.
-    fn agent_config_with_ports(
-        &self,
-        node_netns: &str,
-        health_addr: SocketAddr,
-        metrics_addr: SocketAddr,
-    ) -> AgentConfig {
-        agent_config_at(self.dir.path(), node_netns, health_addr, metrics_addr)
+        Ok(agent_config_at(
+            self.dir.path(),
+            node.name(),
+            free_port()?,
+            free_port()?,
+        ))
     }
 }
 
@@ -280,9 +275,22 @@ pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     Ok((status, body))
 }
 
-/// The agent in a process of its own (`weir-agent-with-failpoints`), so a test can SIGKILL it,
-/// optionally held for good at one of its fault-injection points.
+/// Which binary an [`AgentProcess`] runs.
+#[derive(Clone, Copy)]
+pub enum AgentBinary<'a> {
+    /// `weir-agent run`, the production binary, configured by its flags as the DaemonSet
+    /// configures it, with `env` added to its environment.
+    Run { env: &'a [(&'a str, &'a str)] },
+    /// `weir-agent-with-failpoints`, held for good at the fault-injection point `pause_at` (a
+    /// `fail::fail_point!` name in the agent) when one is given.
+    WithFailpoints { pause_at: Option<&'a str> },
+}
+
+/// The agent in a process of its own, in the node's network namespace (host network, as the
+/// DaemonSet runs it), so a test can count its fds and memory or SIGKILL it. Dropping it stops it
+/// with SIGTERM, which leaves the datapath for the fixture to remove.
 pub struct AgentProcess {
+    /// The sockets, files and addresses it was started with.
     pub config: AgentConfig,
     child: std::process::Child,
     /// The process's stdout lines, read on a thread of their own.
@@ -290,20 +298,63 @@ pub struct AgentProcess {
 }
 
 impl AgentProcess {
-    /// Starts the agent for `node` with `files`, to stop for good at the fault-injection point
-    /// `pause_at` (a `fail::fail_point!` name in the agent), and waits until it is ready.
-    pub fn start(files: &NodeFiles, node: &NetNs, pause_at: Option<&str>) -> Result<Self> {
-        let config = files.agent_config_with_ports(node.name(), free_port()?, free_port()?);
-        let mut child = std::process::Command::new(workspace_binary("weir-agent-with-failpoints"))
-            .arg(node.name())
-            .arg(files.dir.path())
-            .arg(config.health_addr.to_string())
-            .arg(config.metrics_addr.to_string())
-            .args(pause_at)
+    /// Starts `binary` for `node` with `files` and waits until it is ready.
+    pub fn start(files: &NodeFiles, node: &NetNs, binary: AgentBinary) -> Result<Self> {
+        let config = files.agent_config(node)?;
+        let mut command = match binary {
+            AgentBinary::Run { env } => {
+                let mut command = std::process::Command::new(workspace_binary("weir-agent"));
+                command
+                    .arg("--pin-root")
+                    .arg(&config.datapath.pin_root)
+                    .arg("run")
+                    .arg("--policy-file")
+                    .arg(files.policy_file())
+                    .arg("--cni-socket")
+                    .arg(&config.cni_socket)
+                    .arg("--verdict-cache")
+                    .arg(&config.verdict_cache)
+                    .arg("--state-file")
+                    .arg(&config.state_file)
+                    .arg("--zds-socket")
+                    .arg(&config.zds_socket)
+                    .arg("--cni-bin-dir")
+                    .arg(&config.cni_bin_dir)
+                    .arg("--cni-net-dir")
+                    .arg(&config.cni_net_dir)
+                    .arg("--cni-plugin")
+                    .arg(&config.cni_plugin)
+                    .arg("--health-addr")
+                    .arg(config.health_addr.to_string())
+                    .arg("--metrics-addr")
+                    .arg(config.metrics_addr.to_string())
+                    .env("RUST_LOG", "warn")
+                    .envs(env.iter().copied());
+                command
+            }
+            AgentBinary::WithFailpoints { pause_at } => {
+                let mut command =
+                    std::process::Command::new(workspace_binary("weir-agent-with-failpoints"));
+                command
+                    .arg(node.name())
+                    .arg(files.dir.path())
+                    .arg(config.health_addr.to_string())
+                    .arg(config.metrics_addr.to_string())
+                    .args(pause_at);
+                command
+            }
+        };
+        let node_netns = node.open()?;
+        command
             .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        // SAFETY: setns is async-signal-safe, and the fd stays open until spawn returns.
+        unsafe {
+            command.pre_exec(move || crate::netns::enter(node_netns.as_fd()));
+        }
+        let mut child = command
             .spawn()
-            .context("starting weir-agent-with-failpoints")?;
+            .with_context(|| format!("starting {:?}", command.get_program()))?;
         let stdout = child.stdout.take().context("the agent's stdout")?;
         let (line_tx, lines) = std::sync::mpsc::channel();
         thread::spawn(move || {
@@ -323,7 +374,7 @@ impl AgentProcess {
             lines,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while http_status(agent.config.health_addr, "/readyz").ok() != Some(200) {
+        while node.run(|| http_status(agent.config.health_addr, "/readyz").ok()) != Some(200) {
             if let Some(status) = agent.child.try_wait()? {
                 bail!("the agent exited while starting: {status}");
             }
@@ -333,6 +384,10 @@ impl AgentProcess {
             thread::sleep(Duration::from_millis(20));
         }
         Ok(agent)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Waits until the agent says it stopped at its pause point.
@@ -358,7 +413,11 @@ impl AgentProcess {
 
 impl Drop for AgentProcess {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        // Gone already when `kill` ran: then there is nothing to signal.
+        if let Ok(None) = self.child.try_wait() {
+            let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let _ = self.child.wait();
+        }
     }
 }

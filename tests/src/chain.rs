@@ -1,18 +1,26 @@
 //! A node as kubelet's runtime drives it, for the tests that go through the whole CNI chain:
 //! the node's conflist with weir-cni chained by weir's installer, the ambient policy, the real
 //! agent, and calls to weir-cni alone as the runtime makes them.
-use std::{collections::BTreeMap, sync::Arc, time::Duration};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    sync::Arc,
+    time::Duration,
+};
 
 use weir_agent::policy::{
     local::{LocalPolicy, ObjectMeta},
     DATAPLANE_MODE_LABEL,
 };
+use weir_common::OUTBOUND_PORT;
 
 use crate::{
-    agent::{http_get, Agent, NodeFiles},
+    agent::{http_get, workspace_binary, Agent, NodeFiles},
     cni::{Command, RuntimeConf},
+    tcp_request,
     zds_client::ZdsZtunnel,
-    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn,
+    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
 };
 
 /// How long a test waits for something the agent does on its own.
@@ -84,6 +92,69 @@ impl ChainNode {
             namespace: namespace.into(),
             ..PodSpec::new(name)
         })
+    }
+}
+
+/// Sends `msg` from the ambient pod `client` to `server`'s app (`echo`): the app answers, and
+/// ztunnel (`stand_in`) took the connection on 15001 with the app as its original destination.
+pub fn assert_through_ztunnel(
+    client: &Pod,
+    stand_in: &ZtunnelStandIn,
+    server: &Pod,
+    echo: &EchoServer,
+    msg: &str,
+) {
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = client.run(|| tcp_request(target, msg)).unwrap();
+    assert_eq!(reply.response, echo.reply_to(msg));
+    assert!(
+        stand_in
+            .wait_for(
+                |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target),
+                WAIT
+            )
+            .is_some(),
+        "{} reached {target} around ztunnel's 15001",
+        client.name()
+    );
+}
+
+/// Sends `msg` from `client` to `server`'s app (`echo`): the app answers, and got the connection
+/// straight from the client's address.
+pub fn assert_direct(client: &Pod, server: &Pod, echo: &EchoServer, msg: &str) {
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = client.run(|| tcp_request(target, msg)).unwrap();
+    assert_eq!(reply.response, echo.reply_to(msg));
+    let received = echo.wait_for(|r| r.line == msg, WAIT).unwrap();
+    assert_eq!(received.peer.ip(), IpAddr::V4(client.ipv4()));
+}
+
+/// Runs the built `weir-agent pods` on the agent's pins and `state_file` with `args`; returns
+/// its output, parsed when it is JSON.
+pub fn pods_command(agent: &Agent, state_file: &Path, args: &[&str]) -> serde_json::Value {
+    let output = std::process::Command::new(workspace_binary("weir-agent"))
+        .arg("pods")
+        .arg("--pin-root")
+        .arg(&agent.config.datapath.pin_root)
+        .arg("--state-file")
+        .arg(state_file)
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    assert!(
+        output.status.success(),
+        "{}\n{stdout}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(&stdout).unwrap_or(serde_json::Value::String(stdout))
+}
+
+/// The rows `weir-agent pods --output json` lists for the agent's pins and state file.
+pub fn listed_pods(agent: &Agent) -> Vec<serde_json::Value> {
+    match pods_command(agent, &agent.config.state_file, &["--output", "json"]) {
+        serde_json::Value::Array(rows) => rows,
+        other => panic!("not a JSON array: {other:#}"),
     }
 }
 

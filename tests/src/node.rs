@@ -368,24 +368,11 @@ impl Pod {
         let deadline = std::time::Instant::now() + crate::IO_TIMEOUT;
         loop {
             // `-tentative` lists only addresses that finished duplicate address detection.
-            let listed = netns::ip_output(&[
-                "-n",
-                self.netns().name(),
-                "-6",
-                "-o",
-                "addr",
-                "show",
-                "dev",
-                "eth0",
-                "scope",
-                "link",
-                "-tentative",
-            ])?;
-            let address = listed
-                .split_whitespace()
-                .skip_while(|word| *word != "inet6")
-                .nth(1)
-                .and_then(|cidr| cidr.split('/').next()?.parse().ok());
+            let (addresses, listed) =
+                eth0_addresses(self.netns(), &["scope", "link", "-tentative"])?;
+            let address = addresses
+                .iter()
+                .find_map(|cidr| cidr.split('/').next()?.parse().ok());
             match address {
                 Some(address) => return Ok(address),
                 None if std::time::Instant::now() > deadline => {
@@ -482,26 +469,28 @@ pub struct FailedAdd {
 
 /// The global addresses on the sandbox's `eth0`, in a CNI result's shape.
 fn sandbox_addresses(netns: &NetNs) -> Result<Value> {
-    let listed = netns::ip_output(&[
-        "-n",
-        netns.name(),
-        "-o",
-        "addr",
-        "show",
-        "dev",
-        "eth0",
-        "scope",
-        "global",
-    ])?;
-    let ips: Vec<Value> = listed
+    let (addresses, _) = eth0_addresses(netns, &["scope", "global"])?;
+    let ips: Vec<Value> = addresses
+        .into_iter()
+        .map(|address| json!({ "address": address }))
+        .collect();
+    Ok(json!({ "ips": ips }))
+}
+
+/// The addresses (`address/prefix`, both families) that `ip addr show dev eth0 <filter>` lists
+/// in `netns`, and the listing itself for error messages.
+fn eth0_addresses(netns: &NetNs, filter: &[&str]) -> Result<(Vec<String>, String)> {
+    let command = ["-n", netns.name(), "-o", "addr", "show", "dev", "eth0"];
+    let listed = netns::ip_output(&[&command[..], filter].concat())?;
+    let addresses = listed
         .lines()
         .filter_map(|line| {
             let mut words = line.split_whitespace();
             words.find(|word| *word == "inet" || *word == "inet6")?;
-            Some(json!({ "address": words.next()? }))
+            words.next().map(str::to_owned)
         })
         .collect();
-    Ok(json!({ "ips": ips }))
+    Ok((addresses, listed))
 }
 
 /// The first address `pick` accepts (one family) among a CNI result's `ips`.

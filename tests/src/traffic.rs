@@ -43,20 +43,34 @@ impl EchoServer {
     pub fn start(netns: &NetNs, name: &str, addr: SocketAddr) -> io::Result<Self> {
         let listener = netns.run(|| TcpListener::bind(addr))?;
         let addr = listener.local_addr()?;
-        let received = Arc::new(Log::default());
-        let handler = {
-            let (name, received) = (name.to_owned(), received.clone());
-            Arc::new(move |stream: TcpStream, _: &_| {
-                if let Err(err) = serve_echo(&stream, &name, &received) {
-                    eprintln!("echo server {name}: {err}");
-                }
-            })
-        };
-        let server = Server::start(
-            netns.as_fd(),
+        Self::serve(
+            netns,
             &format!("echo-{name}"),
-            vec![Listener::Tcp(listener, handler)],
-        )?;
+            name,
+            addr,
+            |name, received| {
+                let handler = Arc::new(move |stream: TcpStream, _: &_| {
+                    if let Err(err) = serve_echo(&stream, &name, &received) {
+                        eprintln!("echo server {name}: {err}");
+                    }
+                });
+                Listener::Tcp(listener, handler)
+            },
+        )
+    }
+
+    /// Serves the listener `listen` makes from the server's name and log, on a thread named
+    /// `thread` inside `netns`, as the echo server `name` at `addr`.
+    fn serve(
+        netns: &NetNs,
+        thread: &str,
+        name: &str,
+        addr: SocketAddr,
+        listen: impl FnOnce(String, Arc<Log<Received>>) -> Listener,
+    ) -> io::Result<Self> {
+        let received = Arc::new(Log::default());
+        let listener = listen(name.to_owned(), received.clone());
+        let server = Server::start(netns.as_fd(), thread, vec![listener])?;
         Ok(Self {
             name: name.to_owned(),
             addr,
@@ -124,35 +138,29 @@ impl EchoServer {
     pub fn start_udp(netns: &NetNs, name: &str, addr: SocketAddr) -> io::Result<Self> {
         let socket = netns.run(|| UdpSocket::bind(addr))?;
         let addr = socket.local_addr()?;
-        let received = Arc::new(Log::default());
-        let handler = {
-            let (name, received) = (name.to_owned(), received.clone());
-            Box::new(
-                move |socket: &UdpSocket, datagram: &[u8], from: SocketAddr| {
-                    let line = String::from_utf8_lossy(datagram).into_owned();
-                    let reply = echo(&name, &line);
-                    received.push(Received {
-                        peer: canonical(from),
-                        local: canonical(addr),
-                        line,
-                    });
-                    if let Err(err) = socket.send_to(reply.as_bytes(), from) {
-                        eprintln!("udp echo server {name}: {err}");
-                    }
-                },
-            )
-        };
-        let server = Server::start(
-            netns.as_fd(),
+        Self::serve(
+            netns,
             &format!("udp-echo-{name}"),
-            vec![Listener::Udp(socket, handler)],
-        )?;
-        Ok(Self {
-            name: name.to_owned(),
+            name,
             addr,
-            received,
-            _server: server,
-        })
+            |name, received| {
+                let handler = Box::new(
+                    move |socket: &UdpSocket, datagram: &[u8], from: SocketAddr| {
+                        let line = String::from_utf8_lossy(datagram).into_owned();
+                        let reply = echo(&name, &line);
+                        received.push(Received {
+                            peer: canonical(from),
+                            local: canonical(addr),
+                            line,
+                        });
+                        if let Err(err) = socket.send_to(reply.as_bytes(), from) {
+                            eprintln!("udp echo server {name}: {err}");
+                        }
+                    },
+                );
+                Listener::Udp(socket, handler)
+            },
+        )
     }
 }
 

@@ -12,7 +12,7 @@ use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY};
 use weir_tests::{
     istio_iptables, tcp_request, udp_request, udp_request_connected, EchoServer, Fixture, Pod,
-    ZtunnelStandIn, APP_PORT,
+    Reply, ZtunnelStandIn, APP_PORT,
 };
 
 /// A cluster DNS service address: not routed anywhere, only reachable through redirection.
@@ -208,8 +208,15 @@ fn standin_listeners_take_direct_connections() {
 }
 
 /// Asks `server` for `name` from inside `pod` over UDP, connected UDP and TCP: the stand-in's DNS
-/// proxy answers each, from `server`'s address as far as the app can tell.
-fn resolve_three_ways(pod: &Pod, server: SocketAddr, name: &str) {
+/// proxy on `localhost` takes the three queries and answers each, from `server`'s address as far
+/// as the app can tell.
+fn resolve_three_ways(
+    pod: &Pod,
+    ztunnel: &ZtunnelStandIn,
+    server: SocketAddr,
+    localhost: IpAddr,
+    name: &str,
+) {
     let expected = format!("{DNS_REPLY_PREFIX}{name}");
     for reply in [
         pod.run(|| udp_request(server, name)).unwrap(),
@@ -219,6 +226,35 @@ fn resolve_three_ways(pod: &Pod, server: SocketAddr, name: &str) {
     }
     let tcp = pod.run(|| tcp_request(server, name)).unwrap();
     assert_eq!(tcp.response, expected);
+    let on_localhost = ztunnel
+        .seen()
+        .into_iter()
+        .filter(|s| s.listener == DNS_PROXY_PORT && s.local.ip() == localhost)
+        .count();
+    assert_eq!(on_localhost, 3, "queries at the DNS proxy on {localhost}");
+}
+
+/// Waits until the stand-in took the client's connection `reply` on `listener`, with `target`
+/// as its original destination, and dialed `target` for it from `client_ip`; returns the dialing
+/// socket's address.
+fn relayed(
+    ztunnel: &ZtunnelStandIn,
+    listener: u16,
+    reply: &Reply,
+    target: SocketAddr,
+    client_ip: IpAddr,
+) -> SocketAddr {
+    let seen = ztunnel
+        .wait_for(|s| s.listener == listener && s.peer == reply.local, WAIT)
+        .unwrap();
+    assert_eq!(seen.original_dst, Some(target));
+    let dial = ztunnel
+        .wait_for_dial(|d| d.peer == seen.peer, WAIT)
+        .unwrap();
+    assert_eq!((dial.target, dial.error), (target, None));
+    let source = dial.source.unwrap();
+    assert_eq!(source.ip(), client_ip);
+    source
 }
 
 #[test]
@@ -233,13 +269,7 @@ fn standin_dns_proxy_answers_on_localhost() {
         Ipv6Addr::LOCALHOST.into(),
     ] {
         let proxy: SocketAddr = (localhost, DNS_PROXY_PORT).into();
-        resolve_three_ways(&pod, proxy, "query");
-        let queries = ztunnel
-            .seen()
-            .into_iter()
-            .filter(|s| s.listener == DNS_PROXY_PORT && s.local == proxy)
-            .count();
-        assert_eq!(queries, 3);
+        resolve_three_ways(&pod, &ztunnel, proxy, localhost, "query");
     }
 }
 
@@ -261,20 +291,8 @@ fn standin_relays_outbound_to_the_original_destination() {
         assert_eq!(reply.response, echo.reply_to("out"));
         // REDIRECT rewrites back: the app believes it talks to the server.
         assert_eq!(reply.peer_seen_by_client, echo.addr());
-
-        let seen = ztunnel
-            .wait_for(
-                |s| s.listener == OUTBOUND_PORT && s.peer == reply.local,
-                WAIT,
-            )
-            .unwrap();
-        assert_eq!(seen.original_dst, Some(echo.addr()));
-        let dial = ztunnel
-            .wait_for_dial(|d| d.peer == seen.peer, WAIT)
-            .unwrap();
-        assert_eq!((dial.target, dial.error), (echo.addr(), None));
-        assert_eq!(dial.source.unwrap().ip(), client_ip);
-        assert_eq!(echo.received()[0].peer, dial.source.unwrap());
+        let source = relayed(&ztunnel, OUTBOUND_PORT, &reply, echo.addr(), client_ip);
+        assert_eq!(echo.received()[0].peer, source);
     }
 }
 
@@ -292,19 +310,7 @@ fn standin_inbound_keeps_the_client_address() {
         let echo = EchoServer::start(server.netns(), "app", (server_ip, APP_PORT).into()).unwrap();
         let reply = client.run(|| tcp_request(echo.addr(), "in")).unwrap();
         assert_eq!(reply.response, echo.reply_to("in"));
-
-        let seen = ztunnel
-            .wait_for(
-                |s| s.listener == INBOUND_PORT && s.peer == reply.local,
-                WAIT,
-            )
-            .unwrap();
-        assert_eq!(seen.original_dst, Some(echo.addr()));
-        let dial = ztunnel
-            .wait_for_dial(|d| d.peer == seen.peer, WAIT)
-            .unwrap();
-        assert_eq!(dial.error, None);
-        assert_eq!(dial.source.unwrap().ip(), client_ip);
+        relayed(&ztunnel, INBOUND_PORT, &reply, echo.addr(), client_ip);
         // The app sees the client, not ztunnel.
         assert_eq!(echo.received()[0].peer.ip(), client_ip);
     }
@@ -321,19 +327,12 @@ fn standin_dns_proxy_takes_redirected_queries() {
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     istio_iptables::apply(pod.netns()).unwrap();
     for dns in CLUSTER_DNS {
-        let service: SocketAddr = (dns, 53).into();
-        resolve_three_ways(&pod, service, "lookup");
         let localhost = if dns.is_ipv4() {
             IpAddr::from(Ipv4Addr::LOCALHOST)
         } else {
             Ipv6Addr::LOCALHOST.into()
         };
-        let on_localhost = ztunnel
-            .seen()
-            .into_iter()
-            .filter(|s| s.listener == DNS_PROXY_PORT && s.local.ip() == localhost)
-            .count();
-        assert_eq!(on_localhost, 3);
+        resolve_three_ways(&pod, &ztunnel, (dns, 53).into(), localhost, "lookup");
     }
 }
 

@@ -119,10 +119,14 @@ async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Resu
 }
 
 async fn read_hello(socket: &SeqpacketConnection) -> Result<ZdsHello, ZdsError> {
-    let datagram = timeout(IO_TIMEOUT, socket.recv())
+    decode_hello(&recv_in_time(socket).await?)
+}
+
+/// ztunnel's next datagram, within [`IO_TIMEOUT`].
+async fn recv_in_time(socket: &SeqpacketConnection) -> Result<Datagram, ZdsError> {
+    Ok(timeout(IO_TIMEOUT, socket.recv())
         .await
-        .map_err(|_| ZdsError::Timeout)??;
-    decode_hello(&datagram)
+        .map_err(|_| ZdsError::Timeout)??)
 }
 
 /// ztunnel's first datagram, its hello.
@@ -139,36 +143,26 @@ async fn exchange(
     netns: Option<&OwnedFd>,
 ) -> Result<(), ZdsError> {
     let message = message_name(&payload);
-    let result = send_and_wait(socket, metrics, payload, netns).await;
+    let result = async {
+        let bytes = WorkloadRequest {
+            payload: Some(payload),
+        }
+        .encode_to_vec();
+        if bytes.len() > MAX_DATAGRAM {
+            return Err(ZdsError::TooLarge(bytes.len()));
+        }
+        metrics.request(message);
+        timeout(IO_TIMEOUT, socket.send(&bytes, netns.map(AsFd::as_fd)))
+            .await
+            .map_err(|_| ZdsError::Timeout)??;
+        decode_answer(&recv_in_time(socket).await?)
+    }
+    .await;
     match &result {
         Ok(()) => metrics.ack(message),
         Err(err) => metrics.error(message, err.reason()),
     }
     result
-}
-
-async fn send_and_wait(
-    socket: &SeqpacketConnection,
-    metrics: &Metrics,
-    payload: Payload,
-    netns: Option<&OwnedFd>,
-) -> Result<(), ZdsError> {
-    let message = message_name(&payload);
-    let bytes = WorkloadRequest {
-        payload: Some(payload),
-    }
-    .encode_to_vec();
-    if bytes.len() > MAX_DATAGRAM {
-        return Err(ZdsError::TooLarge(bytes.len()));
-    }
-    metrics.request(message);
-    timeout(IO_TIMEOUT, socket.send(&bytes, netns.map(AsFd::as_fd)))
-        .await
-        .map_err(|_| ZdsError::Timeout)??;
-    let datagram = timeout(IO_TIMEOUT, socket.recv())
-        .await
-        .map_err(|_| ZdsError::Timeout)??;
-    decode_answer(&datagram)
 }
 
 /// ztunnel's answer to a request: `Ok` for an ack, [`ZdsError::Nack`] for an ack with an error,

@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::{counter::Counter, family::Family, gauge::Gauge};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use prost::Message;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
@@ -424,33 +424,28 @@ struct Metrics {
 
 impl Metrics {
     fn register(registry: &mut Registry) -> Self {
-        let metrics = Self {
-            connected: Gauge::default(),
-            requests: Family::default(),
-            acks: Family::default(),
-            errors: Family::default(),
-        };
-        registry.register(
-            "ztunnel_connected",
-            "Number of connections to ztunnel",
-            metrics.connected.clone(),
-        );
-        registry.register(
-            "weir_zds_requests",
-            "ZDS requests sent to ztunnel, by message",
-            metrics.requests.clone(),
-        );
-        registry.register(
-            "weir_zds_acks",
-            "ZDS requests ztunnel acked without error, by message",
-            metrics.acks.clone(),
-        );
-        registry.register(
-            "weir_zds_errors",
-            "ZDS failures, by message (or hello, unsolicited) and reason",
-            metrics.errors.clone(),
-        );
-        metrics
+        Self {
+            connected: registered(
+                registry,
+                "ztunnel_connected",
+                "Number of connections to ztunnel",
+            ),
+            requests: registered(
+                registry,
+                "weir_zds_requests",
+                "ZDS requests sent to ztunnel, by message",
+            ),
+            acks: registered(
+                registry,
+                "weir_zds_acks",
+                "ZDS requests ztunnel acked without error, by message",
+            ),
+            errors: registered(
+                registry,
+                "weir_zds_errors",
+                "ZDS failures, by message (or hello, unsolicited) and reason",
+            ),
+        }
     }
 
     fn request(&self, message: &'static str) {
@@ -468,6 +463,13 @@ impl Metrics {
             .get_or_create(&ErrorLabels { message, reason })
             .inc();
     }
+}
+
+/// A new metric, registered as `name`.
+fn registered<M: Metric + Clone + Default>(registry: &mut Registry, name: &str, help: &str) -> M {
+    let metric = M::default();
+    registry.register(name, help, metric.clone());
+    metric
 }
 
 /// The `message` label of a request.
