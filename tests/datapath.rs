@@ -858,23 +858,39 @@ fn bpf_log_reports_the_programs_decisions() {
         .enroll(server.workload(PodOptions::default()))
         .expect("pod enrolled");
 
+    let wait_for_record = |expected: String| {
+        let deadline = std::time::Instant::now() + WAIT;
+        while !RECORDS
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| r.contains(&expected))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no record with {expected:?}: {:?}",
+                RECORDS.lock().unwrap()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    };
+
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
     let reply = client.run(|| tcp_request(target, "logged")).unwrap();
     assert_eq!(reply.response, echo.reply_to("logged"));
-    let expected = format!("to {}:{APP_PORT} assigned to 15006", server.ipv4());
-    let deadline = std::time::Instant::now() + WAIT;
-    while !RECORDS
-        .lock()
-        .unwrap()
-        .iter()
-        .any(|r| r.contains(&expected))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no record with {expected:?}: {:?}",
-            RECORDS.lock().unwrap()
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_record(format!("to {}:{APP_PORT} assigned to 15006", server.ipv4()));
+    // A drop says why.
+    let fragmented_syn = raw::Syn {
+        source: SocketAddr::new(IpAddr::V4(client.ipv4()), 41001),
+        destination: target,
+        shape: raw::Fragmented(8),
+    };
+    client
+        .run(|| raw::probe(&[fragmented_syn], Duration::from_millis(300)))
+        .unwrap();
+    wait_for_record(format!(
+        "to {}:{APP_PORT}: a first fragment no connection owns",
+        server.ipv4()
+    ));
     datapath.uninstall().unwrap();
 }
