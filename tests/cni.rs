@@ -50,14 +50,8 @@ fn add_enrolls_an_ambient_pod_and_hands_it_to_ztunnel() {
         return;
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
-    let server = node.pod("default", "server").unwrap();
-    let echo = EchoServer::app(&server).unwrap();
-    let client = node.pod(MESH, "client").unwrap();
+    let (server, echo, client, stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
     let plain = node.pod("default", "plain").unwrap();
-
-    let stand_in = ztunnel
-        .wait_for_pod(client.uid(), WAIT)
-        .expect("ztunnel got the pod's netns over ZDS");
     assert!(
         ztunnel.pod(plain.uid()).is_none(),
         "a plain pod is not handed to ztunnel"
@@ -118,8 +112,7 @@ fn check_detects_missing_redirection() {
         return;
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
-    let pod = node.pod(MESH, "app").unwrap();
-    ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
+    let (pod, _) = node.ambient_pod(&ztunnel, "app");
     check(&node, &pod).expect("CHECK passes while redirected");
 
     // Someone deletes the pod's entry behind weir's back (bpftool, as an operator would).
@@ -249,10 +242,9 @@ fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
         return;
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
-    let server = node.pod(MESH, "server").unwrap();
+    let (server, stand_in) = node.ambient_pod(&ztunnel, "server");
     let echo = EchoServer::app(&server).unwrap();
     let client = node.pod("default", "client").unwrap();
-    let stand_in = ztunnel.wait_for_pod(server.uid(), WAIT).unwrap();
     let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
     let reply = client.run(|| tcp_request(target, "in")).unwrap();
     assert_eq!(reply.response, echo.reply_to("in"));
@@ -381,8 +373,7 @@ fn pods_command_lists_what_the_node_holds() {
     node.files.write_policy(&policy).unwrap();
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, client, stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
-    let quiet = node.pod(MESH, "quiet").unwrap();
-    ztunnel.wait_for_pod(quiet.uid(), WAIT).unwrap();
+    let (quiet, _) = node.ambient_pod(&ztunnel, "quiet");
     let (client_app, quiet_app) = (
         EchoServer::app(&client).unwrap(),
         EchoServer::app(&quiet).unwrap(),

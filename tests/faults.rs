@@ -120,11 +120,8 @@ fn upgrade_across_map_layouts_under_traffic_lets_no_connection_bypass_ztunnel() 
         return;
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
-    let server = node.pod("default", "server").unwrap();
-    let server_app = EchoServer::app(&server).unwrap();
-    let pod = node.pod(MESH, "app").unwrap();
+    let (server, server_app, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     let pod_app = EchoServer::app(&pod).unwrap();
-    ztunnel.wait_for_pod(pod.uid(), WAIT).expect("enrolled");
     // ztunnel keeps proxying while its agent is away.
     let standing = ZtunnelStandIn::start(&pod).unwrap();
     let pin_root = agent.config.datapath.pin_root.clone();

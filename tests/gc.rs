@@ -7,7 +7,7 @@ use weir_agent::{app::AgentConfig, datapath::pinned_pods, state};
 use weir_tests::{
     agent::Agent,
     cgroup::{CgroupDriver, PodProcess},
-    chain::{assert_direct, assert_through_ztunnel, gc, wait_for_metric, ChainNode, MESH, WAIT},
+    chain::{assert_direct, assert_through_ztunnel, gc, wait_for_metric, ChainNode, WAIT},
     cni::CniError,
     Pod, ZdsEvent, ZdsZtunnel,
 };
@@ -55,8 +55,7 @@ fn gc_unenrolls_the_pods_whose_attachment_the_runtime_no_longer_lists() {
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, kept, kept_ztunnel) = node.server_and_ambient_pod(&ztunnel, "kept");
-    let stale = node.pod(MESH, "stale").unwrap();
-    ztunnel.wait_for_pod(stale.uid(), WAIT).unwrap();
+    let (stale, _) = node.ambient_pod(&ztunnel, "stale");
     let pin_root = agent.config.datapath.pin_root.clone();
 
     // The runtime still has `server` (not ambient) and `kept`; `stale`'s sandbox is gone.
@@ -93,8 +92,7 @@ fn the_sweep_unenrolls_a_pod_whose_del_never_came_and_keeps_one_still_held() {
     .expect("agent ready");
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
     let (server, echo, held, held_ztunnel) = node.server_and_ambient_pod(&ztunnel, "held");
-    let released = node.pod(MESH, "released").unwrap();
-    ztunnel.wait_for_pod(released.uid(), WAIT).unwrap();
+    let (released, _) = node.ambient_pod(&ztunnel, "released");
 
     // Both lose the runtime's bind mount without a DEL; only `held` keeps a process. `held`
     // goes first, so the sweep that finds `released` gone has seen `held` unmounted too.
@@ -125,8 +123,7 @@ fn a_pod_a_restart_cannot_recover_costs_only_itself() {
     };
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, good, _) = node.server_and_ambient_pod(&ztunnel, "good");
-    let broken = node.pod(MESH, "broken").unwrap();
-    ztunnel.wait_for_pod(broken.uid(), WAIT).unwrap();
+    let (broken, _) = node.ambient_pod(&ztunnel, "broken");
     agent.stop().unwrap();
     assert!(ztunnel.wait_for_close(WAIT));
     drop(ztunnel);

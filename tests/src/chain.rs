@@ -73,11 +73,17 @@ impl ChainNode {
     ) -> (Pod, EchoServer, Pod, Arc<ZtunnelStandIn>) {
         let server = self.pod("default", "server").unwrap();
         let echo = EchoServer::app(&server).unwrap();
+        let (pod, stand_in) = self.ambient_pod(ztunnel, name);
+        (server, echo, pod, stand_in)
+    }
+
+    /// An ambient pod `name`, once ztunnel received it.
+    pub fn ambient_pod(&self, ztunnel: &ZdsZtunnel, name: &str) -> (Pod, Arc<ZtunnelStandIn>) {
         let pod = self.pod(MESH, name).unwrap();
         let stand_in = ztunnel
             .wait_for_pod(pod.uid(), WAIT)
             .expect("ztunnel got the pod's netns over ZDS");
-        (server, echo, pod, stand_in)
+        (pod, stand_in)
     }
 
     /// The agent, with ztunnel connected to it.
