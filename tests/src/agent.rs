@@ -290,7 +290,8 @@ pub enum AgentBinary<'a> {
 /// DaemonSet runs it), so a test can count its fds and memory or SIGKILL it. Dropping it stops it
 /// with SIGTERM, which leaves the datapath for the fixture to remove.
 pub struct AgentProcess {
-    /// The sockets, files and addresses it was started with.
+    /// Where it serves and keeps its files (`Run` is given these paths and addresses as flags;
+    /// its other settings are the binary's defaults).
     pub config: AgentConfig,
     child: std::process::Child,
     /// The process's stdout lines, read on a thread of their own.
