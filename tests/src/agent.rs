@@ -156,6 +156,7 @@ impl NodeFiles {
                 kubeconfig: Some(kubeconfig),
                 node_name: node_name.to_owned(),
                 resync_interval: std::time::Duration::from_secs(60),
+                broken_pods: Default::default(),
             }),
             ..self.agent_config(node)?
         })
