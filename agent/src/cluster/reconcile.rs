@@ -344,12 +344,11 @@ impl Reconciler {
             self.source.warn(name, Warning::RepairedPod).await;
             return Ok(());
         };
-        let Some(warning) = self.repair.act_on(object, format!("{error:#}")).await else {
-            return Err(error);
-        };
-        let deleted = matches!(warning, Warning::DeleteBrokenPod { failed: None, .. });
-        self.source.warn(name, warning).await;
-        if deleted {
+        let acted = self.repair.act_on(object, format!("{error:#}")).await;
+        if let Some(warning) = acted.warning {
+            self.source.warn(name, warning).await;
+        }
+        if acted.pod_gone {
             Ok(())
         } else {
             Err(error)

@@ -84,44 +84,58 @@ impl Repair {
     }
 
     /// Applies the configured action to a broken pod that could not be repaired in place
-    /// (`why`). Returns the Warning to publish about it, if anything was attempted.
-    pub async fn act_on(&self, pod: &Pod, why: String) -> Option<Warning> {
+    /// (`why`).
+    pub async fn act_on(&self, pod: &Pod, why: String) -> Acted {
         let name = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
-        match self.action {
+        let (kind, done, outcome) = match self.action {
             BrokenPodAction::None => {
                 info!(
                     pod = name,
                     "not repaired in place; --repair-broken-pods=none leaves it to the retries"
                 );
-                None
+                return Acted::default();
             }
-            BrokenPodAction::Delete => {
-                let failed = self.delete(pod).await.err();
-                self.count(DELETE, result(&failed));
-                match &failed {
-                    None => info!(pod = name, "broken pod deleted"),
-                    Some(error) => warn!(pod = name, "deleting the broken pod: {error}"),
-                }
-                Some(Warning::DeleteBrokenPod { why, failed })
+            // Deleted already: what is left goes with the pod (a real API server keeps the
+            // object for its grace period).
+            BrokenPodAction::Delete if pod.metadata.deletion_timestamp.is_some() => {
+                self.count(DELETE, "skip");
+                return Acted::gone();
             }
+            BrokenPodAction::Delete => (DELETE, "deleted", self.delete(pod).await),
             BrokenPodAction::Label if pod.labels().contains_key(UNINITIALIZED_LABEL) => {
                 self.count(LABEL, "skip");
-                None
+                return Acted::default();
             }
-            BrokenPodAction::Label => {
-                let failed = self.label(pod).await.err();
-                self.count(LABEL, result(&failed));
-                match &failed {
-                    None => info!(pod = name, "broken pod labelled {UNINITIALIZED_LABEL}=true"),
-                    Some(error) => warn!(pod = name, "labelling the broken pod: {error}"),
-                }
-                Some(Warning::LabelBrokenPod { why, failed })
+            BrokenPodAction::Label => (LABEL, "labelled", self.label(pod).await),
+        };
+        let failed = match outcome {
+            Ok(()) => None,
+            // Deleted meanwhile (by this agent too, before its cache knew).
+            Err(Failure::Gone) => {
+                self.count(kind, "skip");
+                return Acted::gone();
             }
+            Err(Failure::Other(error)) => Some(error),
+        };
+        self.count(kind, if failed.is_none() { "success" } else { "fail" });
+        match &failed {
+            None => info!(pod = name, "broken pod {done}"),
+            Some(error) => warn!(pod = name, "broken pod not {done}: {error}"),
+        }
+        let pod_gone = kind == DELETE && failed.is_none();
+        let warning = if kind == DELETE {
+            Warning::DeleteBrokenPod { why, failed }
+        } else {
+            Warning::LabelBrokenPod { why, failed }
+        };
+        Acted {
+            warning: Some(warning),
+            pod_gone,
         }
     }
 
     /// Deletes the pod only if it is still the object the decision was made on.
-    async fn delete(&self, pod: &Pod) -> Result<(), String> {
+    async fn delete(&self, pod: &Pod) -> Result<(), Failure> {
         let params = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: pod.uid(),
@@ -134,12 +148,13 @@ impl Repair {
 
     /// Through `pods/status`, as istio does: it may change metadata too, and the agent already
     /// patches it (the redirection annotation), so labelling needs no `patch` on pods.
-    async fn label(&self, pod: &Pod) -> Result<(), String> {
+    async fn label(&self, pod: &Pod) -> Result<(), Failure> {
         let patch = json!({"metadata": {"labels": {UNINITIALIZED_LABEL: "true"}}});
         let params = PatchParams::default();
+        let patch = Patch::Merge(&patch);
         answered(
             self.pods(pod)
-                .patch_status(&pod.name_any(), &params, &Patch::Merge(&patch)),
+                .patch_status(&pod.name_any(), &params, &patch),
         )
         .await
     }
@@ -149,19 +164,37 @@ impl Repair {
     }
 }
 
-/// A call's outcome, with a call that gets no answer in time taken as failed.
-async fn answered<T>(call: impl Future<Output = kube::Result<T>>) -> Result<(), String> {
-    match tokio::time::timeout(API_TIMEOUT, call).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(error)) => Err(error.to_string()),
-        Err(_) => Err(format!("no answer within {API_TIMEOUT:?}")),
+/// What the configured action did to a broken pod.
+#[derive(Debug, Default)]
+pub struct Acted {
+    /// What to tell the pod's owner, when something was attempted.
+    pub warning: Option<Warning>,
+    /// The pod is deleted or being deleted: nothing is left to repair.
+    pub pod_gone: bool,
+}
+
+impl Acted {
+    fn gone() -> Self {
+        Self {
+            warning: None,
+            pod_gone: true,
+        }
     }
 }
 
-fn result(failed: &Option<String>) -> &'static str {
-    if failed.is_none() {
-        "success"
-    } else {
-        "fail"
+/// Why a call failed.
+enum Failure {
+    /// The pod is not there (404).
+    Gone,
+    /// Anything else, no answer in time included.
+    Other(String),
+}
+
+async fn answered<T>(call: impl Future<Output = kube::Result<T>>) -> Result<(), Failure> {
+    match tokio::time::timeout(API_TIMEOUT, call).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(kube::Error::Api(status))) if status.code == 404 => Err(Failure::Gone),
+        Ok(Err(error)) => Err(Failure::Other(error.to_string())),
+        Err(_) => Err(Failure::Other(format!("no answer within {API_TIMEOUT:?}"))),
     }
 }
