@@ -2,7 +2,11 @@
 //! DaemonSet and the node; the agent reads them through its reflectors (kube-rs, via a
 //! kubeconfig file), and pods are made by the node's real CNI chain with the real datapath and
 //! the ztunnel stand-in, as in `cni.rs`.
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use k8s_openapi::api::{
     apps::v1::{DaemonSet, DaemonSetSpec},
@@ -12,13 +16,21 @@ use k8s_openapi::api::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
-use weir_agent::policy::{
-    DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION, SIDECAR_STATUS_ANNOTATION,
+use weir_agent::{
+    app::{AgentConfig, SourceConfig},
+    cluster::{repair::BrokenPodAction, ClusterConfig},
+    policy::{
+        DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION,
+        SIDECAR_STATUS_ANNOTATION, UNINITIALIZED_LABEL,
+    },
 };
+use weir_common::OUTBOUND_PORT;
 use weir_tests::{
-    agent::{Agent, NodeFiles},
+    agent::{http_get, http_status, Agent, NodeFiles},
+    cgroup::{CgroupDriver, PodProcess},
+    chain::wait_for_metric,
     cni::{Command, NetworkConfigList},
-    ApiServer, Fixture, PodSpec, ZdsZtunnel,
+    tcp_request, ApiServer, EchoServer, Fixture, PodSpec, ZdsEvent, ZdsZtunnel, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -96,11 +108,20 @@ impl Cluster {
     }
 
     fn start_agent(&self) -> Agent {
-        let config = self
-            .files
-            .cluster_agent_config(self.node.node().netns(), &self.api, NODE_NAME)
-            .unwrap();
+        self.start_agent_with(|_| {})
+    }
+
+    /// The agent, configured as `edit` changes the usual configuration.
+    fn start_agent_with(&self, edit: impl FnOnce(&mut AgentConfig)) -> Agent {
+        let mut config = self.agent_config();
+        edit(&mut config);
         Agent::start(config).expect("agent ready once its caches synced")
+    }
+
+    fn agent_config(&self) -> AgentConfig {
+        self.files
+            .cluster_agent_config(self.node.node().netns(), &self.api, NODE_NAME)
+            .unwrap()
     }
 
     /// The pod object on this node, as the scheduler would have bound it.
@@ -205,6 +226,47 @@ impl Cluster {
             .filter(|event| event["reason"] == reason)
             .collect()
     }
+
+    /// The Events with `reason`, once there is one.
+    fn wait_for_warnings(&self, reason: &str) -> Vec<Value> {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let warnings = self.warnings(reason);
+            if !warnings.is_empty() {
+                return warnings;
+            }
+            assert!(std::time::Instant::now() < deadline, "no {reason} Event");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Marks the pod running at `ips`, as kubelet reports it.
+    fn set_running(&self, namespace: &str, name: &str, ips: &[String]) {
+        let mut object: PodObject = self.api.get(namespace, name).unwrap();
+        object.status = Some(running_at(ips));
+        self.api.update(&object);
+    }
+}
+
+/// The cluster part of an agent's configuration.
+fn cluster_config(config: &mut AgentConfig) -> &mut ClusterConfig {
+    match &mut config.source {
+        SourceConfig::Cluster(cluster) => cluster,
+        SourceConfig::File(_) => unreachable!("a cluster agent follows the API server"),
+    }
+}
+
+/// A counter's value in the agent's /metrics, `series` being its name and labels.
+fn metric(agent: &Agent, series: &str) -> Option<u64> {
+    let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
+    metrics.lines().find_map(|line| {
+        let value = line.strip_prefix(series)?.strip_prefix(' ')?;
+        value.parse().ok()
+    })
+}
+
+fn ips_of(pod: &weir_tests::Pod) -> [String; 2] {
+    [pod.ipv4().to_string(), pod.ipv6().to_string()]
 }
 
 #[test]
@@ -403,6 +465,10 @@ fn namespace_label_enrolls_and_removes_a_running_pod() {
     cluster.api.update(&labelled(&[]));
     assert!(ztunnel.wait_for_del(&uid, WAIT), "ztunnel gets the Del");
     cluster.wait_for_redirection("default", "live", None);
+    // Seen out of the mesh before: flipped in by its namespace's label, not a repair.
+    assert_eq!(cluster.warnings("RepairedPod"), Vec::<Value>::new());
+    let repairs = r#"istio_cni_repair_pods_repaired_total{type="repair",result="success"}"#;
+    assert_eq!(metric(&agent, repairs), None);
     agent.stop().unwrap();
 }
 
@@ -576,14 +642,7 @@ fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
         "the healthy pod is enrolled"
     );
     cluster.wait_for_redirection(MESH, "healthy", Some("enabled"));
-    let deadline = std::time::Instant::now() + WAIT;
-    let failed = loop {
-        let failed = cluster.warnings("AmbientEnrollmentFailed");
-        if !failed.is_empty() || std::time::Instant::now() > deadline {
-            break failed;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let failed = cluster.wait_for_warnings("AmbientEnrollmentFailed");
     assert_eq!(failed.len(), 1, "{failed:#?}");
     assert_eq!(failed[0]["regarding"]["name"], "broken");
     assert_eq!(cluster.redirection(MESH, "broken"), None);
@@ -634,5 +693,227 @@ fn an_annotation_change_applies_to_a_running_pod() {
         }
     }
     assert!(ztunnel.pod(pod.uid()).is_some(), "the pod stays enrolled");
+    agent.stop().unwrap();
+}
+
+#[test]
+fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    // Bound to the node, and wired while weir-cni is missing from the node's chain (the agent
+    // has not put it there yet): the real bridge plugin only.
+    let (uid, pod) = cluster.pod_with_object(MESH, "app");
+    let _process = PodProcess::start(pod.netns(), &uid, CgroupDriver::Cgroupfs).unwrap();
+    let server = cluster.pod("default", "server").unwrap();
+    let echo = EchoServer::app(&server).unwrap();
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+
+    // kubelet reports the pod running: ambient all along, running, and not enrolled.
+    cluster.set_running(MESH, "app", &ips_of(&pod));
+    let stand_in = ztunnel
+        .wait_for_pod(&uid, WAIT)
+        .expect("ztunnel gets the Add");
+    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = pod.run(|| tcp_request(target, "repaired")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("repaired"));
+    let seen = stand_in
+        .wait_for(|seen| seen.listener == OUTBOUND_PORT, WAIT)
+        .expect("outbound through ztunnel");
+    assert_eq!(seen.original_dst, Some(target));
+
+    let repaired = cluster.wait_for_warnings("RepairedPod");
+    assert_eq!(repaired.len(), 1, "{repaired:#?}");
+    let event = &repaired[0];
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["reportingController"], "cni-repair");
+    assert_eq!(event["regarding"]["name"], "app");
+    assert_eq!(event["regarding"]["uid"], uid.as_str());
+    let note = event["note"].as_str().unwrap();
+    assert!(
+        note.contains("weir-cni") && note.contains("enrolled live"),
+        "{note}"
+    );
+    wait_for_metric(
+        &agent,
+        r#"istio_cni_repair_pods_repaired_total{type="repair",result="success"} 1"#,
+    );
+    agent.stop().unwrap();
+}
+
+#[test]
+fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let failed_repairs = r#"istio_cni_repair_pods_repaired_total{type="repair",result="fail"}"#;
+    // Running by the API, at an address no network namespace on the node holds.
+    cluster.pod_object(MESH, "lost", |pod| {
+        pod.status = Some(running_at(&["10.255.0.7".into()]));
+    });
+    let with = |action| move |config: &mut AgentConfig| cluster_config(config).broken_pods = action;
+
+    let agent = cluster.start_agent_with(with(BrokenPodAction::Label));
+    let labelled = cluster.wait_for_warnings("LabelBrokenPod");
+    assert_eq!(labelled.len(), 1, "{labelled:#?}");
+    assert_eq!(labelled[0]["reportingController"], "cni-repair");
+    assert_eq!(labelled[0]["regarding"]["name"], "lost");
+    let note = labelled[0]["note"].as_str().unwrap();
+    assert!(
+        note.contains("no network namespace") && note.contains("labelled"),
+        "{note}"
+    );
+    let object: PodObject = cluster.api.get(MESH, "lost").unwrap();
+    let labels = object.metadata.labels.unwrap_or_default();
+    assert_eq!(
+        labels.get(UNINITIALIZED_LABEL).map(String::as_str),
+        Some("true")
+    );
+    wait_for_metric(
+        &agent,
+        r#"istio_cni_repair_pods_repaired_total{type="label",result="success"} 1"#,
+    );
+    assert!(metric(&agent, failed_repairs) >= Some(1));
+    assert_eq!(cluster.redirection(MESH, "lost"), None);
+    agent.stop().unwrap();
+
+    let agent = cluster.start_agent_with(with(BrokenPodAction::Delete));
+    let deleted = cluster.wait_for_warnings("DeleteBrokenPod");
+    assert_eq!(deleted.len(), 1, "{deleted:#?}");
+    assert!(
+        cluster.api.get::<PodObject>(MESH, "lost").is_none(),
+        "deleted"
+    );
+    let delete = cluster
+        .api
+        .requests()
+        .into_iter()
+        .find(|request| request.verb == "delete")
+        .expect("a DELETE");
+    assert_eq!(delete.path, "/api/v1/namespaces/mesh/pods/lost");
+    let preconditions = &delete.body.expect("DeleteOptions")["preconditions"];
+    assert_eq!(preconditions["uid"], object.metadata.uid.unwrap().as_str());
+    assert_eq!(
+        preconditions["resourceVersion"],
+        object.metadata.resource_version.unwrap().as_str(),
+        "the version the decision was made on"
+    );
+    wait_for_metric(
+        &agent,
+        r#"istio_cni_repair_pods_repaired_total{type="delete",result="success"} 1"#,
+    );
+    // Tried again before its cache saw the pod go, the agent finds it gone: no second Event.
+    assert_eq!(cluster.warnings("DeleteBrokenPod").len(), 1);
+    agent.stop().unwrap();
+}
+
+#[test]
+fn a_failing_pod_is_retried_when_its_backoff_expires() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    // Running by the API, but no process of the pod holds its network namespace yet: the
+    // agent cannot find it.
+    let (uid, pod) = cluster.pod_with_object(MESH, "late");
+    cluster.set_running(MESH, "late", &ips_of(&pod));
+    let agent = cluster.start_agent_with(|config| {
+        cluster_config(config).resync_interval = Duration::from_secs(3600);
+    });
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let failed = cluster.wait_for_warnings("AmbientEnrollmentFailed");
+    assert_eq!(failed[0]["regarding"]["name"], "late");
+
+    // The pod's process starts; nothing changes in the API, and no full pass comes for an hour.
+    let _process = PodProcess::start(pod.netns(), &uid, CgroupDriver::Systemd).unwrap();
+    assert!(
+        ztunnel.wait_for_pod(&uid, 3 * WAIT).is_some(),
+        "enrolled once its backoff expired"
+    );
+    cluster.wait_for_redirection(MESH, "late", Some("enabled"));
+    agent.stop().unwrap();
+}
+
+#[test]
+fn ztunnel_gets_its_snapshot_only_once_the_startup_pass_is_done() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    // A pod the startup pass enrolls (it started while weir-cni was missing).
+    let (uid, pod) = cluster.pod_with_object(MESH, "app");
+    cluster.set_running(MESH, "app", &ips_of(&pod));
+    let _process = PodProcess::start(pod.netns(), &uid, CgroupDriver::Cgroupfs).unwrap();
+    // Without the namespaces the caches cannot sync, so the pass cannot run.
+    cluster.api.withhold_lists::<Namespace>();
+    let agent = Agent::spawn(cluster.agent_config()).unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    let ztunnel = loop {
+        match ZdsZtunnel::connect(&agent.config.zds_socket) {
+            Ok(ztunnel) => break ztunnel,
+            Err(error) => assert!(
+                std::time::Instant::now() < deadline,
+                "the agent's ZDS socket: {error}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+
+    // Time for a snapshot that must not come: it would name no pod, and ztunnel would drop
+    // every pod it runs.
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(ztunnel.events(), Vec::new(), "no snapshot before the pass");
+    assert_ne!(
+        http_status(agent.config.health_addr, "/readyz").ok(),
+        Some(200)
+    );
+
+    cluster.api.answer_lists::<Namespace>();
+    agent.wait_ready(2 * WAIT).unwrap();
+    assert!(ztunnel.wait_for_snapshot(WAIT));
+    let events = ztunnel.events();
+    let added = events
+        .iter()
+        .position(|event| matches!(event, ZdsEvent::Add { uid: added, .. } if *added == uid));
+    let sent = events
+        .iter()
+        .position(|event| *event == ZdsEvent::SnapshotSent);
+    assert!(
+        added.is_some() && added < sent,
+        "the snapshot names the pod the pass enrolled: {events:?}"
+    );
+    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    agent.stop().unwrap();
+}
+
+#[test]
+fn a_rewritten_cni_config_is_an_event_on_the_agents_pod() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let agent = cluster.start_agent_with(|config| {
+        config.policy.own.pod_name = Some("weir-x1".into());
+    });
+    // Another component writes the conflist again, without weir-cni.
+    let file = cluster.files.net_dir().join("10-weir-test.conflist");
+    let mut conflist: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    conflist["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|plugin| plugin["type"] != "weir-cni");
+    std::fs::write(&file, serde_json::to_vec_pretty(&conflist).unwrap()).unwrap();
+
+    let rewritten = cluster.wait_for_warnings("CniConfigRewritten");
+    assert!(cluster.plugin_installed(), "weir-cni is back in the chain");
+    assert_eq!(rewritten.len(), 1, "{rewritten:#?}");
+    let event = &rewritten[0];
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["reportingController"], "weir");
+    assert_eq!(event["reportingInstance"], "weir-x1");
+    assert_eq!(event["regarding"]["namespace"], "istio-system");
+    assert_eq!(event["regarding"]["name"], "weir-x1");
+    let note = event["note"].as_str().unwrap();
+    assert!(note.contains(&file.display().to_string()), "{note}");
+    wait_for_metric(&agent, "weir_cni_config_rewrites_total 1");
     agent.stop().unwrap();
 }

@@ -12,13 +12,15 @@ use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
 use crate::{
-    cluster::{reconcile::Reconciler, ClusterConfig},
+    cluster::{reconcile::Reconciler, repair::Repair, ClusterConfig},
     cni_server::{CniHandler, CniServer},
     datapath::{Datapath, DatapathConfig},
     enroll::Enroller,
     http,
-    install::{InstallConfig, Installer},
-    policy::{cluster::ClusterSource, local::LocalSource, PolicyConfig, PolicySource},
+    install::{InstallConfig, InstallStatus, Installer},
+    policy::{
+        cluster::ClusterSource, local::LocalSource, PodName, PolicyConfig, PolicySource, Warning,
+    },
     zds::{self, ZdsConfig},
 };
 
@@ -69,6 +71,10 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         &mut registry,
     )
     .context("starting the ZDS server")?;
+    // Until the first reconcile pass is done (below), a snapshot would miss pods, and ztunnel
+    // drops the pods a snapshot does not name.
+    zds.hold_snapshots();
+    let snapshots = zds.clone();
     // In a cluster, the reflectors feed a reconcile loop besides the enrollment path.
     let (policy, reflectors): (Arc<dyn PolicySource>, _) = match &config.source {
         SourceConfig::File(file) => (
@@ -84,7 +90,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
                 ClusterSource::start(config.policy.clone(), cluster, config.verdict_cache.clone())
                     .await
                     .context("following the cluster")?;
-            let reflectors = (source.reflectors().clone(), cluster.resync_interval);
+            let repair = Repair::new(source.client().clone(), cluster.broken_pods);
+            let reflectors = (source.reflectors().clone(), cluster.resync_interval, repair);
             (source, Some(reflectors))
         }
     };
@@ -104,13 +111,14 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     // Not ready before one full reconcile pass (where there is one): until then pods may be
     // enrolled that should not be, or missing.
     let (first_pass_tx, mut first_pass) = tokio::sync::watch::channel(reflectors.is_none());
-    let reconciler = reflectors.map(|(reflectors, resync_interval)| {
+    let reconciler = reflectors.map(|(reflectors, resync_interval, repair)| {
         let reconciler = Reconciler::new(
             enroller.clone(),
             reflectors,
             config.policy.clone(),
             policy.clone(),
             resync_interval,
+            repair,
         );
         reconciler.register_metrics(&mut registry);
         reconciler
@@ -135,6 +143,20 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     tasks.spawn(enroller.clone().sweep_orphans(config.orphan_sweep_interval));
     if let Some(reconciler) = reconciler {
         tasks.spawn(reconciler.run(first_pass_tx));
+    }
+    let mut snapshots_due = first_pass.clone();
+    tasks.spawn(async move {
+        if snapshots_due.wait_for(|done| *done).await.is_ok() {
+            snapshots.release_snapshots();
+        }
+    });
+    if let Some(own_pod) = &config.policy.own.pod_name {
+        let own_pod = PodName::new(&config.policy.own.namespace, own_pod);
+        tasks.spawn(report_config_rewrites(
+            policy.clone(),
+            own_pod,
+            installer.status(),
+        ));
     }
     let synced = policy.clone();
     tasks.spawn(async move {
@@ -187,6 +209,29 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         info!("stopped; redirection and the plugin stay in place for the next agent");
     }
     Ok(())
+}
+
+/// Tells the agent's own pod each time another component rewrote the CNI config and weir put
+/// its entry back (a Warning Event in a cluster, rate-limited as the others).
+async fn report_config_rewrites(
+    policy: Arc<dyn PolicySource>,
+    own_pod: PodName,
+    mut status: tokio::sync::watch::Receiver<InstallStatus>,
+) {
+    let mut reported = status.borrow_and_update().config_rewrites;
+    while status.changed().await.is_ok() {
+        let (rewrites, file) = {
+            let status = status.borrow_and_update();
+            (status.config_rewrites, status.config_file.clone())
+        };
+        if rewrites > reported {
+            reported = rewrites;
+            let file = file.map_or_else(String::new, |file| file.display().to_string());
+            policy
+                .warn(&own_pod, Warning::CniConfigRewritten { file })
+                .await;
+        }
+    }
 }
 
 /// weir's entry in the node's conflist.

@@ -91,6 +91,8 @@ pub struct InstallStatus {
     pub config_file: Option<PathBuf>,
     /// How often [`Installer::watch`] had to put something back that another component removed.
     pub reinstalls: u64,
+    /// How many of those were weir's entry, dropped by another component rewriting the config.
+    pub config_rewrites: u64,
     /// [`Installer::watch`] is running, so a removal will be repaired.
     pub watching: bool,
 }

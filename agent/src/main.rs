@@ -8,7 +8,7 @@ use tracing::info;
 use weir_agent::{
     app::PLUGIN_NAME,
     app::{self, AgentConfig, SourceConfig},
-    cluster::ClusterConfig,
+    cluster::{repair::BrokenPodAction, ClusterConfig},
     datapath::{Datapath, DatapathConfig},
     inspect,
     install::{InstallConfig, Installer},
@@ -94,6 +94,12 @@ struct RunArgs {
     /// come; the pass catches whatever was missed and retries failed pods).
     #[arg(long, env = "WEIR_RESYNC_INTERVAL", default_value_t = 60)]
     resync_interval: u64,
+    /// What becomes of an ambient pod found running without weir's redirection (it started
+    /// while weir-cni was missing from the chain) when it cannot be enrolled in place: left to
+    /// the retries, deleted (its owner recreates it), or labelled cni.istio.io/uninitialized=true.
+    /// As istio-cni's repair controller (repairPods, deletePods, labelPods); none is istio's default.
+    #[arg(long, env = "WEIR_REPAIR_BROKEN_PODS", value_enum, default_value_t = BrokenPodAction::None)]
+    repair_broken_pods: BrokenPodAction,
     /// Which pods are ambient: a list of {podSelector, namespaceSelector} label selectors, YAML
     /// or JSON, as istio's AMBIENT_ENABLEMENT_SELECTOR (default: istio's rule on the
     /// `istio.io/dataplane-mode` labels).
@@ -258,6 +264,7 @@ impl RunArgs {
                 kubeconfig: self.kubeconfig,
                 node_name,
                 resync_interval: std::time::Duration::from_secs(self.resync_interval),
+                broken_pods: self.repair_broken_pods,
             }),
             (None, None) => anyhow::bail!(
                 "--node-name (WEIR_NODE_NAME) is required without --policy-file: \

@@ -151,6 +151,7 @@ impl NodeFiles {
                 kubeconfig: Some(kubeconfig),
                 node_name: node_name.to_owned(),
                 resync_interval: std::time::Duration::from_secs(60),
+                broken_pods: Default::default(),
             }),
             ..self.agent_config(node)?
         })
@@ -190,6 +191,13 @@ pub struct Agent {
 impl Agent {
     /// Starts the agent and waits until it reports ready (plugin installed, serving).
     pub fn start(config: AgentConfig) -> Result<Self> {
+        let agent = Self::spawn(config)?;
+        agent.wait_ready(Duration::from_secs(10))?;
+        Ok(agent)
+    }
+
+    /// Starts the agent without waiting for it to be ready.
+    pub fn spawn(config: AgentConfig) -> Result<Self> {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let run_config = config.clone();
         let thread = thread::Builder::new()
@@ -199,16 +207,15 @@ impl Agent {
                     let _ = stopped.await;
                 }))
             })?;
-        let agent = Self {
+        Ok(Self {
             config,
             stop: Some(stop),
             thread: Some(thread),
-        };
-        agent.wait_ready(Duration::from_secs(10))?;
-        Ok(agent)
+        })
     }
 
-    fn wait_ready(&self, timeout: Duration) -> Result<()> {
+    /// Waits until the agent reports ready on /readyz.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
             if self.thread.as_ref().is_some_and(|t| t.is_finished()) {

@@ -1,6 +1,6 @@
 //! kube-rs against the API server stand-in: the reflector, watch resumption and relisting,
-//! bookmarks, status patches, events, deletes with preconditions and errors, all through
-//! kube-rs's own requests. Nothing here needs privileges or touches the kernel.
+//! bookmarks, status patches, events, deletes with preconditions and errors, withheld lists,
+//! all through kube-rs's own requests. Nothing here needs privileges or touches the kernel.
 
 use std::collections::BTreeMap;
 use std::future::ready;
@@ -318,6 +318,20 @@ async fn status_patch_sets_and_removes_the_redirection_annotation() {
         &BTreeMap::from([("keep".to_owned(), "me".to_owned())])
     );
 
+    // Labels change through it too (istio's repair controller labels pods this way).
+    let label = json!({ "metadata": { "labels": { "cni.istio.io/uninitialized": "true" } } });
+    let labelled = pods
+        .patch_status("p", &params, &Patch::Merge(&label))
+        .await
+        .unwrap();
+    assert_eq!(
+        labelled
+            .labels()
+            .get("cni.istio.io/uninitialized")
+            .map(String::as_str),
+        Some("true")
+    );
+
     // The status subresource leaves the spec alone.
     let move_it = json!({ "spec": { "nodeName": "node-b" } });
     let unmoved = pods
@@ -331,7 +345,7 @@ async fn status_patch_sets_and_removes_the_redirection_annotation() {
         .into_iter()
         .filter(|r| r.method == "PATCH")
         .collect();
-    assert_eq!(patches.len(), 3);
+    assert_eq!(patches.len(), 4);
     for patch in patches {
         assert_eq!(patch.path, "/api/v1/namespaces/default/pods/p/status");
         assert_eq!(
@@ -528,6 +542,13 @@ async fn delete_honours_preconditions() {
         "the API server answers the deleted pod: {deleted:?}"
     );
     assert!(server.get::<Pod>("default", "p").is_none());
+    let sent = server.requests().pop().unwrap();
+    assert_eq!(sent.verb, "delete");
+    assert_eq!(
+        sent.body.unwrap()["preconditions"],
+        json!({"uid": created.uid(), "resourceVersion": created.resource_version()}),
+        "the request's body is recorded"
+    );
     let event = timeout(WAIT, events.try_next())
         .await
         .expect("an event in time")
@@ -636,4 +657,30 @@ async fn selectors_filter_lists() {
         .await
         .unwrap();
     assert_eq!(sorted_names(&selected.items), ["mesh"]);
+}
+
+#[tokio::test]
+async fn withheld_lists_are_answered_once_released() {
+    let server = ApiServer::start().await.unwrap();
+    server.create(&pod("p", "node-a", &[]));
+    server.withhold_lists::<Namespace>();
+    let namespaces: Api<Namespace> = Api::all(server.client());
+    let pods: Api<Pod> = Api::default_namespaced(server.client());
+    let listing = tokio::spawn(async move { namespaces.list(&ListParams::default()).await });
+
+    // Other kinds are answered meanwhile.
+    let listed = pods.list(&ListParams::default()).await.unwrap();
+    assert_eq!(sorted_names(&listed), ["p"]);
+    eventually("the namespace list to arrive", || {
+        server
+            .requests()
+            .iter()
+            .any(|r| r.path == "/api/v1/namespaces")
+    })
+    .await;
+    assert!(!listing.is_finished(), "the namespace list is withheld");
+
+    server.answer_lists::<Namespace>();
+    let answered = timeout(WAIT, listing).await.expect("answered").unwrap();
+    assert!(answered.unwrap().items.is_empty());
 }

@@ -122,6 +122,10 @@ mod expected {
     pub const DAEMONSET_NAME_FLAG: (&str, &str) = ("--daemonset-name", "WEIR_DAEMONSET_NAME");
     pub const SYSTEM_NAMESPACE_FLAG: (&str, &str) = ("--system-namespace", "WEIR_SYSTEM_NAMESPACE");
     pub const DAEMONSET: (&str, &str) = ("istio-system", "weir");
+    /// `--repair-broken-pods` (agent/src/cluster/repair.rs `BrokenPodAction`): istio's default,
+    /// repair in place only, so the DaemonSet does not set it.
+    pub const REPAIR_FLAG: (&str, &str, &str) =
+        ("--repair-broken-pods", "WEIR_REPAIR_BROKEN_PODS", "none");
 
     /// Where a rule is granted: the ClusterRole, or the Role in the DaemonSet's namespace.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -156,12 +160,15 @@ mod expected {
     }
 
     /// Every request the agent makes of the API server (its cluster policy source, status
-    /// patches, events recorder and shutdown check, issue 9). Exactly these: no more, no less.
-    /// Not yet: pods delete and pods patch (labels), which come with pod repair.
+    /// patches, events recorder, pod repair and shutdown check, issue 9). Exactly these: no
+    /// more, no less.
     pub const RBAC: &[Rule] = &[
         // Reflector over this node's pods (field selector spec.nodeName).
         rule(Cluster, "", "pods", &["get", "list", "watch"]),
-        // ambient.istio.io/redirection, a merge patch on the status subresource.
+        // Pod repair, --repair-broken-pods=delete (agent/src/cluster/repair.rs `Repair::delete`).
+        rule(Cluster, "", "pods", &["delete"]),
+        // ambient.istio.io/redirection, a merge patch on the status subresource; and the label
+        // of --repair-broken-pods=label, the same way (`Repair::label`).
         rule(Cluster, "", "pods/status", &["patch"]),
         // Reflector over namespaces (istio.io/dataplane-mode).
         rule(Cluster, "", "namespaces", &["get", "list", "watch"]),
@@ -470,6 +477,13 @@ fn expected_values_are_the_built_agents_defaults_and_envs() {
     }
     let (long, env) = expected::SYSTEM_NAMESPACE_FLAG;
     assert_eq!(flag(long).env.as_deref(), Some(env), "{long} env");
+    let (long, env, default) = expected::REPAIR_FLAG;
+    assert_eq!(flag(long).env.as_deref(), Some(env), "{long} env");
+    assert_eq!(
+        flag(long).default.as_deref(),
+        Some(default),
+        "{long} default"
+    );
 }
 
 /// Fails until issue 9's agent flags (`--node-name`, `--pod-name`, `--pod-namespace`,

@@ -1,8 +1,10 @@
 //! The Kubernetes side of the agent, as istio-cni's node agent follows the cluster: reflectors
 //! over the pods on this node, all namespaces and weir's own DaemonSet ([`Reflectors`]), the
-//! status annotation and Events on pods ([`report`]), and the SIGTERM rule ([`shutdown`]).
+//! status annotation and Events on pods ([`report`]), the reconcile loop ([`reconcile`]) with
+//! pod repair ([`repair`]), and the SIGTERM rule ([`shutdown`]).
 //! The policy source (`policy::cluster`) decides from these caches.
 pub mod reconcile;
+pub mod repair;
 pub mod report;
 pub mod shutdown;
 
@@ -41,6 +43,8 @@ pub struct ClusterConfig {
     pub node_name: String,
     /// How often every pod on the node is checked again, changes or not.
     pub resync_interval: Duration,
+    /// What becomes of an ambient pod running without redirection that cannot be repaired.
+    pub broken_pods: repair::BrokenPodAction,
 }
 
 /// A kube client for `config`.

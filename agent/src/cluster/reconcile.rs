@@ -3,9 +3,20 @@
 //! deleted pods are removed, and pods the API server no longer knows are dropped. It is driven by
 //! the reflectors' changes and a periodic full pass, and acts through the [`Enroller`] in turn
 //! with any CNI ADD or DEL for the same pod. One pod's failure is logged, reported and retried
-//! with its own backoff; the others go on.
+//! with its own backoff, when that expires; the others go on.
+//!
+//! Repair, as istio's repair controller in its ambient form ([`super::repair`]): an ambient pod
+//! that runs (has its addresses) without being enrolled is broken, unless this agent saw it out
+//! of the mesh before. The pod's addresses appear only once its sandbox is wired, after the
+//! whole CNI chain ran: with weir-cni in the chain, the ADD enrolled the pod or failed (and the
+//! runtime tore the sandbox down and retries). So a pod that was ambient all along and runs
+//! unenrolled started while weir-cni was missing from the chain, or before weir was on the
+//! node; while a pod seen out of the mesh and found ambient later was flipped in by a label,
+//! and is simply enrolled live. (A label flipped while no agent ran cannot be told apart: that
+//! pod counts as broken.) A broken pod is enrolled live like any other, counted and reported as
+//! repaired; where that fails, `--repair-broken-pods` says what becomes of it.
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     net::IpAddr,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -18,7 +29,7 @@ use prometheus_client::{metrics::counter::Counter, registry::Registry};
 use tokio::sync::{broadcast::error::RecvError, watch};
 use tracing::{debug, info, warn};
 
-use super::{facts_of, Change, Reflectors};
+use super::{facts_of, repair::Repair, Change, Reflectors};
 use crate::{
     enroll::Enroller,
     policy::{AmbientPod, PodName, PolicyConfig, PolicySource, Warning},
@@ -35,15 +46,20 @@ pub struct Reconciler {
     policy: PolicyConfig,
     source: Arc<dyn PolicySource>,
     resync_interval: Duration,
+    repair: Repair,
     /// Failing pods by uid: how long they wait now, and until when.
     backoff: Mutex<HashMap<String, (Duration, Instant)>>,
+    /// Pods this agent has seen out of the mesh: found ambient and unenrolled later, one of
+    /// them was flipped in, not broken.
+    seen_out: Mutex<HashSet<String>>,
     failures: Counter,
 }
 
 /// What one pod should be, from the API server's view of it.
 enum Wanted {
-    /// Ambient and running: enrolled with these options, at these addresses.
-    Enrolled(AmbientPod, Vec<IpAddr>),
+    /// Ambient and running: enrolled with these options, at these addresses (the object, for
+    /// what repair does to it).
+    Enrolled(AmbientPod, Vec<IpAddr>, Arc<Pod>),
     /// Not ambient, terminated, or gone: not enrolled.
     Out,
 }
@@ -55,6 +71,7 @@ impl Reconciler {
         policy: PolicyConfig,
         source: Arc<dyn PolicySource>,
         resync_interval: Duration,
+        repair: Repair,
     ) -> Arc<Self> {
         Arc::new(Self {
             enroller,
@@ -62,7 +79,9 @@ impl Reconciler {
             policy,
             source,
             resync_interval,
+            repair,
             backoff: Mutex::new(HashMap::new()),
+            seen_out: Mutex::new(HashSet::new()),
             failures: Counter::default(),
         })
     }
@@ -73,6 +92,7 @@ impl Reconciler {
             "Pods the reconcile loop could not bring to what the cluster asks (each is retried)",
             self.failures.clone(),
         );
+        self.repair.register_metrics(registry);
     }
 
     /// Runs until the agent stops. `first_pass` turns true once the caches have synced and one
@@ -86,6 +106,7 @@ impl Reconciler {
         let mut resync = tokio::time::interval(self.resync_interval);
         resync.reset();
         loop {
+            let next_retry = self.next_retry();
             tokio::select! {
                 change = changes.recv() => match change {
                     Ok(Change::Pod(pod)) => self.reconcile_named(&pod).await,
@@ -96,6 +117,7 @@ impl Reconciler {
                     Err(RecvError::Closed) => return,
                 },
                 _ = resync.tick() => self.full_pass().await,
+                () = sleep_until(next_retry) => self.retry_due().await,
             }
         }
     }
@@ -103,20 +125,60 @@ impl Reconciler {
     /// Every pod on the node, and every enrolled pod the API server does not know.
     async fn full_pass(&self) {
         let pods = self.reflectors.pods.state();
-        for pod in &pods {
-            self.reconcile(pod).await;
-        }
-        let known: Vec<String> = pods.iter().filter_map(|pod| pod.uid()).collect();
+        let known: HashSet<String> = pods.iter().filter_map(|pod| pod.uid()).collect();
         self.backoff
             .lock()
             .unwrap()
             .retain(|uid, _| known.contains(uid));
+        self.seen_out
+            .lock()
+            .unwrap()
+            .retain(|uid| known.contains(uid));
+        self.reconcile_selected(&pods, |_| true).await;
+        debug!(pods = pods.len(), "full reconcile pass done");
+    }
+
+    /// When the earliest backoff expires, if any pod is failing.
+    fn next_retry(&self) -> Option<Instant> {
+        let backoff = self.backoff.lock().unwrap();
+        backoff.values().map(|(_, until)| *until).min()
+    }
+
+    /// The failing pods whose backoff has expired, tried again.
+    async fn retry_due(&self) {
+        let now = Instant::now();
+        let due: HashSet<String> = {
+            let backoff = self.backoff.lock().unwrap();
+            let expired = backoff.iter().filter(|(_, (_, until))| *until <= now);
+            expired.map(|(uid, _)| uid.clone()).collect()
+        };
+        let pods = self.reflectors.pods.state();
+        self.reconcile_selected(&pods, |uid| due.contains(uid))
+            .await;
+        // A pod tried again either succeeded (no entry) or waits anew; one that is neither in
+        // the cache nor enrolled any more had nothing to try, and must not wake the loop again.
+        self.backoff
+            .lock()
+            .unwrap()
+            .retain(|uid, (_, until)| !due.contains(uid) || *until > now);
+    }
+
+    /// The pods among `pods` that `selected` picks by uid, and the enrolled pods it picks that
+    /// are not among them (the API server no longer knows them).
+    async fn reconcile_selected(&self, pods: &[Arc<Pod>], selected: impl Fn(&str) -> bool) {
+        let mut known = HashSet::new();
+        for pod in pods {
+            let Some(uid) = pod.uid() else { continue };
+            if selected(&uid) {
+                self.reconcile(pod).await;
+            }
+            known.insert(uid);
+        }
         for (uid, name) in self.enroller.enrolled_pods() {
-            if !known.contains(&uid) {
+            if !known.contains(&uid) && selected(&uid) {
                 self.apply(&uid, &name, Wanted::Out).await;
             }
         }
-        debug!(pods = pods.len(), "full reconcile pass done");
     }
 
     async fn reconcile_namespace(&self, namespace: &str) {
@@ -141,14 +203,21 @@ impl Reconciler {
         }
     }
 
-    async fn reconcile(&self, pod: &Pod) {
+    async fn reconcile(&self, pod: &Arc<Pod>) {
         let Some(uid) = pod.uid() else { return };
-        let name = PodName::new(&pod.namespace().unwrap_or_default(), &pod.name_any());
+        let namespace = pod.namespace().unwrap_or_default();
+        let name = PodName::new(&namespace, &pod.name_any());
         let wanted = self.wanted(pod);
+        // Out only by what is known: a pod met before its namespace reached the cache proves
+        // nothing about being ambient.
+        let namespace_known = self.reflectors.namespace_labels(&namespace).is_some();
+        if matches!(wanted, Wanted::Out) && namespace_known {
+            self.seen_out.lock().unwrap().insert(uid.clone());
+        }
         self.apply(&uid, &name, wanted).await;
     }
 
-    fn wanted(&self, pod: &Pod) -> Wanted {
+    fn wanted(&self, pod: &Arc<Pod>) -> Wanted {
         let status = pod.status.as_ref();
         let phase = status.and_then(|s| s.phase.as_deref());
         if matches!(phase, Some("Succeeded" | "Failed")) {
@@ -168,7 +237,7 @@ impl Reconciler {
                     .flatten()
                     .filter_map(|ip| ip.ip.parse().ok())
                     .collect();
-                Wanted::Enrolled(ambient, ips)
+                Wanted::Enrolled(ambient, ips, pod.clone())
             }
         }
     }
@@ -204,7 +273,7 @@ impl Reconciler {
                 info!(%name, uid, "pod no longer ambient: removed");
             }
             Wanted::Out => {}
-            Wanted::Enrolled(ambient, ips) => {
+            Wanted::Enrolled(ambient, ips, object) => {
                 let record = self.enroller.record(uid);
                 if let Some(record) = record.as_ref().filter(|_| enrolled) {
                     if record.options != ambient.options {
@@ -221,30 +290,69 @@ impl Reconciler {
                     // No address or sandbox yet: its CNI ADD enrolls it.
                     return Ok(());
                 }
-                // Enrolled outside a CNI ADD, the pod keeps the attachment an earlier ADD recorded.
-                let attachment = record.as_ref().and_then(|record| record.attachment.clone());
-                let hint = record.map(|record| record.netns);
-                let found = self.enroller.find_running_pod(uid, &ips, hint).await?;
-                let found = found.ok_or_else(|| {
-                    anyhow!("no network namespace on this node holds the pod's addresses")
-                })?;
-                let pod = Workload {
-                    uid: uid.to_owned(),
-                    name: name.name.clone(),
-                    namespace: name.namespace.clone(),
-                    service_account: Some(ambient.service_account),
-                    netns: found.path.clone(),
-                    ips,
-                    options: ambient.options,
-                    attachment,
-                };
-                // `found` holds the namespace open while it is enrolled.
-                self.enroller.enroll(&pod).await?;
-                drop(found);
-                info!(%name, uid, "running pod enrolled");
+                let broken = !self.seen_out.lock().unwrap().contains(uid);
+                let enrolled = self.enroll_running(uid, name, ambient, ips, record).await;
+                if broken {
+                    return self.repaired(name, &object, enrolled).await;
+                }
+                enrolled?;
             }
         }
         Ok(())
+    }
+
+    /// Enrolls a running pod in place: its netns found from the agent's record or /proc.
+    async fn enroll_running(
+        &self,
+        uid: &str,
+        name: &PodName,
+        ambient: AmbientPod,
+        ips: Vec<IpAddr>,
+        record: Option<Workload>,
+    ) -> Result<()> {
+        // Enrolled outside a CNI ADD, the pod keeps the attachment an earlier ADD recorded.
+        let attachment = record.as_ref().and_then(|record| record.attachment.clone());
+        let hint = record.map(|record| record.netns);
+        let found = self.enroller.find_running_pod(uid, &ips, hint).await?;
+        let found = found.ok_or_else(|| {
+            anyhow!("no network namespace on this node holds the pod's addresses")
+        })?;
+        let pod = Workload {
+            uid: uid.to_owned(),
+            name: name.name.clone(),
+            namespace: name.namespace.clone(),
+            service_account: Some(ambient.service_account),
+            netns: found.path.clone(),
+            ips,
+            options: ambient.options,
+            attachment,
+        };
+        // `found` holds the namespace open while it is enrolled.
+        self.enroller.enroll(&pod).await?;
+        drop(found);
+        info!(%name, uid, "running pod enrolled");
+        Ok(())
+    }
+
+    /// Accounts for the in-place repair of a broken pod; where it failed, the configured
+    /// action applies. A pod deleted by it is done with; otherwise the failure stands, and the
+    /// pod is retried with backoff.
+    async fn repaired(&self, name: &PodName, object: &Pod, enrolled: Result<()>) -> Result<()> {
+        self.repair.repaired_in_place(enrolled.is_ok());
+        let Err(error) = enrolled else {
+            warn!(%name, "the pod ran without weir's redirection: repaired in place");
+            self.source.warn(name, Warning::RepairedPod).await;
+            return Ok(());
+        };
+        let acted = self.repair.act_on(object, format!("{error:#}")).await;
+        if let Some(warning) = acted.warning {
+            self.source.warn(name, warning).await;
+        }
+        if acted.pod_gone {
+            Ok(())
+        } else {
+            Err(error)
+        }
     }
 
     /// Whether a pod that failed before may be tried again now.
@@ -263,5 +371,13 @@ impl Reconciler {
             .map_or(FIRST_BACKOFF, |(wait, _)| (*wait * 2).min(MAX_BACKOFF));
         backoff.insert(uid.to_owned(), (wait, Instant::now() + wait));
         wait
+    }
+}
+
+/// Sleeps until `deadline`; forever without one.
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
     }
 }

@@ -1,7 +1,8 @@
 //! What the agent tells the API server about pods: istio's status annotation
 //! (`ambient.istio.io/redirection`, a JSON merge patch on `pods/status`), and Warning Events for
 //! what a pod's owner should fix or know, deduplicated and rate-limited per pod so a pod that
-//! the runtime retries every second does not flood its namespace with Events.
+//! the runtime retries every second does not flood its namespace with Events. Events about pod
+//! repair come from istio's repair component ([`REPAIR_CONTROLLER`]), the others from weir's.
 use std::{
     collections::HashMap,
     sync::Mutex,
@@ -24,12 +25,15 @@ use crate::{
 
 /// The reporting controller on weir's Events.
 pub const CONTROLLER: &str = "weir";
+/// The reporting controller on Events about pod repair, as istio's repair controller names it.
+pub const REPAIR_CONTROLLER: &str = "cni-repair";
 /// The same warning for the same pod is published at most once per window.
 pub const EVENT_WINDOW: Duration = Duration::from_secs(60);
 
 pub struct Reporter {
     client: Client,
     recorder: Recorder,
+    repair_recorder: Recorder,
     /// When each (pod, reason, note) was last published.
     published: Mutex<HashMap<(PodName, &'static str, String), Instant>>,
 }
@@ -37,12 +41,16 @@ pub struct Reporter {
 impl Reporter {
     /// `instance` is this agent's pod name, when it knows it.
     pub fn new(client: Client, instance: Option<String>) -> Self {
-        let reporter = EventReporter {
-            controller: CONTROLLER.into(),
-            instance,
+        let recorder = |controller: &str| {
+            let reporter = EventReporter {
+                controller: controller.into(),
+                instance: instance.clone(),
+            };
+            Recorder::new(client.clone(), reporter)
         };
         Self {
-            recorder: Recorder::new(client.clone(), reporter),
+            recorder: recorder(CONTROLLER),
+            repair_recorder: recorder(REPAIR_CONTROLLER),
             client,
             published: Mutex::new(HashMap::new()),
         }
@@ -77,7 +85,7 @@ impl Reporter {
             type_: EventType::Warning,
             reason: warning.reason().into(),
             note: Some(warning.note()),
-            action: "Enroll".into(),
+            action: warning.action().into(),
             secondary: None,
         };
         let regarding = ObjectReference {
@@ -88,7 +96,12 @@ impl Reporter {
             uid,
             ..ObjectReference::default()
         };
-        self.recorder.publish(&event, &regarding).await?;
+        let recorder = if warning.is_repair() {
+            &self.repair_recorder
+        } else {
+            &self.recorder
+        };
+        recorder.publish(&event, &regarding).await?;
         Ok(true)
     }
 

@@ -137,6 +137,7 @@ fn repaired(inner: &Inner, file: &Path, config_changed: bool, rewrites: &mut Rew
         return; // only the binary: the install logged it
     }
     inner.metrics.config_rewrites.inc();
+    inner.publish(|status| status.config_rewrites += 1);
     let recent = rewrites.record(Instant::now());
     if recent > REWRITE_WARN_THRESHOLD {
         warn!(

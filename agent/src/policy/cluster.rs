@@ -71,6 +71,11 @@ impl ClusterSource {
         &self.reflectors
     }
 
+    /// The client it follows the cluster with, for the reconcile loop's repairs.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
     /// The pod's facts from the caches, waiting briefly for a pod or namespace not there yet.
     async fn facts(&self, pod: &PodName) -> Result<PodFacts, PolicyError> {
         for attempt in 1..=LOOKUP_TRIES {

@@ -26,6 +26,27 @@ pub(super) async fn serve(socket: SeqpacketConnection, shared: Arc<Shared>) {
     }
 }
 
+/// Waits while snapshots are held; a peer that closes or speaks meanwhile ends the connection.
+async fn wait_for_snapshots(socket: &SeqpacketConnection, shared: &Shared) -> anyhow::Result<()> {
+    let mut released = shared.snapshots.subscribe();
+    if *released.borrow_and_update() {
+        return Ok(());
+    }
+    info!("ztunnel said hello; its snapshot waits until the agent knows its pods");
+    tokio::select! {
+        // The sender lives in `shared`, as long as this connection.
+        _ = released.wait_for(|released| *released) => Ok(()),
+        datagram = socket.recv() => {
+            let datagram = datagram.context("reading while the snapshot is held")?;
+            if datagram.is_eof() {
+                bail!("ztunnel closed the connection before its snapshot");
+            }
+            shared.metrics.error("unsolicited", "protocol");
+            bail!("ztunnel sent a datagram unasked while its snapshot was held");
+        }
+    }
+}
+
 async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Result<()> {
     let hello = read_hello(socket)
         .await
@@ -38,6 +59,7 @@ async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Resu
             "ztunnel announced an unknown ZDS version; going on"
         );
     }
+    wait_for_snapshots(socket, shared).await?;
     let (requests, mut queue) = mpsc::unbounded_channel();
     let (registration, snapshot) = shared.register(requests);
     let conn = registration.id;

@@ -18,6 +18,9 @@
 //! - Liveness: the socket is watched while idle, so a closed peer (or one that sends anything
 //!   unasked) is seen at once instead of at istio's periodic short read.
 //! - An empty datagram reads as the peer's close, as it does for ztunnel.
+//! - Snapshots can be held ([`ZdsHandle::hold_snapshots`]): a ztunnel that connects meanwhile
+//!   waits after its hello. ztunnel drops every pod a snapshot does not name, so none may be
+//!   sent before the agent knows which pods it holds (istio starts its ZDS server only then).
 //!
 //! [`Ack`]: proto::Ack
 
@@ -129,6 +132,7 @@ pub fn start(
     info!(socket = %config.socket_path.display(), "ZDS server listening");
     let shared = Arc::new(Shared {
         state: Mutex::default(),
+        snapshots: watch::Sender::new(true),
         connected: watch::Sender::new(0),
         acked: broadcast::Sender::new(ACKED_CAPACITY),
         metrics: Metrics::register(registry),
@@ -229,6 +233,17 @@ impl ZdsHandle {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// Until [`ZdsHandle::release_snapshots`], a ztunnel that connects gets no snapshot: it
+    /// waits after its hello, unregistered (no Add reaches it either).
+    pub fn hold_snapshots(&self) {
+        self.shared.snapshots.send_replace(false);
+    }
+
+    /// Lets every waiting ztunnel, and those that connect from now on, have its snapshot.
+    pub fn release_snapshots(&self) {
+        self.shared.snapshots.send_replace(true);
+    }
+
     /// Number of connected ztunnels, as a watch so callers can wait for one.
     pub fn connections(&self) -> watch::Receiver<usize> {
         self.shared.connected.subscribe()
@@ -251,6 +266,8 @@ fn request_len(payload: &Payload) -> usize {
 /// State shared by the handle, the accept loop and the connections.
 struct Shared {
     state: Mutex<State>,
+    /// Whether snapshots may be sent ([`ZdsHandle::hold_snapshots`]).
+    snapshots: watch::Sender<bool>,
     connected: watch::Sender<usize>,
     acked: broadcast::Sender<String>,
     metrics: Metrics,

@@ -91,19 +91,24 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
         .collect();
     let route = Route::parse(parts.uri.path());
     let verb = verb(&parts.method, route.as_ref(), &params);
+    let body = to_bytes(body, usize::MAX).await;
     store.lock().record(ApiRequest {
         verb: verb.clone(),
         method: parts.method.to_string(),
         path: parts.uri.path().to_owned(),
         query,
         content_type: content_type.clone(),
+        body: body
+            .as_ref()
+            .ok()
+            .and_then(|body| serde_json::from_slice(body).ok()),
     });
 
     let Some(route) = route else {
         let message = "the server could not find the requested resource";
         return respond(Err(ApiError::new(404, "NotFound", message)));
     };
-    let body = match to_bytes(body, usize::MAX).await {
+    let body = match body {
         Ok(body) => body,
         Err(error) => return respond(Err(ApiError::new(400, "BadRequest", error.to_string()))),
     };
@@ -117,7 +122,10 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
 
     let answer = match (verb.as_str(), route.name.as_deref()) {
         ("watch", None) => return watch(store, route, &params),
-        ("list", None) => list(&store, route, &params),
+        ("list", None) => {
+            store.lists_answered(route.resource).await;
+            list(&store, route, &params)
+        }
         ("get", Some(name)) => store
             .lock()
             .get(route.resource, route.namespace(), name)

@@ -26,6 +26,8 @@
 //!   `Conflict`); a patch that changes nothing keeps the version and notifies no watch.
 //! - DELETE, honouring `preconditions` (uid, resourceVersion) in the DeleteOptions body (409
 //!   `Conflict`). The object goes at once, as with a grace period of 0.
+//! - On demand, no answer to the LISTs of a kind ([`ApiServer::withhold_lists`]), so a test can
+//!   hold a client before its caches sync.
 //!
 //! Deliberately not: TLS, authentication and authorization, discovery (`/api`, `/apis`), PUT,
 //! JSON patch and server-side apply (415), pagination, `resourceVersionMatch` and
@@ -45,6 +47,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 use tokio::net::TcpListener;
+use tokio::sync::watch as signal;
 use tokio::task::JoinHandle;
 
 use store::{Resource, Store};
@@ -61,6 +64,8 @@ pub struct ApiRequest {
     pub query: String,
     /// Without parameters such as `; charset=utf-8`.
     pub content_type: Option<String>,
+    /// The body, when it is JSON (a created object, a patch, DeleteOptions).
+    pub body: Option<Value>,
 }
 
 impl ApiRequest {
@@ -72,14 +77,27 @@ impl ApiRequest {
 }
 
 #[derive(Clone, Default)]
-struct Shared(Arc<Mutex<Store>>);
+struct Shared {
+    store: Arc<Mutex<Store>>,
+    /// The kinds whose lists are not answered for now ([`ApiServer::withhold_lists`]).
+    withheld: Arc<signal::Sender<Vec<&'static Resource>>>,
+}
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Store> {
         // A panic while holding the lock leaves a store no test can trust anyway.
-        self.0
+        self.store
             .lock()
             .expect("the API stand-in's store lock is poisoned")
+    }
+
+    /// Resolves once lists of `resource` are answered again.
+    async fn lists_answered(&self, resource: &'static Resource) {
+        let mut withheld = self.withheld.subscribe();
+        // The sender lives as long as `self`.
+        let _ = withheld
+            .wait_for(|withheld| !withheld.contains(&resource))
+            .await;
     }
 }
 
@@ -220,6 +238,23 @@ impl ApiServer {
     /// Ends every open watch stream, as a restart of the API server would.
     pub fn drop_watches(&self) {
         self.store.lock().drop_watches();
+    }
+
+    /// Leaves every LIST of `K` unanswered until [`ApiServer::answer_lists`], as an API server
+    /// too loaded to answer: a reflector over `K` cannot sync meanwhile.
+    pub fn withhold_lists<K: k8s_openapi::Resource>(&self) {
+        let resource = resource_of::<K>();
+        self.store
+            .withheld
+            .send_modify(|withheld| withheld.push(resource));
+    }
+
+    /// Answers the withheld LISTs of `K`, and every later one.
+    pub fn answer_lists<K: k8s_openapi::Resource>(&self) {
+        let resource = resource_of::<K>();
+        self.store
+            .withheld
+            .send_modify(|withheld| withheld.retain(|kind| *kind != resource));
     }
 }
 
