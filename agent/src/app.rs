@@ -64,6 +64,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     // The order matters: everything that serves pods is up before the plugin is installed, so
     // the first ADD the runtime sends can be answered.
     let datapath = Arc::new(Datapath::start(config.datapath.clone())?);
+    datapath.register_metrics(&mut registry);
     let (zds, zds_serve) = zds::start(
         ZdsConfig {
             socket_path: config.zds_socket.clone(),

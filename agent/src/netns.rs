@@ -8,11 +8,11 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::marker::PhantomData;
 use std::net::IpAddr;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 
-use netlink_packet_route::link::{LinkAttribute, LinkFlags};
 use nix::sched::{setns, CloneFlags};
-use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType};
+
+use crate::netlink::Rtnl;
 
 /// The calling thread's network namespace, as a path that resolves per thread (`/proc/self` would
 /// name the main thread's).
@@ -58,29 +58,7 @@ impl Drop for NetnsGuard {
 /// The cookie of the calling thread's network namespace: what `bpf_get_netns_cookie` returns for
 /// sockets in it.
 pub fn current_cookie() -> io::Result<u64> {
-    // A socket belongs to the namespace of the thread that creates it.
-    let probe = socket(
-        AddressFamily::Inet,
-        SockType::Datagram,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )?;
-    let mut cookie = 0u64;
-    let mut len = size_of::<u64>() as libc::socklen_t;
-    // SAFETY: `cookie` and `len` are valid for writes and `len` is `cookie`'s size.
-    let rc = unsafe {
-        libc::getsockopt(
-            probe.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_NETNS_COOKIE,
-            (&raw mut cookie).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cookie)
+    Rtnl::new()?.netns_cookie()
 }
 
 /// The sysctls that carry marks across the pod's reply path, each set to 1:
@@ -96,11 +74,18 @@ pub const REPLY_MARK_SYSCTLS: [&str; 3] = [
     "/proc/sys/net/ipv6/fwmark_reflect",
 ];
 
-/// Sets [`REPLY_MARK_SYSCTLS`] in the calling thread's network namespace. `/proc/sys/net`
-/// resolves against the namespace of the task that opens it, so on the datapath thread these are
-/// the pod's sysctls.
-pub fn set_reply_mark_sysctls() -> io::Result<()> {
-    for sysctl in REPLY_MARK_SYSCTLS {
+/// Sets [`REPLY_MARK_SYSCTLS`] in the calling thread's network namespace, a family's
+/// `fwmark_reflect` only where the pod has addresses of that family (ztunnel dials a pod at its
+/// IPs; each write costs tens of microseconds of a pod's enrollment). `/proc/sys/net` resolves
+/// against the namespace of the task that opens it, so on the datapath thread these are the pod's
+/// sysctls.
+pub fn set_reply_mark_sysctls(ipv4: bool, ipv6: bool) -> io::Result<()> {
+    let [accept, reflect_v4, reflect_v6] = REPLY_MARK_SYSCTLS;
+    let wanted = [(accept, true), (reflect_v4, ipv4), (reflect_v6, ipv6)];
+    for sysctl in wanted
+        .into_iter()
+        .filter_map(|(sysctl, wanted)| wanted.then_some(sysctl))
+    {
         let written = OpenOptions::new()
             .write(true)
             .open(sysctl)
@@ -115,35 +100,14 @@ pub fn set_reply_mark_sysctls() -> io::Result<()> {
     Ok(())
 }
 
-/// Every address on the calling thread's network namespace's interfaces but loopback: the pod's
-/// CNI addresses, and also those no CNI result names, such as IPv6 link-local ones, through which
-/// a neighbour on the same segment reaches the pod's listeners too.
+/// See [`Rtnl::non_loopback_addresses`], for the calling thread's network namespace.
 pub fn non_loopback_addresses() -> io::Result<Vec<IpAddr>> {
-    Ok(crate::netlink::addresses()?
-        .into_iter()
-        .filter(|(ifindex, ip)| *ifindex != crate::netlink::LOOPBACK_IFINDEX && !ip.is_loopback())
-        .map(|(_, ip)| ip)
-        .collect())
+    Rtnl::new()?.non_loopback_addresses()
 }
 
-/// `(ifindex, name)` of every link but loopback in the calling thread's network namespace. Read over
-/// netlink, not `/sys/class/net`, which shows the namespace `/sys` was mounted in.
+/// See [`Rtnl::non_loopback_interfaces`], for the calling thread's network namespace.
 pub fn non_loopback_interfaces() -> io::Result<Vec<(u32, String)>> {
-    let links = crate::netlink::links()?;
-    Ok(links
-        .into_iter()
-        .filter(|link| !link.header.flags.contains(LinkFlags::Loopback))
-        .filter_map(|link| {
-            let name = link
-                .attributes
-                .into_iter()
-                .find_map(|attribute| match attribute {
-                    LinkAttribute::IfName(name) => Some(name),
-                    _ => None,
-                })?;
-            Some((link.header.index, name))
-        })
-        .collect())
+    Rtnl::new()?.non_loopback_interfaces()
 }
 
 /// Throwaway namespaces for tests; the machine's own namespaces are never touched.
@@ -254,7 +218,7 @@ mod tests {
         let home = reply_mark_sysctls();
         {
             let _guard = enter(a.as_fd()).unwrap();
-            set_reply_mark_sysctls().unwrap();
+            set_reply_mark_sysctls(true, true).unwrap();
             assert_eq!(reply_mark_sysctls(), ["1", "1", "1"]);
         }
         assert_eq!(

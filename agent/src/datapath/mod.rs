@@ -42,6 +42,7 @@ use aya::{
     maps::{Array, HashMap, MapData, PerCpuHashMap},
     Ebpf,
 };
+use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION};
 
@@ -109,6 +110,7 @@ enum Command {
 pub struct Datapath {
     commands: mpsc::Sender<Command>,
     thread: std::sync::Mutex<Option<thread::JoinHandle<()>>>,
+    enroll_steps: pods::EnrollSteps,
 }
 
 impl Datapath {
@@ -117,9 +119,11 @@ impl Datapath {
         let (commands, inbox) = mpsc::channel();
         let (ready_tx, ready) = mpsc::sync_channel(1);
         let changes = commands.clone();
+        let enroll_steps = pods::EnrollSteps::default();
+        let steps = enroll_steps.clone();
         let thread = thread::Builder::new()
             .name("weir-datapath".into())
-            .spawn(move || match Owner::open(&config, changes) {
+            .spawn(move || match Owner::open(&config, changes, steps) {
                 Ok(mut owner) => {
                     let _ = ready_tx.send(Ok(()));
                     owner.serve(inbox);
@@ -135,7 +139,12 @@ impl Datapath {
         Ok(Self {
             commands,
             thread: std::sync::Mutex::new(Some(thread)),
+            enroll_steps,
         })
+    }
+
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        self.enroll_steps.register(registry);
     }
 
     fn ask<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T> {
@@ -265,10 +274,15 @@ struct Owner {
     watcher: watch::Watcher,
     pin_root: PathBuf,
     probe_bypass: bool,
+    enroll_steps: pods::EnrollSteps,
 }
 
 impl Owner {
-    fn open(config: &DatapathConfig, changes: mpsc::Sender<Command>) -> Result<Self> {
+    fn open(
+        config: &DatapathConfig,
+        changes: mpsc::Sender<Command>,
+        enroll_steps: pods::EnrollSteps,
+    ) -> Result<Self> {
         if let Some(node) = &config.node_netns {
             let file = File::open(node).with_context(|| format!("opening {}", node.display()))?;
             // This thread lives in the node's netns from now on.
@@ -331,6 +345,7 @@ impl Owner {
             watcher: watch::Watcher::start(changes)?,
             pin_root: config.pin_root.clone(),
             probe_bypass: config.probe_bypass,
+            enroll_steps,
         })
     }
 

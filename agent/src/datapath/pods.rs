@@ -5,67 +5,147 @@ use std::{
     io,
     net::IpAddr,
     os::fd::{AsFd, OwnedFd},
+    time::Instant,
 };
 
 use anyhow::{bail, Context, Result};
 use aya::{maps::PerCpuValues, Ebpf};
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{
+        family::Family,
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::{Registry, Unit},
+};
 use tracing::{debug, warn};
 use weir_common::{
     IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS,
     POD_UID_LEN,
 };
 
-use super::{programs, Enrolled, Owner};
+use super::{programs, watch::Interfaces, Enrolled, Owner};
 use crate::{
-    netlink, netns,
+    netlink::{self, PodSetup, Rtnl},
+    netns,
     workload::{PodOptions, Workload},
 };
 
 const BPF_NOEXIST: u64 = 1;
+
+/// Where a pod's enrollment time goes, step by step (`weir_enroll_step_seconds{step}`): what an
+/// operator looks at when enrollment is slow on a node, and what the bench reports.
+#[derive(Clone)]
+pub(super) struct EnrollSteps(Family<Step, Histogram>);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct Step {
+    step: &'static str,
+}
+
+impl Default for EnrollSteps {
+    fn default() -> Self {
+        Self(Family::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(2e-6, 2.0, 14))
+        }))
+    }
+}
+
+impl EnrollSteps {
+    pub(super) fn register(&self, registry: &mut Registry) {
+        registry.register_with_unit(
+            "weir_enroll_step",
+            "Time of each step of a pod's enrollment in the datapath: netns (entering it, its \
+             rtnetlink socket and cookie), interfaces (link and address dumps), sysctls, maps, \
+             netlink (return path, tc filters and rules in one round trip), finish",
+            Unit::Seconds,
+            self.0.clone(),
+        );
+    }
+
+    fn stopwatch(&self) -> Stopwatch<'_> {
+        Stopwatch {
+            steps: self,
+            since: Instant::now(),
+        }
+    }
+}
+
+/// Times consecutive steps.
+struct Stopwatch<'a> {
+    steps: &'a EnrollSteps,
+    since: Instant,
+}
+
+impl Stopwatch<'_> {
+    /// Ends `step` (begun when the previous one ended) now.
+    fn lap(&mut self, step: &'static str) {
+        let now = Instant::now();
+        self.steps
+            .0
+            .get_or_create(&Step { step })
+            .observe((now - self.since).as_secs_f64());
+        self.since = now;
+    }
+}
 
 impl Owner {
     /// Where a pod is enrolled.
     ///
     /// The order leaves no moment without capture, also when a pod moves from another agent's
     /// map layout (whose tc program and maps still redirect it until this one takes over): the
-    /// reply path first, then the map entries, and only then this agent's tc program replaces
-    /// whatever filter the pod had, so the program never runs before the maps name the pod.
-    /// Any failure takes the pod out entirely: never half-redirected.
+    /// reply-mark sysctls, then the map entries, and only then one netlink round trip puts the
+    /// return path in place and this agent's tc program over whatever filter the pod had, so the
+    /// program never runs before the maps name the pod. Nothing needs the return path before
+    /// that: ztunnel dials the pod only once it has the pod, after enrollment, and a pod moving
+    /// from another layout has it already. Any failure takes the pod out entirely: never
+    /// half-redirected. Each step is timed ([`EnrollSteps`]).
     pub(super) fn enroll(&mut self, pod: &Workload) -> Result<OwnedFd> {
+        let steps = self.enroll_steps.clone();
+        let mut stopwatch = steps.stopwatch();
         let config = pod_config(pod)?;
         let pod_ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
         let netns_file = File::open(&pod.netns)
             .with_context(|| format!("opening pod netns {}", pod.netns.display()))?;
         // Map writes do not depend on the calling thread's netns, so every step runs in the pod.
-        let _inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
-        let netns_cookie = netns::current_cookie()?;
-
-        // Addresses beyond the pod's IPs (link-local ones): indexed too, and removed on failure.
-        let listed = netns::non_loopback_addresses().context("listing the pod's addresses");
-        let other_ips: Vec<IpKey> = listed
+        let inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
+        let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
+        let netns_cookie = rtnl.netns_cookie()?;
+        let subscription = self.subscribe(&pod.uid, netns_cookie)?;
+        stopwatch.lap("netns");
+        let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces");
+        stopwatch.lap("interfaces");
+        // Addresses beyond the pod's IPs (link-local ones) are indexed too, and removed on
+        // failure.
+        let other_ips: Vec<IpKey> = found
             .iter()
-            .flatten()
+            .flat_map(|found| &found.addresses)
             .map(|ip| ip_key(*ip))
             .filter(|ip| !pod_ips.contains(ip))
             .collect();
-        let redirected =
-            listed.and_then(|_| self.redirect(pod, netns_cookie, &config, &pod_ips, &other_ips));
+        let redirected = found.and_then(|found| {
+            let ips = self.redirect(
+                pod,
+                &mut rtnl,
+                netns_cookie,
+                &config,
+                &found,
+                (&pod_ips, &other_ips),
+                &mut stopwatch,
+            )?;
+            self.watch(pod, netns_cookie, found, subscription);
+            Ok(ips)
+        });
         let ips = match redirected {
             Ok(ips) => ips,
             Err(error) => {
                 self.remove_map_entries(&pod.uid);
                 let written = [&pod_ips[..], &other_ips].concat();
                 self.remove_entries(netns_cookie, &written);
-                undo_pod_netns();
+                undo_pod_netns(&mut rtnl);
                 return Err(error.context(format!("enrolling pod {}", pod.uid)));
             }
         };
-        if let Err(error) = self.watch(pod, netns_cookie) {
-            self.remove_map_entries(&pod.uid);
-            self.remove_entries(netns_cookie, &ips);
-            undo_pod_netns();
-            return Err(error.context(format!("enrolling pod {}", pod.uid)));
-        }
         debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
         let handle = netns_file.try_clone()?.into();
         self.pods.insert(
@@ -76,18 +156,23 @@ impl Owner {
                 netns: Some(netns_file),
             },
         );
+        drop(inside);
+        stopwatch.lap("finish");
         Ok(handle)
     }
 
     /// The steps of [`Self::enroll`] inside the pod's netns; returns the addresses indexed for
     /// the pod.
+    #[allow(clippy::too_many_arguments)] // enroll's state, split out only to roll back as one
     fn redirect(
         &mut self,
         pod: &Workload,
+        rtnl: &mut Rtnl,
         netns_cookie: u64,
         config: &PodConfig,
-        pod_ips: &[IpKey],
-        other_ips: &[IpKey],
+        found: &Interfaces,
+        (pod_ips, other_ips): (&[IpKey], &[IpKey]),
+        stopwatch: &mut Stopwatch,
     ) -> Result<Vec<IpKey>> {
         // A pod re-enrolled with another netns (sandbox recreated) drops its old entries; one
         // re-enrolled in place drops the addresses it no longer has.
@@ -104,16 +189,21 @@ impl Owner {
                 self.remove_ip_entries(netns_cookie, &gone);
             }
         }
-        install_reply_path()?;
+        netns::set_reply_mark_sysctls(config.has(POD_HAS_IPV4), config.has(POD_HAS_IPV6))
+            .context("reply-mark sysctls")?;
+        stopwatch.lap("sysctls");
         let ips = self
             .write_map_entries(netns_cookie, config, pod_ips, other_ips)
             .context("writing the maps")?;
         fail::fail_point!("enroll-maps-written");
-        let reroute = &pod.options.reroute_interfaces;
-        attach_everywhere(&mut self.ebpf, reroute)?;
-        // Last: until the tc program assigns a rerouted SYN to ztunnel, local delivery would
-        // hand it to whatever listens on its port in the pod.
-        netlink::set_reroute_rules(reroute).context("rerouted interfaces' routing rules")?;
+        stopwatch.lap("maps");
+        set_up_pod_netns(
+            rtnl,
+            &self.ebpf,
+            &found.links,
+            &pod.options.reroute_interfaces,
+        )?;
+        stopwatch.lap("netlink");
         Ok(ips)
     }
 
@@ -146,12 +236,22 @@ impl Owner {
         // Addresses outside the pod's IPs (link-local ones) are not unique on a node: the pod
         // that claimed one first keeps it.
         for ip in other_ips {
-            match self.pod_ips.get(ip, 0) {
-                Ok(owner) if owner != netns_cookie => {
-                    warn!(netns_cookie, owner, ip = ?ip, "address already indexed for another pod")
+            match self.pod_ips.insert(*ip, netns_cookie, BPF_NOEXIST) {
+                Err(aya::maps::MapError::SyscallError(e))
+                    if e.io_error.kind() == io::ErrorKind::AlreadyExists =>
+                {
+                    match self.pod_ips.get(ip, 0) {
+                        Ok(owner) if owner == netns_cookie => indexed.push(*ip),
+                        owner => warn!(
+                            netns_cookie,
+                            ?owner,
+                            ip = ?ip,
+                            "address already indexed for another pod"
+                        ),
+                    }
                 }
-                _ => {
-                    self.pod_ips.insert(*ip, netns_cookie, 0)?;
+                other => {
+                    other?;
                     indexed.push(*ip);
                 }
             }
@@ -167,8 +267,9 @@ impl Owner {
         let netns = self.remove_map_entries(uid);
         if let Some(netns) = netns {
             // The netns may already be gone with the pod; then so is everything in it.
-            match netns::enter(netns.as_fd()) {
-                Ok(_inside) => undo_pod_netns(),
+            let inside = netns::enter(netns.as_fd()).and_then(|inside| Ok((inside, Rtnl::new()?)));
+            match inside {
+                Ok((_inside, mut rtnl)) => undo_pod_netns(&mut rtnl),
                 Err(error) => debug!(uid, %error, "pod netns not entered for cleanup"),
             }
         }
@@ -227,43 +328,40 @@ impl Owner {
 /// Per-pod setup of a pod whose map entries are in place already (a recovered pod): the reply
 /// path, and this agent's tc programs in place of the previous ones, on the interfaces the pod's
 /// routing rules say are rerouted. The calling thread is in the pod's netns.
-pub(super) fn prepare_pod_netns(ebpf: &mut Ebpf) -> Result<()> {
-    install_reply_path()?;
-    let reroute = netlink::reroute_rules().context("reading the rerouted interfaces")?;
-    attach_everywhere(ebpf, &reroute)
+pub(super) fn prepare_pod_netns(ebpf: &Ebpf) -> Result<()> {
+    let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
+    let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
+    let interfaces = rtnl.non_loopback_interfaces()?;
+    // Its IPs are not known here: both families.
+    netns::set_reply_mark_sysctls(true, true).context("reply-mark sysctls")?;
+    set_up_pod_netns(&mut rtnl, ebpf, &interfaces, &rerouted)
 }
 
-/// The routing and sysctls that bring the app's replies (and the kernel's) back to ztunnel.
-fn install_reply_path() -> Result<()> {
-    netlink::install_return_path().context("return-path routing")?;
-    netns::set_reply_mark_sysctls().context("reply-mark sysctls")
-}
-
-/// The inbound program on each of the pod's interfaces, the reroute program on those named in
-/// `reroute`, each replacing an earlier filter in place.
-fn attach_everywhere(ebpf: &mut Ebpf, reroute: &[String]) -> Result<()> {
-    for (_, interface) in netns::non_loopback_interfaces()? {
-        let program = match reroute.contains(&interface) {
-            true => programs::reroute(ebpf)?,
-            false => programs::inbound(ebpf)?,
-        };
-        programs::attach_tc(program, &interface).with_context(|| format!("tc on {interface}"))?;
-    }
-    Ok(())
+/// The return path, the tc programs and the rerouting rules, in one netlink round trip (see
+/// [`Rtnl::set_up_pod`]).
+fn set_up_pod_netns(
+    rtnl: &mut Rtnl,
+    ebpf: &Ebpf,
+    interfaces: &[(u32, String)],
+    rerouted: &[String],
+) -> Result<()> {
+    let setup = PodSetup {
+        interfaces,
+        rerouted,
+        inbound: programs::tc_program(ebpf, weir_common::programs::INBOUND)?,
+        reroute: programs::tc_program(ebpf, weir_common::programs::REROUTE)?,
+    };
+    rtnl.set_up_pod(&setup)
+        .context("return path, tc programs and rerouting rules")
 }
 
 /// Best effort: called on rollback and unenroll, where the pod may be half set up or gone.
-fn undo_pod_netns() {
-    if let Ok(interfaces) = netns::non_loopback_interfaces() {
-        for (_, interface) in interfaces {
-            programs::detach_tc(&interface);
-        }
-    }
-    if let Err(error) = netlink::set_reroute_rules(&[]) {
-        debug!(%error, "removing the rerouted interfaces' rules");
-    }
-    if let Err(error) = netlink::remove_return_path() {
-        debug!(%error, "removing the return path");
+fn undo_pod_netns(rtnl: &mut Rtnl) {
+    let undone = rtnl
+        .non_loopback_interfaces()
+        .and_then(|interfaces| rtnl.tear_down_pod(&interfaces));
+    if let Err(error) = undone {
+        debug!(%error, "removing the pod's tc programs and routing");
     }
 }
 

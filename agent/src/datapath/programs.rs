@@ -9,10 +9,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    programs::{
-        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError},
-        Program, SchedClassifier,
-    },
+    programs::{Program, SchedClassifier},
     Ebpf, EbpfLoader,
 };
 use aya_obj::generated::bpf_attach_type::{
@@ -25,15 +22,10 @@ use tokio::io::{unix::AsyncFd, Interest};
 use tracing::info;
 use weir_common::{globals, maps, programs};
 
-use crate::bpf_sys;
+use crate::{bpf_sys, netlink::TcProgram};
 
 /// The compiled kernel side, embedded so the agent is one self-contained binary.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT"));
-
-/// Our tc filter's place on a pod interface: fixed, so re-enrolling replaces it in place and
-/// unenrolling removes exactly it.
-const TC_PRIORITY: u16 = 1;
-const TC_HANDLE: u32 = 0x5745;
 
 /// The cgroup hooks, each attached once at the root cgroup.
 const CGROUP_HOOKS: [(&str, bpf_attach_type); 10] = [
@@ -133,45 +125,18 @@ pub(super) fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
     Ok(runtime)
 }
 
-/// Attaches a tc program (inbound or reroute) as a classic cls_bpf filter: a TCX link costs a
-/// `synchronize_rcu()` under the rtnl lock per pod (~16 ms), a netlink filter does not. Both
-/// programs take the same filter slot, so either replaces the other in place.
-pub(super) fn attach_tc(program: &mut SchedClassifier, interface: &str) -> Result<()> {
-    match tc::qdisc_add_clsact(interface) {
-        Err(TcError::NetlinkError(error)) if error.raw_os_error() == Some(libc::EEXIST) => {}
-        other => other.context("adding the clsact qdisc")?,
-    }
-    let options = TcAttachOptions::Netlink(NlOptions {
-        priority: TC_PRIORITY,
-        handle: TC_HANDLE.into(),
-        ..NlOptions::default()
-    });
-    let link_id = match program.attach_with_options(interface, TcAttachType::Ingress, options) {
-        Ok(id) => id,
-        // Already attached (re-enroll, or an earlier agent): replace the program in place.
-        Err(_) => program.attach_to_link(our_filter(interface)?)?,
-    };
-    // The filter lives in the pod's netns, not in this process: dropping aya's link would
-    // detach it, so it is released instead (it holds no file descriptor).
-    std::mem::forget(program.take_link(link_id)?);
-    Ok(())
-}
-
-/// Removes our tc filter from `interface`, if it is there.
-pub(super) fn detach_tc(interface: &str) {
-    if let Ok(link) = our_filter(interface) {
-        let _ = aya::programs::Link::detach(link);
-    }
-}
-
-fn our_filter(interface: &str) -> io::Result<SchedClassifierLink> {
-    SchedClassifierLink::attached(
-        interface,
-        TcAttachType::Ingress,
-        TC_PRIORITY,
-        TC_HANDLE.into(),
-        None,
-    )
+/// A loaded tc program (inbound or reroute), as pod setup attaches it: a classic cls_bpf filter
+/// over netlink (`netlink::Rtnl::set_up_pod`), since a TCX link costs a `synchronize_rcu()`
+/// under the rtnl lock per pod (~16 ms) and a netlink filter does not.
+pub(super) fn tc_program<'a>(ebpf: &'a Ebpf, name: &'a str) -> Result<TcProgram<'a>> {
+    let program: &SchedClassifier = ebpf
+        .program(name)
+        .ok_or_else(|| anyhow!("program {name} missing"))?
+        .try_into()?;
+    Ok(TcProgram {
+        fd: program.fd()?.as_fd(),
+        name,
+    })
 }
 
 /// Attaches a cgroup program through a pinned link, or moves an existing pinned link to it.

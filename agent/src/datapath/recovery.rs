@@ -76,7 +76,7 @@ impl Owner {
             None => return Ok(()),
         };
         let _inside = netns::enter(netns.as_fd()).context("entering the pod netns")?;
-        prepare_pod_netns(&mut self.ebpf)
+        prepare_pod_netns(&self.ebpf)
     }
 }
 

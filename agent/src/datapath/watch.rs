@@ -14,7 +14,11 @@ use tokio::{io::unix::AsyncFd, task::AbortHandle};
 use tracing::{debug, warn};
 
 use super::{Command, Owner};
-use crate::{netlink, netns, workload::Workload};
+use crate::{
+    netlink::{self, Rtnl},
+    netns,
+    workload::Workload,
+};
 
 /// The worker thread serving every subscription; its tasks end with it.
 pub(super) struct Watcher {
@@ -33,18 +37,22 @@ pub(super) struct Watch {
     task: AbortHandle,
 }
 
-/// A pod's interfaces (ifindex, name) and addresses, sorted.
+/// A pod's interfaces and addresses but loopback, sorted.
 #[derive(PartialEq, Eq)]
-struct Interfaces(Vec<(u32, String)>, Vec<IpAddr>);
+pub(super) struct Interfaces {
+    /// `(ifindex, name)`.
+    pub links: Vec<(u32, String)>,
+    pub addresses: Vec<IpAddr>,
+}
 
 impl Interfaces {
-    /// Those of the calling thread's current netns.
-    fn current() -> Result<Self> {
-        let mut links = netns::non_loopback_interfaces()?;
-        let mut addresses = netns::non_loopback_addresses()?;
+    /// Those of `rtnl`'s netns.
+    pub(super) fn read(rtnl: &mut Rtnl) -> io::Result<Self> {
+        let mut links = rtnl.non_loopback_interfaces()?;
+        let mut addresses = rtnl.non_loopback_addresses()?;
         links.sort();
         addresses.sort();
-        Ok(Self(links, addresses))
+        Ok(Self { links, addresses })
     }
 }
 
@@ -65,22 +73,26 @@ impl Watcher {
         Ok(Self { runtime, owner })
     }
 
-    /// Subscribes to the changes of the calling thread's current netns (the pod's).
-    fn subscribe(&self, workload: &Workload, netns_cookie: u64) -> Result<Watch> {
-        let socket = netlink::subscribe_interface_changes()
-            .context("subscribing to the pod's interface changes")?;
+    /// Follows the changes `socket` (subscribed in the pod's netns) reports.
+    fn follow(
+        &self,
+        socket: Socket,
+        workload: &Workload,
+        netns_cookie: u64,
+        enrolled_with: Interfaces,
+    ) -> Watch {
         let (owner, uid) = (self.owner.clone(), workload.uid.clone());
         let task = self.runtime.spawn(async move {
             if let Err(error) = report_changes(socket, &owner, uid.clone(), netns_cookie).await {
                 warn!(uid, %error, "pod interface changes are no longer followed");
             }
         });
-        Ok(Watch {
+        Watch {
             netns_cookie,
             workload: workload.clone(),
-            enrolled_with: Interfaces::current()?,
+            enrolled_with,
             task: task.abort_handle(),
-        })
+        }
     }
 }
 
@@ -120,18 +132,45 @@ async fn report_changes(
 impl Owner {
     /// Follows the pod's interface changes from now on (the calling thread is in its netns);
     /// a pod already followed in this netns only has its workload updated.
-    pub(super) fn watch(&mut self, workload: &Workload, netns_cookie: u64) -> Result<()> {
-        match self.watches.get_mut(&workload.uid) {
-            Some(watch) if watch.netns_cookie == netns_cookie => {
-                watch.workload = workload.clone();
-                watch.enrolled_with = Interfaces::current()?;
-            }
-            _ => {
-                let watch = self.watcher.subscribe(workload, netns_cookie)?;
+    /// A subscription to the changes of the calling thread's netns (the pod's), made before the
+    /// pod's interfaces are read so that no change in between goes unseen; `None` when the pod
+    /// is followed in this netns already.
+    pub(super) fn subscribe(&self, uid: &str, netns_cookie: u64) -> Result<Option<Socket>> {
+        if self
+            .watches
+            .get(uid)
+            .is_some_and(|watch| watch.netns_cookie == netns_cookie)
+        {
+            return Ok(None);
+        }
+        let socket = netlink::subscribe_interface_changes()
+            .context("subscribing to the pod's interface changes")?;
+        Ok(Some(socket))
+    }
+
+    /// Follows the pod's changes from now on through `subscription` (from [`Self::subscribe`]);
+    /// without one, the pod already followed has its workload and interfaces updated.
+    pub(super) fn watch(
+        &mut self,
+        workload: &Workload,
+        netns_cookie: u64,
+        enrolled_with: Interfaces,
+        subscription: Option<Socket>,
+    ) {
+        match subscription {
+            Some(socket) => {
+                let watch = self
+                    .watcher
+                    .follow(socket, workload, netns_cookie, enrolled_with);
                 self.watches.insert(workload.uid.clone(), watch);
             }
+            None => {
+                if let Some(watch) = self.watches.get_mut(&workload.uid) {
+                    watch.workload = workload.clone();
+                    watch.enrolled_with = enrolled_with;
+                }
+            }
         }
-        Ok(())
     }
 
     /// Something changed in a followed pod's links or addresses: when its interfaces or
@@ -148,7 +187,7 @@ impl Owner {
         }
         let now = netns::enter(netns.as_fd())
             .map_err(anyhow::Error::from)
-            .and_then(|_inside| Interfaces::current());
+            .and_then(|_inside| Ok(Interfaces::read(&mut Rtnl::new()?)?));
         if now.is_ok_and(|now| now == watch.enrolled_with) {
             return;
         }

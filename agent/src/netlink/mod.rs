@@ -1,10 +1,12 @@
-//! A tiny synchronous rtnetlink client for the few routing objects weir owns.
+//! A tiny synchronous rtnetlink client for the few routing and tc objects weir owns.
 //!
-//! Each call opens its own `NETLINK_ROUTE` socket, and a netlink socket acts on the network
-//! namespace of the thread that created it: called on the datapath thread after
-//! [`crate::netns::enter`], these functions change the pod's namespace, not the node's. The requests
-//! of one call go out in a single datagram; each carries `NLM_F_ACK`, and the kernel answers every
-//! one of them, in order, even after an earlier one failed.
+//! An [`Rtnl`] is one `NETLINK_ROUTE` socket, and a netlink socket acts on the network namespace
+//! of the thread that created it: made on the datapath thread after [`crate::netns::enter`], it
+//! changes the pod's namespace, not the node's. An enrollment makes one and does everything
+//! through it: the netns cookie, one link and one address dump, and one datagram that carries
+//! every change (see [`Rtnl::set_up_pod`]), since round trips and sockets were much of a pod's
+//! enrollment time. The kernel handles every request of a datagram, in order, even after an
+//! earlier one failed.
 //!
 //! Everything is idempotent: adds use `NLM_F_EXCL`, so an object already there is reported as
 //! `EEXIST` (this is what makes a rerun not duplicate a rule: without `NLM_F_EXCL` the kernel
@@ -13,6 +15,7 @@
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 use netlink_packet_core::{
     NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP,
@@ -20,9 +23,10 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::{
     address::{AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, CacheInfo},
-    link::LinkMessage,
+    link::{LinkAttribute, LinkFlags, LinkMessage},
     route::{RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
+    tc::{TcAttribute, TcBpfFlags, TcFilterBpf, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
     AddressFamily, IpProtocol, RouteNetlinkMessage,
 };
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
@@ -40,8 +44,35 @@ pub(crate) const LOOPBACK_IFINDEX: u32 = 1;
 
 const RT_TABLE_LOCAL: u32 = 255;
 
+/// weir's tc filter's place on a pod interface's ingress: fixed, so enrolling again replaces the
+/// program in place (also another agent version's) and unenrolling removes exactly it.
+pub const TC_PRIORITY: u16 = 1;
+pub const TC_HANDLE: u32 = 0x5745;
+/// `ETH_P_ALL` in network order, as `tcm_info`'s protocol half wants it.
+const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
+
 /// Room for one datagram of a dump: the kernel fills at most 32 KiB per `recv`.
 const RECV_BUFFER: usize = 32 * 1024;
+
+/// A tc program weir attaches to pod interfaces, by its fd and name (the name `tc filter show`
+/// prints).
+#[derive(Clone, Copy)]
+pub struct TcProgram<'a> {
+    pub fd: BorrowedFd<'a>,
+    pub name: &'a str,
+}
+
+/// What weir puts in a pod's netns, for [`Rtnl::set_up_pod`].
+pub struct PodSetup<'a> {
+    /// The pod's interfaces but loopback, `(ifindex, name)`.
+    pub interfaces: &'a [(u32, String)],
+    /// Those whose TCP goes to ztunnel's outbound port (`istio.io/reroute-virtual-interfaces`).
+    pub rerouted: &'a [String],
+    /// The program for every other interface.
+    pub inbound: TcProgram<'a>,
+    /// The program for the rerouted interfaces.
+    pub reroute: TcProgram<'a>,
+}
 
 /// Makes `RETURN_MARK`-marked replies in the current netns take the `local` route in table
 /// `RETURN_ROUTE_TABLE`, for IPv4 and IPv6:
@@ -51,13 +82,17 @@ const RECV_BUFFER: usize = 32 * 1024;
 /// `disable_ipv6` sysctl, or no IPv6 in the kernel) its half is skipped: there is no IPv6 traffic
 /// to return.
 pub fn install_return_path() -> io::Result<()> {
-    // Routes before rules: the rule never points at an empty table.
-    apply(Op::Add, return_path())
+    Rtnl::new()?.apply(return_path().map(|object| (Op::Add, object)))
 }
 
 /// Undoes [`install_return_path`]; what is already gone is success.
 pub fn remove_return_path() -> io::Result<()> {
-    apply(Op::Delete, return_path().into_iter().rev())
+    Rtnl::new()?.apply(
+        return_path()
+            .into_iter()
+            .rev()
+            .map(|object| (Op::Delete, object)),
+    )
 }
 
 /// Makes the TCP arriving on each of `interfaces` in the current netns take the `local` route of
@@ -67,24 +102,23 @@ pub fn remove_return_path() -> io::Result<()> {
 /// this shape for other interfaces are removed, so the set is exactly `interfaces`. A rule names
 /// its interface, so it applies as soon as an interface of that name appears.
 pub fn set_reroute_rules(interfaces: &[String]) -> io::Result<()> {
-    let stale: Vec<Object> = installed_reroute_rules()?
+    let mut rtnl = Rtnl::new()?;
+    let stale: Vec<(Op, Object)> = installed_reroute_rules(&mut rtnl)?
         .into_iter()
         .filter(|rule| !reroute_interface(rule).is_some_and(|name| interfaces.contains(name)))
-        .map(Object::Rule)
+        .map(|rule| (Op::Delete, Object::Rule(rule)))
         .collect();
-    apply(Op::Delete, stale)?;
-    apply(
-        Op::Add,
-        interfaces.iter().flat_map(|interface| {
-            [Ipv4Addr::UNSPECIFIED.into(), Ipv6Addr::UNSPECIFIED.into()]
-                .map(|any| Object::Rule(reroute_rule(any, interface)))
-        }),
+    rtnl.apply(stale)?;
+    rtnl.apply(
+        interfaces
+            .iter()
+            .flat_map(|interface| reroute_rules_of(Op::Add, interface)),
     )
 }
 
 /// The interfaces [`set_reroute_rules`] made rerouted in the current netns, sorted.
 pub fn reroute_rules() -> io::Result<Vec<String>> {
-    let mut names: Vec<String> = installed_reroute_rules()?
+    let mut names: Vec<String> = installed_reroute_rules(&mut Rtnl::new()?)?
         .iter()
         .filter_map(reroute_interface)
         .cloned()
@@ -94,9 +128,15 @@ pub fn reroute_rules() -> io::Result<Vec<String>> {
     Ok(names)
 }
 
+/// `op` on an interface's rerouting rules, IPv4 and IPv6.
+fn reroute_rules_of(op: Op, interface: &str) -> [(Op, Object); 2] {
+    [Ipv4Addr::UNSPECIFIED.into(), Ipv6Addr::UNSPECIFIED.into()]
+        .map(|any| (op, Object::Rule(reroute_rule(any, interface))))
+}
+
 /// The rerouted interfaces' rules in the current netns (by their shape, see [`set_reroute_rules`]).
-fn installed_reroute_rules() -> io::Result<Vec<RuleMessage>> {
-    let replies = Rtnl::new()?.dump(RouteNetlinkMessage::GetRule(RuleMessage::default()))?;
+fn installed_reroute_rules(rtnl: &mut Rtnl) -> io::Result<Vec<RuleMessage>> {
+    let replies = rtnl.dump(RouteNetlinkMessage::GetRule(RuleMessage::default()))?;
     Ok(replies
         .into_iter()
         .filter_map(|reply| match reply {
@@ -139,12 +179,12 @@ fn reroute_interface(rule: &RuleMessage) -> Option<&String> {
 /// longest-prefix rule for the node's own connections to other ULA destinations. Binding to a
 /// deprecated address still works. Idempotent; IPv6 is skipped where it is disabled.
 pub fn install_probe_source() -> io::Result<()> {
-    apply(Op::Add, probe_source())
+    Rtnl::new()?.apply(probe_source().map(|object| (Op::Add, object)))
 }
 
 /// Undoes [`install_probe_source`]; what is already gone is success.
 pub fn remove_probe_source() -> io::Result<()> {
-    apply(Op::Delete, probe_source())
+    Rtnl::new()?.apply(probe_source().map(|object| (Op::Delete, object)))
 }
 
 /// A non-blocking socket in the current netns that receives every link and address change there
@@ -156,45 +196,6 @@ pub fn subscribe_interface_changes() -> io::Result<Socket> {
     socket.bind(&SocketAddr::new(0, groups as u32))?;
     socket.set_non_blocking(true)?;
     Ok(socket)
-}
-
-/// All links of the current netns (`RTM_GETLINK` dump).
-pub(crate) fn links() -> io::Result<Vec<LinkMessage>> {
-    let replies = Rtnl::new()?.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))?;
-    Ok(replies
-        .into_iter()
-        .filter_map(|reply| match reply {
-            RouteNetlinkMessage::NewLink(link) => Some(link),
-            _ => None,
-        })
-        .collect())
-}
-
-/// `(ifindex, address)` of every address in the current netns (`RTM_GETADDR` dump), tentative
-/// ones included.
-pub(crate) fn addresses() -> io::Result<Vec<(u32, IpAddr)>> {
-    let replies = Rtnl::new()?.dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))?;
-    Ok(replies
-        .into_iter()
-        .filter_map(|reply| match reply {
-            RouteNetlinkMessage::NewAddress(address) => {
-                // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on a point-to-point
-                // link, and the only one given otherwise.
-                let find = |local: bool| {
-                    address
-                        .attributes
-                        .iter()
-                        .find_map(|attribute| match attribute {
-                            AddressAttribute::Local(ip) if local => Some(*ip),
-                            AddressAttribute::Address(ip) if !local => Some(*ip),
-                            _ => None,
-                        })
-                };
-                Some((address.header.index, find(true).or_else(|| find(false))?))
-            }
-            _ => None,
-        })
-        .collect())
 }
 
 fn return_path() -> [Object; 4] {
@@ -275,6 +276,41 @@ fn local_route(destination: IpAddr, prefix_len: u8, table: u32) -> RouteMessage 
     route
 }
 
+/// `tc qdisc add dev <ifindex> clsact`.
+fn clsact(ifindex: u32) -> TcMessage {
+    let mut qdisc = TcMessage::default();
+    qdisc.header.index = ifindex as i32;
+    qdisc.header.handle = TcHandle {
+        major: TcHandle::CLSACT.major,
+        minor: 0,
+    };
+    qdisc.header.parent = TcHandle::CLSACT;
+    qdisc.attributes = vec![TcAttribute::Kind("clsact".into())];
+    qdisc
+}
+
+/// weir's filter on `ifindex`'s ingress: `tc filter add dev <ifindex> ingress prio 1 handle
+/// 0x5745 bpf direct-action fd <program>`; without a program, the slot itself (to delete it).
+fn tc_filter(ifindex: u32, program: Option<TcProgram>) -> TcMessage {
+    let mut filter = TcMessage::default();
+    filter.header.index = ifindex as i32;
+    filter.header.handle = TC_HANDLE.into();
+    filter.header.parent = TcHandle {
+        major: TcHandle::CLSACT.major,
+        minor: TcHandle::MIN_INGRESS,
+    };
+    filter.header.info = (u32::from(TC_PRIORITY) << 16) | u32::from(ETH_P_ALL_BE);
+    filter.attributes = vec![TcAttribute::Kind(TcFilterBpf::KIND.into())];
+    if let Some(program) = program {
+        filter.attributes.push(TcAttribute::Options(vec![
+            TcOption::Bpf(TcFilterBpfOption::ProgFd(program.fd.as_raw_fd() as u32)),
+            TcOption::Bpf(TcFilterBpfOption::ProgName(program.name.into())),
+            TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),
+        ]));
+    }
+    filter
+}
+
 /// `<address>/128 dev lo nodad preferred_lft 0`: no duplicate address detection (the address is
 /// never tentative, so binding to it works at once) and deprecated (see [`install_probe_source`]).
 fn loopback_address(address: Ipv6Addr) -> AddressMessage {
@@ -303,13 +339,6 @@ enum Op {
 }
 
 impl Op {
-    fn flags(self) -> u16 {
-        match self {
-            Op::Add => NLM_F_CREATE | NLM_F_EXCL,
-            Op::Delete => 0,
-        }
-    }
-
     /// Whether `errno` means the object is already in the wanted state. Rules say ENOENT when
     /// gone, routes ESRCH, IPv6 addresses EADDRNOTAVAIL.
     fn settled(self, errno: i32) -> bool {
@@ -333,6 +362,10 @@ enum Object {
     Rule(RuleMessage),
     Route(RouteMessage),
     Address(AddressMessage),
+    /// The clsact qdisc weir's filter hangs on.
+    Clsact(TcMessage),
+    /// weir's cls_bpf filter in its fixed slot.
+    Filter(TcMessage),
 }
 
 impl Object {
@@ -345,6 +378,20 @@ impl Object {
             (Object::Route(m), Op::Delete) => M::DelRoute(m.clone()),
             (Object::Address(m), Op::Add) => M::NewAddress(m.clone()),
             (Object::Address(m), Op::Delete) => M::DelAddress(m.clone()),
+            (Object::Clsact(m), Op::Add) => M::NewQueueDiscipline(m.clone()),
+            (Object::Clsact(m), Op::Delete) => M::DelQueueDiscipline(m.clone()),
+            (Object::Filter(m), Op::Add) => M::NewTrafficFilter(m.clone()),
+            (Object::Filter(m), Op::Delete) => M::DelTrafficFilter(m.clone()),
+        }
+    }
+
+    fn flags(&self, op: Op) -> u16 {
+        match (self, op) {
+            // Without NLM_F_EXCL a filter already in the slot (ours, an earlier agent's, or the
+            // other program's) has its program replaced in place: no moment without one.
+            (Object::Filter(_), Op::Add) => NLM_F_CREATE,
+            (_, Op::Add) => NLM_F_CREATE | NLM_F_EXCL,
+            (_, Op::Delete) => 0,
         }
     }
 
@@ -353,6 +400,7 @@ impl Object {
             Object::Rule(m) => m.header.family,
             Object::Route(m) => m.header.address_family,
             Object::Address(m) => m.header.family,
+            Object::Clsact(_) | Object::Filter(_) => AddressFamily::Unspec,
         }
     }
 
@@ -370,38 +418,18 @@ impl fmt::Display for Object {
         } else {
             "IPv4"
         };
-        let kind = match self {
-            Object::Rule(_) => "rule",
-            Object::Route(_) => "route",
-            Object::Address(_) => "address",
-        };
-        write!(f, "{family} {kind}")
+        match self {
+            Object::Rule(_) => write!(f, "{family} rule"),
+            Object::Route(_) => write!(f, "{family} route"),
+            Object::Address(_) => write!(f, "{family} address"),
+            Object::Clsact(m) => write!(f, "clsact qdisc on ifindex {}", m.header.index),
+            Object::Filter(m) => write!(f, "tc filter on ifindex {}", m.header.index),
+        }
     }
 }
 
-/// Applies `op` to every object, in order, in one round trip.
-fn apply(op: Op, objects: impl IntoIterator<Item = Object>) -> io::Result<()> {
-    let objects: Vec<Object> = objects.into_iter().collect();
-    if objects.is_empty() {
-        return Ok(());
-    }
-    let messages = objects.iter().map(|object| object.message(op));
-    let errnos = Rtnl::new()?.execute(messages, op.flags())?;
-    for (object, errno) in objects.iter().zip(errnos) {
-        if errno == 0 || op.settled(errno) {
-            continue;
-        }
-        if object.family_disabled(errno) {
-            tracing::debug!("IPv6 is disabled in this network namespace: not {op} {object}");
-            continue;
-        }
-        let err = io::Error::from_raw_os_error(errno);
-        return Err(io::Error::new(err.kind(), format!("{op} {object}: {err}")));
-    }
-    Ok(())
-}
-
-struct Rtnl {
+/// One rtnetlink socket, in the network namespace of the thread that made it.
+pub struct Rtnl {
     socket: Socket,
     sequence: u32,
     buffer: Vec<u8>,
@@ -409,7 +437,7 @@ struct Rtnl {
 
 impl Rtnl {
     /// A socket in the calling thread's current network namespace.
-    fn new() -> io::Result<Self> {
+    pub fn new() -> io::Result<Self> {
         let socket = Socket::new(NETLINK_ROUTE)?;
         socket.connect(&SocketAddr::new(0, 0))?;
         Ok(Self {
@@ -419,38 +447,192 @@ impl Rtnl {
         })
     }
 
-    /// Sends all `messages` in one datagram, each with `NLM_F_REQUEST | NLM_F_ACK | flags`, and
-    /// returns each one's errno (0 for success), in order.
-    fn execute(
-        &mut self,
-        messages: impl IntoIterator<Item = RouteNetlinkMessage>,
-        flags: u16,
-    ) -> io::Result<Vec<i32>> {
+    /// The cookie of this socket's network namespace: what `bpf_get_netns_cookie` returns for
+    /// sockets there.
+    pub fn netns_cookie(&self) -> io::Result<u64> {
+        let mut cookie = 0u64;
+        let mut len = size_of::<u64>() as libc::socklen_t;
+        // SAFETY: `cookie` and `len` are valid for writes and `len` is `cookie`'s size.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_NETNS_COOKIE,
+                (&raw mut cookie).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(cookie)
+    }
+
+    /// `(ifindex, name)` of every link but loopback (`RTM_GETLINK` dump; not `/sys/class/net`,
+    /// which shows the namespace `/sys` was mounted in).
+    pub fn non_loopback_interfaces(&mut self) -> io::Result<Vec<(u32, String)>> {
+        let replies = self.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|reply| match reply {
+                RouteNetlinkMessage::NewLink(link) => Some(link),
+                _ => None,
+            })
+            .filter(|link| !link.header.flags.contains(LinkFlags::Loopback))
+            .filter_map(|link| {
+                let name = link
+                    .attributes
+                    .into_iter()
+                    .find_map(|attribute| match attribute {
+                        LinkAttribute::IfName(name) => Some(name),
+                        _ => None,
+                    })?;
+                Some((link.header.index, name))
+            })
+            .collect())
+    }
+
+    /// Every address on the namespace's interfaces but loopback (`RTM_GETADDR` dump), tentative
+    /// ones included: the pod's CNI addresses, and also those no CNI result names, such as IPv6
+    /// link-local ones, through which a neighbour on the same segment reaches the pod's
+    /// listeners too.
+    pub fn non_loopback_addresses(&mut self) -> io::Result<Vec<IpAddr>> {
+        let replies = self.dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|reply| match reply {
+                RouteNetlinkMessage::NewAddress(address) => {
+                    // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on a
+                    // point-to-point link, and the only one given otherwise.
+                    let find = |local: bool| {
+                        address
+                            .attributes
+                            .iter()
+                            .find_map(|attribute| match attribute {
+                                AddressAttribute::Local(ip) if local => Some(*ip),
+                                AddressAttribute::Address(ip) if !local => Some(*ip),
+                                _ => None,
+                            })
+                    };
+                    Some((address.header.index, find(true).or_else(|| find(false))?))
+                }
+                _ => None,
+            })
+            .filter(|(ifindex, ip)| *ifindex != LOOPBACK_IFINDEX && !ip.is_loopback())
+            .map(|(_, ip)| ip)
+            .collect())
+    }
+
+    /// Everything weir puts in a pod's netns, in one datagram and in this order: the return path
+    /// (see [`install_return_path`]); on every interface the clsact qdisc and weir's filter with
+    /// the interface's program, replacing whatever program held the slot; and the rerouted
+    /// interfaces' rules (see [`set_reroute_rules`]), last, since until the tc program assigns a
+    /// rerouted SYN to ztunnel local delivery would hand it to whatever listens on its port. The
+    /// pod's other interfaces lose any rerouting rule; one naming an interface the pod no longer
+    /// has stays inert until such an interface appears, which sets the pod up again. Idempotent.
+    pub fn set_up_pod(&mut self, pod: &PodSetup) -> io::Result<()> {
+        let return_path = return_path().map(|object| (Op::Add, object));
+        let tc = pod.interfaces.iter().flat_map(|(ifindex, name)| {
+            let program = match pod.rerouted.contains(name) {
+                true => pod.reroute,
+                false => pod.inbound,
+            };
+            [
+                (Op::Add, Object::Clsact(clsact(*ifindex))),
+                (Op::Add, Object::Filter(tc_filter(*ifindex, Some(program)))),
+            ]
+        });
+        let unrouted = pod
+            .interfaces
+            .iter()
+            .filter(|(_, name)| !pod.rerouted.contains(name))
+            .flat_map(|(_, name)| reroute_rules_of(Op::Delete, name));
+        let rerouted = pod
+            .rerouted
+            .iter()
+            .flat_map(|name| reroute_rules_of(Op::Add, name));
+        self.apply(
+            return_path
+                .into_iter()
+                .chain(tc)
+                .chain(unrouted)
+                .chain(rerouted),
+        )
+    }
+
+    /// Undoes [`Self::set_up_pod`] on `interfaces`, in one datagram: weir's filters, every
+    /// rerouting rule, the return path. Best effort: what is already gone is success.
+    pub fn tear_down_pod(&mut self, interfaces: &[(u32, String)]) -> io::Result<()> {
+        let filters = interfaces
+            .iter()
+            .map(|(ifindex, _)| (Op::Delete, Object::Filter(tc_filter(*ifindex, None))));
+        let rules: Vec<(Op, Object)> = installed_reroute_rules(self)?
+            .into_iter()
+            .map(|rule| (Op::Delete, Object::Rule(rule)))
+            .collect();
+        let return_path = return_path()
+            .into_iter()
+            .rev()
+            .map(|object| (Op::Delete, object));
+        self.apply(filters.chain(rules).chain(return_path))
+    }
+
+    /// Applies every `(op, object)`, in order, in one round trip.
+    fn apply(&mut self, changes: impl IntoIterator<Item = (Op, Object)>) -> io::Result<()> {
+        let changes: Vec<(Op, Object)> = changes.into_iter().collect();
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let messages = changes
+            .iter()
+            .map(|(op, object)| (object.message(*op), object.flags(*op)))
+            .collect();
+        let errnos = self.execute(messages)?;
+        for ((op, object), errno) in changes.iter().zip(errnos) {
+            if errno == 0 || op.settled(errno) {
+                continue;
+            }
+            if object.family_disabled(errno) {
+                tracing::debug!("IPv6 is disabled in this network namespace: not {op} {object}");
+                continue;
+            }
+            let err = io::Error::from_raw_os_error(errno);
+            return Err(io::Error::new(err.kind(), format!("{op} {object}: {err}")));
+        }
+        Ok(())
+    }
+
+    /// Sends all `messages` in one datagram, each with `NLM_F_REQUEST` and its own flags, and
+    /// returns each one's errno (0 for success), in order. Only the last asks for an ACK: the
+    /// kernel answers every failed request anyway and handles a datagram's requests in order
+    /// before the send returns, so the last one's answer comes after every other's. That saves
+    /// a `recv` per successful request.
+    fn execute(&mut self, messages: Vec<(RouteNetlinkMessage, u16)>) -> io::Result<Vec<i32>> {
         let first = self.sequence.wrapping_add(1);
         let mut datagram = Vec::new();
-        let mut count = 0;
-        for message in messages {
-            self.append(&mut datagram, message, NLM_F_REQUEST | NLM_F_ACK | flags);
-            count += 1;
+        let count = messages.len();
+        for (index, (message, flags)) in messages.into_iter().enumerate() {
+            let ack = if index + 1 == count { NLM_F_ACK } else { 0 };
+            self.append(&mut datagram, message, NLM_F_REQUEST | ack | flags);
         }
         self.socket.send(&datagram, 0)?;
 
-        let mut errnos = vec![None; count];
-        let mut pending = count;
-        while pending > 0 {
+        let mut errnos = vec![0; count];
+        loop {
             for reply in self.recv()? {
                 let NetlinkPayload::Error(error) = reply.payload else {
                     continue;
                 };
                 let index = reply.header.sequence_number.wrapping_sub(first) as usize;
-                if let Some(slot @ None) = errnos.get_mut(index) {
+                if let Some(slot) = errnos.get_mut(index) {
                     // The kernel reports -errno; 0 is the plain ACK.
-                    *slot = Some(-error.raw_code());
-                    pending -= 1;
+                    *slot = -error.raw_code();
+                    if index + 1 == count {
+                        return Ok(errnos);
+                    }
                 }
             }
         }
-        Ok(errnos.into_iter().flatten().collect())
     }
 
     /// Every reply to a `NLM_F_DUMP` request. A dump that raced with a change (`NLM_F_DUMP_INTR`)
