@@ -348,3 +348,37 @@ fn addresses_and_interfaces_added_after_enrollment_are_captured() {
     ));
     datapath.uninstall().unwrap();
 }
+
+#[test]
+fn a_pod_taken_back_after_a_restart_is_followed_for_new_addresses() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let server = fixture.pod("server");
+    let workload = server.workload(PodOptions::default());
+    fixture
+        .enrolled(&server, PodOptions::default())
+        .shutdown()
+        .unwrap();
+    // The restarted agent takes the pod back from the pins and its record.
+    let datapath = fixture.start_datapath();
+    let netns = datapath.adopt(server.uid(), Some(workload)).unwrap();
+    assert!(netns.is_some(), "the pod's netns is found again");
+
+    let [a, b, c, _] = server.ipv4().octets();
+    let added = Ipv4Addr::new(a, b, c, 251);
+    ip(&[
+        "-n",
+        server.netns().name(),
+        "addr",
+        "add",
+        &format!("{added}/32"),
+        "dev",
+        "eth0",
+    ])
+    .unwrap();
+    assert!(
+        indexed_eventually(fixture.node(), &server, added.into(), true),
+        "an address added after the restart is indexed for the pod"
+    );
+}

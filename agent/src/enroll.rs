@@ -141,8 +141,11 @@ impl Enroller {
             .drop_unless(|uid| enrolled.iter().any(|known| known == uid));
         for uid in enrolled {
             let record = self.state.get(&uid);
-            let (hint, owned_uid) = (record.as_ref().map(|r| r.netns.clone()), uid.clone());
-            let netns = match self.datapath_call(move |d| d.adopt(&owned_uid, hint)).await {
+            let (owned_record, owned_uid) = (record.clone(), uid.clone());
+            let netns = match self
+                .datapath_call(move |d| d.adopt(&owned_uid, owned_record))
+                .await
+            {
                 Ok(netns) => netns,
                 Err(error) => {
                     self.recovery_failures.inc();

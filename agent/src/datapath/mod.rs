@@ -85,7 +85,7 @@ enum Command {
     Unenroll(String, Reply<bool>),
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
-    Adopt(String, Option<PathBuf>, Reply<Option<OwnedFd>>),
+    Adopt(String, Option<Workload>, Reply<Option<OwnedFd>>),
     FindRunningPod {
         uid: String,
         ips: Vec<IpAddr>,
@@ -179,12 +179,13 @@ impl Datapath {
     }
 
     /// Finds the network namespace of a pod recovered from the pinned maps (after an agent
-    /// restart), holds it, and returns a handle for ztunnel; `None` when it is gone. `hint` is
-    /// the netns path recorded at enrollment; without it, or when it no longer matches, the
-    /// runtime's named namespaces (/var/run/netns) and every process's netns under /proc are
-    /// checked. A match is by netns cookie, which is exact.
-    pub fn adopt(&self, uid: &str, hint: Option<PathBuf>) -> Result<Option<OwnedFd>> {
-        self.ask(|reply| Command::Adopt(uid.to_owned(), hint, reply))
+    /// restart), holds it, and returns a handle for ztunnel; `None` when it is gone. `record` is
+    /// the pod as the agent enrolled it: its netns path is tried first; without it, or when it
+    /// no longer matches, the runtime's named namespaces (/var/run/netns) and every process's
+    /// netns under /proc are checked. A match is by netns cookie, which is exact. With a
+    /// record the pod's interface changes are followed again, as after its enrollment.
+    pub fn adopt(&self, uid: &str, record: Option<Workload>) -> Result<Option<OwnedFd>> {
+        self.ask(|reply| Command::Adopt(uid.to_owned(), record, reply))
     }
 
     /// Finds the network namespace of a running pod that is not enrolled (to enroll it live):
@@ -361,8 +362,8 @@ impl Owner {
                 Command::Counters(uid, reply) => {
                     let _ = reply.send(self.pod_counters(&uid));
                 }
-                Command::Adopt(uid, hint, reply) => {
-                    let _ = reply.send(self.adopt(&uid, hint.as_deref()));
+                Command::Adopt(uid, record, reply) => {
+                    let _ = reply.send(self.adopt(&uid, record.as_ref()));
                 }
                 Command::FindRunningPod {
                     uid,

@@ -328,13 +328,15 @@ impl Owner {
 /// Per-pod setup of a pod whose map entries are in place already (a recovered pod): the reply
 /// path, and this agent's tc programs in place of the previous ones, on the interfaces the pod's
 /// routing rules say are rerouted. The calling thread is in the pod's netns.
-pub(super) fn prepare_pod_netns(ebpf: &Ebpf) -> Result<()> {
+pub(super) fn prepare_pod_netns(
+    rtnl: &mut Rtnl,
+    ebpf: &Ebpf,
+    interfaces: &[(u32, String)],
+) -> Result<()> {
     let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
-    let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
-    let interfaces = rtnl.non_loopback_interfaces()?;
     // Its IPs are not known here: both families.
     netns::set_reply_mark_sysctls(true, true).context("reply-mark sysctls")?;
-    set_up_pod_netns(&mut rtnl, ebpf, &interfaces, &rerouted)
+    set_up_pod_netns(rtnl, ebpf, interfaces, &rerouted)
 }
 
 /// The return path, the tc programs and the rerouting rules, in one netlink round trip (see

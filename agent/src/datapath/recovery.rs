@@ -13,8 +13,8 @@ use aya::maps::{HashMap, MapData};
 use tracing::debug;
 use weir_common::{IpKey, PodConfig};
 
-use super::{discovery, pods::prepare_pod_netns, snapshot, Enrolled, Owner};
-use crate::netns;
+use super::{discovery, pods::prepare_pod_netns, snapshot, watch::Interfaces, Enrolled, Owner};
+use crate::{netlink::Rtnl, netns, workload::Workload};
 
 /// Rebuilds the owner's index from the pinned maps after a restart.
 pub(super) fn recover_pods(
@@ -35,17 +35,26 @@ pub(super) fn recover_pods(
 }
 
 impl Owner {
-    pub(super) fn adopt(&mut self, uid: &str, hint: Option<&Path>) -> Result<Option<OwnedFd>> {
+    pub(super) fn adopt(
+        &mut self,
+        uid: &str,
+        record: Option<&Workload>,
+    ) -> Result<Option<OwnedFd>> {
         let Some(pod) = self.pods.get_mut(uid) else {
             return Ok(None);
         };
+        let hint = record.map(|record| record.netns.as_path());
         let Some((file, path)) = find_by_cookie(pod.netns_cookie, hint) else {
             return Ok(None);
         };
         debug!(uid, path = %path.display(), "pod netns recovered");
         let handle = file.try_clone()?.into();
         pod.netns = Some(file);
-        self.refresh_pod_netns(uid)?;
+        let record = record.map(|record| Workload {
+            netns: path,
+            ..record.clone()
+        });
+        self.refresh_pod_netns(uid, record.as_ref())?;
         Ok(Some(handle))
     }
 
@@ -69,14 +78,31 @@ impl Owner {
     }
 
     /// Puts this agent's tc programs on a recovered pod (replacing the previous agent's in
-    /// place, so an upgrade reaches running pods) and makes sure its return path is there.
-    fn refresh_pod_netns(&mut self, uid: &str) -> Result<()> {
-        let netns = match self.pods.get(uid).and_then(|pod| pod.netns.as_ref()) {
-            Some(netns) => netns.try_clone()?,
+    /// place, so an upgrade reaches running pods) and makes sure its return path is there. A
+    /// pod whose `record` the agent has is followed for interface changes again, as when it was
+    /// enrolled; one recovered unnamed is not (re-enrolling it would need what it was enrolled
+    /// with).
+    fn refresh_pod_netns(&mut self, uid: &str, record: Option<&Workload>) -> Result<()> {
+        let Some(pod) = self.pods.get(uid) else {
+            return Ok(());
+        };
+        let (netns_cookie, netns) = match &pod.netns {
+            Some(netns) => (pod.netns_cookie, netns.try_clone()?),
             None => return Ok(()),
         };
         let _inside = netns::enter(netns.as_fd()).context("entering the pod netns")?;
-        prepare_pod_netns(&self.ebpf)
+        // Subscribed before the interfaces are read, as at enrollment.
+        let subscription = match record {
+            Some(_) => self.subscribe(uid, netns_cookie)?,
+            None => None,
+        };
+        let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
+        let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces")?;
+        prepare_pod_netns(&mut rtnl, &self.ebpf, &found.links)?;
+        if let Some(record) = record {
+            self.watch(record, netns_cookie, found, subscription);
+        }
+        Ok(())
     }
 }
 
