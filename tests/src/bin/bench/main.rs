@@ -83,10 +83,10 @@ impl Plan {
         if args.quick {
             return Self {
                 enroll_pairs: 3,
-                chain_pairs: 2,
+                chain_pairs: 1,
                 sizes: vec![2, 4],
-                enroll_samples: 4,
-                enroll_probes: 2,
+                enroll_samples: 3,
+                enroll_probes: 1,
                 storm_pods: 10,
                 storm_concurrency: STORM_CONCURRENCY,
                 rounds: 2,
