@@ -237,6 +237,13 @@ fn scale(
                 weir.call(Command::Del, pod)
             })
         })?;
+        println!(
+            "  {size} pods: one more ADD {}, agent RSS {}, map memory {}, ADD all {add_all:.1?}, \
+             DEL all {del_all:.1?}",
+            enroll.show(),
+            report::mebibytes(rss),
+            report::mebibytes(memory)
+        );
         table.row(&[
             size.to_string(),
             enroll.show(),
@@ -327,6 +334,10 @@ fn reboot_storm(
     }
     on_node(node, storm, POD_WORKERS, |pod| weir.call(Command::Del, pod))?;
     let retries: usize = retries.iter().sum();
+    println!(
+        "  {} pods: {wall:.2?} wall, agent CPU {cpu:.2?}",
+        plan.storm_pods
+    );
     let mut table = Table::new(
         "Node reboot storm",
         &[
