@@ -668,3 +668,31 @@ fn address_v6(bridge: u8, subnet: u8, host: u8) -> Ipv6Addr {
         host.into(),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_bridges_get_names_ranges_and_ipam_state_of_their_own() {
+        let ipam = Path::new("/ipam");
+        let first = bridge_plugin(0, 3, false, ipam);
+        // cni0 is what every other test's pods are wired to: its addresses never move.
+        assert_eq!(first["bridge"], "cni0");
+        assert_eq!(first["ipam"]["dataDir"], "/ipam");
+        assert_eq!(
+            first["ipam"]["ranges"],
+            json!([[{"subnet": "10.244.3.0/24"}], [{"subnet": "fd00:10:244:3::/64"}]])
+        );
+        let second = bridge_plugin(2, 3, true, ipam);
+        assert_eq!(second["bridge"], "cni2");
+        assert_eq!(second["ipam"]["dataDir"], "/ipam/cni2");
+        assert_eq!(
+            second["ipam"]["ranges"],
+            json!([
+                [{"subnet": "10.246.0.0/16", "rangeStart": "10.246.3.2", "gateway": "10.246.3.1"}],
+                [{"subnet": "fd00:10:246:3::/64"}]
+            ])
+        );
+    }
+}
