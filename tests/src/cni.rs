@@ -131,16 +131,41 @@ pub fn invoke(
     config: &Value,
     runtime_netns: &NetNs,
 ) -> Result<Value, CniError> {
+    let mut process = Process::new("ip");
+    process
+        .args(["netns", "exec", runtime_netns.name()])
+        .arg(plugin);
+    run_plugin(process, plugin, command, runtime, config)
+}
+
+/// Execs one plugin binary straight from the calling thread, so in that thread's network
+/// namespace (the runtime's: run it on a thread inside the node, e.g. [`NetNs::run`]), without
+/// `ip netns exec`'s mount of a matching `/sys`: for a plugin that needs no `/sys` (weir-cni),
+/// when what its execution costs is being measured.
+pub fn invoke_from_this_thread(
+    plugin: &Path,
+    command: Command,
+    runtime: &RuntimeConf,
+    config: &Value,
+) -> Result<Value, CniError> {
+    run_plugin(Process::new(plugin), plugin, command, runtime, config)
+}
+
+/// Runs `process` (which execs `plugin`) as a runtime runs a plugin, and reads its answer.
+fn run_plugin(
+    mut process: Process,
+    plugin: &Path,
+    command: Command,
+    runtime: &RuntimeConf,
+    config: &Value,
+) -> Result<Value, CniError> {
     let spawn_err = |source| CniError::Spawn {
         plugin: plugin.to_owned(),
         source,
     };
     // A runtime passes its own environment plus the CNI variables; keep only PATH of ours so no
     // stray CNI_* of the test environment leaks in.
-    let mut process = Process::new("ip");
     process
-        .args(["netns", "exec", runtime_netns.name()])
-        .arg(plugin)
         .env_clear()
         .envs(std::env::var_os("PATH").map(|path| ("PATH", path)))
         .envs(runtime.env(command))

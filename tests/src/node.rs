@@ -3,15 +3,17 @@
 //! The node is a network namespace standing in for the node's root namespace: kubelet probes and
 //! "other hosts" live there, and the CNI plugins run there. Each pod is a namespace of its own,
 //! given `lo` by the `loopback` plugin and `eth0` (a veth on the node's `cni0` bridge, one IPv4
-//! and one IPv6 address from host-local IPAM) by the `bridge` plugin.
+//! and one IPv6 address from host-local IPAM) by the `bridge` plugin. A node made for thousands
+//! of pods has more bridges (`cni1`, ...), each with address ranges of its own.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Map, Value};
 use tempfile::TempDir;
 use weir_agent::{
@@ -27,6 +29,11 @@ use crate::netns::{self, NetNs};
 pub const BRIDGE: &str = "cni0";
 /// The conflist's network name.
 pub const NETWORK_NAME: &str = "weir-test";
+/// Pods one bridge takes: a Linux bridge has at most 1,024 ports (`BR_MAX_PORTS`; the bridge
+/// plugin then fails with "exchange full"), and each pod's veth is one.
+pub const PODS_PER_BRIDGE: usize = 1023;
+/// Most [`NodeOptions::extra_bridges`]: bridge `k`'s addresses are `10.(244+k).x.y`.
+const MAX_EXTRA_BRIDGES: usize = 11;
 
 /// Knobs for [`TestNode::with_options`].
 #[derive(Clone, Debug, Default)]
@@ -42,6 +49,11 @@ pub struct NodeOptions {
     /// Room for thousands of pods (the bench's scale runs): the IPv4 range spans the rest of
     /// 10.244.0.0/16 from this node's /24 on, instead of the /24 alone (253 pods).
     pub wide_ipv4_range: bool,
+    /// Bridges beside `cni0`, for more pods than one bridge takes ([`PODS_PER_BRIDGE`]): bridge
+    /// `k` is `cni<k>`, with `10.(244+k)...` and `fd00:10:(244+k)...` in place of `10.244...` and
+    /// `fd00:10:244...` (so a node's pods never share a range). A pod goes on the first bridge
+    /// with a free port; its chain is the node's conflist with that bridge as the first plugin.
+    pub extra_bridges: usize,
 }
 
 /// What a pod is, as far as the runtime and the CNI plugins can tell.
@@ -74,6 +86,39 @@ pub struct TestNode {
 }
 
 impl Node {
+    /// The conflist a runtime would use now for a pod on bridge `bridge`: the first in the
+    /// config directory, if the node has one, else its own; on an extra bridge with that bridge's
+    /// plugin in place of the first.
+    fn network_on(&self, bridge: usize) -> Result<NetworkConfigList> {
+        let mut network = self.network()?;
+        if bridge > 0 {
+            network.plugins[0] = self.bridges[bridge].plugin.clone();
+        }
+        Ok(network)
+    }
+
+    /// Takes a port on the first bridge with one free; [`Node::release_port`] gives it back.
+    fn take_port(&self) -> Result<usize> {
+        for (index, bridge) in self.bridges.iter().enumerate() {
+            let taken = bridge
+                .pods
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |pods| {
+                    (pods < PODS_PER_BRIDGE).then_some(pods + 1)
+                });
+            if taken.is_ok() {
+                return Ok(index);
+            }
+        }
+        bail!(
+            "the node is full: {} bridge(s) of {PODS_PER_BRIDGE} pods (NodeOptions::extra_bridges)",
+            self.bridges.len()
+        )
+    }
+
+    fn release_port(&self, bridge: usize) {
+        self.bridges[bridge].pods.fetch_sub(1, Ordering::Relaxed);
+    }
+
     /// The conflist a runtime would use now: the first in the config directory, if the node has
     /// one, else its own.
     fn network(&self) -> Result<NetworkConfigList> {
@@ -101,10 +146,18 @@ struct Node {
     ipam_dir: TempDir,
     subnet: u8,
     network: NetworkConfigList,
+    /// `cni0` (the first plugin of `network`), then the extra bridges.
+    bridges: Vec<Bridge>,
     conflist_dir: Option<PathBuf>,
     /// containerd runs the loopback plugin as a network of its own, with `CNI_IFNAME=lo`.
     loopback: NetworkConfigList,
     cni_path: Vec<PathBuf>,
+}
+
+/// One of the node's bridges: its plugin configuration and how many pods it holds.
+struct Bridge {
+    plugin: Value,
+    pods: AtomicUsize,
 }
 
 impl TestNode {
@@ -134,22 +187,16 @@ impl TestNode {
             .prefix(ids::PREFIX)
             .tempdir()
             .context("cannot create the IPAM data directory")?;
-        let bridge = json!({
-            "type": "bridge",
-            "bridge": BRIDGE,
-            "isGateway": true,
-            "ipMasq": false,
-            "hairpinMode": true,
-            "ipam": {
-                "type": "host-local",
-                "dataDir": ipam_dir.path(),
-                "ranges": [
-                    [ipv4_range(subnet, options.wide_ipv4_range)],
-                    [{ "subnet": format!("{}/64", subnet_v6(subnet, 0)) }],
-                ],
-                "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }],
-            },
-        });
+        if options.extra_bridges > MAX_EXTRA_BRIDGES {
+            bail!("at most {MAX_EXTRA_BRIDGES} extra bridges");
+        }
+        let bridges: Vec<Bridge> = (0..=options.extra_bridges as u8)
+            .map(|index| Bridge {
+                plugin: bridge_plugin(index, subnet, options.wide_ipv4_range, ipam_dir.path()),
+                pods: AtomicUsize::new(0),
+            })
+            .collect();
+        let bridge = bridges[0].plugin.clone();
         let plugins = std::iter::once(bridge)
             .chain(options.chained_plugins)
             .collect();
@@ -170,6 +217,7 @@ impl TestNode {
                 ipam_dir,
                 subnet,
                 network,
+                bridges,
                 conflist_dir: options.conflist_dir,
                 loopback: NetworkConfigList::new("cni-loopback", vec![json!({"type": "loopback"})]),
                 cni_path,
@@ -195,12 +243,12 @@ impl TestNode {
     /// The bridge's IPv4 address (the pods' gateway; host-local hands out `.1` as gateway and the
     /// bridge plugin assigns it on the first pod's ADD).
     pub fn gateway_v4(&self) -> Ipv4Addr {
-        subnet_v4(self.shared.subnet, 1)
+        address_v4(0, self.shared.subnet, 1)
     }
 
     /// The bridge's IPv6 address, `fd00:10:244:<n>::1`.
     pub fn gateway_v6(&self) -> Ipv6Addr {
-        subnet_v6(self.shared.subnet, 1)
+        address_v6(0, self.shared.subnet, 1)
     }
 
     /// The conflist pods are wired with (the bridge plugin, then [`NodeOptions::chained_plugins`]).
@@ -218,6 +266,12 @@ impl TestNode {
         self.shared.ipam_dir.path()
     }
 
+    /// The conflist a runtime would use now for a pod on `cni0`: the first in the node's CNI
+    /// config directory (with whatever another component chained into it), if it has one.
+    pub fn runtime_network(&self) -> Result<NetworkConfigList> {
+        self.shared.network()
+    }
+
     /// Creates pod `name` in namespace `default`.
     pub fn add_pod(&self, name: &str) -> Result<Pod> {
         self.add_pod_with(PodSpec::new(name))
@@ -232,6 +286,19 @@ impl TestNode {
     /// as the runtime holds it between the failure and its teardown (dropping it runs CNI DEL
     /// and deletes the namespace, as the runtime does).
     pub fn try_add_pod(&self, spec: PodSpec) -> Result<Result<Pod, Box<FailedAdd>>> {
+        self.wire(spec, Chain::Whole)
+    }
+
+    /// A pod wired by the node's primary CNI alone: `loopback` and the conflist's first plugin
+    /// (`bridge`), as a sandbox is before the runtime runs the plugins chained after it (or on a
+    /// node where none is), so that a test can run those itself; its [`Pod::prev_result`] is
+    /// what they get. Dropping it runs DEL through the whole conflist, as the runtime does.
+    pub fn add_pod_primary(&self, spec: PodSpec) -> Result<Pod> {
+        self.wire(spec, Chain::Primary)?
+            .map_err(|failed| failed.error)
+    }
+
+    fn wire(&self, spec: PodSpec, chain: Chain) -> Result<Result<Pod, Box<FailedAdd>>> {
         let netns = NetNs::create(&spec.name)?;
         for key in [
             "net.ipv6.conf.all.accept_dad",
@@ -265,11 +332,14 @@ impl TestNode {
                 annotations.into(),
             )]),
         };
-        // From here on the wiring's Drop undoes whatever part of the ADD happened.
+        // From here on the wiring's Drop undoes whatever part of the ADD happened, and gives the
+        // bridge's port back.
+        let bridge = self.shared.take_port()?;
         let mut wiring = Wiring {
             netns,
             runtime,
             result: None,
+            bridge,
             node: self.shared.clone(),
         };
         let node = &self.shared;
@@ -277,10 +347,17 @@ impl TestNode {
             ifname: "lo".to_owned(),
             ..wiring.runtime.clone()
         };
+        let mut network = node.network_on(bridge)?;
+        if chain == Chain::Primary {
+            network.plugins.truncate(1);
+        }
+        let start = Instant::now();
         node.loopback
             .add(&loopback, &node.netns)
             .with_context(|| format!("loopback ADD for pod {}", spec.name))?;
-        let (result, failure) = match node.network()?.add(&wiring.runtime, &node.netns) {
+        let added = network.add(&wiring.runtime, &node.netns);
+        let cni_add = start.elapsed();
+        let (result, failure) = match added {
             Ok(result) => (wiring.result.insert(result).clone(), None),
             // The plugins before the failing one left their addresses in the sandbox.
             Err(error) => (sandbox_addresses(&wiring.netns)?, Some(error)),
@@ -300,6 +377,7 @@ impl TestNode {
             container_id,
             ipv4,
             ipv6,
+            cni_add,
             wiring,
         };
         Ok(match failure {
@@ -320,7 +398,15 @@ pub struct Pod {
     container_id: String,
     ipv4: Ipv4Addr,
     ipv6: Ipv6Addr,
+    cni_add: Duration,
     wiring: Wiring,
+}
+
+/// How much of the node's chain wires a pod.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Chain {
+    Whole,
+    Primary,
 }
 
 impl std::fmt::Debug for Pod {
@@ -383,6 +469,12 @@ impl Pod {
         }
     }
 
+    /// How long the sandbox's CNI ADD took (loopback, then the conflist), as the runtime would
+    /// time it: the plugins' executions, not the namespace's creation.
+    pub fn cni_add_duration(&self) -> Duration {
+        self.cni_add
+    }
+
     /// Both addresses, IPv4 first.
     pub fn ips(&self) -> [IpAddr; 2] {
         [self.ipv4.into(), self.ipv6.into()]
@@ -435,6 +527,8 @@ struct Wiring {
     netns: NetNs,
     runtime: RuntimeConf,
     result: Option<Value>,
+    /// The bridge whose port the pod holds.
+    bridge: usize,
     node: Arc<Node>,
 }
 
@@ -446,9 +540,11 @@ impl Drop for Wiring {
             ..self.runtime.clone()
         };
         // Both DELs run whatever the other did, as a runtime would.
-        let network = node.network().unwrap_or_else(|error| {
+        let network = node.network_on(self.bridge).unwrap_or_else(|error| {
             eprintln!("CNI DEL with the node's own conflist: {error:#}");
-            node.network.clone()
+            let mut network = node.network.clone();
+            network.plugins[0] = node.bridges[self.bridge].plugin.clone();
+            network
         });
         let results = [
             network.del(&self.runtime, self.result.as_ref(), &node.netns),
@@ -457,6 +553,7 @@ impl Drop for Wiring {
         for err in results.into_iter().filter_map(Result::err) {
             eprintln!("warning: CNI DEL of {}: {err}", self.netns.name());
         }
+        node.release_port(self.bridge);
     }
 }
 
@@ -504,25 +601,87 @@ fn pod_ip<T>(result: &Value, pick: fn(IpAddr) -> Option<T>) -> Result<T> {
         .ok_or_else(|| anyhow!("an address family is missing from the CNI result {result}"))
 }
 
-/// `10.244.<subnet>.<host>`.
-/// host-local's IPv4 range for node `subnet`: its /24, or (wide) the /16 from that /24 on, with
-/// the same gateway either way.
-fn ipv4_range(subnet: u8, wide: bool) -> Value {
-    if !wide {
-        return json!({ "subnet": format!("{}/24", subnet_v4(subnet, 0)) });
-    }
+/// The `bridge` plugin's configuration for bridge `index` (0: `cni0`) of node `subnet`, with
+/// host-local IPAM state under `ipam_dir` (a directory per extra bridge, as their ranges differ).
+fn bridge_plugin(index: u8, subnet: u8, wide_ipv4_range: bool, ipam_dir: &Path) -> Value {
+    let (name, data_dir) = match index {
+        0 => (BRIDGE.to_owned(), ipam_dir.to_owned()),
+        _ => (format!("cni{index}"), ipam_dir.join(format!("cni{index}"))),
+    };
     json!({
-        "subnet": format!("{}/16", subnet_v4(0, 0)),
-        "rangeStart": subnet_v4(subnet, 2).to_string(),
-        "gateway": subnet_v4(subnet, 1).to_string(),
+        "type": "bridge",
+        "bridge": name,
+        "isGateway": true,
+        "ipMasq": false,
+        "hairpinMode": true,
+        "ipam": {
+            "type": "host-local",
+            "dataDir": data_dir,
+            "ranges": [
+                [ipv4_range(index, subnet, wide_ipv4_range)],
+                [{ "subnet": format!("{}/64", address_v6(index, subnet, 0)) }],
+            ],
+            "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }],
+        },
     })
 }
 
-fn subnet_v4(subnet: u8, host: u8) -> Ipv4Addr {
-    Ipv4Addr::new(10, 244, subnet, host)
+/// host-local's IPv4 range for bridge `bridge` of node `subnet`: its /24, or (wide) the /16
+/// from that /24 on, with the same gateway either way.
+fn ipv4_range(bridge: u8, subnet: u8, wide: bool) -> Value {
+    if !wide {
+        return json!({ "subnet": format!("{}/24", address_v4(bridge, subnet, 0)) });
+    }
+    json!({
+        "subnet": format!("{}/16", address_v4(bridge, 0, 0)),
+        "rangeStart": address_v4(bridge, subnet, 2).to_string(),
+        "gateway": address_v4(bridge, subnet, 1).to_string(),
+    })
 }
 
-/// `fd00:10:244:<subnet>::<host>`.
-fn subnet_v6(subnet: u8, host: u8) -> Ipv6Addr {
-    Ipv6Addr::new(0xfd00, 0x10, 0x244, subnet.into(), 0, 0, 0, host.into())
+/// `10.(244+bridge).<subnet>.<host>`.
+fn address_v4(bridge: u8, subnet: u8, host: u8) -> Ipv4Addr {
+    Ipv4Addr::new(10, 244 + bridge, subnet, host)
+}
+
+/// `fd00:10:(244+bridge):<subnet>::<host>`.
+fn address_v6(bridge: u8, subnet: u8, host: u8) -> Ipv6Addr {
+    Ipv6Addr::new(
+        0xfd00,
+        0x10,
+        0x244 + u16::from(bridge),
+        subnet.into(),
+        0,
+        0,
+        0,
+        host.into(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_bridges_get_names_ranges_and_ipam_state_of_their_own() {
+        let ipam = Path::new("/ipam");
+        let first = bridge_plugin(0, 3, false, ipam);
+        // cni0 is what every other test's pods are wired to: its addresses never move.
+        assert_eq!(first["bridge"], "cni0");
+        assert_eq!(first["ipam"]["dataDir"], "/ipam");
+        assert_eq!(
+            first["ipam"]["ranges"],
+            json!([[{"subnet": "10.244.3.0/24"}], [{"subnet": "fd00:10:244:3::/64"}]])
+        );
+        let second = bridge_plugin(2, 3, true, ipam);
+        assert_eq!(second["bridge"], "cni2");
+        assert_eq!(second["ipam"]["dataDir"], "/ipam/cni2");
+        assert_eq!(
+            second["ipam"]["ranges"],
+            json!([
+                [{"subnet": "10.246.0.0/16", "rangeStart": "10.246.3.2", "gateway": "10.246.3.1"}],
+                [{"subnet": "fd00:10:246:3::/64"}]
+            ])
+        );
+    }
 }

@@ -20,6 +20,7 @@ use std::io;
 use std::net::IpAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
@@ -115,6 +116,8 @@ struct Shared {
     events: Log<ZdsEvent>,
     stand_ins: Mutex<HashMap<String, Arc<ZtunnelStandIn>>>,
     replies: Mutex<Replies>,
+    /// Adds are answered without a stand-in in the pod ([`ZdsZtunnel::ack_without_proxies`]).
+    without_proxies: AtomicBool,
 }
 
 struct Replies {
@@ -243,6 +246,13 @@ impl ZdsZtunnel {
         self.shared.replies().every = reply;
     }
 
+    /// From now on Adds are answered (as scripted) without starting a stand-in in the pod: ztunnel's
+    /// side of ZDS at node scale (the bench's thousands of pods), where a polling thread per
+    /// stand-in would load the machine whose agent is being measured.
+    pub fn ack_without_proxies(&self) {
+        self.shared.without_proxies.store(true, Ordering::Relaxed);
+    }
+
     /// Stops answering (every request from now on goes unacked).
     pub fn never_ack(&self) {
         self.reply_always(ZdsReply::Silent);
@@ -356,7 +366,8 @@ fn serve(
             let netns = fds.pop().expect("one fd, checked above");
             let netns_id = NetnsId::of(&netns).ok();
             let pod_ips = pod_ips(netns.as_fd()).unwrap_or_default();
-            if !matches!(reply, ZdsReply::Nack(_)) {
+            let with_proxy = !shared.without_proxies.load(Ordering::Relaxed);
+            if with_proxy && !matches!(reply, ZdsReply::Nack(_)) {
                 match ZtunnelStandIn::start_in_netns(netns, &pod_ips) {
                     Ok(stand_in) => {
                         shared

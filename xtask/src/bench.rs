@@ -1,7 +1,8 @@
 //! `cargo xtask bench`: weir's datapath side by side with istio-cni's iptables rules, in one run
 //! on a throwaway node (release build; medians and pair-by-pair ratios), written to
-//! `target/bench/`. `--quick` (into `target/bench/quick/`) runs tiny sizes from the dev build the tests use, so the bench
-//! cannot rot; its figures mean nothing.
+//! `target/bench/`. `--quick` (into `target/bench/quick/`) runs tiny sizes from the dev build the
+//! tests use, so the bench cannot rot; its figures mean nothing. The agent sections run the
+//! `weir-agent` and `weir-cni` binaries built next to the bench, so both are built too.
 
 use anyhow::Result;
 
@@ -10,21 +11,20 @@ use crate::{ebpf, step, system};
 pub fn run(quick: bool, args: &[String]) -> Result<()> {
     let object = ebpf::build(false)?;
     let profile = if quick { "dev" } else { "release" };
-    step(&format!("building the benchmark ({profile})"));
-    system::run(
-        system::cargo()
-            .current_dir(crate::workspace_root())
-            .args([
-                "build",
-                "--profile",
-                profile,
-                "-p",
-                "weir-tests",
-                "--bin",
-                "weir-bench",
-            ])
-            .env("WEIR_EBPF_OBJECT", &object),
-    )?;
+    step(&format!("building the benchmark and the agent ({profile})"));
+    let build = |packages: &[&str]| {
+        system::run(
+            system::cargo()
+                .current_dir(crate::workspace_root())
+                .args(["build", "--profile", profile])
+                .args(packages)
+                .env("WEIR_EBPF_OBJECT", &object),
+        )
+    };
+    build(&["-p", "weir-tests", "--bin", "weir-bench"])?;
+    // A build of its own: built with weir-tests, weir-agent would get the fault-injection points
+    // weir-tests enables (cargo unifies features), and the bench measures the agent as shipped.
+    build(&["-p", "weir-agent", "-p", "weir-cni", "--bins"])?;
     step("running it: a throwaway node, weir and iptables side by side");
     run_built(quick, args)
 }

@@ -3,17 +3,20 @@
 //! made pair by pair (alternating which variant goes first) and reported as medians and the
 //! median of the pairs' ratios, never as absolutes to compare across runs.
 //!
-//! Sections (issue 10): enrollment; scale; connection path; bulk download; cost to pods and host
-//! processes that are not enrolled. Output: a markdown table and JSON under `--out`, and an SVG
-//! of the scale curve. `--quick` runs tiny sizes: it shows that the bench runs, nothing about
-//! speed.
+//! Sections (issue 10): cost to pods and host processes that are not enrolled; enrollment;
+//! connection path; bulk download (these with weir's datapath in this process); then, on a node
+//! of their own with the real agent binary ([`node_scale`]): the whole CNI ADD with and without
+//! weir-cni, scale, and the node reboot storm. Output: a markdown table and JSON under `--out`,
+//! and an SVG of the scale curve. `--quick` runs tiny sizes: it shows that the bench runs,
+//! nothing about speed.
 
 mod load;
+mod node_scale;
 mod report;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -22,7 +25,6 @@ use clap::Parser;
 use serde_json::json;
 use weir_agent::datapath::Datapath;
 use weir_agent::workload::PodOptions;
-use weir_tests::node::NodeOptions;
 use weir_tests::{istio_iptables, Pod, TestNode};
 
 use report::{micros, ratio, Report, Samples, Table};
@@ -32,10 +34,8 @@ const BULK_PORT: u16 = 8081;
 const UDP_PORT: u16 = 8082;
 /// Threads creating (and removing) pods: CNI ADD is mostly exec and waiting.
 const POD_WORKERS: usize = 8;
-/// A Linux bridge takes at most 1,024 ports (`BR_MAX_PORTS`; the bridge plugin then fails with
-/// "exchange full"), and every pod of the one test node is a port of its bridge. Scale sizes
-/// beyond this need the pods spread over several nodes with distinct address ranges.
-const PODS_PER_BRIDGE: usize = 1023;
+/// weir-cni ADDs at once in the reboot storm: kubelet starts the pods' sandboxes in parallel.
+const STORM_CONCURRENCY: usize = 64;
 
 #[derive(Parser)]
 #[command(about = "weir's datapath against istio's iptables rules, on a throwaway node")]
@@ -43,13 +43,13 @@ struct Args {
     /// Tiny sizes, a few seconds: shows that the bench runs (the test run uses it), not speed.
     #[arg(long, env = "WEIR_BENCH_QUICK")]
     quick: bool,
-    /// Enrolled pod counts of the scale section (comma-separated); --quick uses 2,4. One
-    /// test node's bridge holds at most 1,023 pods, the other sections' included.
+    /// Enrolled pod counts of the scale section (comma-separated); --quick uses 2,4. The pods
+    /// are spread over as many bridges as they need (1,023 pods each).
     #[arg(
         long,
         env = "WEIR_BENCH_SIZES",
         value_delimiter = ',',
-        default_value = "10,100,900"
+        default_value = "10,100,1000,5000"
     )]
     sizes: Vec<usize>,
     /// Directory for bench.md, bench.json and scale.svg.
@@ -61,7 +61,15 @@ struct Args {
 struct Plan {
     /// Pods enrolled each way in the enrollment section.
     enroll_pairs: usize,
+    /// Pod pairs of the whole CNI ADD with and without weir-cni.
+    chain_pairs: usize,
     sizes: Vec<usize>,
+    /// ADDs of one more pod timed at each scale size, over `enroll_probes` pods.
+    enroll_samples: usize,
+    enroll_probes: usize,
+    /// Pods of the reboot storm, and how many of their ADDs run at once.
+    storm_pods: usize,
+    storm_concurrency: usize,
     /// Alternating rounds of the connection, bulk and cost sections.
     rounds: usize,
     /// Length of one variant's turn in a round.
@@ -75,7 +83,12 @@ impl Plan {
         if args.quick {
             return Self {
                 enroll_pairs: 3,
+                chain_pairs: 1,
                 sizes: vec![2, 4],
+                enroll_samples: 3,
+                enroll_probes: 1,
+                storm_pods: 10,
+                storm_concurrency: STORM_CONCURRENCY,
                 rounds: 2,
                 turn: Duration::from_millis(100),
                 concurrency: 8,
@@ -84,7 +97,12 @@ impl Plan {
         }
         Self {
             enroll_pairs: 40,
+            chain_pairs: 40,
             sizes: args.sizes.clone(),
+            enroll_samples: 100,
+            enroll_probes: 50,
+            storm_pods: 1000,
+            storm_concurrency: STORM_CONCURRENCY,
             rounds: 10,
             turn: Duration::from_secs(1),
             concurrency: 8,
@@ -100,19 +118,21 @@ fn main() -> Result<()> {
     }
     raise_open_files_limit()?;
     let plan = Plan::new(&args);
-    let pods_needed = plan.sizes.iter().max().unwrap_or(&0) + 2 * plan.enroll_pairs + 3;
-    if pods_needed > PODS_PER_BRIDGE {
-        bail!(
-            "{pods_needed} pods on one test node: its bridge takes at most {PODS_PER_BRIDGE} \
-             (lower --sizes)"
-        );
-    }
     let mut report = Report::new(args.quick);
+    in_process(&plan, &mut report)?;
+    node_scale::measure(&plan, &mut report)?;
 
-    let node = TestNode::with_options(NodeOptions {
-        wide_ipv4_range: true,
-        ..NodeOptions::default()
-    })?;
+    report.finish();
+    report.write(&args.out)?;
+    println!("\n{}", report.markdown());
+    println!("written to {}", args.out.display());
+    Ok(())
+}
+
+/// The sections measured with weir's datapath in this process (as the agent runs it), on a node
+/// of their own.
+fn in_process(plan: &Plan, report: &mut Report) -> Result<()> {
+    let node = TestNode::new()?;
     let server = node.add_pod("server")?;
     let app = SocketAddr::new(server.ipv4().into(), APP_PORT);
     let _server = load::server(server.netns(), app)?;
@@ -123,41 +143,20 @@ fn main() -> Result<()> {
     let plain = node.add_pod("plain")?;
 
     println!("cost to pods and host processes weir does not enroll...");
-    report.push(cost_to_others(&node, &plain, app, udp, &plan)?);
+    report.push(cost_to_others(&node, &plain, app, udp, plan)?);
 
-    let config = node.datapath_config();
-    let maps = config
-        .pin_root
-        .join(format!("abi-{}", weir_common::ABI_VERSION));
-    let datapath = Datapath::start(config.clone())?;
-    let measured = with_datapath(
-        &datapath,
-        &node,
-        &plain,
-        app,
-        bulk,
-        &maps,
-        &plan,
-        &mut report,
-    );
+    let datapath = Datapath::start(node.datapath_config())?;
+    let measured = with_datapath(&datapath, &node, &plain, app, bulk, plan, report);
     datapath.uninstall()?;
-    measured?;
-
-    report.finish();
-    report.write(&args.out)?;
-    println!("\n{}", report.markdown());
-    println!("written to {}", args.out.display());
-    Ok(())
+    measured
 }
 
-#[allow(clippy::too_many_arguments)]
 fn with_datapath(
     datapath: &Datapath,
     node: &TestNode,
     plain: &Pod,
     app: SocketAddr,
     bulk: SocketAddr,
-    maps: &Path,
     plan: &Plan,
     report: &mut Report,
 ) -> Result<()> {
@@ -177,11 +176,6 @@ fn with_datapath(
 
     println!("bulk download...");
     report.push(bulk_download(datapath, node, bulk, plan)?);
-
-    println!("scale...");
-    let (table, curve) = scale(datapath, node, maps, &plan.sizes)?;
-    report.push(table);
-    report.scale_curve(curve);
     Ok(())
 }
 
@@ -435,75 +429,8 @@ fn cost_to_others(
 pub struct ScalePoint {
     pub pods: usize,
     pub enroll: Samples,
-}
-
-/// Scale: at each size, that many pods enrolled (latency of each), the process's RSS (the
-/// datapath runs in it, as in the agent) and the maps' kernel memory with all of them in, then
-/// the time to remove them all.
-fn scale(
-    datapath: &Datapath,
-    node: &TestNode,
-    maps: &Path,
-    sizes: &[usize],
-) -> Result<(Table, Vec<ScalePoint>)> {
-    let mut table = Table::new(
-        "Scale: enrolled pods",
-        &[
-            "pods",
-            "enroll median (p99)",
-            "process RSS",
-            "map memory",
-            "remove all",
-        ],
-    );
-    let mut pods = Vec::new();
-    let mut curve = Vec::new();
-    let mut json_sizes = Vec::new();
-    for &size in sizes {
-        let start = Instant::now();
-        let missing = size.saturating_sub(pods.len());
-        pods.extend(make_pods(node, &format!("s{size}-"), missing)?);
-        println!("  {size} pods ({missing} made in {:.0?})", start.elapsed());
-        let mut enroll = Samples::new();
-        for pod in &pods[..size] {
-            enroll.push(timed(|| {
-                datapath.enroll(pod.workload(PodOptions::default()))
-            })?);
-        }
-        let rss = report::rss_bytes()?;
-        let memory = report::map_memory(maps)?;
-        let start = Instant::now();
-        for pod in &pods[..size] {
-            datapath.unenroll(pod.uid())?;
-        }
-        let removal = start.elapsed();
-        table.row(&[
-            size.to_string(),
-            enroll.show(),
-            report::mebibytes(rss),
-            report::mebibytes(memory),
-            format!("{:.1?}", removal),
-        ]);
-        json_sizes.push(json!({
-            "pods": size,
-            "enroll": enroll.json(),
-            "rss_bytes": rss,
-            "map_memory_bytes": memory,
-            "remove_all_s": removal.as_secs_f64(),
-        }));
-        curve.push(ScalePoint { pods: size, enroll });
-    }
-    if let (Some(first), Some(last)) = (curve.first(), curve.last()) {
-        let growth = last.enroll.median().as_secs_f64() / first.enroll.median().as_secs_f64();
-        table.note(format!(
-            "Enroll median at {} pods over at {}: {growth:.2}x. RSS: the bench process, which runs \
-             the datapath as the agent does. Map memory: bpftool's bytes_memlock over weir's pins.",
-            last.pods, first.pods
-        ));
-    }
-    table.json = json!({ "sizes": json_sizes });
-    remove_pods(pods);
-    Ok((table, curve))
+    /// The agent's resident memory.
+    pub rss: u64,
 }
 
 /// Runs `turn(variant)` for every variant in each of `rounds` rounds, starting each round one
@@ -535,30 +462,46 @@ fn timed<T>(step: impl FnOnce() -> Result<T>) -> Result<Duration> {
 
 /// `count` pods made by [`POD_WORKERS`] threads at once.
 fn make_pods(node: &TestNode, prefix: &str, count: usize) -> Result<Vec<Pod>> {
+    let indexes: Vec<usize> = (0..count).collect();
+    parallel(&indexes, POD_WORKERS, |i| {
+        node.add_pod(&format!("{prefix}{i}"))
+    })
+}
+
+/// `work` on every item from `workers` threads at once (each taking the next item); the results
+/// in the items' order, or the first failure (the items after it are then left undone).
+fn parallel<T: Sync, R: Send>(
+    items: &[T],
+    workers: usize,
+    work: impl Fn(&T) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
     let next = AtomicUsize::new(0);
-    let made = Mutex::new(Vec::with_capacity(count));
+    let failed = AtomicBool::new(false);
+    let done = Mutex::new(Vec::with_capacity(items.len()));
     std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..POD_WORKERS.min(count))
+        let workers: Vec<_> = (0..workers.min(items.len()))
             .map(|_| {
                 scope.spawn(|| -> Result<()> {
-                    loop {
+                    while !failed.load(Ordering::Relaxed) {
                         let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= count {
+                        let Some(item) = items.get(i) else {
                             return Ok(());
-                        }
-                        let pod = node.add_pod(&format!("{prefix}{i}"))?;
-                        made.lock().expect("no panics holding it").push((i, pod));
+                        };
+                        let result =
+                            work(item).inspect_err(|_| failed.store(true, Ordering::Relaxed))?;
+                        done.lock().expect("no panics holding it").push((i, result));
                     }
+                    Ok(())
                 })
             })
             .collect();
         workers
             .into_iter()
-            .try_for_each(|worker| worker.join().expect("pod worker panicked"))
+            .try_for_each(|worker| worker.join().expect("worker panicked"))
     })?;
-    let mut made = made.into_inner().expect("no panics holding it");
-    made.sort_by_key(|(i, _)| *i);
-    Ok(made.into_iter().map(|(_, pod)| pod).collect())
+    let mut done = done.into_inner().expect("no panics holding it");
+    done.sort_by_key(|(i, _)| *i);
+    Ok(done.into_iter().map(|(_, result)| result).collect())
 }
 
 /// Drops (CNI DEL, netns removal) `pods` from [`POD_WORKERS`] threads at once.

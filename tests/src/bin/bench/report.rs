@@ -91,24 +91,6 @@ pub fn mebibytes(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / 1048576.0)
 }
 
-/// This process's resident memory (`VmRSS`).
-pub fn rss_bytes() -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kib = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| {
-            value
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .context("no VmRSS in /proc/self/status")?;
-    Ok(kib * 1024)
-}
-
 /// Sum of `bytes_memlock` over the pinned maps in `dir`, as bpftool reports them.
 pub fn map_memory(dir: &Path) -> Result<u64> {
     let mut total = 0;
@@ -254,51 +236,75 @@ impl Report {
     }
 }
 
-/// Enroll latency (median and p99) against enrolled pods, log-scaled pods.
+/// Against enrolled pods (log-scaled): one more pod's ADD latency (median and p99), and the
+/// agent's resident memory.
 fn plot_scale(curve: &[ScalePoint], file: &Path) -> Result<()> {
-    let root = SVGBackend::new(file, (720, 420)).into_drawing_area();
+    let root = SVGBackend::new(file, (1080, 420)).into_drawing_area();
     root.fill(&WHITE)?;
-    let max_pods = curve.iter().map(|p| p.pods).max().unwrap_or(1).max(2) as f64;
-    let max_us = curve
-        .iter()
-        .map(|p| p.enroll.p99().as_secs_f64() * 1e6)
-        .fold(1.0, f64::max);
-    let mut chart = ChartBuilder::on(&root)
-        .caption("weir: enroll latency by enrolled pods", ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d((1.0..max_pods * 1.5).log_scale(), 0.0..max_us * 1.1)?;
-    chart
-        .configure_mesh()
-        .x_desc("enrolled pods")
-        .y_desc("enroll latency (µs)")
-        .draw()?;
-    let series = |pick: fn(&Samples) -> Duration| -> Vec<(f64, f64)> {
+    let (latency_area, rss_area) = root.split_horizontally(600);
+    let pods = 1.0..curve.iter().map(|p| p.pods).max().unwrap_or(1).max(2) as f64 * 1.5;
+    let micros = |pick: fn(&Samples) -> Duration| -> Vec<(f64, f64)> {
         curve
             .iter()
             .map(|p| (p.pods as f64, pick(&p.enroll).as_secs_f64() * 1e6))
             .collect()
     };
+    let max_us = micros(Samples::p99)
+        .into_iter()
+        .map(|(_, us)| us)
+        .fold(1.0, f64::max);
+    let mut latency = ChartBuilder::on(&latency_area)
+        .caption(
+            "weir: one more pod's ADD by enrolled pods",
+            ("sans-serif", 18),
+        )
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(pods.clone().log_scale(), 0.0..max_us * 1.1)?;
+    latency
+        .configure_mesh()
+        .x_desc("enrolled pods")
+        .y_desc("ADD latency (µs)")
+        .draw()?;
     for (name, color, points) in [
-        ("median", BLUE, series(Samples::median)),
-        ("p99", RED, series(Samples::p99)),
+        ("median", BLUE, micros(Samples::median)),
+        ("p99", RED, micros(Samples::p99)),
     ] {
-        chart
+        latency
             .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
             .label(name)
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], color));
-        chart.draw_series(
+        latency.draw_series(
             points
                 .into_iter()
                 .map(|p| Circle::new(p, 3, color.filled())),
         )?;
     }
-    chart
+    latency
         .configure_series_labels()
         .border_style(BLACK)
         .background_style(WHITE)
         .draw()?;
+
+    let rss: Vec<(f64, f64)> = curve
+        .iter()
+        .map(|p| (p.pods as f64, p.rss as f64 / 1048576.0))
+        .collect();
+    let max_mib = rss.iter().map(|(_, mib)| *mib).fold(1.0, f64::max);
+    let mut memory = ChartBuilder::on(&rss_area)
+        .caption("weir-agent's RSS by enrolled pods", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(pods.log_scale(), 0.0..max_mib * 1.2)?;
+    memory
+        .configure_mesh()
+        .x_desc("enrolled pods")
+        .y_desc("RSS (MiB)")
+        .draw()?;
+    memory.draw_series(LineSeries::new(rss.clone(), GREEN.stroke_width(2)))?;
+    memory.draw_series(rss.into_iter().map(|p| Circle::new(p, 3, GREEN.filled())))?;
     root.present()?;
     Ok(())
 }

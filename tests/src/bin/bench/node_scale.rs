@@ -1,0 +1,389 @@
+//! The sections measured on the agent as a node runs it: the production `weir-agent` binary in
+//! a process of its own (so its memory and CPU time are its own), the ztunnel stand-in acking
+//! every Add over ZDS, and pods' ADDs executing weir-cni as the runtime does. The node has as many
+//! bridges as its pods need (one takes at most [`PODS_PER_BRIDGE`]); one agent serves them all.
+//!
+//! Sections: the whole CNI ADD with and without weir-cni; scale (enroll latency, agent RSS, map
+//! memory and removal time at each size); the node reboot storm.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use weir_agent::datapath::Datapath;
+use weir_tests::agent::{AgentBinary, NodeFiles};
+use weir_tests::chain::{ambient_policy, MESH};
+use weir_tests::cni::{self, Command, NetworkConfigList};
+use weir_tests::node::{NodeOptions, PODS_PER_BRIDGE};
+use weir_tests::{Pod, PodSpec, TestNode, ZdsEvent, ZdsZtunnel};
+
+use crate::report::{self, micros, ratio, Report, Samples, Table};
+use crate::{parallel, timed, Plan, ScalePoint, POD_WORKERS};
+
+/// Attempts at one pod's weir-cni ADD in the storm, as kubelet retries a failed sandbox: under
+/// a saturated machine an ADD can outlast weir-cni's 5 s deadline. Retries are reported.
+const STORM_ATTEMPTS: usize = 3;
+
+/// Runs the agent sections on a node of their own and adds their tables to `report`.
+pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
+    let files = NodeFiles::new()?;
+    files.write_policy(&ambient_policy())?;
+    let most_pods = plan
+        .sizes
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(plan.storm_pods)
+        + plan.enroll_probes
+        + 2;
+    let node = TestNode::with_options(NodeOptions {
+        wide_ipv4_range: true,
+        extra_bridges: most_pods.div_ceil(PODS_PER_BRIDGE) - 1,
+        ..files.node_options()
+    })?;
+    let measured = with_agent(&files, &node, plan, report);
+    // The agent stops as an upgrade does, leaving its datapath pinned: removed here.
+    let datapath = Datapath::start(node.datapath_config()).and_then(|d| d.uninstall());
+    measured?;
+    datapath.context("removing the agent's datapath")
+}
+
+fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Report) -> Result<()> {
+    let agent = AgentBinary::start(files, node.netns())?;
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).context("ztunnel connects")?;
+    ztunnel.ack_without_proxies();
+    let weir = WeirCni::installed(node)?;
+    // Declared after the agent: dropped (CNI DEL through the whole chain, weir-cni included)
+    // while the agent still answers.
+    let mut pods: Vec<Pod> = Vec::new();
+    let measured = (|| {
+        println!("whole CNI ADD with and without weir-cni...");
+        report.push(cni_add(node, plan)?);
+        println!("scale, through the agent...");
+        let (table, curve) = scale(node, &agent, &weir, &mut pods, plan)?;
+        report.push(table);
+        report.scale_curve(curve);
+        println!("node reboot storm...");
+        report.push(reboot_storm(
+            node, &agent, &ztunnel, &weir, &mut pods, plan,
+        )?);
+        Ok(())
+    })();
+    crate::remove_pods(pods);
+    measured
+}
+
+/// weir-cni as the node's conflist configures it (the agent's installer chained it there).
+struct WeirCni {
+    list: NetworkConfigList,
+    plugin: Value,
+    binary: PathBuf,
+}
+
+impl WeirCni {
+    fn installed(node: &TestNode) -> Result<Self> {
+        let list = node.runtime_network()?;
+        let plugin = list
+            .plugins
+            .last()
+            .filter(|plugin| plugin["type"] == "weir-cni")
+            .cloned()
+            .with_context(|| format!("weir-cni is not chained in {}", list.to_json()))?;
+        let binary = cni::find_plugin(&plugin, node.cni_path())?;
+        Ok(Self {
+            list,
+            plugin,
+            binary,
+        })
+    }
+
+    /// weir-cni alone for `pod` (wired by the primary CNI), as the runtime runs it after the
+    /// plugins before it: executed from the calling thread, which must be on the node.
+    fn call(&self, command: Command, pod: &Pod) -> Result<()> {
+        let runtime = pod.runtime_conf();
+        let config = self
+            .list
+            .plugin_config(&self.plugin, runtime, Some(pod.prev_result()));
+        cni::invoke_from_this_thread(&self.binary, command, runtime, &config)
+            .with_context(|| format!("weir-cni {} of pod {}", command.as_str(), pod.name()))?;
+        Ok(())
+    }
+}
+
+fn ambient(name: String) -> PodSpec {
+    PodSpec {
+        namespace: MESH.into(),
+        ..PodSpec::new(&name)
+    }
+}
+
+/// `count` ambient pods wired by the primary CNI alone, [`POD_WORKERS`] at a time.
+fn primary_pods(node: &TestNode, prefix: &str, first: usize, count: usize) -> Result<Vec<Pod>> {
+    let indexes: Vec<usize> = (first..first + count).collect();
+    parallel(&indexes, POD_WORKERS, |i| {
+        node.add_pod_primary(ambient(format!("{prefix}{i}")))
+    })
+}
+
+/// The whole CNI ADD of an ambient pod as the runtime runs it, loopback + bridge + weir-cni
+/// against loopback + bridge, pod pair by pod pair, alternating which goes first.
+fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
+    let (mut with, mut without) = (Samples::new(), Samples::new());
+    let (mut ratios, mut added) = (Vec::new(), Vec::new());
+    for i in 0..plan.chain_pairs {
+        let with_weir = || node.add_pod_with(ambient(format!("cw{i}")));
+        let without_weir = || node.add_pod_primary(ambient(format!("cp{i}")));
+        let (w, o) = if i % 2 == 0 {
+            (with_weir()?, without_weir()?)
+        } else {
+            let o = without_weir()?;
+            (with_weir()?, o)
+        };
+        let (w, o) = (w.cni_add_duration(), o.cni_add_duration());
+        ratios.push(w.as_secs_f64() / o.as_secs_f64());
+        added.push(w.as_secs_f64() - o.as_secs_f64());
+        with.push(w);
+        without.push(o);
+    }
+    let mut table = Table::new(
+        "Pod start: the whole CNI ADD with and without weir-cni",
+        &[
+            "",
+            "with weir-cni",
+            "without",
+            "added by weir-cni (pairs)",
+            "with/without (pairs)",
+        ],
+    );
+    let added_median = report::median(&added);
+    table.row(&[
+        "CNI ADD, median (p99)".into(),
+        with.show(),
+        without.show(),
+        micros(Duration::from_secs_f64(added_median.max(0.0))),
+        ratio(&ratios),
+    ]);
+    table.note(format!(
+        "{} pairs of ambient pods, each ADD run as the runtime runs it (loopback, then the \
+         conflist; every plugin executed through `ip netns exec` into the node, the harness' \
+         runtime): bridge + host-local against the same + weir-cni, which returns once the agent \
+         (its binary, in its own process) has enrolled the pod and the ztunnel stand-in \
+         acked its Add. The namespace's creation is not in it.",
+        plan.chain_pairs
+    ));
+    table.json = json!({
+        "pairs": plan.chain_pairs,
+        "with_weir_cni": with.json(),
+        "without": without.json(),
+        "added_by_weir_cni_median_us": added_median * 1e6,
+        "with_over_without": report::median(&ratios),
+    });
+    Ok(table)
+}
+
+/// Scale: at each size, that many ambient pods enrolled through weir-cni ADDs by the agent, then
+/// the latency of one more pod's ADD (probe pods, each ADDed and DELeted again), the agent's RSS,
+/// the maps' memory, and the time to DEL them all through weir-cni. Pods made for one size stay
+/// (unenrolled) for the next.
+fn scale(
+    node: &TestNode,
+    agent: &AgentBinary,
+    weir: &WeirCni,
+    pods: &mut Vec<Pod>,
+    plan: &Plan,
+) -> Result<(Table, Vec<ScalePoint>)> {
+    let maps = node
+        .datapath_config()
+        .pin_root
+        .join(format!("abi-{}", weir_common::ABI_VERSION));
+    let probes = primary_pods(node, "probe", 0, plan.enroll_probes)?;
+    let mut table = Table::new(
+        "Scale: pods enrolled by the agent",
+        &[
+            "pods",
+            "one more pod's ADD, median (p99)",
+            "agent RSS",
+            "map memory",
+            "ADD all",
+            "DEL all",
+        ],
+    );
+    let (mut curve, mut json_sizes) = (Vec::new(), Vec::new());
+    for &size in &plan.sizes {
+        let start = Instant::now();
+        let missing = size.saturating_sub(pods.len());
+        pods.extend(primary_pods(node, "s", pods.len(), missing)?);
+        println!("  {size} pods ({missing} wired in {:.0?})", start.elapsed());
+        let enrolled = &pods[..size];
+        let add_all = timed(|| {
+            on_node(node, enrolled, POD_WORKERS, |pod| {
+                weir.call(Command::Add, pod)
+            })
+        })?;
+        let mut enroll = Samples::new();
+        for probe in probes.iter().cycle().take(plan.enroll_samples) {
+            node.run(|| -> Result<()> {
+                enroll.push(timed(|| weir.call(Command::Add, probe))?);
+                weir.call(Command::Del, probe)
+            })?;
+        }
+        let rss = agent.rss_bytes()?;
+        let memory = report::map_memory(&maps)?;
+        let del_all = timed(|| {
+            on_node(node, enrolled, POD_WORKERS, |pod| {
+                weir.call(Command::Del, pod)
+            })
+        })?;
+        println!(
+            "  {size} pods: one more ADD {}, agent RSS {}, map memory {}, ADD all {add_all:.1?}, \
+             DEL all {del_all:.1?}",
+            enroll.show(),
+            report::mebibytes(rss),
+            report::mebibytes(memory)
+        );
+        table.row(&[
+            size.to_string(),
+            enroll.show(),
+            report::mebibytes(rss),
+            report::mebibytes(memory),
+            format!("{add_all:.1?}"),
+            format!("{del_all:.1?}"),
+        ]);
+        json_sizes.push(json!({
+            "pods": size,
+            "one_more_add": enroll.json(),
+            "agent_rss_bytes": rss,
+            "map_memory_bytes": memory,
+            "add_all_s": add_all.as_secs_f64(),
+            "del_all_s": del_all.as_secs_f64(),
+        }));
+        curve.push(ScalePoint {
+            pods: size,
+            enroll,
+            rss,
+        });
+    }
+    if let (Some(first), Some(last)) = (curve.first(), curve.last()) {
+        let growth = last.enroll.median().as_secs_f64() / first.enroll.median().as_secs_f64();
+        table.note(format!(
+            "One more pod's ADD at {} pods over at {}: {growth:.2}x (median). Each size's pods \
+             are enrolled by weir-cni ADDs ({POD_WORKERS} at a time) to the agent (its \
+             binary, own process, ztunnel stand-in acking); then {} ADDs of one more pod (weir-cni \
+             executed as the runtime executes it after the primary plugins, each followed by its \
+             DEL); agent RSS: VmRSS of its process; map memory: bpftool's bytes_memlock over its \
+             pins; ADD all, DEL all: every pod's weir-cni ADD (DEL), {POD_WORKERS} at a time. \
+             The pods' namespaces and bridge ports (wired by the bridge plugin, {POD_WORKERS} \
+             threads) are not in these times. Targets (issue 10): at most 2x from 10 to \
+             5,000 pods, agent RSS at most 64 MiB at 5,000.",
+            last.pods, first.pods, plan.enroll_samples
+        ));
+    }
+    table.json = json!({ "sizes": json_sizes });
+    crate::remove_pods(probes);
+    Ok((table, curve))
+}
+
+/// The node reboot storm: `plan.storm_pods` sandboxes already wired by the primary CNI (as the
+/// runtime recreates them after a reboot), then every pod's weir-cni ADD at once from
+/// `plan.storm_concurrency` threads; wall time until every ADD returned (each returns after
+/// ztunnel's ack), and the agent's CPU time meanwhile.
+fn reboot_storm(
+    node: &TestNode,
+    agent: &AgentBinary,
+    ztunnel: &ZdsZtunnel,
+    weir: &WeirCni,
+    pods: &mut Vec<Pod>,
+    plan: &Plan,
+) -> Result<Table> {
+    let missing = plan.storm_pods.saturating_sub(pods.len());
+    pods.extend(primary_pods(node, "s", pods.len(), missing)?);
+    let storm = &pods[..plan.storm_pods];
+    let events_before = ztunnel.events().len();
+    let cpu_before = agent.cpu_time()?;
+    let start = Instant::now();
+    let retries = on_node(node, storm, plan.storm_concurrency, |pod| {
+        let mut attempt = 1;
+        loop {
+            match weir.call(Command::Add, pod) {
+                Ok(()) => return Ok(attempt - 1),
+                Err(error) if attempt < STORM_ATTEMPTS => {
+                    eprintln!("storm: {error:#}, retrying");
+                    attempt += 1;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    })?;
+    let wall = start.elapsed();
+    let cpu = agent.cpu_time()? - cpu_before;
+    let acked: HashSet<String> = ztunnel.events()[events_before..]
+        .iter()
+        .filter_map(|event| match event {
+            ZdsEvent::Add { uid, .. } => Some(uid.clone()),
+            _ => None,
+        })
+        .collect();
+    let unacked = storm
+        .iter()
+        .filter(|pod| !acked.contains(pod.uid()))
+        .count();
+    if unacked > 0 {
+        bail!("{unacked} of the storm's pods never reached ztunnel");
+    }
+    on_node(node, storm, POD_WORKERS, |pod| weir.call(Command::Del, pod))?;
+    let retries: usize = retries.iter().sum();
+    println!(
+        "  {} pods: {wall:.2?} wall, agent CPU {cpu:.2?}",
+        plan.storm_pods
+    );
+    let mut table = Table::new(
+        "Node reboot storm",
+        &[
+            "pods",
+            "concurrent ADDs",
+            "wall time",
+            "agent CPU",
+            "agent CPU per pod",
+            "retried ADDs",
+        ],
+    );
+    table.row(&[
+        plan.storm_pods.to_string(),
+        plan.storm_concurrency.to_string(),
+        format!("{wall:.2?}"),
+        format!("{cpu:.2?}"),
+        micros(cpu / plan.storm_pods.max(1) as u32),
+        retries.to_string(),
+    ]);
+    table.note(format!(
+        "The pods' sandboxes were already wired by the primary CNI (bridge), as the runtime \
+         recreates them after a reboot; then every pod's weir-cni ADD, {} executions at a time, \
+         to the running agent. Wall time: until the last ADD returned (each returns after the \
+         ztunnel stand-in acked its Add; every pod's Add checked). Agent CPU: utime + stime of \
+         its process over the storm. An ADD that failed was retried (up to {STORM_ATTEMPTS} \
+         attempts, as kubelet retries). Target (issue 10): at most 1 s of agent CPU for 1,000 \
+         pods.",
+        plan.storm_concurrency
+    ));
+    table.json = json!({
+        "pods": plan.storm_pods,
+        "concurrency": plan.storm_concurrency,
+        "wall_s": wall.as_secs_f64(),
+        "agent_cpu_s": cpu.as_secs_f64(),
+        "retried_adds": retries,
+    });
+    Ok(table)
+}
+
+/// [`parallel`] on the node: the threads start in its namespace, as the runtime's plugins run.
+fn on_node<R: Send>(
+    node: &TestNode,
+    pods: &[Pod],
+    workers: usize,
+    work: impl Fn(&Pod) -> Result<R> + Sync + Send,
+) -> Result<Vec<R>> {
+    node.run(|| parallel(pods, workers, work))
+}
