@@ -398,6 +398,43 @@ impl AgentProcess {
         self.child.id()
     }
 
+    /// Its resident memory (`VmRSS` of `/proc/<pid>/status`), in bytes.
+    pub fn rss_bytes(&self) -> Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+            .context("no VmRSS in the agent's /proc/<pid>/status")?;
+        Ok(kib * 1024)
+    }
+
+    /// The CPU time it has used so far, user and system (`utime` + `stime` of
+    /// `/proc/<pid>/stat`), over all its threads.
+    pub fn cpu_time(&self) -> Result<Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))?;
+        // The fields after `(comm)`, which may hold spaces, start with the state (field 3);
+        // utime and stime are fields 14 and 15, in clock ticks.
+        let after_comm = stat
+            .rsplit_once(')')
+            .context("no (comm) in /proc/<pid>/stat")?
+            .1;
+        let fields: Vec<&str> = after_comm.split_whitespace().collect();
+        let ticks = |field: usize| -> Result<u64> {
+            fields
+                .get(field - 3)
+                .and_then(|value| value.parse().ok())
+                .with_context(|| format!("no field {field} in /proc/<pid>/stat"))
+        };
+        // SAFETY: sysconf only reads a configuration value.
+        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        if per_second <= 0 {
+            bail!("sysconf(_SC_CLK_TCK) failed");
+        }
+        let total = ticks(14)? + ticks(15)?;
+        Ok(Duration::from_secs_f64(total as f64 / per_second as f64))
+    }
+
     /// Waits until the agent says it stopped at its pause point.
     pub fn wait_until_paused(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
@@ -427,115 +464,5 @@ impl Drop for AgentProcess {
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
             let _ = self.child.wait();
         }
-    }
-}
-
-/// The production `weir-agent run` binary (the one built next to this executable: the release
-/// bench runs the release agent) in a process of its own in the node's network namespace, as the
-/// DaemonSet runs it (host network), configured as [`NodeFiles::agent_config`] configures the
-/// in-process agent. Stopped with SIGTERM on drop, which leaves the datapath in place (as an
-/// upgrade does) for the fixture to remove.
-pub struct AgentBinary {
-    pub config: AgentConfig,
-    child: std::process::Child,
-}
-
-impl AgentBinary {
-    /// Starts the agent for `node` with `files` and waits until it is ready.
-    pub fn start(files: &NodeFiles, node: &NetNs) -> Result<Self> {
-        use std::os::{fd::AsFd, unix::process::CommandExt};
-        let config = files.agent_config(node)?;
-        let node_netns = node.open()?;
-        let mut command = std::process::Command::new(workspace_binary("weir-agent"));
-        command
-            .arg("--pin-root")
-            .arg(&config.datapath.pin_root)
-            .arg("run")
-            .arg("--policy-file")
-            .arg(files.policy_file())
-            .arg("--cni-socket")
-            .arg(&config.cni_socket)
-            .arg("--verdict-cache")
-            .arg(&config.verdict_cache)
-            .arg("--state-file")
-            .arg(&config.state_file)
-            .arg("--zds-socket")
-            .arg(&config.zds_socket)
-            .arg("--cni-bin-dir")
-            .arg(&config.cni_bin_dir)
-            .arg("--cni-net-dir")
-            .arg(&config.cni_net_dir)
-            .arg("--cni-plugin")
-            .arg(&config.cni_plugin)
-            .arg("--health-addr")
-            .arg(config.health_addr.to_string())
-            .arg("--metrics-addr")
-            .arg(config.metrics_addr.to_string())
-            .env("RUST_LOG", "warn")
-            .stdin(std::process::Stdio::null());
-        // SAFETY: setns is async-signal-safe, and the fd stays open until spawn returns.
-        unsafe {
-            command.pre_exec(move || crate::netns::enter(node_netns.as_fd()));
-        }
-        let mut agent = Self {
-            child: command.spawn().context("starting weir-agent")?,
-            config,
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while node.run(|| http_status(agent.config.health_addr, "/readyz").ok()) != Some(200) {
-            if let Some(status) = agent.child.try_wait()? {
-                bail!("the agent exited while starting: {status}");
-            }
-            if Instant::now() > deadline {
-                bail!("the agent was not ready within 10 s");
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
-        Ok(agent)
-    }
-
-    /// Its resident memory (`VmRSS` of `/proc/<pid>/status`), in bytes.
-    pub fn rss_bytes(&self) -> Result<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
-        let kib: u64 = status
-            .lines()
-            .find_map(|line| line.strip_prefix("VmRSS:"))
-            .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
-            .context("no VmRSS in the agent's /proc/<pid>/status")?;
-        Ok(kib * 1024)
-    }
-
-    /// The CPU time it has used so far, user and system (`utime` + `stime` of
-    /// `/proc/<pid>/stat`), over all its threads.
-    pub fn cpu_time(&self) -> Result<Duration> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))?;
-        // The fields after `(comm)`, which may hold spaces, start with the state (field 3);
-        // utime and stime are fields 14 and 15, in clock ticks.
-        let after_comm = stat
-            .rsplit_once(')')
-            .context("no (comm) in /proc/<pid>/stat")?
-            .1;
-        let fields: Vec<&str> = after_comm.split_whitespace().collect();
-        let ticks = |field: usize| -> Result<u64> {
-            fields
-                .get(field - 3)
-                .and_then(|value| value.parse().ok())
-                .with_context(|| format!("no field {field} in /proc/<pid>/stat"))
-        };
-        // SAFETY: sysconf only reads a configuration value.
-        let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-        if per_second <= 0 {
-            bail!("sysconf(_SC_CLK_TCK) failed");
-        }
-        let total = ticks(14)? + ticks(15)?;
-        Ok(Duration::from_secs_f64(total as f64 / per_second as f64))
-    }
-}
-
-impl Drop for AgentBinary {
-    fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let _ = self.child.wait();
     }
 }

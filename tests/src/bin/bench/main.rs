@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use prometheus_client::registry::Registry;
 use serde_json::json;
 use weir_agent::datapath::Datapath;
 use weir_agent::workload::PodOptions;
@@ -146,13 +147,17 @@ fn in_process(plan: &Plan, report: &mut Report) -> Result<()> {
     report.push(cost_to_others(&node, &plain, app, udp, plan)?);
 
     let datapath = Datapath::start(node.datapath_config())?;
-    let measured = with_datapath(&datapath, &node, &plain, app, bulk, plan, report);
+    let mut metrics = Registry::default();
+    datapath.register_metrics(&mut metrics);
+    let measured = with_datapath(&datapath, &metrics, &node, &plain, app, bulk, plan, report);
     datapath.uninstall()?;
     measured
 }
 
+#[allow(clippy::too_many_arguments)]
 fn with_datapath(
     datapath: &Datapath,
+    metrics: &Registry,
     node: &TestNode,
     plain: &Pod,
     app: SocketAddr,
@@ -163,7 +168,9 @@ fn with_datapath(
     println!("enrollment, weir against istio's iptables route...");
     let weir_pods = make_pods(node, "w", plan.enroll_pairs)?;
     let iptables_pods = make_pods(node, "i", plan.enroll_pairs)?;
-    report.push(enrollment(datapath, &weir_pods, &iptables_pods)?);
+    let (enroll, weir_median) = enrollment(datapath, &weir_pods, &iptables_pods)?;
+    report.push(enroll);
+    report.push(enrollment_steps(metrics, weir_median)?);
 
     println!("connection path...");
     report.push(connection_path(
@@ -182,7 +189,11 @@ fn with_datapath(
 /// Enrollment: one pod's redirection put in place, weir's datapath (one long-lived process, as
 /// the agent) against istio's route (`iptables-restore` v4 and v6 plus policy routing in the
 /// pod), pod pair by pod pair, alternating which goes first.
-fn enrollment(datapath: &Datapath, weir_pods: &[Pod], iptables_pods: &[Pod]) -> Result<Table> {
+fn enrollment(
+    datapath: &Datapath,
+    weir_pods: &[Pod],
+    iptables_pods: &[Pod],
+) -> Result<(Table, Duration)> {
     let (mut weir, mut iptables, mut ratios) = (Samples::new(), Samples::new(), Vec::new());
     for (i, (weir_pod, iptables_pod)) in weir_pods.iter().zip(iptables_pods).enumerate() {
         let enroll_weir = || timed(|| datapath.enroll(weir_pod.workload(PodOptions::default())));
@@ -230,8 +241,64 @@ fn enrollment(datapath: &Datapath, weir_pods: &[Pod], iptables_pods: &[Pod]) -> 
         "iptables_over_weir": report::median(&ratios),
         "weir_unenroll": unenroll.json(),
     });
+    Ok((table, weir.median()))
+}
+
+/// The steps of one enrollment, as the datapath's own `weir_enroll_step_seconds` histograms
+/// timed them over the enrollment section: mean per pod, and what is left of weir's median
+/// (`total`) besides them (the hand-off to the datapath thread and back).
+fn enrollment_steps(metrics: &Registry, total: Duration) -> Result<Table> {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, metrics)?;
+    let value = |series: &str, step: &str| -> Option<f64> {
+        let prefix = format!("weir_enroll_step_seconds_{series}{{step=\"{step}\"}} ");
+        text.lines()
+            .find_map(|line| line.strip_prefix(&prefix))
+            .and_then(|value| value.parse().ok())
+    };
+    let mut table = Table::new(
+        "Enrollment: where weir's time goes",
+        &["step", "mean per pod", "share"],
+    );
+    let mut steps = Vec::new();
+    for step in STEPS {
+        let (Some(sum), Some(count)) = (value("sum", step), value("count", step)) else {
+            bail!("no weir_enroll_step_seconds for step {step}");
+        };
+        steps.push((step, Duration::from_secs_f64(sum / count)));
+    }
+    let stepped: Duration = steps.iter().map(|(_, mean)| *mean).sum();
+    let total = total.max(stepped);
+    let rest = [("hand-off to the datapath thread", total - stepped)];
+    let mut json_steps = Vec::new();
+    for (step, mean) in steps.into_iter().chain(rest) {
+        let share = mean.as_secs_f64() / total.as_secs_f64();
+        table.row(&[step.into(), micros(mean), format!("{:.0}%", share * 100.0)]);
+        json_steps.push(json!({"step": step, "mean_us": mean.as_secs_f64() * 1e6}));
+    }
+    table.note(
+        "Means of the datapath's own step timers over the enrollment section; the hand-off is \
+         weir's median enroll less the steps. netns: opening and entering the pod's netns, its \
+         rtnetlink socket, cookie and change subscription; interfaces: one link and one address \
+         dump; sysctls: tcp_fwmark_accept and fwmark_reflect per family (kernel path walks in \
+         /proc/sys); maps: counters, config and address entries; netlink: the return path's \
+         rules and routes, the clsact qdisc and cls_bpf filter per interface, in one round trip; \
+         finish: following the pod, recording it, leaving its netns."
+            .into(),
+    );
+    table.json = json!({ "steps": json_steps });
     Ok(table)
 }
+
+/// The datapath's enrollment steps, in order (`weir_enroll_step_seconds{step}`).
+const STEPS: [&str; 6] = [
+    "netns",
+    "interfaces",
+    "sysctls",
+    "maps",
+    "netlink",
+    "finish",
+];
 
 /// The connection path: short connections at `plan.concurrency` from an app to the server,
 /// through the minimal relay in the app's pod, four ways, each round in another order.

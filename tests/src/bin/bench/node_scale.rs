@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use weir_agent::datapath::Datapath;
-use weir_tests::agent::{AgentBinary, NodeFiles};
+use weir_tests::agent::{AgentBinary, AgentProcess, NodeFiles};
 use weir_tests::chain::{ambient_policy, MESH};
 use weir_tests::cni::{self, Command, NetworkConfigList};
 use weir_tests::node::{NodeOptions, PODS_PER_BRIDGE};
@@ -52,7 +52,7 @@ pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
 }
 
 fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Report) -> Result<()> {
-    let agent = AgentBinary::start(files, node.netns())?;
+    let agent = AgentProcess::start(files, node.netns(), AgentBinary::Run { env: &[] })?;
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).context("ztunnel connects")?;
     ztunnel.ack_without_proxies();
     let weir = WeirCni::installed(node)?;
@@ -190,7 +190,7 @@ fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
 /// (unenrolled) for the next.
 fn scale(
     node: &TestNode,
-    agent: &AgentBinary,
+    agent: &AgentProcess,
     weir: &WeirCni,
     pods: &mut Vec<Pod>,
     plan: &Plan,
@@ -292,7 +292,7 @@ fn scale(
 /// ztunnel's ack), and the agent's CPU time meanwhile.
 fn reboot_storm(
     node: &TestNode,
-    agent: &AgentBinary,
+    agent: &AgentProcess,
     ztunnel: &ZdsZtunnel,
     weir: &WeirCni,
     pods: &mut Vec<Pod>,
