@@ -28,8 +28,11 @@ pub struct Record {
 
 pub struct StateFile {
     path: PathBuf,
-    /// Enrolled pods by uid, as last written to `path` (or about to be).
-    records: Mutex<BTreeMap<String, Record>>,
+    /// Enrolled pods by uid, as last written to `path` (or about to be), and how many changes
+    /// they have seen.
+    records: Mutex<(BTreeMap<String, Record>, u64)>,
+    /// The number of changes the file on disk holds; held while writing it.
+    written: Mutex<u64>,
     /// What could not be read at open (a record by uid, or the whole file), for recovery to
     /// count; dropped from the file with the next save.
     unreadable: Vec<String>,
@@ -48,7 +51,8 @@ impl StateFile {
         }
         Self {
             path,
-            records: Mutex::new(records),
+            records: Mutex::new((records, 0)),
+            written: Mutex::new(0),
             unreadable,
         }
     }
@@ -62,6 +66,7 @@ impl StateFile {
     pub fn workloads(&self) -> Vec<Workload> {
         let records = self.records.lock().unwrap();
         records
+            .0
             .values()
             .map(|record| record.workload.clone())
             .collect()
@@ -69,16 +74,17 @@ impl StateFile {
 
     pub fn get(&self, uid: &str) -> Option<Workload> {
         let records = self.records.lock().unwrap();
-        records.get(uid).map(|record| record.workload.clone())
+        records.0.get(uid).map(|record| record.workload.clone())
     }
 
     /// Forgets, without writing the file yet, the pods `keep` turns down, and returns them.
     pub fn drop_unless(&self, keep: impl Fn(&str) -> bool) -> Vec<Workload> {
         let mut records = self.records.lock().unwrap();
-        let (kept, dropped): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut *records)
+        let (kept, dropped): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut records.0)
             .into_iter()
             .partition(|(uid, _)| keep(uid));
-        *records = kept;
+        records.0 = kept;
+        records.1 += 1;
         dropped
             .into_values()
             .map(|record| record.workload)
@@ -90,38 +96,55 @@ impl StateFile {
             workload: workload.clone(),
             status: Some(status),
         };
-        self.records
-            .lock()
-            .unwrap()
-            .insert(workload.uid.clone(), record);
+        let mut records = self.records.lock().unwrap();
+        records.0.insert(workload.uid.clone(), record);
+        records.1 += 1;
+        drop(records);
         self.save()
     }
 
     /// Records a recorded pod's status, without writing the file: the next [`Self::save`] does.
     pub fn set_status(&self, uid: &str, status: Option<Status>) {
-        if let Some(record) = self.records.lock().unwrap().get_mut(uid) {
+        let mut records = self.records.lock().unwrap();
+        if let Some(record) = records.0.get_mut(uid) {
             record.status = status;
+            records.1 += 1;
         }
     }
 
     pub fn remove(&self, uid: &str) -> Result<()> {
-        if self.records.lock().unwrap().remove(uid).is_some() {
-            self.save()?;
+        let mut records = self.records.lock().unwrap();
+        if records.0.remove(uid).is_none() {
+            return Ok(());
         }
-        Ok(())
+        records.1 += 1;
+        drop(records);
+        self.save()
     }
 
     /// Writes the file atomically (temp file + rename): an agent killed mid-write leaves the
-    /// previous record, and a reader never sees half a file.
+    /// previous record, and a reader never sees half a file. Returns once the file holds every
+    /// change made before the call. Concurrent callers share writes: the whole file is
+    /// serialized each time, so when many pods are added at once (a node's reboot storm) one
+    /// write made after all their changes serves all of them, and the others return at once.
     pub fn save(&self) -> Result<()> {
-        let records = self.records.lock().unwrap();
+        let mut written = self.written.lock().unwrap();
+        let (bytes, changes) = {
+            let records = self.records.lock().unwrap();
+            if *written >= records.1 && records.1 > 0 {
+                return Ok(());
+            }
+            (serde_json::to_vec(&records.0)?, records.1)
+        };
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir)?;
         }
         let temp = self.path.with_extension("tmp");
-        std::fs::write(&temp, serde_json::to_vec(&*records)?)?;
+        std::fs::write(&temp, bytes)?;
         std::fs::rename(&temp, &self.path)
-            .with_context(|| format!("writing {}", self.path.display()))
+            .with_context(|| format!("writing {}", self.path.display()))?;
+        *written = changes;
+        Ok(())
     }
 }
 
