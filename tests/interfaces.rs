@@ -206,6 +206,21 @@ fn indexed_eventually(node: &TestNode, pod: &Pod, address: IpAddr, indexed: bool
     }
 }
 
+/// Adds `address` to the pod's eth0, as a VM's tooling or an operator would.
+fn add_to_eth0(pod: &Pod, address: Ipv4Addr) {
+    let prefix = format!("{address}/32");
+    ip(&[
+        "-n",
+        pod.netns().name(),
+        "addr",
+        "add",
+        &prefix,
+        "dev",
+        "eth0",
+    ])
+    .unwrap();
+}
+
 /// A new inbound connection from `client` to `target` went through ztunnel's 15006 and on to
 /// the app.
 fn inbound_through_ztunnel(
@@ -247,16 +262,7 @@ fn addresses_and_interfaces_added_after_enrollment_are_captured() {
     let server_ns = server.netns().name();
 
     // An address added to eth0.
-    ip(&[
-        "-n",
-        server_ns,
-        "addr",
-        "add",
-        &format!("{added}/32"),
-        "dev",
-        "eth0",
-    ])
-    .unwrap();
+    add_to_eth0(&server, added);
     assert!(indexed_eventually(
         fixture.node(),
         &server,
@@ -367,16 +373,7 @@ fn a_pod_taken_back_after_a_restart_is_followed_for_new_addresses() {
 
     let [a, b, c, _] = server.ipv4().octets();
     let added = Ipv4Addr::new(a, b, c, 251);
-    ip(&[
-        "-n",
-        server.netns().name(),
-        "addr",
-        "add",
-        &format!("{added}/32"),
-        "dev",
-        "eth0",
-    ])
-    .unwrap();
+    add_to_eth0(&server, added);
     assert!(
         indexed_eventually(fixture.node(), &server, added.into(), true),
         "an address added after the restart is indexed for the pod"
