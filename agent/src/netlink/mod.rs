@@ -74,49 +74,7 @@ pub struct PodSetup<'a> {
     pub reroute: TcProgram<'a>,
 }
 
-/// Makes `RETURN_MARK`-marked replies in the current netns take the `local` route in table
-/// `RETURN_ROUTE_TABLE`, for IPv4 and IPv6:
-/// `ip rule add fwmark 0x1000/0x1000 lookup 100 priority 32764`,
-/// `ip route add local 0.0.0.0/0 dev lo table 100` and `ip -6 route add local ::/0 dev lo table 100`.
-/// Needs `lo` up, as it is in every pod. Idempotent. Where IPv6 is disabled (the namespace's
-/// `disable_ipv6` sysctl, or no IPv6 in the kernel) its half is skipped: there is no IPv6 traffic
-/// to return.
-pub fn install_return_path() -> io::Result<()> {
-    Rtnl::new()?.apply(return_path().map(|object| (Op::Add, object)))
-}
-
-/// Undoes [`install_return_path`]; what is already gone is success.
-pub fn remove_return_path() -> io::Result<()> {
-    Rtnl::new()?.apply(
-        return_path()
-            .into_iter()
-            .rev()
-            .map(|object| (Op::Delete, object)),
-    )
-}
-
-/// Makes the TCP arriving on each of `interfaces` in the current netns take the `local` route of
-/// table `RETURN_ROUTE_TABLE` (installed by [`install_return_path`]), so that it is delivered to
-/// ztunnel's outbound listener (the tc program assigns it) instead of being forwarded:
-/// `ip rule add iif <interface> ipproto tcp lookup 100 priority 32764`, IPv4 and IPv6. Rules of
-/// this shape for other interfaces are removed, so the set is exactly `interfaces`. A rule names
-/// its interface, so it applies as soon as an interface of that name appears.
-pub fn set_reroute_rules(interfaces: &[String]) -> io::Result<()> {
-    let mut rtnl = Rtnl::new()?;
-    let stale: Vec<(Op, Object)> = installed_reroute_rules(&mut rtnl)?
-        .into_iter()
-        .filter(|rule| !reroute_interface(rule).is_some_and(|name| interfaces.contains(name)))
-        .map(|rule| (Op::Delete, Object::Rule(rule)))
-        .collect();
-    rtnl.apply(stale)?;
-    rtnl.apply(
-        interfaces
-            .iter()
-            .flat_map(|interface| reroute_rules_of(Op::Add, interface)),
-    )
-}
-
-/// The interfaces [`set_reroute_rules`] made rerouted in the current netns, sorted.
+/// The interfaces whose rerouting rules ([`reroute_rule`]) are in the current netns, sorted.
 pub fn reroute_rules() -> io::Result<Vec<String>> {
     let mut names: Vec<String> = installed_reroute_rules(&mut Rtnl::new()?)?
         .iter()
@@ -134,7 +92,7 @@ fn reroute_rules_of(op: Op, interface: &str) -> [(Op, Object); 2] {
         .map(|any| (op, Object::Rule(reroute_rule(any, interface))))
 }
 
-/// The rerouted interfaces' rules in the current netns (by their shape, see [`set_reroute_rules`]).
+/// The rerouted interfaces' rules in the current netns (by their shape, see [`reroute_rule`]).
 fn installed_reroute_rules(rtnl: &mut Rtnl) -> io::Result<Vec<RuleMessage>> {
     let replies = rtnl.dump(RouteNetlinkMessage::GetRule(RuleMessage::default()))?;
     Ok(replies
@@ -198,6 +156,13 @@ pub fn subscribe_interface_changes() -> io::Result<Socket> {
     Ok(socket)
 }
 
+/// What makes `RETURN_MARK`-marked replies in a netns take the `local` route in table
+/// `RETURN_ROUTE_TABLE`, for IPv4 and IPv6, routes before rules (so a rule never points at an
+/// empty table): `ip route add local 0.0.0.0/0 dev lo table 100`,
+/// `ip -6 route add local ::/0 dev lo table 100` and
+/// `ip rule add fwmark 0x1000/0x1000 lookup 100 priority 32764`. Needs `lo` up, as it is in every
+/// pod. Where IPv6 is disabled (the namespace's `disable_ipv6` sysctl, or no IPv6 in the kernel)
+/// its half is skipped: there is no IPv6 traffic to return.
 fn return_path() -> [Object; 4] {
     let [v4, v6] = [Ipv4Addr::UNSPECIFIED.into(), Ipv6Addr::UNSPECIFIED.into()];
     [
@@ -242,7 +207,11 @@ fn return_rule(any: IpAddr) -> RuleMessage {
     rule
 }
 
-/// `iif <interface> ipproto tcp lookup RETURN_ROUTE_TABLE`, for the family of `any`.
+/// `iif <interface> ipproto tcp lookup RETURN_ROUTE_TABLE priority 32764`, for the family of
+/// `any`: the TCP arriving on `interface` takes the `local` route of the return path's table, so
+/// it is delivered to ztunnel's outbound listener (the tc program assigns it) instead of being
+/// forwarded. A rule names its interface, so it applies as soon as an interface of that name
+/// appears.
 fn reroute_rule(any: IpAddr, interface: &str) -> RuleMessage {
     let mut rule = RuleMessage::default();
     rule.header.family = family_of(any);
@@ -524,9 +493,9 @@ impl Rtnl {
     }
 
     /// Everything weir puts in a pod's netns, in one datagram and in this order: the return path
-    /// (see [`install_return_path`]); on every interface the clsact qdisc and weir's filter with
+    /// (see [`return_path`]); on every interface the clsact qdisc and weir's filter with
     /// the interface's program, replacing whatever program held the slot; and the rerouted
-    /// interfaces' rules (see [`set_reroute_rules`]), last, since until the tc program assigns a
+    /// interfaces' rules (see [`reroute_rule`]), last, since until the tc program assigns a
     /// rerouted SYN to ztunnel local delivery would hand it to whatever listens on its port. The
     /// pod's other interfaces lose any rerouting rule; one naming an interface the pod no longer
     /// has stays inert until such an interface appears, which sets the pod up again. Idempotent.

@@ -8,6 +8,17 @@ use crate::netns::testing::{ip, privileged, scratch_netns};
 
 const FAMILIES: [&str; 2] = ["-4", "-6"];
 
+/// The return path alone, as pod setup applies it.
+fn install_return_path() -> io::Result<()> {
+    Rtnl::new()?.apply(return_path().map(|object| (Op::Add, object)))
+}
+
+/// The return path's removal alone, as pod teardown applies it.
+fn remove_return_path() -> io::Result<()> {
+    let objects = return_path().into_iter().rev();
+    Rtnl::new()?.apply(objects.map(|object| (Op::Delete, object)))
+}
+
 fn return_rules(family: &str) -> usize {
     let rules = ip(&[family, "rule", "show"]);
     rules
