@@ -28,14 +28,20 @@ pub struct Record {
 
 pub struct StateFile {
     path: PathBuf,
-    /// Enrolled pods by uid, as last written to `path` (or about to be), and how many changes
-    /// they have seen.
-    records: Mutex<(BTreeMap<String, Record>, u64)>,
+    records: Mutex<Records>,
     /// The number of changes the file on disk holds; held while writing it.
     written: Mutex<u64>,
     /// What could not be read at open (a record by uid, or the whole file), for recovery to
     /// count; dropped from the file with the next save.
     unreadable: Vec<String>,
+}
+
+/// Enrolled pods by uid, as last written to the file (or about to be).
+struct Records {
+    pods: BTreeMap<String, Record>,
+    /// How many changes `pods` has seen: a save that finds the file holding this many has
+    /// nothing to write.
+    changes: u64,
 }
 
 impl StateFile {
@@ -51,7 +57,10 @@ impl StateFile {
         }
         Self {
             path,
-            records: Mutex::new((records, 0)),
+            records: Mutex::new(Records {
+                pods: records,
+                changes: 0,
+            }),
             written: Mutex::new(0),
             unreadable,
         }
@@ -66,7 +75,7 @@ impl StateFile {
     pub fn workloads(&self) -> Vec<Workload> {
         let records = self.records.lock().unwrap();
         records
-            .0
+            .pods
             .values()
             .map(|record| record.workload.clone())
             .collect()
@@ -74,17 +83,17 @@ impl StateFile {
 
     pub fn get(&self, uid: &str) -> Option<Workload> {
         let records = self.records.lock().unwrap();
-        records.0.get(uid).map(|record| record.workload.clone())
+        records.pods.get(uid).map(|record| record.workload.clone())
     }
 
     /// Forgets, without writing the file yet, the pods `keep` turns down, and returns them.
     pub fn drop_unless(&self, keep: impl Fn(&str) -> bool) -> Vec<Workload> {
         let mut records = self.records.lock().unwrap();
-        let (kept, dropped): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut records.0)
+        let (kept, dropped): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut records.pods)
             .into_iter()
             .partition(|(uid, _)| keep(uid));
-        records.0 = kept;
-        records.1 += 1;
+        records.pods = kept;
+        records.changes += 1;
         dropped
             .into_values()
             .map(|record| record.workload)
@@ -97,8 +106,8 @@ impl StateFile {
             status: Some(status),
         };
         let mut records = self.records.lock().unwrap();
-        records.0.insert(workload.uid.clone(), record);
-        records.1 += 1;
+        records.pods.insert(workload.uid.clone(), record);
+        records.changes += 1;
         drop(records);
         self.save()
     }
@@ -106,18 +115,18 @@ impl StateFile {
     /// Records a recorded pod's status, without writing the file: the next [`Self::save`] does.
     pub fn set_status(&self, uid: &str, status: Option<Status>) {
         let mut records = self.records.lock().unwrap();
-        if let Some(record) = records.0.get_mut(uid) {
+        if let Some(record) = records.pods.get_mut(uid) {
             record.status = status;
-            records.1 += 1;
+            records.changes += 1;
         }
     }
 
     pub fn remove(&self, uid: &str) -> Result<()> {
         let mut records = self.records.lock().unwrap();
-        if records.0.remove(uid).is_none() {
+        if records.pods.remove(uid).is_none() {
             return Ok(());
         }
-        records.1 += 1;
+        records.changes += 1;
         drop(records);
         self.save()
     }
@@ -131,10 +140,11 @@ impl StateFile {
         let mut written = self.written.lock().unwrap();
         let (bytes, changes) = {
             let records = self.records.lock().unwrap();
-            if *written >= records.1 && records.1 > 0 {
+            // Without a change since open, a save still writes: it drops what could not be read.
+            if *written >= records.changes && records.changes > 0 {
                 return Ok(());
             }
-            (serde_json::to_vec(&records.0)?, records.1)
+            (serde_json::to_vec(&records.pods)?, records.changes)
         };
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir)?;
