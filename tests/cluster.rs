@@ -488,8 +488,9 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
         running.push((uid, pod));
     }
     let recorded = |uid: &str| {
-        let state = std::fs::read_to_string(&agent.config.state_file).unwrap_or_default();
-        state.contains(uid)
+        weir_agent::state::read(&agent.config.state_file)
+            .unwrap()
+            .contains_key(uid)
     };
     assert!(running.iter().all(|(uid, _)| recorded(uid)));
 
@@ -595,10 +596,10 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
 
     // Ready means reconciled: at the first 200 from /readyz, only the live ambient pod is held.
     let agent = cluster.start_agent();
-    let state = std::fs::read_to_string(&agent.config.state_file).unwrap();
-    assert!(state.contains(&pods[0].0), "the live ambient pod is kept");
+    let state = weir_agent::state::read(&agent.config.state_file).unwrap();
+    assert!(state.contains_key(&pods[0].0), "the live ambient pod is kept");
     for (name, (uid, _)) in names.iter().zip(&pods).skip(1) {
-        assert!(!state.contains(uid.as_str()), "{name} is gone before ready");
+        assert!(!state.contains_key(uid), "{name} is gone before ready");
     }
     assert_eq!(
         cluster.redirection(MESH, "opted-out"),

@@ -458,8 +458,10 @@ fn pods_command_lists_what_the_node_holds() {
     println!("{table}{listed:#}");
 
     // A state file that lost `quiet` and still holds a pod the maps do not.
-    let mut records: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&std::fs::read(&state_file).unwrap()).unwrap();
+    let records = weir_agent::state::read(&state_file).unwrap();
+    let serde_json::Value::Object(mut records) = serde_json::to_value(records).unwrap() else {
+        unreachable!("records are a map")
+    };
     records.remove(quiet.uid()).unwrap();
     let mut ghost = records[client.uid()].clone();
     ghost["uid"] = "ghost-uid".into();

@@ -206,6 +206,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         datapath.uninstall()?;
         info!("weir removed from this node");
     } else {
+        if let Err(error) = enroller.save_state() {
+            warn!("recording the enrolled pods: {error:#}");
+        }
         datapath.shutdown()?;
         info!("stopped; redirection and the plugin stay in place for the next agent");
     }

@@ -96,6 +96,9 @@ impl Enroller {
     }
 
     pub fn register_metrics(&self, registry: &mut Registry) {
+        for status in [Status::Pending, Status::Enabled] {
+            self.pods_with(status);
+        }
         registry.register(
             "weir_redirect_seconds",
             "Time to put one pod's redirection in place (maps, tc, routing)",
@@ -183,7 +186,7 @@ impl Enroller {
         if let Err(error) = self.datapath_call(|d| d.retire_other_layouts()).await {
             warn!("retiring older map layouts: {error:#}");
         }
-        // The next enrollment writes the file again.
+        // A clean file for the next agent: without the migrated pods and what could not be read.
         if let Err(error) = self.state.save() {
             warn!("recording the recovered pods: {error:#}");
         }
@@ -289,22 +292,34 @@ impl Enroller {
     /// Records a pod's status (`None`: no longer enrolled), updates the per-status gauge, and
     /// publishes the change through the policy source.
     async fn set_status(&self, uid: &str, status: Option<(Status, PodName)>) {
-        self.state
-            .set_status(uid, status.as_ref().map(|(status, _)| *status));
+        if let Err(error) = self
+            .state
+            .set_status(uid, status.as_ref().map(|(status, _)| *status))
+        {
+            warn!(uid, "recording the pod's status: {error:#}");
+        }
         let changed = {
             let mut statuses = self.status.lock().unwrap();
-            let changed = match status {
+            let (previous, changed) = match status {
                 Some((status, pod)) => {
-                    let previous = statuses.insert(uid.to_owned(), (status, pod.clone()));
-                    (previous.map(|(s, _)| s) != Some(status)).then_some((pod, Some(status)))
+                    let previous = statuses
+                        .insert(uid.to_owned(), (status, pod.clone()))
+                        .map(|(s, _)| s);
+                    (previous, (previous != Some(status)).then_some((pod, Some(status))))
                 }
-                None => statuses.remove(uid).map(|(_, pod)| (pod, None)),
+                None => match statuses.remove(uid) {
+                    Some((previous, pod)) => (Some(previous), Some((pod, None))),
+                    None => (None, None),
+                },
             };
-            for (label, wanted) in [("pending", Status::Pending), ("enabled", Status::Enabled)] {
-                let count = statuses.values().filter(|(s, _)| *s == wanted).count();
-                self.pods
-                    .get_or_create(&StatusLabels { status: label })
-                    .set(count as i64);
+            // Counted by change, not by walking every pod: a status change stays O(1).
+            if let Some((_, now)) = &changed {
+                if let Some(previous) = previous {
+                    self.pods_with(previous).dec();
+                }
+                if let Some(now) = now {
+                    self.pods_with(*now).inc();
+                }
             }
             changed
         };
@@ -312,6 +327,14 @@ impl Enroller {
         if let Some((pod, status)) = changed.filter(|(pod, _)| !pod.name.is_empty()) {
             self.policy.report_status(&pod, status).await;
         }
+    }
+
+    fn pods_with(&self, status: Status) -> Gauge {
+        let status = match status {
+            Status::Pending => "pending",
+            Status::Enabled => "enabled",
+        };
+        self.pods.get_or_create(&StatusLabels { status }).clone()
     }
 
     /// Completes pods that were pending when ztunnel acks them in a snapshot.
@@ -341,9 +364,6 @@ impl Enroller {
                 .map(|(_, pod)| pod.clone());
             if let Some(pod) = pod {
                 self.set_status(uid, Some((Status::Enabled, pod))).await;
-                if let Err(error) = self.state.save() {
-                    warn!(uid, "recording the pod's status: {error:#}");
-                }
                 info!(uid, "ztunnel acked the pod: redirection enabled");
             }
         })
@@ -370,6 +390,12 @@ impl Enroller {
     /// What the agent recorded of an enrolled pod (its netns path, addresses and options).
     pub fn record(&self, uid: &str) -> Option<Workload> {
         self.state.get(uid)
+    }
+
+    /// Folds the state file's journal into its snapshot, at a clean stop: the next agent reads
+    /// one file.
+    pub fn save_state(&self) -> Result<()> {
+        self.state.save()
     }
 
     /// A running pod's netns, to enroll it live (see [`Datapath::find_running_pod`]).

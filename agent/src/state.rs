@@ -2,9 +2,17 @@
 //! maps hold the redirection, but ztunnel needs the pod's name and netns again, and an upgrade to
 //! another map layout enrolls the pod again. `weir-agent pods` reads it too, for the names and
 //! statuses the maps do not hold.
+//!
+//! Two files: the snapshot at the configured path (a JSON map of records by uid, the format
+//! older agents read) and a journal beside it (`<path>.journal`) that every change appends one
+//! line to. A pod's change costs one small append whatever the number of pods: rewriting the
+//! snapshot each time made every ADD O(pods), and at 5,000 pods that write was most of the
+//! agent's CPU. The journal is folded into the snapshot once it is as long as the snapshot, at
+//! recovery and at a clean stop, so the cost per change stays constant.
 use std::{
     collections::BTreeMap,
-    io,
+    fs::File,
+    io::{self, Write},
     path::{Path, PathBuf},
     sync::Mutex,
 };
@@ -26,32 +34,49 @@ pub struct Record {
     pub status: Option<Status>,
 }
 
+/// One journal line: a pod's whole record as of this change, or `null` once it is gone. Whole
+/// records make replay idempotent: a journal replayed onto a snapshot that already holds it
+/// (an agent killed between writing the snapshot and emptying the journal) gives the same pods.
+#[derive(Serialize, Deserialize)]
+struct Entry<R> {
+    uid: String,
+    record: Option<R>,
+}
+
+/// A journal shorter than this is never folded: folding a handful of pods each time would cost
+/// more than it saves.
+const MIN_JOURNAL_TO_FOLD: usize = 256;
+
 pub struct StateFile {
     path: PathBuf,
     records: Mutex<Records>,
-    /// The number of changes the file on disk holds; held while writing it.
-    written: Mutex<u64>,
-    /// What could not be read at open (a record by uid, or the whole file), for recovery to
-    /// count; dropped from the file with the next save.
+    /// What could not be read at open (a record by uid, or a whole file), for recovery to
+    /// count; dropped from the files with the next [`Self::save`].
     unreadable: Vec<String>,
 }
 
-/// Enrolled pods by uid, as last written to the file (or about to be).
+/// Enrolled pods by uid, and the journal that records their changes since the snapshot.
 struct Records {
     pods: BTreeMap<String, Record>,
-    /// How many changes `pods` has seen: a save that finds the file holding this many has
-    /// nothing to write.
-    changes: u64,
+    /// Opened at the first change.
+    journal: Option<File>,
+    /// Lines in the journal.
+    journal_lines: usize,
+    /// The journal's length up to its last whole line, as read at open: a torn line after it
+    /// is cut before the first append, which would otherwise be glued to it.
+    journal_whole: u64,
 }
 
 impl StateFile {
-    /// Reads what the previous agent recorded. An unreadable record is left out (and the whole
+    /// Reads what the previous agent recorded. An unreadable record is left out (and a whole
     /// file when it cannot be parsed at all): its pod is still recovered from the maps, unnamed.
     pub fn open(path: PathBuf) -> Self {
-        let (records, unreadable) = match read_each(&path) {
-            Ok(read) => read,
-            Err(error) => (BTreeMap::new(), vec![format!("{error:#}")]),
-        };
+        let Read {
+            records,
+            unreadable,
+            journal_lines,
+            journal_whole,
+        } = read_each(&path);
         for why in &unreadable {
             warn!(file = %path.display(), "unreadable pod state: ignored: {why}");
         }
@@ -59,9 +84,10 @@ impl StateFile {
             path,
             records: Mutex::new(Records {
                 pods: records,
-                changes: 0,
+                journal: None,
+                journal_lines,
+                journal_whole,
             }),
-            written: Mutex::new(0),
             unreadable,
         }
     }
@@ -86,14 +112,13 @@ impl StateFile {
         records.pods.get(uid).map(|record| record.workload.clone())
     }
 
-    /// Forgets, without writing the file yet, the pods `keep` turns down, and returns them.
+    /// Forgets, without writing the files yet, the pods `keep` turns down, and returns them.
     pub fn drop_unless(&self, keep: impl Fn(&str) -> bool) -> Vec<Workload> {
         let mut records = self.records.lock().unwrap();
         let (kept, dropped): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut records.pods)
             .into_iter()
             .partition(|(uid, _)| keep(uid));
         records.pods = kept;
-        records.changes += 1;
         dropped
             .into_values()
             .map(|record| record.workload)
@@ -107,18 +132,17 @@ impl StateFile {
         };
         let mut records = self.records.lock().unwrap();
         records.pods.insert(workload.uid.clone(), record);
-        records.changes += 1;
-        drop(records);
-        self.save()
+        self.record_change(&mut records, &workload.uid)
     }
 
-    /// Records a recorded pod's status, without writing the file: the next [`Self::save`] does.
-    pub fn set_status(&self, uid: &str, status: Option<Status>) {
+    /// Records a recorded pod's status; a pod without a record has none to change.
+    pub fn set_status(&self, uid: &str, status: Option<Status>) -> Result<()> {
         let mut records = self.records.lock().unwrap();
-        if let Some(record) = records.pods.get_mut(uid) {
-            record.status = status;
-            records.changes += 1;
+        match records.pods.get_mut(uid) {
+            Some(record) if record.status != status => record.status = status,
+            _ => return Ok(()),
         }
+        self.record_change(&mut records, uid)
     }
 
     pub fn remove(&self, uid: &str) -> Result<()> {
@@ -126,60 +150,163 @@ impl StateFile {
         if records.pods.remove(uid).is_none() {
             return Ok(());
         }
-        records.changes += 1;
-        drop(records);
-        self.save()
+        self.record_change(&mut records, uid)
     }
 
-    /// Writes the file atomically (temp file + rename): an agent killed mid-write leaves the
-    /// previous record, and a reader never sees half a file. Returns once the file holds every
-    /// change made before the call. Concurrent callers share writes: the whole file is
-    /// serialized each time, so when many pods are added at once (a node's reboot storm) one
-    /// write made after all their changes serves all of them, and the others return at once.
-    pub fn save(&self) -> Result<()> {
-        let mut written = self.written.lock().unwrap();
-        let (bytes, changes) = {
-            let records = self.records.lock().unwrap();
-            // Without a change since open, a save still writes: it drops what could not be read.
-            if *written >= records.changes && records.changes > 0 {
-                return Ok(());
+    /// Appends the pod's record as it now is to the journal, in one write: an agent killed
+    /// meanwhile leaves at most a torn last line, which readers skip (the pod is then recovered
+    /// as of its previous line, or from the maps). The journal is folded once it has grown as
+    /// long as the snapshot.
+    fn record_change(&self, records: &mut Records, uid: &str) -> Result<()> {
+        let mut line = serde_json::to_vec(&Entry {
+            uid: uid.to_owned(),
+            record: records.pods.get(uid),
+        })?;
+        line.push(b'\n');
+        let journal = match &mut records.journal {
+            Some(journal) => journal,
+            None => {
+                self.create_dir()?;
+                let opened = File::options()
+                    .create(true)
+                    .append(true)
+                    .open(journal_path(&self.path))
+                    .and_then(|file| {
+                        if file.metadata()?.len() > records.journal_whole {
+                            file.set_len(records.journal_whole)?;
+                        }
+                        Ok(file)
+                    })
+                    .with_context(|| format!("opening {}", journal_path(&self.path).display()))?;
+                records.journal.insert(opened)
             }
-            (serde_json::to_vec(&records.pods)?, records.changes)
         };
-        if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir)?;
+        journal
+            .write_all(&line)
+            .with_context(|| format!("writing {}", journal_path(&self.path).display()))?;
+        records.journal_lines += 1;
+        if records.journal_lines >= records.pods.len().max(MIN_JOURNAL_TO_FOLD) {
+            self.fold(records)?;
         }
+        Ok(())
+    }
+
+    /// Writes every record to the snapshot and empties the journal: a clean file for the next
+    /// agent, without what could not be read at open.
+    pub fn save(&self) -> Result<()> {
+        let mut records = self.records.lock().unwrap();
+        self.fold(&mut records)
+    }
+
+    /// The snapshot is replaced atomically (temp file + rename), then the journal emptied: an
+    /// agent killed between the two leaves a journal the snapshot already holds, which replays
+    /// to the same records.
+    fn fold(&self, records: &mut Records) -> Result<()> {
+        self.create_dir()?;
         let temp = self.path.with_extension("tmp");
-        std::fs::write(&temp, bytes)?;
+        std::fs::write(&temp, serde_json::to_vec(&records.pods)?)?;
         std::fs::rename(&temp, &self.path)
             .with_context(|| format!("writing {}", self.path.display()))?;
-        *written = changes;
+        let journal = journal_path(&self.path);
+        match &records.journal {
+            Some(file) => file.set_len(0),
+            None => match std::fs::remove_file(&journal) {
+                Err(error) if error.kind() != io::ErrorKind::NotFound => Err(error),
+                _ => Ok(()),
+            },
+        }
+        .with_context(|| format!("emptying {}", journal.display()))?;
+        records.journal_lines = 0;
+        Ok(())
+    }
+
+    fn create_dir(&self) -> Result<()> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating {}", dir.display()))?;
+        }
         Ok(())
     }
 }
 
-/// The records in the file at `path` by uid; none when there is no file (no pod recorded yet).
+/// Where the changes since the snapshot at `path` are appended.
+pub fn journal_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".journal");
+    PathBuf::from(name)
+}
+
+/// The records at `path` (snapshot and journal) by uid; none when there is no file (no pod
+/// recorded yet). Any unreadable part is an error.
 pub fn read(path: &Path) -> Result<BTreeMap<String, Record>> {
-    match std::fs::read(path) {
-        Ok(bytes) => {
-            serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))
-        }
-        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(BTreeMap::new()),
-        Err(error) => Err(error).with_context(|| format!("reading {}", path.display())),
+    let read = read_each(path);
+    match read.unreadable.first() {
+        Some(why) => anyhow::bail!("{}: {why}", path.display()),
+        None => Ok(read.records),
     }
+}
+
+struct Read {
+    records: BTreeMap<String, Record>,
+    /// Why each part that could not be read was set aside.
+    unreadable: Vec<String>,
+    journal_lines: usize,
+    journal_whole: u64,
 }
 
 /// Like [`read`], record by record: one that does not parse is set aside (why, by uid) rather
 /// than costing every other pod its record.
-fn read_each(path: &Path) -> Result<(BTreeMap<String, Record>, Vec<String>)> {
-    let raw: BTreeMap<String, serde_json::Value> = match std::fs::read(path) {
-        Ok(bytes) => {
-            serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))?
-        }
-        Err(error) if error.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
-        Err(error) => return Err(error).with_context(|| format!("reading {}", path.display())),
-    };
+fn read_each(path: &Path) -> Read {
     let mut unreadable = Vec::new();
+    let mut raw: BTreeMap<String, serde_json::Value> = match read_file(path) {
+        Ok(Some(bytes)) => serde_json::from_slice(&bytes)
+            .with_context(|| format!("parsing {}", path.display()))
+            .unwrap_or_else(|error| {
+                unreadable.push(format!("{error:#}"));
+                BTreeMap::new()
+            }),
+        Ok(None) => BTreeMap::new(),
+        Err(error) => {
+            unreadable.push(format!("{error:#}"));
+            BTreeMap::new()
+        }
+    };
+    let journal = journal_path(path);
+    let (mut journal_lines, mut journal_whole) = (0, 0);
+    match read_file(&journal) {
+        Ok(bytes) => {
+            let bytes = bytes.unwrap_or_default();
+            // A last line without its newline is a write the agent was killed in: not recorded.
+            let complete = bytes
+                .iter()
+                .rposition(|&byte| byte == b'\n')
+                .map_or(&[][..], |end| &bytes[..=end]);
+            journal_whole = complete.len() as u64;
+            for (number, line) in complete.split(|&byte| byte == b'\n').enumerate() {
+                if line.is_empty() {
+                    continue;
+                }
+                journal_lines += 1;
+                match serde_json::from_slice::<Entry<serde_json::Value>>(line) {
+                    Ok(Entry {
+                        uid,
+                        record: Some(record),
+                    }) => {
+                        raw.insert(uid, record);
+                    }
+                    Ok(Entry { uid, record: None }) => {
+                        raw.remove(&uid);
+                    }
+                    Err(error) => unreadable.push(format!(
+                        "{} line {}: {error}",
+                        journal.display(),
+                        number + 1
+                    )),
+                }
+            }
+        }
+        Err(error) => unreadable.push(format!("{error:#}")),
+    }
     let records = raw
         .into_iter()
         .filter_map(|(uid, value)| match serde_json::from_value(value) {
@@ -190,7 +317,21 @@ fn read_each(path: &Path) -> Result<(BTreeMap<String, Record>, Vec<String>)> {
             }
         })
         .collect();
-    Ok((records, unreadable))
+    Read {
+        records,
+        unreadable,
+        journal_lines,
+        journal_whole,
+    }
+}
+
+/// A file's bytes; `None` when there is no file.
+fn read_file(path: &Path) -> Result<Option<Vec<u8>>> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(error).with_context(|| format!("reading {}", path.display())),
+    }
 }
 
 #[cfg(test)]
@@ -224,24 +365,87 @@ mod tests {
     }
 
     #[test]
-    fn statuses_are_written_with_the_next_save_and_older_agents_still_read_the_file() {
+    fn every_change_reads_back_at_once_and_a_save_leaves_the_format_older_agents_read() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("pods.json");
         let state = StateFile::open(path.clone());
         state.insert(&workload("u1"), Status::Pending).unwrap();
         assert_eq!(read(&path).unwrap()["u1"].status, Some(Status::Pending));
-
-        state.set_status("u1", Some(Status::Enabled));
-        assert_eq!(read(&path).unwrap()["u1"].status, Some(Status::Pending));
-        state.save().unwrap();
+        state.set_status("u1", Some(Status::Enabled)).unwrap();
         assert_eq!(read(&path).unwrap()["u1"].status, Some(Status::Enabled));
+        assert!(!path.exists(), "a change only appends to the journal");
 
+        state.save().unwrap();
+        assert_eq!(std::fs::read(journal_path(&path)).unwrap(), b"");
         let raw: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         assert_eq!(raw["u1"]["status"], "enabled");
         let as_older_agents_read_it: BTreeMap<String, Workload> =
             serde_json::from_value(raw).unwrap();
         assert_eq!(as_older_agents_read_it["u1"], workload("u1"));
+        assert_eq!(StateFile::open(path).get("u1"), Some(workload("u1")));
+    }
+
+    #[test]
+    fn the_journal_stays_as_short_as_the_snapshot_and_removals_are_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pods.json");
+        let state = StateFile::open(path.clone());
+        let pods = MIN_JOURNAL_TO_FOLD + 44;
+        for n in 0..pods {
+            state
+                .insert(&workload(&format!("u{n}")), Status::Pending)
+                .unwrap();
+        }
+        for status in [Status::Enabled, Status::Pending, Status::Enabled] {
+            for n in 0..pods {
+                state.set_status(&format!("u{n}"), Some(status)).unwrap();
+            }
+        }
+        let records = read(&path).unwrap();
+        assert_eq!(records.len(), pods);
+        assert!(records.values().all(|r| r.status == Some(Status::Enabled)));
+        let lines = || {
+            std::fs::read(journal_path(&path))
+                .unwrap()
+                .iter()
+                .filter(|&&byte| byte == b'\n')
+                .count()
+        };
+        // 1,200 changes: the journal was folded on the way.
+        assert!(lines() <= pods, "{} lines", lines());
+
+        for n in 0..pods {
+            state.remove(&format!("u{n}")).unwrap();
+        }
+        assert!(read(&path).unwrap().is_empty());
+        assert!(lines() <= pods, "{} lines", lines());
+    }
+
+    #[test]
+    fn a_torn_last_line_and_a_journal_replayed_twice_lose_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pods.json");
+        let state = StateFile::open(path.clone());
+        state.insert(&workload("u1"), Status::Enabled).unwrap();
+        state.insert(&workload("u2"), Status::Pending).unwrap();
+        let before = read(&path).unwrap();
+
+        // Killed between writing the snapshot and emptying the journal.
+        let journal = std::fs::read(journal_path(&path)).unwrap();
+        state.save().unwrap();
+        std::fs::write(journal_path(&path), &journal).unwrap();
+        assert_eq!(read(&path).unwrap(), before);
+
+        // Killed in the middle of a journal write.
+        let mut torn = journal.clone();
+        torn.extend_from_slice(br#"{"uid":"u3","rec"#);
+        std::fs::write(journal_path(&path), torn).unwrap();
+        assert_eq!(read(&path).unwrap(), before);
+        let reopened = StateFile::open(path.clone());
+        assert!(reopened.unreadable().is_empty());
+        reopened.set_status("u2", Some(Status::Enabled)).unwrap();
+        assert_eq!(read(&path).unwrap()["u2"].status, Some(Status::Enabled));
     }
 
     #[test]
@@ -261,6 +465,7 @@ mod tests {
         let state = StateFile::open(path.clone());
         state.insert(&workload("u1"), Status::Enabled).unwrap();
         state.insert(&workload("u2"), Status::Enabled).unwrap();
+        state.save().unwrap();
         let mut raw: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         raw["u2"]["ips"] = "garbage".into();

@@ -105,13 +105,14 @@ async fn report_changes(
 ) -> io::Result<()> {
     // SAFETY: the socket owns its fd, open and the same until it is dropped with the AsyncFd.
     let socket = unsafe { AsyncFd::register(socket) }?;
-    let mut buffer = Vec::with_capacity(64 * 1024);
     loop {
         let mut ready = socket.readable().await?;
-        // The messages' content does not matter: the owner looks at the whole pod again.
+        // The messages' content does not matter (the owner looks at the whole pod again), so
+        // each is read into a few bytes on the stack, the rest of it discarded: a buffer per
+        // pod would cost thousands of pods their memory.
         loop {
-            buffer.clear();
-            match ready.get_inner().recv(&mut buffer, 0) {
+            let mut discard = [0u8; 16];
+            match ready.get_inner().recv(&mut &mut discard[..], 0) {
                 Ok(_) => {}
                 Err(error) if error.raw_os_error() == Some(libc::ENOBUFS) => {}
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,

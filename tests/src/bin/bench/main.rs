@@ -53,9 +53,21 @@ struct Args {
         default_value = "10,100,1000,5000"
     )]
     sizes: Vec<usize>,
+    /// Which sections to run: all of them, or (to look into one side) only those measured in
+    /// the bench's process (enrollment, connections, bulk, cost) or only those on a running
+    /// agent (scale, pod start, reboot storm).
+    #[arg(long, env = "WEIR_BENCH_SECTIONS", value_enum, default_value_t = Sections::All)]
+    sections: Sections,
     /// Directory for bench.md, bench.json and scale.svg.
     #[arg(long, env = "WEIR_BENCH_OUT", default_value = "target/bench")]
     out: PathBuf,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Sections {
+    All,
+    InProcess,
+    Agent,
 }
 
 /// How much of everything a run does.
@@ -120,8 +132,12 @@ fn main() -> Result<()> {
     raise_open_files_limit()?;
     let plan = Plan::new(&args);
     let mut report = Report::new(args.quick);
-    in_process(&plan, &mut report)?;
-    node_scale::measure(&plan, &mut report)?;
+    if args.sections != Sections::Agent {
+        in_process(&plan, &mut report)?;
+    }
+    if args.sections != Sections::InProcess {
+        node_scale::measure(&plan, &mut report)?;
+    }
 
     report.finish();
     report.write(&args.out)?;
