@@ -597,7 +597,10 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
     // Ready means reconciled: at the first 200 from /readyz, only the live ambient pod is held.
     let agent = cluster.start_agent();
     let state = weir_agent::state::read(&agent.config.state_file).unwrap();
-    assert!(state.contains_key(&pods[0].0), "the live ambient pod is kept");
+    assert!(
+        state.contains_key(&pods[0].0),
+        "the live ambient pod is kept"
+    );
     for (name, (uid, _)) in names.iter().zip(&pods).skip(1) {
         assert!(!state.contains_key(uid), "{name} is gone before ready");
     }

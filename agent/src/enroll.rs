@@ -305,7 +305,10 @@ impl Enroller {
                     let previous = statuses
                         .insert(uid.to_owned(), (status, pod.clone()))
                         .map(|(s, _)| s);
-                    (previous, (previous != Some(status)).then_some((pod, Some(status))))
+                    (
+                        previous,
+                        (previous != Some(status)).then_some((pod, Some(status))),
+                    )
                 }
                 None => match statuses.remove(uid) {
                     Some((previous, pod)) => (Some(previous), Some((pod, None))),

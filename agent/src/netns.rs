@@ -4,7 +4,7 @@
 //! the calling thread's current namespace, so the datapath thread enters a pod with [`enter`] and
 //! calls these (and [`crate::netlink`]) while the guard lives.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Write};
 use std::marker::PhantomData;
 use std::net::IpAddr;
@@ -61,7 +61,8 @@ pub fn current_cookie() -> io::Result<u64> {
     Rtnl::new()?.netns_cookie()
 }
 
-/// The sysctls that carry marks across the pod's reply path, each set to 1:
+/// The sysctls that carry marks across the pod's reply path, each set to 1, as paths under
+/// `/proc/sys`:
 /// - `tcp_fwmark_accept` (it covers IPv6 too): accepted sockets inherit the mark of the SYN, so
 ///   the app's replies to ztunnel's source-preserving dials carry the return mark;
 /// - `fwmark_reflect`, v4 and v6: the kernel's own replies (the RST of a closed port, ICMP errors)
@@ -69,35 +70,120 @@ pub fn current_cookie() -> io::Result<u64> {
 ///   at once instead of leaving by eth0 toward the client's address (istio's connmark restore
 ///   does the same; without it ztunnel waits out its connect deadline).
 pub const REPLY_MARK_SYSCTLS: [&str; 3] = [
-    "/proc/sys/net/ipv4/tcp_fwmark_accept",
-    "/proc/sys/net/ipv4/fwmark_reflect",
-    "/proc/sys/net/ipv6/fwmark_reflect",
+    "net/ipv4/tcp_fwmark_accept",
+    "net/ipv4/fwmark_reflect",
+    "net/ipv6/fwmark_reflect",
 ];
 
-/// Sets [`REPLY_MARK_SYSCTLS`] in the calling thread's network namespace, a family's
-/// `fwmark_reflect` only where the pod has addresses of that family (ztunnel dials a pod at its
-/// IPs; each write costs tens of microseconds of a pod's enrollment). `/proc/sys/net` resolves
-/// against the namespace of the task that opens it, so on the datapath thread these are the pod's
-/// sysctls.
-pub fn set_reply_mark_sysctls(ipv4: bool, ipv6: bool) -> io::Result<()> {
-    let [accept, reflect_v4, reflect_v6] = REPLY_MARK_SYSCTLS;
-    let wanted = [(accept, true), (reflect_v4, ipv4), (reflect_v6, ipv6)];
-    for sysctl in wanted
-        .into_iter()
-        .filter_map(|(sysctl, wanted)| wanted.then_some(sysctl))
-    {
-        let written = OpenOptions::new()
-            .write(true)
-            .open(sysctl)
-            .and_then(|mut file| file.write_all(b"1"));
-        match written {
-            // A kernel without IPv6 has no IPv6 replies to mark.
-            Err(error) if error.kind() == io::ErrorKind::NotFound && sysctl.contains("/ipv6/") => {}
-            Err(error) => return Err(io::Error::new(error.kind(), format!("{sysctl}: {error}"))),
-            Ok(()) => {}
+/// Pods whose sysctls are written through one procfs mount before a fresh one replaces it.
+const PODS_PER_PROCFS: usize = 128;
+
+/// Writes [`REPLY_MARK_SYSCTLS`] in the calling thread's network namespace (`/proc/sys/net`
+/// resolves against the namespace of the task that opens it, so on the datapath thread inside a
+/// pod these are the pod's).
+///
+/// Through a procfs mount of weir's own, detached (made with `fsopen`/`fsmount` and attached
+/// nowhere, so nobody else sees it), replaced every [`PODS_PER_PROCFS`] pods. Why: every network
+/// namespace that opened `/proc/sys/net/...` leaves its own dentries for those names in one
+/// dcache hash chain of the procfs, and each later lookup walks the chain comparing every
+/// namespace's entry (`proc_sys_compare`). Through the node's `/proc` a pod's sysctls cost a walk
+/// over every living pod: at 5,000 pods, most of an enrollment's CPU. A fresh mount starts with
+/// an empty chain, and dropping one drops its dentries.
+pub struct ReplyMarkSysctls {
+    /// The root of the current mount; `None` where the mount API is refused (an older kernel, a
+    /// seccomp profile): then `/proc/sys`, slower on a node with many pods.
+    procfs: Option<OwnedFd>,
+    written: usize,
+    pods_per_procfs: usize,
+}
+
+impl ReplyMarkSysctls {
+    pub fn new() -> Self {
+        Self::replacing_every(PODS_PER_PROCFS)
+    }
+
+    fn replacing_every(pods_per_procfs: usize) -> Self {
+        Self {
+            procfs: None,
+            written: 0,
+            pods_per_procfs,
         }
     }
-    Ok(())
+
+    /// Sets them in the calling thread's network namespace, a family's `fwmark_reflect` only
+    /// where the pod has addresses of that family (ztunnel dials a pod at its IPs).
+    pub fn set(&mut self, ipv4: bool, ipv6: bool) -> io::Result<()> {
+        if self.written.is_multiple_of(self.pods_per_procfs) {
+            self.procfs = match private_procfs() {
+                Ok(root) => Some(root),
+                Err(error) => {
+                    if self.written == 0 {
+                        tracing::warn!(%error, "no procfs mount of weir's own: sysctls through /proc/sys");
+                    }
+                    None
+                }
+            };
+        }
+        self.written += 1;
+        let [accept, reflect_v4, reflect_v6] = REPLY_MARK_SYSCTLS;
+        let wanted = [(accept, true), (reflect_v4, ipv4), (reflect_v6, ipv6)];
+        for sysctl in wanted
+            .into_iter()
+            .filter_map(|(sysctl, wanted)| wanted.then_some(sysctl))
+        {
+            match self.write_one(sysctl) {
+                // A kernel without IPv6 has no IPv6 replies to mark.
+                Err(error)
+                    if error.kind() == io::ErrorKind::NotFound && sysctl.contains("/ipv6/") => {}
+                Err(error) => {
+                    return Err(io::Error::new(error.kind(), format!("{sysctl}: {error}")))
+                }
+                Ok(()) => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn write_one(&self, sysctl: &str) -> io::Result<()> {
+        let flags = rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC;
+        let file = match &self.procfs {
+            Some(root) => rustix::fs::openat(
+                root,
+                format!("sys/{sysctl}"),
+                flags,
+                rustix::fs::Mode::empty(),
+            )?,
+            None => rustix::fs::open(
+                format!("/proc/sys/{sysctl}"),
+                flags,
+                rustix::fs::Mode::empty(),
+            )?,
+        };
+        File::from(file).write_all(b"1")
+    }
+}
+
+impl Default for ReplyMarkSysctls {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The root of a new procfs instance, mounted nowhere.
+fn private_procfs() -> io::Result<OwnedFd> {
+    use rustix::mount::{
+        fsconfig_create, fsmount, fsopen, FsMountFlags, FsOpenFlags, MountAttrFlags,
+    };
+    let context = fsopen("proc", FsOpenFlags::FSOPEN_CLOEXEC)?;
+    fsconfig_create(&context)?;
+    let attributes = MountAttrFlags::MOUNT_ATTR_NOSUID
+        | MountAttrFlags::MOUNT_ATTR_NODEV
+        | MountAttrFlags::MOUNT_ATTR_NOEXEC;
+    Ok(fsmount(
+        &context,
+        FsMountFlags::FSMOUNT_CLOEXEC,
+        attributes,
+    )?)
 }
 
 /// See [`Rtnl::non_loopback_addresses`], for the calling thread's network namespace.
@@ -170,7 +256,12 @@ mod tests {
     fn reply_mark_sysctls() -> Vec<String> {
         REPLY_MARK_SYSCTLS
             .iter()
-            .map(|path| std::fs::read_to_string(path).unwrap().trim().to_owned())
+            .map(|path| {
+                std::fs::read_to_string(format!("/proc/sys/{path}"))
+                    .unwrap()
+                    .trim()
+                    .to_owned()
+            })
             .collect()
     }
 
@@ -211,22 +302,30 @@ mod tests {
     }
 
     #[test]
-    fn reply_mark_sysctls_are_per_namespace() {
-        let Some((a, b)) = privileged(|| (scratch_netns(), scratch_netns())) else {
+    fn reply_mark_sysctls_are_per_namespace_through_procfs_mounts_nobody_sees() {
+        let Some(namespaces) = privileged(|| [(); 5].map(|_| scratch_netns())) else {
             return;
         };
-        let home = reply_mark_sysctls();
-        {
-            let _guard = enter(a.as_fd()).unwrap();
-            set_reply_mark_sysctls(true, true).unwrap();
-            assert_eq!(reply_mark_sysctls(), ["1", "1", "1"]);
+        let mounts = || std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let (home, mounts_before) = (reply_mark_sysctls(), mounts());
+        // A fresh mount every other pod: both the first mount and its replacements write.
+        let mut sysctls = ReplyMarkSysctls::replacing_every(2);
+        let (enrolled, untouched) = namespaces.split_at(4);
+        for (n, netns) in enrolled.iter().enumerate() {
+            let _guard = enter(netns.as_fd()).unwrap();
+            let ipv6 = n % 2 == 0;
+            sysctls.set(true, ipv6).unwrap();
+            let ipv6 = if ipv6 { "1" } else { "0" };
+            assert_eq!(reply_mark_sysctls(), ["1", "1", ipv6], "pod {n}");
+            assert!(sysctls.procfs.is_some(), "written through weir's own mount");
+            assert_eq!(mounts(), mounts_before, "a mount attached nowhere");
         }
         assert_eq!(
             reply_mark_sysctls(),
             home,
             "the test's own namespace is untouched"
         );
-        let _guard = enter(b.as_fd()).unwrap();
+        let _guard = enter(untouched[0].as_fd()).unwrap();
         assert_eq!(
             reply_mark_sysctls(),
             ["0", "0", "0"],

@@ -222,8 +222,7 @@ impl StateFile {
 
     fn create_dir(&self) -> Result<()> {
         if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
         Ok(())
     }

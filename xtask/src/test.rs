@@ -77,7 +77,8 @@ fn ebpf_on_host() -> Command {
 }
 
 /// Install the test system packages when we can (root on Debian); otherwise say what is missing.
-fn ensure_test_packages() -> Result<()> {
+/// Also the bench's: it wires pods and reads map memory the same way.
+pub fn ensure_test_packages() -> Result<()> {
     if !system::is_debian() {
         println!(
             "    not a Debian system: make sure these are installed: {}",

@@ -276,6 +276,7 @@ struct Owner {
     pin_root: PathBuf,
     probe_bypass: bool,
     enroll_steps: pods::EnrollSteps,
+    sysctls: netns::ReplyMarkSysctls,
 }
 
 impl Owner {
@@ -347,6 +348,7 @@ impl Owner {
             pin_root: config.pin_root.clone(),
             probe_bypass: config.probe_bypass,
             enroll_steps,
+            sysctls: netns::ReplyMarkSysctls::new(),
         })
     }
 

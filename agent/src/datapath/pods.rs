@@ -27,7 +27,7 @@ use weir_common::{
 use super::{programs, watch::Interfaces, Enrolled, Owner};
 use crate::{
     netlink::{self, PodSetup, Rtnl},
-    netns,
+    netns::{self, ReplyMarkSysctls},
     workload::{PodOptions, Workload},
 };
 
@@ -189,7 +189,8 @@ impl Owner {
                 self.remove_ip_entries(netns_cookie, &gone);
             }
         }
-        netns::set_reply_mark_sysctls(config.has(POD_HAS_IPV4), config.has(POD_HAS_IPV6))
+        self.sysctls
+            .set(config.has(POD_HAS_IPV4), config.has(POD_HAS_IPV6))
             .context("reply-mark sysctls")?;
         stopwatch.lap("sysctls");
         let ips = self
@@ -330,12 +331,13 @@ impl Owner {
 /// routing rules say are rerouted. The calling thread is in the pod's netns.
 pub(super) fn prepare_pod_netns(
     rtnl: &mut Rtnl,
+    sysctls: &mut ReplyMarkSysctls,
     ebpf: &Ebpf,
     interfaces: &[(u32, String)],
 ) -> Result<()> {
     let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
     // Its IPs are not known here: both families.
-    netns::set_reply_mark_sysctls(true, true).context("reply-mark sysctls")?;
+    sysctls.set(true, true).context("reply-mark sysctls")?;
     set_up_pod_netns(rtnl, ebpf, interfaces, &rerouted)
 }
 

@@ -98,7 +98,7 @@ impl Owner {
         };
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces")?;
-        prepare_pod_netns(&mut rtnl, &self.ebpf, &found.links)?;
+        prepare_pod_netns(&mut rtnl, &mut self.sysctls, &self.ebpf, &found.links)?;
         if let Some(record) = record {
             self.watch(record, netns_cookie, found, subscription);
         }

@@ -1,7 +1,7 @@
 //! File-system work: the files libcni sees, crash-safe writes, the plugin binary.
 use std::{
     fs::{self, File, Permissions},
-    io::{self, Write},
+    io::{self, Read},
     os::unix::fs::{fchown, MetadataExt, PermissionsExt},
     path::{Path, PathBuf},
 };
@@ -65,13 +65,17 @@ impl FileAttrs {
 /// the same directory (a rename is only atomic within a file system; the temp name has no CNI
 /// extension, so libcni never loads it), fsynced, renamed over `path`, then the directory fsynced
 /// so the rename itself is durable.
-pub fn write_atomically(path: &Path, contents: &[u8], attrs: &FileAttrs) -> io::Result<()> {
+pub fn write_atomically(
+    path: &Path,
+    mut contents: impl io::Read,
+    attrs: &FileAttrs,
+) -> io::Result<()> {
     let dir = parent(path);
     let mut temp = tempfile::Builder::new()
         .prefix(".weir-")
         .suffix(".tmp")
         .tempfile_in(dir)?;
-    temp.write_all(contents)?;
+    io::copy(&mut contents, &mut temp)?;
     let file = temp.as_file();
     file.set_permissions(Permissions::from_mode(attrs.mode))?;
     if let Some((uid, gid)) = attrs.owner {
@@ -86,11 +90,12 @@ pub fn write_atomically(path: &Path, contents: &[u8], attrs: &FileAttrs) -> io::
 }
 
 /// Makes `dest` a copy of `source` with mode 0755; returns whether anything changed. An
-/// identical binary is left alone, so a running agent does not rewrite it on every check.
+/// identical binary is left alone, so a running agent does not rewrite it on every check. Both
+/// are streamed, never read whole: a plugin binary is megabytes, and reading it at every check
+/// left that much of the agent's heap in use for good.
 pub fn install_binary(source: &Path, dest: &Path) -> io::Result<bool> {
-    let wanted = fs::read(source)?;
     match fs::metadata(dest) {
-        Ok(current) if current.len() == wanted.len() as u64 && fs::read(dest)? == wanted => {
+        Ok(current) if same_contents(source, dest)? => {
             if current.mode() & 0o7777 == 0o755 {
                 return Ok(false);
             }
@@ -101,8 +106,26 @@ pub fn install_binary(source: &Path, dest: &Path) -> io::Result<bool> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    write_atomically(dest, &wanted, &FileAttrs::executable())?;
+    write_atomically(dest, File::open(source)?, &FileAttrs::executable())?;
     Ok(true)
+}
+
+fn same_contents(a: &Path, b: &Path) -> io::Result<bool> {
+    let (mut a, mut b) = (File::open(a)?, File::open(b)?);
+    if a.metadata()?.len() != b.metadata()?.len() {
+        return Ok(false);
+    }
+    let (mut chunk_a, mut chunk_b) = (vec![0; 64 * 1024], vec![0; 64 * 1024]);
+    loop {
+        let read = a.read(&mut chunk_a)?;
+        if read == 0 {
+            return Ok(true);
+        }
+        b.read_exact(&mut chunk_b[..read])?;
+        if chunk_a[..read] != chunk_b[..read] {
+            return Ok(false);
+        }
+    }
 }
 
 /// Removes a file (a symlink itself, not its target); returns whether it was there.
