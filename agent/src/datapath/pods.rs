@@ -5,7 +5,7 @@ use std::{
     io,
     net::IpAddr,
     os::fd::{AsFd, OwnedFd},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context, Result};
@@ -220,24 +220,24 @@ impl Owner {
         // BPF_NOEXIST: a re-enrolled pod keeps its counts, in one syscall and without a race
         // between a lookup and the insert.
         let zero = vec![PodCounters::default(); aya::util::nr_cpus().map_err(|(_, e)| e)?];
-        match self.counters.insert(
-            netns_cookie,
-            aya::maps::PerCpuValues::try_from(zero)?,
-            BPF_NOEXIST,
-        ) {
+        let insert_zero = || {
+            let values = aya::maps::PerCpuValues::try_from(zero.clone())?;
+            self.counters.insert(netns_cookie, values, BPF_NOEXIST)
+        };
+        match retrying_enomem(insert_zero) {
             Err(aya::maps::MapError::SyscallError(e))
                 if e.io_error.kind() == io::ErrorKind::AlreadyExists => {}
             other => other?,
         }
-        self.pods_map.insert(netns_cookie, *config, 0)?;
+        retrying_enomem(|| self.pods_map.insert(netns_cookie, config, 0))?;
         let mut indexed = pod_ips.to_vec();
         for ip in pod_ips {
-            self.pod_ips.insert(*ip, netns_cookie, 0)?;
+            retrying_enomem(|| self.pod_ips.insert(ip, netns_cookie, 0))?;
         }
         // Addresses outside the pod's IPs (link-local ones) are not unique on a node: the pod
         // that claimed one first keeps it.
         for ip in other_ips {
-            match self.pod_ips.insert(*ip, netns_cookie, BPF_NOEXIST) {
+            match retrying_enomem(|| self.pod_ips.insert(ip, netns_cookie, BPF_NOEXIST)) {
                 Err(aya::maps::MapError::SyscallError(e))
                     if e.io_error.kind() == io::ErrorKind::AlreadyExists =>
                 {
@@ -366,6 +366,29 @@ fn undo_pod_netns(rtnl: &mut Rtnl) {
         .and_then(|interfaces| rtnl.tear_down_pod(&interfaces));
     if let Err(error) = undone {
         debug!(%error, "removing the pod's tc programs and routing");
+    }
+}
+
+/// Runs a map insert again while the kernel answers ENOMEM, a few times over about 50 ms. weir's
+/// hash maps are not preallocated (a preallocated per-CPU counters map would cost its full size
+/// on every CPU of a big node), so their elements come from per-CPU caches that the kernel
+/// refills asynchronously (`bpf_mem_alloc`): a burst of inserts, as in a node's reboot storm,
+/// can find one empty for a moment. A lasting shortage still fails the enrollment.
+fn retrying_enomem(
+    mut insert: impl FnMut() -> Result<(), aya::maps::MapError>,
+) -> Result<(), aya::maps::MapError> {
+    let mut pause = Duration::from_micros(100);
+    loop {
+        match insert() {
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOMEM)
+                    && pause < Duration::from_millis(50) =>
+            {
+                std::thread::sleep(pause);
+                pause *= 2;
+            }
+            other => return other,
+        }
     }
 }
 
