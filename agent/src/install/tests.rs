@@ -343,6 +343,26 @@ fn copies_the_binary_executable_only_when_it_differs() {
         }
     ));
     assert_eq!(fs::read(&binary).unwrap(), b"#!/bin/sh\necho weir v2\n");
+
+    // Compared chunk by chunk: a change of the same length, or past the first chunk, counts.
+    let mut large = vec![b'#'; 200 * 1024];
+    for version in [b"#!/bin/sh\necho weir v3\n".to_vec(), large.clone(), {
+        *large.last_mut().unwrap() = b'\n';
+        large
+    }] {
+        fs::write(&node.plugin, &version).unwrap();
+        let outcome = installer.install().unwrap();
+        assert!(matches!(
+            outcome,
+            InstallOutcome::Installed {
+                binary_changed: true,
+                ..
+            }
+        ));
+        assert_eq!(fs::read(&binary).unwrap(), version);
+        let unchanged = installer.install().unwrap();
+        assert!(matches!(unchanged, InstallOutcome::AlreadyInstalled { .. }));
+    }
 }
 
 #[test]
