@@ -205,6 +205,7 @@ fn scale(
         &[
             "pods",
             "one more pod's ADD, median (p99)",
+            "its datapath part, mean",
             "agent RSS",
             "map memory",
             "ADD all",
@@ -224,12 +225,17 @@ fn scale(
             })
         })?;
         let mut enroll = Samples::new();
+        let redirect_before = redirect_seconds(node, agent)?;
         for probe in probes.iter().cycle().take(plan.enroll_samples) {
             node.run(|| -> Result<()> {
                 enroll.push(timed(|| weir.call(Command::Add, probe))?);
                 weir.call(Command::Del, probe)
             })?;
         }
+        let redirect = redirect_seconds(node, agent)?;
+        let datapath_part = Duration::from_secs_f64(
+            (redirect.0 - redirect_before.0) / (redirect.1 - redirect_before.1).max(1.0),
+        );
         let rss = agent.rss_bytes()?;
         let memory = report::map_memory(&maps)?;
         let del_all = timed(|| {
@@ -238,15 +244,17 @@ fn scale(
             })
         })?;
         println!(
-            "  {size} pods: one more ADD {}, agent RSS {}, map memory {}, ADD all {add_all:.1?}, \
-             DEL all {del_all:.1?}",
+            "  {size} pods: one more ADD {} (datapath {}), agent RSS {}, map memory {}, ADD all \
+             {add_all:.1?}, DEL all {del_all:.1?}",
             enroll.show(),
+            micros(datapath_part),
             report::mebibytes(rss),
             report::mebibytes(memory)
         );
         table.row(&[
             size.to_string(),
             enroll.show(),
+            micros(datapath_part),
             report::mebibytes(rss),
             report::mebibytes(memory),
             format!("{add_all:.1?}"),
@@ -255,6 +263,7 @@ fn scale(
         json_sizes.push(json!({
             "pods": size,
             "one_more_add": enroll.json(),
+            "datapath_part_mean_s": datapath_part.as_secs_f64(),
             "agent_rss_bytes": rss,
             "map_memory_bytes": memory,
             "add_all_s": add_all.as_secs_f64(),
@@ -273,7 +282,9 @@ fn scale(
              are enrolled by weir-cni ADDs ({POD_WORKERS} at a time) to the agent (its \
              binary, own process, ztunnel stand-in acking); then {} ADDs of one more pod (weir-cni \
              executed as the runtime executes it after the primary plugins, each followed by its \
-             DEL); agent RSS: VmRSS of its process; map memory: bpftool's bytes_memlock over its \
+             DEL); its datapath part: the agent's own `weir_redirect_seconds` over those ADDs (maps, tc, \
+             routing, in the pod's netns), the rest being weir-cni's exec, the agent's socket \
+             and ZDS round trips; agent RSS: VmRSS of its process; map memory: bpftool's bytes_memlock over its \
              pins; ADD all, DEL all: every pod's weir-cni ADD (DEL), {POD_WORKERS} at a time. \
              The pods' namespaces and bridge ports (wired by the bridge plugin, {POD_WORKERS} \
              threads) are not in these times. Targets (issue 10): at most 2x from 10 to \
@@ -284,6 +295,23 @@ fn scale(
     table.json = json!({ "sizes": json_sizes });
     crate::remove_pods(probes);
     Ok((table, curve))
+}
+
+/// The agent's `weir_redirect_seconds` histogram: (sum, count). It serves in the node's netns.
+fn redirect_seconds(node: &TestNode, agent: &AgentProcess) -> Result<(f64, f64)> {
+    let address = agent.config.metrics_addr;
+    let (_, metrics) = node.run(|| weir_tests::agent::http_get(address, "/metrics"))?;
+    let value = |series: &str| {
+        metrics
+            .lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|value| value.parse::<f64>().ok())
+            .with_context(|| format!("no {series} in the agent's metrics"))
+    };
+    Ok((
+        value("weir_redirect_seconds_sum")?,
+        value("weir_redirect_seconds_count")?,
+    ))
 }
 
 /// The node reboot storm: `plan.storm_pods` sandboxes already wired by the primary CNI (as the
