@@ -23,7 +23,7 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::{
     address::{AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, CacheInfo},
-    link::{LinkAttribute, LinkFlags, LinkMessage},
+    link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkMessage},
     route::{RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute, RuleMessage},
     tc::{TcAttribute, TcBpfFlags, TcFilterBpf, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
@@ -440,7 +440,13 @@ impl Rtnl {
     /// `(ifindex, name)` of every link but loopback (`RTM_GETLINK` dump; not `/sys/class/net`,
     /// which shows the namespace `/sys` was mounted in).
     pub fn non_loopback_interfaces(&mut self) -> io::Result<Vec<(u32, String)>> {
-        let replies = self.dump(RouteNetlinkMessage::GetLink(LinkMessage::default()))?;
+        let mut request = LinkMessage::default();
+        // Without the interfaces' statistics: the kernel folds each one's per-CPU counters into
+        // the reply and the parser walks them, on every enrollment, for nothing read here.
+        request
+            .attributes
+            .push(LinkAttribute::ExtMask(vec![LinkExtentMask::SkipStats]));
+        let replies = self.dump(RouteNetlinkMessage::GetLink(request))?;
         Ok(replies
             .into_iter()
             .filter_map(|reply| match reply {
