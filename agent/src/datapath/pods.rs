@@ -111,7 +111,7 @@ impl Owner {
         let inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
         let netns_cookie = rtnl.netns_cookie()?;
-        let subscription = self.subscribe(&pod.uid, netns_cookie)?;
+        let subscription = self.subscribe(&pod.uid, netns_cookie, netns_file.as_fd())?;
         stopwatch.lap("netns");
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces");
         stopwatch.lap("interfaces");

@@ -93,7 +93,7 @@ impl Owner {
         let _inside = netns::enter(netns.as_fd()).context("entering the pod netns")?;
         // Subscribed before the interfaces are read, as at enrollment.
         let subscription = match record {
-            Some(_) => self.subscribe(uid, netns_cookie)?,
+            Some(_) => self.subscribe(uid, netns_cookie, netns.as_fd())?,
             None => None,
         };
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;

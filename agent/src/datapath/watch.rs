@@ -1,16 +1,22 @@
 //! Interfaces and addresses that appear in (or leave) an enrolled pod after its ADD: a secondary
-//! network attached later, an address added by hand or by a VM's tooling. Each enrolled pod has
-//! a netlink subscription to its namespace's link and address changes (one socket per pod, made
-//! inside its netns), all served by one task each on a single worker thread. A change only wakes
-//! the owner: when the pod's interfaces or addresses differ from what it was enrolled with, it
-//! enrolls the pod again, which indexes new addresses, drops gone ones and puts the tc programs
-//! on new interfaces, as idempotent enrollment does anyway. Other changes (an address finishing
-//! duplicate address detection, a link going up) cost two netlink dumps.
-use std::{io, net::IpAddr, os::fd::AsFd, sync::mpsc};
+//! network attached later, an address added by hand or by a VM's tooling. One netlink socket in
+//! the node's netns hears the link and address changes of every namespace that has an id there
+//! (`NETLINK_LISTEN_ALL_NSID`); each enrolled pod is followed by its netns' id. A change only
+//! wakes the owner: when the pod's interfaces or addresses differ from what it was enrolled with,
+//! it enrolls the pod again, which indexes new addresses, drops gone ones and puts the tc
+//! programs on new interfaces, as idempotent enrollment does anyway. Other changes (an address
+//! finishing duplicate address detection, a link going up) cost two netlink dumps.
+use std::{
+    collections::{HashMap, HashSet},
+    io,
+    net::IpAddr,
+    os::fd::{AsFd, BorrowedFd},
+    sync::{mpsc, Arc, Mutex},
+};
 
 use anyhow::{Context, Result};
 use netlink_sys::Socket;
-use tokio::{io::unix::AsyncFd, task::AbortHandle};
+use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
 use super::{Command, Owner};
@@ -20,21 +26,48 @@ use crate::{
     workload::Workload,
 };
 
-/// The worker thread serving every subscription; its tasks end with it.
+/// Followed pods by the id of their netns in the node's: `(uid, netns cookie)`.
+type Followed = Arc<Mutex<HashMap<i32, (String, u64)>>>;
+
+/// The one subscription to every pod's changes, served on its own worker thread.
 pub(super) struct Watcher {
-    runtime: tokio::runtime::Runtime,
-    /// Where a change is reported: the owner's own command queue.
-    owner: mpsc::Sender<Command>,
+    _runtime: tokio::runtime::Runtime,
+    /// An rtnetlink socket in the node's netns: it names pods' namespaces by their ids there.
+    node: Rtnl,
+    followed: Followed,
 }
 
-/// One pod's subscription; dropping it closes the socket.
+/// One pod's entry in the followed set, made before its interfaces are read so that no change
+/// in between goes unseen; dropping it (a failed enrollment, an unenrolled pod) stops following.
+pub(super) struct Subscription {
+    namespace_id: i32,
+    uid: String,
+    netns_cookie: u64,
+    followed: Followed,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let mut followed = self.followed.lock().unwrap();
+        // Only its own entry: the id may name another pod's netns by now.
+        let own = (self.uid.as_str(), self.netns_cookie);
+        if followed
+            .get(&self.namespace_id)
+            .is_some_and(|(uid, cookie)| (uid.as_str(), *cookie) == own)
+        {
+            followed.remove(&self.namespace_id);
+        }
+    }
+}
+
+/// A followed pod.
 pub(super) struct Watch {
     netns_cookie: u64,
     /// What the pod was last enrolled with, to enroll it again on a change.
     workload: Workload,
     /// The pod's interfaces and addresses when it was last enrolled.
     enrolled_with: Interfaces,
-    task: AbortHandle,
+    _subscription: Subscription,
 }
 
 /// A pod's interfaces and addresses but loopback, sorted.
@@ -56,13 +89,9 @@ impl Interfaces {
     }
 }
 
-impl Drop for Watch {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
 impl Watcher {
+    /// Subscribes (the calling thread is in the node's netns) and reports changes to `owner`'s
+    /// command queue from now on.
     pub(super) fn start(owner: mpsc::Sender<Command>) -> Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -70,73 +99,79 @@ impl Watcher {
             .enable_io()
             .build()
             .context("starting the pod interface watcher")?;
-        Ok(Self { runtime, owner })
-    }
-
-    /// Follows the changes `socket` (subscribed in the pod's netns) reports.
-    fn follow(
-        &self,
-        socket: Socket,
-        workload: &Workload,
-        netns_cookie: u64,
-        enrolled_with: Interfaces,
-    ) -> Watch {
-        let (owner, uid) = (self.owner.clone(), workload.uid.clone());
-        let task = self.runtime.spawn(async move {
-            if let Err(error) = report_changes(socket, &owner, uid.clone(), netns_cookie).await {
-                warn!(uid, %error, "pod interface changes are no longer followed");
+        let socket = netlink::subscribe_interface_changes()
+            .context("subscribing to the pods' interface changes")?;
+        let followed = Followed::default();
+        let reported = followed.clone();
+        runtime.spawn(async move {
+            if let Err(error) = report_changes(socket, &owner, &reported).await {
+                warn!(%error, "pod interface changes are no longer followed");
             }
         });
-        Watch {
-            netns_cookie,
-            workload: workload.clone(),
-            enrolled_with,
-            task: task.abort_handle(),
-        }
+        Ok(Self {
+            _runtime: runtime,
+            node: Rtnl::new().context("rtnetlink in the node netns")?,
+            followed,
+        })
     }
 }
 
-/// Wakes the owner once per burst of changes, until the owner is gone or the task aborted.
+/// Wakes the owner once per burst of changes per pod, until the owner is gone.
 async fn report_changes(
     socket: Socket,
     owner: &mpsc::Sender<Command>,
-    uid: String,
-    netns_cookie: u64,
+    followed: &Followed,
 ) -> io::Result<()> {
     // SAFETY: the socket owns its fd, open and the same until it is dropped with the AsyncFd.
     let socket = unsafe { AsyncFd::register(socket) }?;
     loop {
         let mut ready = socket.readable().await?;
-        // The messages' content does not matter (the owner looks at the whole pod again), so
-        // each is read into a few bytes on the stack, the rest of it discarded: a buffer per
-        // pod would cost thousands of pods their memory.
+        let (mut changed, mut overflowed) = (HashSet::new(), false);
         loop {
-            let mut discard = [0u8; 16];
-            match ready.get_inner().recv(&mut &mut discard[..], 0) {
-                Ok(_) => {}
-                Err(error) if error.raw_os_error() == Some(libc::ENOBUFS) => {}
+            match netlink::recv_namespace_id(ready.get_inner()) {
+                Ok(Some(id)) => {
+                    changed.insert(id);
+                }
+                // The node's own changes.
+                Ok(None) => {}
+                // Changes were lost: any pod may have changed.
+                Err(error) if error.raw_os_error() == Some(libc::ENOBUFS) => overflowed = true,
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
                 Err(error) => return Err(error),
             }
         }
         ready.clear_ready();
-        let changed = Command::InterfacesChanged {
-            uid: uid.clone(),
-            netns_cookie,
+        let pods: Vec<(String, u64)> = {
+            let followed = followed.lock().unwrap();
+            match overflowed {
+                true => followed.values().cloned().collect(),
+                false => changed
+                    .iter()
+                    .filter_map(|id| followed.get(id).cloned())
+                    .collect(),
+            }
         };
-        if owner.send(changed).is_err() {
-            return Ok(());
+        for (uid, netns_cookie) in pods {
+            if owner
+                .send(Command::InterfacesChanged { uid, netns_cookie })
+                .is_err()
+            {
+                return Ok(());
+            }
         }
     }
 }
 
 impl Owner {
-    /// Follows the pod's interface changes from now on (the calling thread is in its netns);
-    /// a pod already followed in this netns only has its workload updated.
-    /// A subscription to the changes of the calling thread's netns (the pod's), made before the
+    /// Follows the changes of the pod's netns (`netns`, an fd of it) from now on, before the
     /// pod's interfaces are read so that no change in between goes unseen; `None` when the pod
     /// is followed in this netns already.
-    pub(super) fn subscribe(&self, uid: &str, netns_cookie: u64) -> Result<Option<Socket>> {
+    pub(super) fn subscribe(
+        &mut self,
+        uid: &str,
+        netns_cookie: u64,
+        netns: BorrowedFd<'_>,
+    ) -> Result<Option<Subscription>> {
         if self
             .watches
             .get(uid)
@@ -144,9 +179,22 @@ impl Owner {
         {
             return Ok(None);
         }
-        let socket = netlink::subscribe_interface_changes()
-            .context("subscribing to the pod's interface changes")?;
-        Ok(Some(socket))
+        let namespace_id = self
+            .watcher
+            .node
+            .namespace_id(netns)
+            .context("the pod netns' id in the node's")?;
+        let followed = self.watcher.followed.clone();
+        followed
+            .lock()
+            .unwrap()
+            .insert(namespace_id, (uid.to_owned(), netns_cookie));
+        Ok(Some(Subscription {
+            namespace_id,
+            uid: uid.to_owned(),
+            netns_cookie,
+            followed,
+        }))
     }
 
     /// Follows the pod's changes from now on through `subscription` (from [`Self::subscribe`]);
@@ -156,13 +204,16 @@ impl Owner {
         workload: &Workload,
         netns_cookie: u64,
         enrolled_with: Interfaces,
-        subscription: Option<Socket>,
+        subscription: Option<Subscription>,
     ) {
         match subscription {
-            Some(socket) => {
-                let watch = self
-                    .watcher
-                    .follow(socket, workload, netns_cookie, enrolled_with);
+            Some(subscription) => {
+                let watch = Watch {
+                    netns_cookie,
+                    workload: workload.clone(),
+                    enrolled_with,
+                    _subscription: subscription,
+                };
                 self.watches.insert(workload.uid.clone(), watch);
             }
             None => {
