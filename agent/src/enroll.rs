@@ -96,6 +96,7 @@ impl Enroller {
     }
 
     pub fn register_metrics(&self, registry: &mut Registry) {
+        // Both series from the start, at 0: they are counted by change from here.
         for status in [Status::Pending, Status::Enabled] {
             self.pods_with(status);
         }

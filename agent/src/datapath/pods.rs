@@ -133,7 +133,7 @@ impl Owner {
                 (&pod_ips, &other_ips),
                 &mut stopwatch,
             )?;
-            self.watch(pod, netns_cookie, found, subscription);
+            self.watch(pod, found, subscription);
             Ok(ips)
         });
         let ips = match redirected {

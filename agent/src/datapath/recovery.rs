@@ -100,7 +100,7 @@ impl Owner {
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces")?;
         prepare_pod_netns(&mut rtnl, &mut self.sysctls, &self.ebpf, &found.links)?;
         if let Some(record) = record {
-            self.watch(record, netns_cookie, found, subscription);
+            self.watch(record, found, subscription);
         }
         Ok(())
     }

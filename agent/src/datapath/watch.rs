@@ -62,12 +62,12 @@ impl Drop for Subscription {
 
 /// A followed pod.
 pub(super) struct Watch {
-    netns_cookie: u64,
     /// What the pod was last enrolled with, to enroll it again on a change.
     workload: Workload,
     /// The pod's interfaces and addresses when it was last enrolled.
     enrolled_with: Interfaces,
-    _subscription: Subscription,
+    /// Its netns, by id and cookie.
+    subscription: Subscription,
 }
 
 /// A pod's interfaces and addresses but loopback, sorted.
@@ -175,7 +175,7 @@ impl Owner {
         if self
             .watches
             .get(uid)
-            .is_some_and(|watch| watch.netns_cookie == netns_cookie)
+            .is_some_and(|watch| watch.subscription.netns_cookie == netns_cookie)
         {
             return Ok(None);
         }
@@ -202,17 +202,15 @@ impl Owner {
     pub(super) fn watch(
         &mut self,
         workload: &Workload,
-        netns_cookie: u64,
         enrolled_with: Interfaces,
         subscription: Option<Subscription>,
     ) {
         match subscription {
             Some(subscription) => {
                 let watch = Watch {
-                    netns_cookie,
                     workload: workload.clone(),
                     enrolled_with,
-                    _subscription: subscription,
+                    subscription,
                 };
                 self.watches.insert(workload.uid.clone(), watch);
             }
@@ -234,7 +232,7 @@ impl Owner {
         let Some(netns) = self.pods.get(uid).and_then(|pod| pod.netns.as_ref()) else {
             return;
         };
-        if watch.netns_cookie != netns_cookie {
+        if watch.subscription.netns_cookie != netns_cookie {
             return;
         }
         let now = netns::enter(netns.as_fd())

@@ -741,7 +741,6 @@ impl Rtnl {
         message.serialize(&mut datagram[start..]);
     }
 
-    /// The messages of the next datagram.
     /// Sends one request and returns its reply.
     fn request(&mut self, message: RouteNetlinkMessage) -> io::Result<RouteNetlinkMessage> {
         let mut datagram = Vec::new();
@@ -763,6 +762,7 @@ impl Rtnl {
         }
     }
 
+    /// The messages of the next datagram.
     fn recv(&mut self) -> io::Result<Vec<NetlinkMessage<RouteNetlinkMessage>>> {
         self.buffer.clear();
         // MSG_TRUNC: the return value is the datagram's full length, so truncation shows.
