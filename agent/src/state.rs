@@ -350,10 +350,16 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_file_from_before_statuses_were_recorded_reads_with_no_status() {
+    /// Where a test's state file goes, in a directory that lives as long as the guard.
+    fn scratch_path() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("pods.json");
+        (dir, path)
+    }
+
+    #[test]
+    fn a_file_from_before_statuses_were_recorded_reads_with_no_status() {
+        let (_dir, path) = scratch_path();
         let older = BTreeMap::from([("u1".to_owned(), workload("u1"))]);
         std::fs::write(&path, serde_json::to_vec(&older).unwrap()).unwrap();
 
@@ -365,8 +371,7 @@ mod tests {
 
     #[test]
     fn every_change_reads_back_at_once_and_a_save_leaves_the_format_older_agents_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("pods.json");
+        let (_dir, path) = scratch_path();
         let state = StateFile::open(path.clone());
         state.insert(&workload("u1"), Status::Pending).unwrap();
         assert_eq!(read(&path).unwrap()["u1"].status, Some(Status::Pending));
@@ -387,8 +392,7 @@ mod tests {
 
     #[test]
     fn the_journal_stays_as_short_as_the_snapshot_and_removals_are_recorded() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("pods.json");
+        let (_dir, path) = scratch_path();
         let state = StateFile::open(path.clone());
         let pods = MIN_JOURNAL_TO_FOLD + 44;
         for n in 0..pods {
@@ -423,8 +427,7 @@ mod tests {
 
     #[test]
     fn a_torn_last_line_and_a_journal_replayed_twice_lose_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("pods.json");
+        let (_dir, path) = scratch_path();
         let state = StateFile::open(path.clone());
         state.insert(&workload("u1"), Status::Enabled).unwrap();
         state.insert(&workload("u2"), Status::Pending).unwrap();
@@ -449,8 +452,7 @@ mod tests {
 
     #[test]
     fn no_file_is_no_record_and_a_corrupt_one_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("pods.json");
+        let (_dir, path) = scratch_path();
         assert!(read(&path).unwrap().is_empty());
         std::fs::write(&path, b"{not json").unwrap();
         assert!(read(&path).is_err());
@@ -459,8 +461,7 @@ mod tests {
 
     #[test]
     fn an_unreadable_record_costs_only_its_own_pod() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("pods.json");
+        let (_dir, path) = scratch_path();
         let state = StateFile::open(path.clone());
         state.insert(&workload("u1"), Status::Enabled).unwrap();
         state.insert(&workload("u2"), Status::Enabled).unwrap();
