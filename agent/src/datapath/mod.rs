@@ -277,6 +277,8 @@ struct Owner {
     probe_bypass: bool,
     enroll_steps: pods::EnrollSteps,
     sysctls: netns::ReplyMarkSysctls,
+    /// The thread's own netns (the node's), which enrolling and unenrolling come back to.
+    home: netns::Home,
 }
 
 impl Owner {
@@ -349,6 +351,7 @@ impl Owner {
             probe_bypass: config.probe_bypass,
             enroll_steps,
             sysctls: netns::ReplyMarkSysctls::new(),
+            home: netns::Home::current().context("the datapath thread's netns")?,
         })
     }
 

@@ -27,7 +27,7 @@ use weir_common::{
 use super::{programs, watch::Interfaces, Enrolled, Owner};
 use crate::{
     netlink::{self, PodSetup, Rtnl},
-    netns::{self, ReplyMarkSysctls},
+    netns::ReplyMarkSysctls,
     workload::{PodOptions, Workload},
 };
 
@@ -57,7 +57,8 @@ impl EnrollSteps {
             "weir_enroll_step",
             "Time of each step of a pod's enrollment in the datapath: netns (entering it, its \
              rtnetlink socket and cookie), interfaces (link and address dumps), sysctls, maps, \
-             netlink (return path, tc filters and rules in one round trip), finish",
+             routing (the return path's rules and routes), tc (clsact qdiscs, filters and \
+             rerouting rules), finish",
             Unit::Seconds,
             self.0.clone(),
         );
@@ -94,9 +95,9 @@ impl Owner {
     ///
     /// The order leaves no moment without capture, also when a pod moves from another agent's
     /// map layout (whose tc program and maps still redirect it until this one takes over): the
-    /// reply-mark sysctls, then the map entries, and only then one netlink round trip puts the
-    /// return path in place and this agent's tc program over whatever filter the pod had, so the
-    /// program never runs before the maps name the pod. Nothing needs the return path before
+    /// reply-mark sysctls, then the map entries, and only then netlink puts the return path in
+    /// place and this agent's tc program over whatever filter the pod had, so the program never
+    /// runs before the maps name the pod. Nothing needs the return path before
     /// that: ztunnel dials the pod only once it has the pod, after enrollment, and a pod moving
     /// from another layout has it already. Any failure takes the pod out entirely: never
     /// half-redirected. Each step is timed ([`EnrollSteps`]).
@@ -108,7 +109,10 @@ impl Owner {
         let netns_file = File::open(&pod.netns)
             .with_context(|| format!("opening pod netns {}", pod.netns.display()))?;
         // Map writes do not depend on the calling thread's netns, so every step runs in the pod.
-        let inside = netns::enter(netns_file.as_fd()).context("entering the pod netns")?;
+        let inside = self
+            .home
+            .enter(netns_file.as_fd())
+            .context("entering the pod netns")?;
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
         let netns_cookie = rtnl.netns_cookie()?;
         let subscription = self.subscribe(&pod.uid, netns_cookie, netns_file.as_fd())?;
@@ -203,8 +207,8 @@ impl Owner {
             &self.ebpf,
             &found.links,
             &pod.options.reroute_interfaces,
+            |step| stopwatch.lap(step),
         )?;
-        stopwatch.lap("netlink");
         Ok(ips)
     }
 
@@ -268,7 +272,10 @@ impl Owner {
         let netns = self.remove_map_entries(uid);
         if let Some(netns) = netns {
             // The netns may already be gone with the pod; then so is everything in it.
-            let inside = netns::enter(netns.as_fd()).and_then(|inside| Ok((inside, Rtnl::new()?)));
+            let inside = self
+                .home
+                .enter(netns.as_fd())
+                .and_then(|inside| Ok((inside, Rtnl::new()?)));
             match inside {
                 Ok((_inside, mut rtnl)) => undo_pod_netns(&mut rtnl),
                 Err(error) => debug!(uid, %error, "pod netns not entered for cleanup"),
@@ -338,25 +345,31 @@ pub(super) fn prepare_pod_netns(
     let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
     // Its IPs are not known here: both families.
     sysctls.set(true, true).context("reply-mark sysctls")?;
-    set_up_pod_netns(rtnl, ebpf, interfaces, &rerouted)
+    set_up_pod_netns(rtnl, ebpf, interfaces, &rerouted, |_| {})
 }
 
-/// The return path, the tc programs and the rerouting rules, in one netlink round trip (see
-/// [`Rtnl::set_up_pod`]).
+/// The return path, then the tc programs and the rerouting rules (see
+/// [`Rtnl::set_up_return_path`] and [`Rtnl::attach_programs`]); `step_done` is told after each,
+/// as `routing` and `tc`.
 fn set_up_pod_netns(
     rtnl: &mut Rtnl,
     ebpf: &Ebpf,
     interfaces: &[(u32, String)],
     rerouted: &[String],
+    mut step_done: impl FnMut(&'static str),
 ) -> Result<()> {
+    rtnl.set_up_return_path().context("return path")?;
+    step_done("routing");
     let setup = PodSetup {
         interfaces,
         rerouted,
         inbound: programs::tc_program(ebpf, weir_common::programs::INBOUND)?,
         reroute: programs::tc_program(ebpf, weir_common::programs::REROUTE)?,
     };
-    rtnl.set_up_pod(&setup)
-        .context("return path, tc programs and rerouting rules")
+    rtnl.attach_programs(&setup)
+        .context("tc programs and rerouting rules")?;
+    step_done("tc");
+    Ok(())
 }
 
 /// Best effort: called on rollback and unenroll, where the pod may be half set up or gone.

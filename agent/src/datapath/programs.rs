@@ -126,8 +126,8 @@ pub(super) fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
 }
 
 /// A loaded tc program (inbound or reroute), as pod setup attaches it: a classic cls_bpf filter
-/// over netlink (`netlink::Rtnl::set_up_pod`), since a TCX link costs a `synchronize_rcu()`
-/// under the rtnl lock per pod (~16 ms) and a netlink filter does not.
+/// over netlink (`netlink::Rtnl::attach_programs`), since a TCX link costs a `synchronize_rcu()`
+/// under the rtnl lock per pod (~16 ms), where the clsact qdisc costs an expedited grace period.
 pub(super) fn tc_program<'a>(ebpf: &'a Ebpf, name: &'a str) -> Result<TcProgram<'a>> {
     let program: &SchedClassifier = ebpf
         .program(name)

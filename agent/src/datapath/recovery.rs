@@ -90,7 +90,10 @@ impl Owner {
             Some(netns) => (pod.netns_cookie, netns.try_clone()?),
             None => return Ok(()),
         };
-        let _inside = netns::enter(netns.as_fd()).context("entering the pod netns")?;
+        let _inside = self
+            .home
+            .enter(netns.as_fd())
+            .context("entering the pod netns")?;
         // Subscribed before the interfaces are read, as at enrollment.
         let subscription = match record {
             Some(_) => self.subscribe(uid, netns_cookie, netns.as_fd())?,

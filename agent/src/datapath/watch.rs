@@ -22,7 +22,6 @@ use tracing::{debug, warn};
 use super::{Command, Owner};
 use crate::{
     netlink::{self, Rtnl},
-    netns,
     workload::Workload,
 };
 
@@ -235,7 +234,9 @@ impl Owner {
         if watch.subscription.netns_cookie != netns_cookie {
             return;
         }
-        let now = netns::enter(netns.as_fd())
+        let now = self
+            .home
+            .enter(netns.as_fd())
             .map_err(anyhow::Error::from)
             .and_then(|_inside| Ok(Interfaces::read(&mut Rtnl::new()?)?));
         if now.is_ok_and(|now| now == watch.enrolled_with) {

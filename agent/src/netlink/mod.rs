@@ -3,9 +3,9 @@
 //! An [`Rtnl`] is one `NETLINK_ROUTE` socket, and a netlink socket acts on the network namespace
 //! of the thread that created it: made on the datapath thread after [`crate::netns::enter`], it
 //! changes the pod's namespace, not the node's. An enrollment makes one and does everything
-//! through it: the netns cookie, one link and one address dump, and one datagram that carries
-//! every change (see [`Rtnl::set_up_pod`]), since round trips and sockets were much of a pod's
-//! enrollment time. The kernel handles every request of a datagram, in order, even after an
+//! through it: the netns cookie, one link and one address dump, then one datagram for the return
+//! path and one for the tc objects (see [`Rtnl::attach_programs`]), since round trips and sockets
+//! were much of a pod's enrollment time. The kernel handles every request of a datagram, in order, even after an
 //! earlier one failed.
 //!
 //! Everything is idempotent: adds use `NLM_F_EXCL`, so an object already there is reported as
@@ -63,7 +63,7 @@ pub struct TcProgram<'a> {
     pub name: &'a str,
 }
 
-/// What weir puts in a pod's netns, for [`Rtnl::set_up_pod`].
+/// weir's programs on a pod's interfaces, for [`Rtnl::attach_programs`].
 pub struct PodSetup<'a> {
     /// The pod's interfaces but loopback, `(ifindex, name)`.
     pub interfaces: &'a [(u32, String)],
@@ -580,15 +580,23 @@ impl Rtnl {
             .collect())
     }
 
-    /// Everything weir puts in a pod's netns, in one datagram and in this order: the return path
-    /// (see [`return_path`]); on every interface the clsact qdisc and weir's filter with
-    /// the interface's program, replacing whatever program held the slot; and the rerouted
-    /// interfaces' rules (see [`reroute_rule`]), last, since until the tc program assigns a
-    /// rerouted SYN to ztunnel local delivery would hand it to whatever listens on its port. The
-    /// pod's other interfaces lose any rerouting rule; one naming an interface the pod no longer
-    /// has stays inert until such an interface appears, which sets the pod up again. Idempotent.
-    pub fn set_up_pod(&mut self, pod: &PodSetup) -> io::Result<()> {
-        let return_path = return_path().map(|object| (Op::Add, object));
+    /// The return path (see [`return_path`]), in one datagram. Idempotent.
+    pub fn set_up_return_path(&mut self) -> io::Result<()> {
+        self.apply(return_path().map(|object| (Op::Add, object)))
+    }
+
+    /// weir's programs on the pod's interfaces, in one datagram and in this order: on every
+    /// interface the clsact qdisc and weir's filter with the interface's program, replacing
+    /// whatever program held the slot; then the rerouted interfaces' rules (see
+    /// [`reroute_rule`]), last, since until the tc program assigns a rerouted SYN to ztunnel
+    /// local delivery would hand it to whatever listens on its port. The pod's other interfaces
+    /// lose any rerouting rule; one naming an interface the pod no longer has stays inert until
+    /// such an interface appears, which sets the pod up again. Idempotent.
+    ///
+    /// Apart from [`Self::set_up_return_path`] (one round trip more) so that a pod's enrollment
+    /// times them apart: a clsact qdisc made on an interface that is up costs an RCU grace
+    /// period (`qdisc_graft` deactivates the device), the largest single wait of an enrollment.
+    pub fn attach_programs(&mut self, pod: &PodSetup) -> io::Result<()> {
         let tc = pod.interfaces.iter().flat_map(|(ifindex, name)| {
             let program = match pod.rerouted.contains(name) {
                 true => pod.reroute,
@@ -608,16 +616,10 @@ impl Rtnl {
             .rerouted
             .iter()
             .flat_map(|name| reroute_rules_of(Op::Add, name));
-        self.apply(
-            return_path
-                .into_iter()
-                .chain(tc)
-                .chain(unrouted)
-                .chain(rerouted),
-        )
+        self.apply(tc.chain(unrouted).chain(rerouted))
     }
 
-    /// Undoes [`Self::set_up_pod`] on `interfaces`, in one datagram: weir's filters, every
+    /// Undoes [`Self::set_up_return_path`] and [`Self::attach_programs`] on `interfaces`, in one datagram: weir's filters, every
     /// rerouting rule, the return path. Best effort: what is already gone is success.
     pub fn tear_down_pod(&mut self, interfaces: &[(u32, String)]) -> io::Result<()> {
         let filters = interfaces

@@ -297,9 +297,10 @@ fn enrollment_steps(metrics: &Registry, total: Duration) -> Result<Table> {
          weir's median enroll less the steps. netns: opening and entering the pod's netns, its \
          rtnetlink socket, cookie and change subscription; interfaces: one link and one address \
          dump; sysctls: tcp_fwmark_accept and fwmark_reflect per family (kernel path walks in \
-         /proc/sys); maps: counters, config and address entries; netlink: the return path's \
-         rules and routes, the clsact qdisc and cls_bpf filter per interface, in one round trip; \
-         finish: following the pod, recording it, leaving its netns."
+         /proc/sys); maps: counters, config and address entries; routing: the return path's \
+         rules and routes, one round trip; tc: the clsact qdisc and cls_bpf filter per interface, \
+         one round trip (a qdisc made on an interface that is up waits out an expedited RCU grace \
+         period); finish: following the pod, recording it, leaving its netns."
             .into(),
     );
     table.json = json!({ "steps": json_steps });
@@ -307,12 +308,13 @@ fn enrollment_steps(metrics: &Registry, total: Duration) -> Result<Table> {
 }
 
 /// The datapath's enrollment steps, in order (`weir_enroll_step_seconds{step}`).
-const STEPS: [&str; 6] = [
+const STEPS: [&str; 7] = [
     "netns",
     "interfaces",
     "sysctls",
     "maps",
-    "netlink",
+    "routing",
+    "tc",
     "finish",
 ];
 
