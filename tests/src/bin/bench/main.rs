@@ -10,6 +10,7 @@
 //! and an SVG of the scale curve. `--quick` runs tiny sizes: it shows that the bench runs,
 //! nothing about speed.
 
+mod floor;
 mod load;
 mod node_scale;
 mod report;
@@ -184,7 +185,8 @@ fn with_datapath(
     println!("enrollment, weir against istio's iptables route...");
     let weir_pods = make_pods(node, "w", plan.enroll_pairs)?;
     let iptables_pods = make_pods(node, "i", plan.enroll_pairs)?;
-    let (enroll, weir_median) = enrollment(datapath, &weir_pods, &iptables_pods)?;
+    let floor_pods = make_pods(node, "f", plan.enroll_pairs)?;
+    let (enroll, weir_median) = enrollment(datapath, &weir_pods, &iptables_pods, &floor_pods)?;
     report.push(enroll);
     report.push(enrollment_steps(metrics, weir_median)?);
 
@@ -204,25 +206,34 @@ fn with_datapath(
 
 /// Enrollment: one pod's redirection put in place, weir's datapath (one long-lived process, as
 /// the agent) against istio's route (`iptables-restore` v4 and v6 plus policy routing in the
-/// pod), pod pair by pod pair, alternating which goes first.
+/// pod) and against the kernel floor ([`floor::KernelFloor`]), a pod of each at a time, each
+/// variant going first in turn.
 fn enrollment(
     datapath: &Datapath,
     weir_pods: &[Pod],
     iptables_pods: &[Pod],
+    floor_pods: &[Pod],
 ) -> Result<(Table, Duration)> {
-    let (mut weir, mut iptables, mut ratios) = (Samples::new(), Samples::new(), Vec::new());
-    for (i, (weir_pod, iptables_pod)) in weir_pods.iter().zip(iptables_pods).enumerate() {
-        let enroll_weir = || timed(|| datapath.enroll(weir_pod.workload(PodOptions::default())));
-        let enroll_iptables = || timed(|| istio_iptables::apply(iptables_pod.netns()));
-        let (w, t) = if i % 2 == 0 {
-            (enroll_weir()?, enroll_iptables()?)
-        } else {
-            let t = enroll_iptables()?;
-            (enroll_weir()?, t)
-        };
+    let mut kernel_floor = floor::KernelFloor::new()?;
+    let (mut weir, mut iptables, mut floor) = (Samples::new(), Samples::new(), Samples::new());
+    let (mut ratios, mut own) = (Vec::new(), Samples::new());
+    let triples = weir_pods.iter().zip(iptables_pods).zip(floor_pods);
+    for (i, ((weir_pod, iptables_pod), floor_pod)) in triples.enumerate() {
+        let mut times = [Duration::ZERO; 3];
+        for turn in 0..3 {
+            let variant = (i + turn) % 3;
+            times[variant] = match variant {
+                0 => timed(|| datapath.enroll(weir_pod.workload(PodOptions::default())))?,
+                1 => timed(|| istio_iptables::apply(iptables_pod.netns()))?,
+                _ => timed(|| kernel_floor.enroll(floor_pod))?,
+            };
+        }
+        let [w, t, f] = times;
         ratios.push(t.as_secs_f64() / w.as_secs_f64());
+        own.push(w.saturating_sub(f));
         weir.push(w);
         iptables.push(t);
+        floor.push(f);
     }
     let mut unenroll = Samples::new();
     for pod in &weir_pods[1..] {
@@ -230,29 +241,50 @@ fn enrollment(
     }
     let mut table = Table::new(
         "Enrollment: one pod's redirection",
-        &["", "weir", "iptables route", "iptables/weir (pairs)"],
+        &[
+            "",
+            "weir",
+            "kernel floor",
+            "iptables route",
+            "iptables/weir (triples)",
+        ],
     );
     table.row(&[
         "enroll, median (p99)".into(),
         weir.show(),
+        floor.show(),
         iptables.show(),
         ratio(&ratios),
+    ]);
+    table.row(&[
+        "weir less the floor: the agent's own, median (p99)".into(),
+        own.show(),
+        "-".into(),
+        "-".into(),
+        "-".into(),
     ]);
     table.row(&[
         "unenroll, median (p99)".into(),
         unenroll.show(),
         "-".into(),
         "-".into(),
+        "-".into(),
     ]);
     table.note(format!(
-        "{} pods each way. weir: `Datapath::enroll` in one long-lived process; iptables route: \
-         istio-cni's in-pod `iptables-restore` and `ip6tables-restore` plus its policy routing \
-         (`ip rule`/`ip route`, v4 and v6).",
+        "{} pods each way. weir: `Datapath::enroll` in one long-lived process; kernel floor: the \
+         kernel work of a weir enrollment bare, from the bench's thread (entering the netns, an \
+         rtnetlink socket and the netns cookie, the reply-mark sysctls, the return path, the \
+         clsact qdisc and a cls_bpf filter on eth0), without weir's interface dumps, map \
+         entries, subscription, records and thread hand-off; iptables route: istio-cni's in-pod \
+         `iptables-restore` and `ip6tables-restore` plus its policy routing (`ip rule`/`ip \
+         route`, v4 and v6).",
         weir_pods.len()
     ));
     table.json = json!({
         "pods": weir_pods.len(),
         "weir_enroll": weir.json(),
+        "kernel_floor_enroll": floor.json(),
+        "weir_less_floor": own.json(),
         "iptables_enroll": iptables.json(),
         "iptables_over_weir": report::median(&ratios),
         "weir_unenroll": unenroll.json(),
