@@ -5,8 +5,8 @@
 //! changes the pod's namespace, not the node's. An enrollment makes one and does everything
 //! through it: the netns cookie, one link and one address dump, then one datagram for the return
 //! path and one for the tc objects (see [`Rtnl::attach_programs`]), since round trips and sockets
-//! were much of a pod's enrollment time. The kernel handles every request of a datagram, in order, even after an
-//! earlier one failed.
+//! were much of a pod's enrollment time. The kernel handles every request of a datagram, in
+//! order, even after an earlier one failed.
 //!
 //! Everything is idempotent: adds use `NLM_F_EXCL`, so an object already there is reported as
 //! `EEXIST` (this is what makes a rerun not duplicate a rule: without `NLM_F_EXCL` the kernel
@@ -619,8 +619,9 @@ impl Rtnl {
         self.apply(tc.chain(unrouted).chain(rerouted))
     }
 
-    /// Undoes [`Self::set_up_return_path`] and [`Self::attach_programs`] on `interfaces`, in one datagram: weir's filters, every
-    /// rerouting rule, the return path. Best effort: what is already gone is success.
+    /// Undoes [`Self::set_up_return_path`] and [`Self::attach_programs`] on `interfaces`, in one
+    /// datagram: weir's filters, every rerouting rule, the return path. Best effort: what is
+    /// already gone is success.
     pub fn tear_down_pod(&mut self, interfaces: &[(u32, String)]) -> io::Result<()> {
         let filters = interfaces
             .iter()
