@@ -97,10 +97,10 @@ impl Owner {
     /// map layout (whose tc program and maps still redirect it until this one takes over): the
     /// reply-mark sysctls, then the map entries, and only then netlink puts the return path in
     /// place and this agent's tc program over whatever filter the pod had, so the program never
-    /// runs before the maps name the pod. Nothing needs the return path before
-    /// that: ztunnel dials the pod only once it has the pod, after enrollment, and a pod moving
-    /// from another layout has it already. Any failure takes the pod out entirely: never
-    /// half-redirected. Each step is timed ([`EnrollSteps`]).
+    /// runs before the maps name the pod. Nothing needs the return path before that: ztunnel
+    /// dials the pod only once it has the pod, after enrollment, and a pod moving from another
+    /// layout has it already. Any failure takes the pod out entirely: never half-redirected.
+    /// Each step is timed ([`EnrollSteps`]).
     pub(super) fn enroll(&mut self, pod: &Workload) -> Result<OwnedFd> {
         let steps = self.enroll_steps.clone();
         let mut stopwatch = steps.stopwatch();
