@@ -298,11 +298,11 @@ fn enrollment(
 fn enrollment_steps(metrics: &Registry, total: Duration) -> Result<Table> {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, metrics)?;
-    let value = |series: &str, step: &str| -> Option<f64> {
-        let prefix = format!("weir_enroll_step_seconds_{series}{{step=\"{step}\"}} ");
-        text.lines()
-            .find_map(|line| line.strip_prefix(&prefix))
-            .and_then(|value| value.parse().ok())
+    let value = |series: &str, step: &str| {
+        report::metric(
+            &text,
+            &format!("weir_enroll_step_seconds_{series}{{step=\"{step}\"}}"),
+        )
     };
     let mut table = Table::new(
         "Enrollment: where weir's time goes",

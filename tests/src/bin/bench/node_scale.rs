@@ -282,10 +282,10 @@ fn scale(
              are enrolled by weir-cni ADDs ({POD_WORKERS} at a time) to the agent (its \
              binary, own process, ztunnel stand-in acking); then {} ADDs of one more pod (weir-cni \
              executed as the runtime executes it after the primary plugins, each followed by its \
-             DEL); its datapath part: the agent's own `weir_redirect_seconds` over those ADDs (maps, tc, \
-             routing, in the pod's netns), the rest being weir-cni's exec, the agent's socket \
-             and ZDS round trips; agent RSS: VmRSS of its process; map memory: bpftool's bytes_memlock over its \
-             pins; ADD all, DEL all: every pod's weir-cni ADD (DEL), {POD_WORKERS} at a time. \
+             DEL); its datapath part: the agent's own `weir_redirect_seconds` over those ADDs \
+             (maps, tc, routing, in the pod's netns), the rest being weir-cni's exec, the \
+             agent's socket and ZDS round trips; agent RSS: VmRSS of its process; map memory: \
+             bpftool's bytes_memlock over its pins; ADD all, DEL all: every pod's weir-cni ADD (DEL), {POD_WORKERS} at a time. \
              The pods' namespaces and bridge ports (wired by the bridge plugin, {POD_WORKERS} \
              threads) are not in these times. Targets (issue 10): at most 2x from 10 to \
              5,000 pods, agent RSS at most 64 MiB at 5,000.",
@@ -302,10 +302,7 @@ fn redirect_seconds(node: &TestNode, agent: &AgentProcess) -> Result<(f64, f64)>
     let address = agent.config.metrics_addr;
     let (_, metrics) = node.run(|| weir_tests::agent::http_get(address, "/metrics"))?;
     let value = |series: &str| {
-        metrics
-            .lines()
-            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-            .and_then(|value| value.parse::<f64>().ok())
+        report::metric(&metrics, series)
             .with_context(|| format!("no {series} in the agent's metrics"))
     };
     Ok((

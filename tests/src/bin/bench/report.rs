@@ -65,6 +65,15 @@ impl<I: Iterator<Item = Duration>> From<I> for Samples {
     }
 }
 
+/// The value of `series` (a metric's name with its labels, as the text exposition format writes
+/// them) in Prometheus text `metrics`.
+pub fn metric(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.parse().ok())
+}
+
 pub fn micros(duration: Duration) -> String {
     format!("{}µs", duration.as_micros())
 }
