@@ -457,9 +457,12 @@ impl Enroller {
             }
         };
         fail::fail_point!("enroll-acked");
+        // The record first: it carries the status, so recording the status after it writes
+        // nothing more (the other way round, a re-enrolled pod cost two journal lines).
+        let recorded = self.state.insert(pod, status);
         let name = PodName::new(&pod.namespace, &pod.name);
         self.set_status(&pod.uid, Some((status, name))).await;
-        self.state.insert(pod, status)?;
+        recorded?;
         info!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ?status, "pod enrolled");
         Ok(status)
     }

@@ -378,6 +378,13 @@ mod tests {
         state.set_status("u1", Some(Status::Enabled)).unwrap();
         assert_eq!(read(&path).unwrap()["u1"].status, Some(Status::Enabled));
         assert!(!path.exists(), "a change only appends to the journal");
+        let journal = std::fs::read(journal_path(&path)).unwrap();
+        state.set_status("u1", Some(Status::Enabled)).unwrap();
+        assert_eq!(
+            std::fs::read(journal_path(&path)).unwrap(),
+            journal,
+            "a status the record has already is not written again"
+        );
 
         state.save().unwrap();
         assert_eq!(std::fs::read(journal_path(&path)).unwrap(), b"");
