@@ -559,6 +559,53 @@ fn getsockopt_hook_leaves_other_calls_untouched() {
     datapath.uninstall().unwrap();
 }
 
+/// An answer larger than a page that weir does not own reaches the caller whole. Kernels from 5.8
+/// until 6.5 fail such a call with EFAULT when a getsockopt program leaves `optlen` above a page:
+/// for every process on the node, since the hook is at the root cgroup.
+#[test]
+fn getsockopt_answers_larger_than_a_page_are_untouched() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let pod = fixture.pod("app");
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    const GROUPS: usize = 2_000;
+    let answer = thread::spawn(|| {
+        // Credentials are per thread in the kernel: the raw syscall changes this thread's
+        // groups only (glibc's setgroups would change the whole test process's).
+        let groups: Vec<libc::gid_t> = (1..=GROUPS as libc::gid_t).collect();
+        // SAFETY: `groups` holds GROUPS ids.
+        let ret = unsafe { libc::syscall(libc::SYS_setgroups, GROUPS, groups.as_ptr()) };
+        assert_eq!(ret, 0, "setgroups: {}", std::io::Error::last_os_error());
+        let (socket, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut buf = vec![0u8; GROUPS * 4 + 4096];
+        let mut optlen = buf.len() as libc::socklen_t;
+        // SAFETY: buf holds optlen bytes.
+        let ret = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERGROUPS,
+                buf.as_mut_ptr().cast(),
+                &mut optlen,
+            )
+        };
+        assert_eq!(ret, 0, "SO_PEERGROUPS: {}", std::io::Error::last_os_error());
+        buf.truncate(optlen as usize);
+        buf
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        answer.len(),
+        GROUPS * 4,
+        "the whole answer, past the first page"
+    );
+    let last = u32::from_ne_bytes(answer[answer.len() - 4..].try_into().unwrap());
+    assert_eq!(last, GROUPS as u32);
+    datapath.uninstall().unwrap();
+}
+
 /// A TCP request from a socket marked like ztunnel's.
 fn marked_tcp_request(target: SocketAddr, msg: &str) -> std::io::Result<String> {
     let socket = socket2::Socket::new(

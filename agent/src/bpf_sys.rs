@@ -88,15 +88,16 @@ fn owned(fd: libc::c_long) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(fd as i32) }
 }
 
-/// Attaches `prog` to `cgroup` with a bpf_link (flags 0: links coexist with other programs).
-pub fn create_cgroup_link(
+/// Attaches `prog` to `target` (a cgroup, or a netns for sk_lookup) with a bpf_link (flags 0:
+/// links coexist with other programs).
+pub fn create_link(
     prog: BorrowedFd<'_>,
-    cgroup: BorrowedFd<'_>,
+    target: BorrowedFd<'_>,
     attach_type: u32,
 ) -> io::Result<OwnedFd> {
     let mut attr = LinkCreateAttr {
         prog_fd: prog.as_raw_fd() as u32,
-        target_fd: cgroup.as_raw_fd() as u32,
+        target_fd: target.as_raw_fd() as u32,
         attach_type,
         flags: 0,
     };

@@ -7,8 +7,12 @@
 use std::fs::File;
 use std::io::{self, Write};
 use std::net::IpAddr;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::net::SocketAddrV4;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::rc::Rc;
+
+use aya::maps::{MapData, SkStorage};
+use weir_common::{NETNS_COOKIE_PORT, PROBE_SOURCE_V4};
 
 use nix::sched::{setns, CloneFlags};
 
@@ -69,10 +73,57 @@ impl Drop for NetnsGuard {
     }
 }
 
+/// Where weir's connect hook answers the netns cookie question: the datapath's `NETNS_COOKIES`.
+pub type CookieAnswers = SkStorage<MapData, u64>;
+
 /// The cookie of the calling thread's network namespace: what `bpf_get_netns_cookie` returns for
-/// sockets in it.
-pub fn current_cookie() -> io::Result<u64> {
-    Rtnl::new()?.netns_cookie()
+/// sockets in it. `SO_NETNS_COOKIE` tells it from 5.14; before, weir's own connect hook does,
+/// into `answers`, once the datapath is attached.
+pub fn current_cookie(answers: Option<&CookieAnswers>) -> io::Result<u64> {
+    let socket = rustix::net::socket_with(
+        rustix::net::AddressFamily::INET,
+        rustix::net::SocketType::DGRAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )?;
+    let mut cookie = 0u64;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `cookie` and `len` are valid for writes and `len` is `cookie`'s size.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NETNS_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc == 0 {
+        return Ok(cookie);
+    }
+    let error = io::Error::last_os_error();
+    if error.raw_os_error() != Some(libc::ENOPROTOOPT) {
+        return Err(error);
+    }
+    cookie_from_connect_hook(&socket, answers)
+}
+
+/// Linux before 5.14: a connect to the question's address, which the hook refuses after storing
+/// the cookie on the socket.
+fn cookie_from_connect_hook(socket: &OwnedFd, answers: Option<&CookieAnswers>) -> io::Result<u64> {
+    let answers = answers.ok_or_else(|| {
+        io::Error::other(
+            "this kernel has no SO_NETNS_COOKIE (Linux 5.14), and weir's datapath is not \
+             attached to tell it",
+        )
+    })?;
+    let question = SocketAddrV4::new(PROBE_SOURCE_V4.into(), NETNS_COOKIE_PORT);
+    let _refused = rustix::net::connect(socket, &question);
+    answers.get(socket, 0).map_err(|error| {
+        io::Error::other(format!(
+            "weir's connect hook did not tell the netns cookie: {error}"
+        ))
+    })
 }
 
 /// The sysctls that carry marks across the pod's reply path, each set to 1, as paths under
@@ -284,7 +335,7 @@ mod tests {
         let Some((a, b)) = privileged(|| (scratch_netns(), scratch_netns())) else {
             return;
         };
-        let home = current_cookie().unwrap();
+        let home = current_cookie(None).unwrap();
         let cookie_a = {
             let _guard = enter(a.as_fd()).unwrap();
             let here = std::fs::metadata(THREAD_NETNS).unwrap().ino();
@@ -292,27 +343,27 @@ mod tests {
                 here,
                 File::from(a.try_clone().unwrap()).metadata().unwrap().ino()
             );
-            let cookie = current_cookie().unwrap();
+            let cookie = current_cookie(None).unwrap();
             assert_eq!(
                 cookie,
-                current_cookie().unwrap(),
+                current_cookie(None).unwrap(),
                 "stable within a namespace"
             );
             assert_ne!(cookie, home);
             cookie
         };
-        assert_eq!(current_cookie().unwrap(), home, "back home after drop");
+        assert_eq!(current_cookie(None).unwrap(), home, "back home after drop");
         let cookie_b = {
             let _guard = enter(b.as_fd()).unwrap();
-            current_cookie().unwrap()
+            current_cookie(None).unwrap()
         };
         assert_ne!(cookie_a, cookie_b);
-        assert_eq!(current_cookie().unwrap(), home);
+        assert_eq!(current_cookie(None).unwrap(), home);
 
         // Not a namespace: refused, and the thread stays where it was.
         let not_netns = File::open("/").unwrap();
         assert!(enter(not_netns.as_fd()).is_err());
-        assert_eq!(current_cookie().unwrap(), home);
+        assert_eq!(current_cookie(None).unwrap(), home);
     }
 
     #[test]

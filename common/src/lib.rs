@@ -95,6 +95,15 @@ pub const POD_HAS_IPV6: u32 = 1 << 1;
 pub const POD_INBOUND_BYPASS: u32 = 1 << 2;
 /// DNS capture on (the node default, `ambient.istio.io/dns-capture` overrides).
 pub const POD_DNS_CAPTURE: u32 = 1 << 3;
+/// The pod's netns has the hand-off program attached: on kernels before 6.5, where tc cannot
+/// `bpf_sk_assign` a packet to ztunnel's reuseport listener, inbound hands new connections to it
+/// through the socket lookup instead. Without it such a connection is dropped, never delivered.
+pub const POD_SOCKET_LOOKUP_HANDOFF: u32 = 1 << 4;
+
+/// UDP port of the netns cookie question: on kernels before 5.14 (no `SO_NETNS_COOKIE`) the agent
+/// connects a UDP socket in a netns to the probe source address on this port, and the connect
+/// hook stores the netns cookie on the socket (`NETNS_COOKIES`) and refuses the connect.
+pub const NETNS_COOKIE_PORT: u16 = 1;
 
 /// Length of the pod uid field; a Kubernetes uid is 36 bytes.
 pub const POD_UID_LEN: usize = 40;
@@ -153,14 +162,20 @@ pub mod maps {
     pub const SOCKET_ORIG_DST: &str = "SOCKET_ORIG_DST";
     pub const CONN_ORIG_DST: &str = "CONN_ORIG_DST";
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
+    /// ztunnel's listeners by the connection tc hands to them through the socket lookup.
+    pub const HANDOFF: &str = "HANDOFF";
+    /// The netns cookie the connect hook answered on a socket (`NETNS_COOKIE_PORT`).
+    pub const NETNS_COOKIES: &str = "NETNS_COOKIES";
     /// Every map, each pinned under its name.
-    pub const ALL: [&str; 6] = [
+    pub const ALL: [&str; 8] = [
         PODS,
         POD_IPS,
         POD_COUNTERS,
         SOCKET_ORIG_DST,
         CONN_ORIG_DST,
         NODE_CONFIG,
+        HANDOFF,
+        NETNS_COOKIES,
     ];
 }
 
@@ -185,6 +200,8 @@ pub mod programs {
     pub const INBOUND: &str = "weir_inbound";
     /// In place of `INBOUND` on a pod's `istio.io/reroute-virtual-interfaces`.
     pub const REROUTE: &str = "weir_reroute";
+    /// sk_lookup, attached to a pod's netns on kernels before 6.5.
+    pub const HANDOFF: &str = "weir_handoff";
 }
 
 #[cfg(feature = "user")]

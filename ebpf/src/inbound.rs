@@ -40,11 +40,12 @@ use aya_ebpf::{
 };
 use weir_common::{
     ConnectionKey, Endpoint, IpKey, PodCounters, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
-    POD_INBOUND_BYPASS, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
+    POD_INBOUND_BYPASS, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 
 use crate::{
-    diag::{diag, ip},
+    diag::{diag, ip, ip_fixed},
+    handoff,
     maps::{count, pod, pod_with_ip, CONN_ORIG_DST},
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
 };
@@ -279,7 +280,19 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         if connected || !opens {
             return Ok(PASS);
         }
-        if assign_to_ztunnel(ctx, &mut tuple, tuple_len, INBOUND_PORT) {
+        let connection = ConnectionKey {
+            client: Endpoint::new(packet.source, u16::from_be(sport)),
+            listener: Endpoint::new(packet.destination, u16::from_be(dport)),
+        };
+        let handoff = pod.has(POD_SOCKET_LOOKUP_HANDOFF);
+        if assign_to_ztunnel(
+            ctx,
+            &mut tuple,
+            tuple_len,
+            INBOUND_PORT,
+            &connection,
+            handoff,
+        ) {
             diag!(
                 by_ref debug,
                 ctx.skb.skb,
@@ -318,8 +331,8 @@ pub fn weir_reroute(ctx: TcContext) -> i32 {
             by_ref warn,
             ctx.skb.skb,
             "rerouted interface: drop {:i} to {:i}: headers not readable",
-            ip(&packet.source),
-            ip(&packet.destination)
+            ip_fixed(&packet.source),
+            ip_fixed(&packet.destination)
         );
         DROP
     })
@@ -362,16 +375,17 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
         listener: original,
     };
     // Recorded before the SYN can reach ztunnel, which asks as soon as it accepts.
+    // The agent attaches the hand-off program to every pod's netns where the kernel needs it.
     if CONN_ORIG_DST.insert(connection, original, 0).is_err()
-        || !assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT)
+        || !assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT, &connection, true)
     {
         let _ = CONN_ORIG_DST.remove(connection);
         diag!(
             by_ref warn,
             ctx.skb.skb,
             "drop rerouted {:i} to {:i}:{}: ztunnel's 15001 listener not found",
-            ip(&packet.source),
-            ip(&packet.destination),
+            ip_fixed(&packet.source),
+            ip_fixed(&packet.destination),
             u16::from_be(dport)
         );
         return Ok(DROP);
@@ -380,8 +394,8 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
         by_ref debug,
         ctx.skb.skb,
         "rerouted {:i} to {:i}:{} assigned to 15001",
-        ip(&packet.source),
-        ip(&packet.destination),
+        ip_fixed(&packet.source),
+        ip_fixed(&packet.destination),
         u16::from_be(dport)
     );
     Ok(PASS)
@@ -436,9 +450,19 @@ fn socket_state(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> Option
     }
 }
 
-/// Hands the packet to ztunnel's listener on `port` in this netns; false when there is none.
+/// Hands the packet of `connection` to ztunnel's listener on `port` in this netns; false when
+/// there is none. Before 6.5 the kernel refuses to assign a reuseport listener here: then the
+/// listener is handed off through the socket lookup, where `handoff` says the pod's netns has
+/// the program for it ([`crate::handoff`]).
 #[inline(always)]
-fn assign_to_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32, port: u16) -> bool {
+fn assign_to_ztunnel(
+    ctx: &TcContext,
+    tuple: &mut bpf_sock_tuple,
+    len: u32,
+    port: u16,
+    connection: &ConnectionKey,
+    handoff: bool,
+) -> bool {
     // The member written is the one `len` says is in use.
     if len == IPV4_TUPLE_LEN {
         tuple.__bindgen_anon_1.ipv4.dport = port.to_be();
@@ -451,8 +475,14 @@ fn assign_to_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32, port
     }
     // SAFETY: non-null socket from a lookup, released before returning.
     unsafe {
-        let assigned = ctx_read!(listener, state) == TCP_LISTEN
-            && bpf_sk_assign(ctx.skb.skb as *mut c_void, listener as *mut c_void, 0) == 0;
+        let mut assigned = false;
+        if ctx_read!(listener, state) == TCP_LISTEN {
+            let result = bpf_sk_assign(ctx.skb.skb as *mut c_void, listener as *mut c_void, 0);
+            assigned = result == 0
+                || (result == -handoff::ESOCKTNOSUPPORT
+                    && handoff
+                    && handoff::hand_off(connection, listener));
+        }
         bpf_sk_release(listener as *mut c_void);
         assigned
     }

@@ -7,6 +7,7 @@
 //!   the 4-tuple ztunnel's accepted socket sees; `getsockopt` answers `SO_ORIGINAL_DST` from it.
 //! - [`inbound`]: tc ingress on the pod's interfaces hands new inbound connections to ztunnel's
 //!   15006 listener with `bpf_sk_assign` (TPROXY semantics: the local address stays the original).
+//! - [`handoff`]: the same hand-over through the socket lookup, on kernels before 6.5.
 //!
 //! Every program is keyed on enrolled pods (their netns cookie, or their IPs on the wire) and lets
 //! everything else through untouched: the cgroup programs are attached at the root cgroup and see
@@ -19,6 +20,7 @@ mod diag;
 mod maps;
 mod net;
 
+mod handoff;
 mod inbound;
 mod original_dst;
 mod outbound;

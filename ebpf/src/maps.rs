@@ -7,9 +7,11 @@
 use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
-    bindings::{bpf_sock, BPF_F_NO_PREALLOC},
+    bindings::{bpf_sock, BPF_ANY, BPF_F_NO_PREALLOC},
     btf_maps::{Array, HashMap, LruHashMap, PerCpuHashMap},
-    helpers::generated::bpf_sk_storage_get,
+    helpers::generated::{
+        bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem, bpf_sk_storage_get,
+    },
     macros::btf_map,
 };
 use weir_common::{ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters};
@@ -85,6 +87,62 @@ impl<V: Copy> SocketStorage<V> {
     }
 }
 
+/// A SOCKHASH, hand-written for the same reason: aya-ebpf 0.2 has no BTF definition of it. The
+/// value is a socket; programs store and take sockets, the agent never touches it.
+#[repr(C)]
+pub struct SocketHash<K, const MAX: usize> {
+    r#type: *const [i32; 18], // BPF_MAP_TYPE_SOCKHASH
+    key: *const K,
+    value: *const u64,
+    max_entries: *const [i32; MAX],
+}
+
+// SAFETY: as for SocketStorage.
+unsafe impl<K, const MAX: usize> Sync for SocketHash<K, MAX> {}
+
+impl<K, const MAX: usize> SocketHash<K, MAX> {
+    pub const fn new() -> Self {
+        Self {
+            r#type: ptr::null(),
+            key: ptr::null(),
+            value: ptr::null(),
+            max_entries: ptr::null(),
+        }
+    }
+
+    #[inline(always)]
+    fn as_ptr(&self) -> *mut c_void {
+        self as *const Self as *mut c_void
+    }
+
+    /// Stores the socket (a full socket: a listener from a lookup) under `key`.
+    #[inline(always)]
+    pub fn insert(&self, key: &K, sk: *mut bpf_sock) -> bool {
+        // SAFETY: `key` is on the stack; the kernel checks `sk` is a socket pointer.
+        unsafe {
+            bpf_map_update_elem(
+                self.as_ptr(),
+                key as *const K as *const c_void,
+                sk as *const c_void,
+                BPF_ANY as u64,
+            ) == 0
+        }
+    }
+
+    /// The socket under `key`, with a reference the caller must release, or null.
+    #[inline(always)]
+    pub fn get(&self, key: &K) -> *mut bpf_sock {
+        // SAFETY: `key` is on the stack; a SOCKHASH lookup returns a referenced socket or null.
+        unsafe { bpf_map_lookup_elem(self.as_ptr(), key as *const K as *const c_void) }.cast()
+    }
+
+    #[inline(always)]
+    pub fn remove(&self, key: &K) {
+        // SAFETY: `key` is on the stack.
+        unsafe { bpf_map_delete_elem(self.as_ptr(), key as *const K as *const c_void) };
+    }
+}
+
 // Per-pod maps are written by the agent only, a few times per pod: allocated per entry, so a
 // node pays for the pods it has, not for the most it could have. The agent pins every map by
 // name (aya-ebpf's BTF definitions carry no pinning attribute).
@@ -112,6 +170,17 @@ pub static CONN_ORIG_DST: LruHashMap<ConnectionKey, Endpoint, MAX_CONNECTIONS> =
 
 #[btf_map]
 static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
+
+/// ztunnel's listener for each new connection tc hands over through the socket lookup (kernels
+/// before 6.5): an entry lives from the SYN's tc run to its socket lookup, a moment. Sized for a
+/// SYN flood's worth in flight; when full, new connections are dropped, never let through.
+#[btf_map]
+pub static HANDOFF: SocketHash<ConnectionKey, MAX_CONNECTIONS> = SocketHash::new();
+
+/// The netns cookie the connect hook read for the agent's question on this socket (kernels
+/// before 5.14, which have no `SO_NETNS_COOKIE`).
+#[btf_map]
+pub static NETNS_COOKIES: SocketStorage<u64> = SocketStorage::new();
 
 // The agent replaces hash map values whole (a new element; the old one is freed after an RCU
 // grace period), so a reference into a map stays valid for the program's run.

@@ -8,6 +8,7 @@ use weir_common::{Endpoint, IpKey};
 pub const AF_INET: u32 = 2;
 pub const AF_INET6: u32 = 10;
 pub const SOCK_STREAM: u32 = 1;
+pub const SOCK_DGRAM: u32 = 2;
 pub const IPPROTO_TCP: u32 = 6;
 
 /// Reads a context field with a volatile load. The verifier only accepts context accesses of the

@@ -58,36 +58,54 @@ fn remember_connection(ctx: &SockOpsContext) {
     let _ = CONN_ORIG_DST.insert(key, original, 0);
 }
 
+/// The kernel hands a program at most a page of the caller's buffer.
+const PAGE_SIZE: i32 = 4096;
+
 /// Runs for every getsockopt in the cgroup (the whole node): leave everything but
 /// SO_ORIGINAL_DST on a connection weir redirected exactly as the kernel answered it.
 #[cgroup_sockopt(getsockopt)]
 pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
+    let opt = ctx.sockopt;
     // SAFETY: the context pointer is valid for the program's run.
-    unsafe { answer_original_dst(ctx) };
+    unsafe {
+        if !answer_original_dst(opt) {
+            keep_kernel_answer(opt);
+        }
+    }
     ALLOW
 }
 
+/// An answer longer than the page the program was shown must be handed back with `optlen = 0`
+/// ("use the kernel's buffer as it is"): from 5.8 until 6.5 the kernel fails the call with
+/// EFAULT otherwise, for every process on the node (iptables-legacy's table dump is one).
 #[inline(always)]
-unsafe fn answer_original_dst(ctx: SockoptContext) {
-    let opt = ctx.sockopt;
+unsafe fn keep_kernel_answer(opt: *mut bpf_sockopt) {
+    if ctx_read!(opt, optlen) > PAGE_SIZE {
+        core::ptr::write_volatile(core::ptr::addr_of_mut!((*opt).optlen), 0);
+    }
+}
+
+/// Answers SO_ORIGINAL_DST for a connection weir redirected; returns whether it did.
+#[inline(always)]
+unsafe fn answer_original_dst(opt: *mut bpf_sockopt) -> bool {
     let level = ctx_read!(opt, level);
     if ctx_read!(opt, optname) != SO_ORIGINAL_DST || (level != SOL_IP && level != SOL_IPV6) {
-        return;
+        return false;
     }
     let sk: *mut bpf_sock = ctx_read!(opt, __bindgen_anon_1.sk);
     if sk.is_null() || ctx_read!(sk, protocol) != IPPROTO_TCP {
-        return;
+        return false;
     }
     let Some((local_ip, remote_ip)) = socket_addresses!(sk, (src_ip4, dst_ip4), (src_ip6, dst_ip6))
     else {
-        return;
+        return false;
     };
     let key = ConnectionKey {
         client: Endpoint::new(remote_ip, u16::from_be(ctx_read!(sk, dst_port))),
         listener: Endpoint::new(local_ip, ctx_read!(sk, src_port) as u16),
     };
     let Some(original) = original_destination(&key) else {
-        return;
+        return false;
     };
     // Answer in the family the caller asked in, as netfilter does: SOL_IP for an IPv4 original
     // destination (also on ztunnel's IPv4-mapped AF_INET6 sockets), SOL_IPV6 for an IPv6 one.
@@ -112,6 +130,7 @@ unsafe fn answer_original_dst(ctx: SockoptContext) {
             original.port
         );
     }
+    answered
 }
 
 /// Writes a sockaddr as the call's result, if the caller's buffer holds it; returns whether it

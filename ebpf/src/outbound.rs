@@ -8,17 +8,17 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use weir_common::{
-    Endpoint, IpKey, PodConfig, DNS_PORT, DNS_PROXY_PORT, OUTBOUND_PORT, POD_DNS_CAPTURE,
-    POD_HAS_IPV4, POD_HAS_IPV6, PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK, ZTUNNEL_MARK,
-    ZTUNNEL_MARK_MASK,
+    Endpoint, IpKey, PodConfig, DNS_PORT, DNS_PROXY_PORT, NETNS_COOKIE_PORT, OUTBOUND_PORT,
+    POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK,
+    ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
     diag::{diag, ip},
-    maps::{count, host_netns_cookie, pod, pod_with_ip, SOCKET_ORIG_DST},
+    maps::{count, host_netns_cookie, pod, pod_with_ip, NETNS_COOKIES, SOCKET_ORIG_DST},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, SockaddrIn, SockaddrIn6,
-        ALLOW, DENY, SOCK_STREAM,
+        ALLOW, DENY, SOCK_DGRAM, SOCK_STREAM,
     },
 };
 
@@ -77,6 +77,9 @@ pub fn weir_recvmsg6(ctx: SockAddrContext) -> i32 {
 fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
     // SAFETY: helper valid in sock_addr programs.
     let netns = unsafe { bpf_get_netns_cookie(sa.ctx as *mut c_void) };
+    if hook == Hook::Connect && is_netns_cookie_question(&sa) {
+        return answer_netns_cookie(&sa, netns);
+    }
     match pod(netns) {
         Some(pod) => return redirect(&sa, netns, pod, hook),
         None if hook == Hook::Connect => give_probe_source(&sa, netns),
@@ -211,6 +214,25 @@ fn bind<T>(sa: &SockAddr, addr: &mut T) -> i64 {
             size_of::<T>() as i32,
         )
     }
+}
+
+/// The agent's question on kernels before 5.14, which cannot tell a socket's netns cookie
+/// (`SO_NETNS_COOKIE`): a UDP connect to the probe source address on `NETNS_COOKIE_PORT`.
+#[inline(always)]
+fn is_netns_cookie_question(sa: &SockAddr) -> bool {
+    if sa.v6 || sa.sock_type() != SOCK_DGRAM {
+        return false;
+    }
+    let dst = sa.user_endpoint();
+    dst.port == NETNS_COOKIE_PORT && same_ip(&dst.ip, &IpKey::from_v4(PROBE_SOURCE_V4))
+}
+
+/// Stores the netns cookie on the socket, where the agent reads it (`NETNS_COOKIES`, keyed by
+/// the socket's fd from userspace), and refuses the connect: nothing is ever sent.
+#[inline(always)]
+fn answer_netns_cookie(sa: &SockAddr, netns: u64) -> i32 {
+    NETNS_COOKIES.set(sa.sk(), &netns);
+    DENY
 }
 
 /// getpeername and recvmsg: show the app the address it asked for, not ztunnel's listener.

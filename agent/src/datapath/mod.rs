@@ -14,6 +14,7 @@
 //! [`pinned_pods`] is the one reader that needs no owner: it opens the pinned maps read-only, for
 //! an operator's `weir-agent pods` next to a running agent.
 mod discovery;
+mod handoff;
 mod layouts;
 mod mounts;
 mod pods;
@@ -275,6 +276,10 @@ struct Owner {
     watcher: watch::Watcher,
     pin_root: PathBuf,
     probe_bypass: bool,
+    /// Where the kernel needs it (before 6.5): the per-pod socket lookup hand-off.
+    handoff: Option<handoff::Handoff>,
+    /// How the netns cookie is learnt on kernels without `SO_NETNS_COOKIE` (before 5.14).
+    cookie_answers: netns::CookieAnswers,
     enroll_steps: pods::EnrollSteps,
     sysctls: netns::ReplyMarkSysctls,
     /// The thread's own netns (the node's), which enrolling and unenrolling come back to.
@@ -317,12 +322,15 @@ impl Owner {
             None => mounts::cgroup2_root()?,
         };
         programs::attach(&mut ebpf, &cgroup_path, &links_dir)?;
+        let cookie_answers: netns::CookieAnswers =
+            programs::take_map(&mut ebpf, maps::NETNS_COOKIES)?;
+        let handoff = handoff::Handoff::for_this_kernel(&links_dir)?;
 
         let mut node_config: Array<MapData, NodeConfig> =
             programs::take_map(&mut ebpf, maps::NODE_CONFIG)?;
         let host_netns_cookie = if config.probe_bypass {
             netlink::install_probe_source().context("making the probe source address local")?;
-            netns::current_cookie()?
+            netns::current_cookie(Some(&cookie_answers))?
         } else {
             0
         };
@@ -349,6 +357,8 @@ impl Owner {
             watcher: watch::Watcher::start(changes)?,
             pin_root: config.pin_root.clone(),
             probe_bypass: config.probe_bypass,
+            handoff,
+            cookie_answers,
             enroll_steps,
             sysctls: netns::ReplyMarkSysctls::new(),
             home: netns::Home::current().context("the datapath thread's netns")?,

@@ -21,13 +21,13 @@ use prometheus_client::{
 use tracing::{debug, warn};
 use weir_common::{
     IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS,
-    POD_UID_LEN,
+    POD_SOCKET_LOOKUP_HANDOFF, POD_UID_LEN,
 };
 
-use super::{programs, watch::Interfaces, Enrolled, Owner};
+use super::{handoff::Handoff, programs, watch::Interfaces, Enrolled, Owner};
 use crate::{
     netlink::{self, PodSetup, Rtnl},
-    netns::ReplyMarkSysctls,
+    netns::{self, ReplyMarkSysctls},
     workload::{PodOptions, Workload},
 };
 
@@ -104,7 +104,7 @@ impl Owner {
     pub(super) fn enroll(&mut self, pod: &Workload) -> Result<OwnedFd> {
         let steps = self.enroll_steps.clone();
         let mut stopwatch = steps.stopwatch();
-        let config = pod_config(pod)?;
+        let config = pod_config(pod, self.handoff.is_some())?;
         let pod_ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
         let netns_file = File::open(&pod.netns)
             .with_context(|| format!("opening pod netns {}", pod.netns.display()))?;
@@ -114,7 +114,8 @@ impl Owner {
             .enter(netns_file.as_fd())
             .context("entering the pod netns")?;
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
-        let netns_cookie = rtnl.netns_cookie()?;
+        let netns_cookie =
+            netns::current_cookie(Some(&self.cookie_answers)).context("the pod's netns cookie")?;
         let subscription = self.subscribe(&pod.uid, netns_cookie, netns_file.as_fd())?;
         stopwatch.lap("netns");
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces");
@@ -205,6 +206,7 @@ impl Owner {
         set_up_pod_netns(
             rtnl,
             &self.ebpf,
+            self.handoff.as_ref().map(|handoff| (handoff, netns_cookie)),
             &found.links,
             &pod.options.reroute_interfaces,
             |step| stopwatch.lap(step),
@@ -298,6 +300,9 @@ impl Owner {
         self.remove_ip_entries(netns_cookie, ips);
         let _ = self.pods_map.remove(&netns_cookie);
         let _ = self.counters.remove(&netns_cookie);
+        if let Some(handoff) = &self.handoff {
+            handoff.detach(netns_cookie);
+        }
     }
 
     fn remove_ip_entries(&mut self, netns_cookie: u64, ips: &[IpKey]) {
@@ -334,32 +339,38 @@ impl Owner {
 }
 
 /// Per-pod setup of a pod whose map entries are in place already (a recovered pod): the reply
-/// path, and this agent's tc programs in place of the previous ones, on the interfaces the pod's
+/// path, and this agent's programs in place of the previous ones, on the interfaces the pod's
 /// routing rules say are rerouted. The calling thread is in the pod's netns.
 pub(super) fn prepare_pod_netns(
     rtnl: &mut Rtnl,
     sysctls: &mut ReplyMarkSysctls,
     ebpf: &Ebpf,
+    handoff: Option<(&Handoff, u64)>,
     interfaces: &[(u32, String)],
 ) -> Result<()> {
     let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
     // Its IPs are not known here: both families.
     sysctls.set(true, true).context("reply-mark sysctls")?;
-    set_up_pod_netns(rtnl, ebpf, interfaces, &rerouted, |_| {})
+    set_up_pod_netns(rtnl, ebpf, handoff, interfaces, &rerouted, |_| {})
 }
 
-/// The return path, then the tc programs and the rerouting rules (see
+/// The return path, the socket lookup hand-off where the kernel needs it (before the tc program
+/// can hand anything to it), then the tc programs and the rerouting rules (see
 /// [`Rtnl::set_up_return_path`] and [`Rtnl::attach_programs`]); `step_done` is told after each,
 /// as `routing` and `tc`.
 fn set_up_pod_netns(
     rtnl: &mut Rtnl,
     ebpf: &Ebpf,
+    handoff: Option<(&Handoff, u64)>,
     interfaces: &[(u32, String)],
     rerouted: &[String],
     mut step_done: impl FnMut(&'static str),
 ) -> Result<()> {
     rtnl.set_up_return_path().context("return path")?;
     step_done("routing");
+    if let Some((handoff, netns_cookie)) = handoff {
+        handoff.attach(ebpf, netns_cookie)?;
+    }
     let setup = PodSetup {
         interfaces,
         rerouted,
@@ -405,7 +416,7 @@ fn retrying_enomem(
     }
 }
 
-fn pod_config(pod: &Workload) -> Result<PodConfig> {
+fn pod_config(pod: &Workload, handoff: bool) -> Result<PodConfig> {
     if pod.uid.is_empty() || pod.uid.len() > POD_UID_LEN {
         bail!("pod uid {:?} must be 1 to {POD_UID_LEN} bytes", pod.uid);
     }
@@ -437,6 +448,9 @@ fn pod_config(pod: &Workload) -> Result<PodConfig> {
     }
     if pod.options.dns_capture {
         config.flags |= POD_DNS_CAPTURE;
+    }
+    if handoff {
+        config.flags |= POD_SOCKET_LOOKUP_HANDOFF;
     }
     Ok(config)
 }

@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    programs::{Program, SchedClassifier},
+    programs::{Program, SchedClassifier, SkLookup},
     Ebpf, EbpfLoader,
 };
 use aya_obj::generated::bpf_attach_type::{
@@ -72,13 +72,29 @@ pub(super) fn attach(ebpf: &mut Ebpf, cgroup_path: &Path, links_dir: &Path) -> R
         }
         .with_context(|| format!("loading {name}"))?;
         let program = program.fd().context("program fd")?.as_fd();
-        attach_pinned(program, &cgroup, attach_type as u32, &links_dir.join(name))
-            .with_context(|| format!("attaching {name} to {}", cgroup_path.display()))?;
+        attach_pinned(
+            program,
+            cgroup.as_fd(),
+            attach_type as u32,
+            &links_dir.join(name),
+        )
+        .with_context(|| format!("attaching {name} to {}", cgroup_path.display()))?;
     }
     inbound(ebpf)?.load().context("loading the tc program")?;
     reroute(ebpf)?
         .load()
-        .context("loading the rerouted interfaces' tc program")
+        .context("loading the rerouted interfaces' tc program")?;
+    handoff(ebpf)?
+        .load()
+        .context("loading the socket lookup hand-off program")
+}
+
+/// The sk_lookup program attached to pods' netns on kernels before 6.5 ([`super::handoff`]).
+pub(super) fn handoff(ebpf: &mut Ebpf) -> Result<&mut SkLookup> {
+    Ok(ebpf
+        .program_mut(programs::HANDOFF)
+        .ok_or_else(|| anyhow!("program {} missing", programs::HANDOFF))?
+        .try_into()?)
 }
 
 /// The tc program for pods' interfaces.
@@ -139,13 +155,19 @@ pub(super) fn tc_program<'a>(ebpf: &'a Ebpf, name: &'a str) -> Result<TcProgram<
     })
 }
 
-/// Attaches a cgroup program through a pinned link, or moves an existing pinned link to it.
-fn attach_pinned(prog: BorrowedFd<'_>, cgroup: &File, attach_type: u32, pin: &Path) -> Result<()> {
+/// Attaches a program to `target` (a cgroup or a netns) through a pinned link, or moves an
+/// existing pinned link to it.
+pub(super) fn attach_pinned(
+    prog: BorrowedFd<'_>,
+    target: BorrowedFd<'_>,
+    attach_type: u32,
+    pin: &Path,
+) -> Result<()> {
     match bpf_sys::open_pinned(pin) {
         Ok(link) => bpf_sys::update_link(link.as_fd(), prog).context("BPF_LINK_UPDATE"),
         Err(error) if error.kind() == io::ErrorKind::NotFound => {
-            let link = bpf_sys::create_cgroup_link(prog, cgroup.as_fd(), attach_type)
-                .context("BPF_LINK_CREATE")?;
+            let link =
+                bpf_sys::create_link(prog, target, attach_type).context("BPF_LINK_CREATE")?;
             bpf_sys::pin_object(link.as_fd(), pin).context("pinning the link")
         }
         Err(error) => Err(error).context("opening the pinned link"),

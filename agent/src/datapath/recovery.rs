@@ -44,7 +44,8 @@ impl Owner {
             return Ok(None);
         };
         let hint = record.map(|record| record.netns.as_path());
-        let Some((file, path)) = find_by_cookie(pod.netns_cookie, hint) else {
+        let Some((file, path)) = find_by_cookie(&self.cookie_answers, pod.netns_cookie, hint)
+        else {
             return Ok(None);
         };
         debug!(uid, path = %path.display(), "pod netns recovered");
@@ -71,7 +72,7 @@ impl Owner {
             .filter(|(_, pod)| match &pod.netns {
                 Some(netns) => nix::sys::stat::fstat(netns.as_raw_fd())
                     .is_ok_and(|stat| !held.contains(&(stat.st_dev, stat.st_ino))),
-                None => find_by_cookie(pod.netns_cookie, None).is_none(),
+                None => find_by_cookie(&self.cookie_answers, pod.netns_cookie, None).is_none(),
             })
             .map(|(uid, _)| uid.clone())
             .collect()
@@ -101,7 +102,14 @@ impl Owner {
         };
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces")?;
-        prepare_pod_netns(&mut rtnl, &mut self.sysctls, &self.ebpf, &found.links)?;
+        let handoff = self.handoff.as_ref().map(|handoff| (handoff, netns_cookie));
+        prepare_pod_netns(
+            &mut rtnl,
+            &mut self.sysctls,
+            &self.ebpf,
+            handoff,
+            &found.links,
+        )?;
         if let Some(record) = record {
             self.watch(record, found, subscription);
         }
@@ -111,7 +119,11 @@ impl Owner {
 
 /// The network namespace with `cookie` and where it was found: `hint`, a named namespace, or a
 /// process's (never the agent's own, the node's).
-fn find_by_cookie(cookie: u64, hint: Option<&Path>) -> Option<(File, PathBuf)> {
+fn find_by_cookie(
+    answers: &netns::CookieAnswers,
+    cookie: u64,
+    hint: Option<&Path>,
+) -> Option<(File, PathBuf)> {
     let candidates = hint
         .map(Path::to_path_buf)
         .into_iter()
@@ -129,7 +141,7 @@ fn find_by_cookie(cookie: u64, hint: Option<&Path>) -> Option<(File, PathBuf)> {
             continue;
         }
         let matches = netns::enter(file.as_fd())
-            .and_then(|_inside| netns::current_cookie())
+            .and_then(|_inside| netns::current_cookie(Some(answers)))
             .is_ok_and(|found| found == cookie);
         if matches {
             return Some((file, path));

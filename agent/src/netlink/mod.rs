@@ -463,27 +463,6 @@ impl Rtnl {
         })
     }
 
-    /// The cookie of this socket's network namespace: what `bpf_get_netns_cookie` returns for
-    /// sockets there.
-    pub fn netns_cookie(&self) -> io::Result<u64> {
-        let mut cookie = 0u64;
-        let mut len = size_of::<u64>() as libc::socklen_t;
-        // SAFETY: `cookie` and `len` are valid for writes and `len` is `cookie`'s size.
-        let rc = unsafe {
-            libc::getsockopt(
-                self.socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_NETNS_COOKIE,
-                (&raw mut cookie).cast(),
-                &mut len,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(cookie)
-    }
-
     /// The id this socket's netns has for the netns `netns` (an fd of it), assigned now if it
     /// has none yet (`RTM_GETNSID`, then `RTM_NEWNSID`). Ids are what
     /// [`subscribe_interface_changes`] tags other namespaces' changes with.

@@ -38,7 +38,7 @@ impl KernelFloor {
         let netns = File::open(pod.netns_path())?;
         let _inside = self.home.enter(netns.as_fd())?;
         let mut rtnl = Rtnl::new()?;
-        rtnl.netns_cookie()?;
+        weir_agent::netns::current_cookie(None)?;
         // The bench's pods have both families, as weir writes them for those pods.
         self.sysctls.set(true, true)?;
         rtnl.set_up_return_path()?;

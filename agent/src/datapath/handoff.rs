@@ -1,0 +1,104 @@
+//! The socket lookup hand-off, for kernels before 6.5: there tc cannot `bpf_sk_assign` a packet
+//! to ztunnel's listeners (a reuseport group), so the kernel side's tc program stores the listener
+//! for each new inbound connection and an sk_lookup program in the pod's netns hands it over
+//! (see the kernel side's `handoff` module). This attaches that program to each pod's netns,
+//! through a link pinned by the netns cookie so it outlives an agent restart, and removes it when
+//! the pod goes. Pods carry `POD_SOCKET_LOOKUP_HANDOFF` so the tc program knows the link is there;
+//! without it a new connection is dropped, never delivered around ztunnel.
+use std::{
+    fs::{self, File},
+    io,
+    os::fd::AsFd,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{anyhow, Context, Result};
+use aya::{programs::SkLookup, Ebpf};
+use aya_obj::generated::bpf_attach_type::BPF_SK_LOOKUP;
+use tracing::{debug, info};
+use weir_common::programs::HANDOFF;
+
+use super::programs;
+
+/// The first kernel whose tc `bpf_sk_assign` takes a listener in a reuseport group.
+const TC_ASSIGNS_REUSEPORT: (u32, u32) = (6, 5);
+
+pub(super) struct Handoff {
+    pins: PathBuf,
+}
+
+impl Handoff {
+    /// The hand-off, on a kernel that needs it; its links pinned under `links_dir`.
+    pub(super) fn for_this_kernel(links_dir: &Path) -> Result<Option<Self>> {
+        let release = fs::read_to_string("/proc/sys/kernel/osrelease")
+            .context("reading the kernel release")?;
+        let release = release.trim();
+        if version(release).is_some_and(|version| version >= TC_ASSIGNS_REUSEPORT) {
+            return Ok(None);
+        }
+        let pins = links_dir.join("handoff");
+        fs::create_dir_all(&pins).with_context(|| format!("creating {}", pins.display()))?;
+        info!(
+            kernel = release,
+            "Linux {}.{} and later assign new inbound connections to ztunnel from tc; on this \
+             kernel they are handed over through the socket lookup (sk_lookup, one link per pod)",
+            TC_ASSIGNS_REUSEPORT.0,
+            TC_ASSIGNS_REUSEPORT.1
+        );
+        Ok(Some(Self { pins }))
+    }
+
+    /// Attaches the hand-off program to the calling thread's netns (a pod's), or moves the pod's
+    /// pinned link to this agent's program.
+    pub(super) fn attach(&self, ebpf: &Ebpf, netns_cookie: u64) -> Result<()> {
+        let netns = File::open("/proc/thread-self/ns/net").context("opening the pod's netns")?;
+        let program: &SkLookup = ebpf
+            .program(HANDOFF)
+            .ok_or_else(|| anyhow!("program {HANDOFF} missing"))?
+            .try_into()?;
+        programs::attach_pinned(
+            program.fd()?.as_fd(),
+            netns.as_fd(),
+            BPF_SK_LOOKUP as u32,
+            &self.pin(netns_cookie),
+        )
+        .context("attaching the socket lookup hand-off")
+    }
+
+    /// Removes the pod's link, if it has one; its netns may be gone already.
+    pub(super) fn detach(&self, netns_cookie: u64) {
+        match fs::remove_file(self.pin(netns_cookie)) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+            Err(error) => debug!(netns_cookie, %error, "removing the hand-off link"),
+        }
+    }
+
+    fn pin(&self, netns_cookie: u64) -> PathBuf {
+        self.pins.join(netns_cookie.to_string())
+    }
+}
+
+/// `(major, minor)` of a kernel release such as `6.1.0-50-amd64`.
+fn version(release: &str) -> Option<(u32, u32)> {
+    let mut numbers = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(str::parse::<u32>);
+    Some((numbers.next()?.ok()?, numbers.next()?.ok()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_versions_are_read_from_distribution_releases() {
+        assert_eq!(version("6.1.0-50-amd64"), Some((6, 1)));
+        assert_eq!(version("5.10.0-32-amd64"), Some((5, 10)));
+        assert_eq!(version("6.12.95+deb12-amd64"), Some((6, 12)));
+        assert_eq!(version("6.18.0"), Some((6, 18)));
+        assert_eq!(version("weird"), None);
+        assert!(version("6.4.16").unwrap() < TC_ASSIGNS_REUSEPORT);
+        assert!(version("6.5.0").unwrap() >= TC_ASSIGNS_REUSEPORT);
+    }
+}

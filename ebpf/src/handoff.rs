@@ -1,0 +1,67 @@
+//! Hand-off through the socket lookup, for kernels before 6.5: there `bpf_sk_assign` in tc
+//! refuses a listener in a reuseport group (ESOCKTNOSUPPORT), and ztunnel's listeners are. The
+//! tc program decides as always; for a new connection it then stores ztunnel's listener under the
+//! connection's tuple ([`hand_off`]) and lets the SYN on, and [`weir_handoff`], an sk_lookup
+//! program attached to the pod's netns, hands it that listener when the stack looks for one. The
+//! socket lookup picks among the reuseport group itself, and the local address stays the original
+//! destination, as with `bpf_sk_assign` in tc.
+//!
+//! The sk_lookup program decides nothing: it acts only on tuples tc stored, so traffic that never
+//! crossed the pod's interfaces (ztunnel's own dials to the app over `lo`) is left alone.
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::{bpf_sock, sk_action::SK_PASS},
+    helpers::generated::{bpf_sk_assign, bpf_sk_release},
+    macros::sk_lookup,
+    programs::SkLookupContext,
+};
+use weir_common::{ConnectionKey, Endpoint};
+
+use crate::{
+    maps::HANDOFF,
+    net::{ctx_read, socket_addresses, IPPROTO_TCP},
+};
+
+/// `bpf_sk_assign`'s answer in tc, before 6.5, for a listener in a reuseport group.
+pub const ESOCKTNOSUPPORT: i64 = 94;
+
+/// Stores `listener` for the connection's socket lookup; false when it cannot (the map is full),
+/// and the connection must then be dropped.
+#[inline(always)]
+pub fn hand_off(connection: &ConnectionKey, listener: *mut bpf_sock) -> bool {
+    HANDOFF.insert(connection, listener)
+}
+
+#[sk_lookup]
+pub fn weir_handoff(ctx: SkLookupContext) -> u32 {
+    // SAFETY: the context pointer is valid for the program's run.
+    unsafe { take_handed_off(&ctx) };
+    SK_PASS
+}
+
+/// Gives the lookup the listener tc stored for its tuple, once.
+#[inline(always)]
+unsafe fn take_handed_off(ctx: &SkLookupContext) {
+    let lookup = ctx.lookup;
+    if ctx_read!(lookup, protocol) != IPPROTO_TCP {
+        return;
+    }
+    let Some((remote_ip, local_ip)) =
+        socket_addresses!(lookup, (remote_ip4, local_ip4), (remote_ip6, local_ip6))
+    else {
+        return;
+    };
+    // remote_port is in network order, local_port in host order.
+    let key = ConnectionKey {
+        client: Endpoint::new(remote_ip, u16::from_be(ctx_read!(lookup, remote_port))),
+        listener: Endpoint::new(local_ip, ctx_read!(lookup, local_port) as u16),
+    };
+    let listener = HANDOFF.get(&key);
+    if listener.is_null() {
+        return;
+    }
+    HANDOFF.remove(&key);
+    bpf_sk_assign(lookup as *mut c_void, listener as *mut c_void, 0);
+    bpf_sk_release(listener as *mut c_void);
+}
