@@ -181,6 +181,10 @@ fn free_port() -> Result<SocketAddr> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
+/// How long an agent may take to become ready: it loads and verifies the programs first, which
+/// takes seconds on an emulated CPU (the kernel VMs) and a loaded CI machine.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// A running agent; stopped (SIGTERM-like: leaves the datapath in place) by [`Agent::stop`].
 pub struct Agent {
     pub config: AgentConfig,
@@ -192,7 +196,7 @@ impl Agent {
     /// Starts the agent and waits until it reports ready (plugin installed, serving).
     pub fn start(config: AgentConfig) -> Result<Self> {
         let agent = Self::spawn(config)?;
-        agent.wait_ready(Duration::from_secs(10))?;
+        agent.wait_ready(READY_TIMEOUT)?;
         Ok(agent)
     }
 
@@ -381,13 +385,13 @@ impl AgentProcess {
             child,
             lines,
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + READY_TIMEOUT;
         while node.run(|| http_status(agent.config.health_addr, "/readyz").ok()) != Some(200) {
             if let Some(status) = agent.child.try_wait()? {
                 bail!("the agent exited while starting: {status}");
             }
             if Instant::now() > deadline {
-                bail!("the agent was not ready within 10 s");
+                bail!("the agent was not ready within {READY_TIMEOUT:?}");
             }
             thread::sleep(Duration::from_millis(20));
         }

@@ -13,7 +13,9 @@ use std::process::Command;
 use std::thread::{self, JoinHandle};
 
 use anyhow::{bail, Context, Result};
+use aya::maps::{Map, MapData, SkStorage};
 use nix::sched::CloneFlags;
+use weir_common::{maps, ABI_VERSION};
 
 use crate::ids;
 
@@ -76,11 +78,17 @@ impl NetNs {
         spawn_in(self.as_fd().try_clone_to_owned()?, thread_name, f)
     }
 
-    /// The namespace's cookie, read with `getsockopt(SO_NETNS_COOKIE)` on a socket made inside.
+    /// The namespace's cookie, read with `getsockopt(SO_NETNS_COOKIE)` on a socket made inside;
+    /// before Linux 5.14, which has no such option, asked as weir asks it.
     pub fn cookie(&self) -> io::Result<u64> {
         self.run(|| {
             let probe = std::net::UdpSocket::bind("127.0.0.1:0")?;
-            netns_cookie(&probe)
+            match netns_cookie(&probe) {
+                Err(error) if error.raw_os_error() == Some(libc::ENOPROTOOPT) => {
+                    cookie_from_a_weir_datapath()
+                }
+                other => other,
+            }
         })
     }
 
@@ -159,6 +167,26 @@ pub fn netns_cookie(socket: &impl AsFd) -> io::Result<u64> {
         return Err(io::Error::last_os_error());
     }
     Ok(cookie)
+}
+
+/// The calling thread's netns cookie from the connect hook of a weir datapath pinned under
+/// `/sys/fs/bpf` (weir's own way before Linux 5.14): only the maps of an attached one answer.
+fn cookie_from_a_weir_datapath() -> io::Result<u64> {
+    let answers = Path::new(&format!("abi-{ABI_VERSION}")).join(maps::NETNS_COOKIES);
+    for pin_root in fs::read_dir("/sys/fs/bpf")? {
+        let Ok(map) = MapData::from_pin(pin_root?.path().join(&answers)) else {
+            continue;
+        };
+        let Ok(answers) = SkStorage::try_from(Map::SkStorage(map)) else {
+            continue;
+        };
+        if let Ok(cookie) = weir_agent::netns::current_cookie(Some(&answers)) {
+            return Ok(cookie);
+        }
+    }
+    Err(io::Error::other(
+        "no SO_NETNS_COOKIE on this kernel (Linux 5.14), and no weir datapath attached to tell it",
+    ))
 }
 
 /// Runs `ip <args>`, failing with its stderr.

@@ -18,7 +18,7 @@ use aya_obj::generated::bpf_attach_type::BPF_SK_LOOKUP;
 use tracing::{debug, info};
 use weir_common::programs::HANDOFF;
 
-use super::programs;
+use super::{kernel::Kernel, programs};
 
 /// The first kernel whose tc `bpf_sk_assign` takes a listener in a reuseport group.
 const TC_ASSIGNS_REUSEPORT: (u32, u32) = (6, 5);
@@ -29,21 +29,18 @@ pub(super) struct Handoff {
 
 impl Handoff {
     /// The hand-off, on a kernel that needs it; its links pinned under `links_dir`.
-    pub(super) fn for_this_kernel(links_dir: &Path) -> Result<Option<Self>> {
-        let release = fs::read_to_string("/proc/sys/kernel/osrelease")
-            .context("reading the kernel release")?;
-        let release = release.trim();
-        if version(release).is_some_and(|version| version >= TC_ASSIGNS_REUSEPORT) {
+    pub(super) fn for_kernel(kernel: &Kernel, links_dir: &Path) -> Result<Option<Self>> {
+        let (major, minor) = TC_ASSIGNS_REUSEPORT;
+        if kernel.is_at_least(major, minor) {
             return Ok(None);
         }
         let pins = links_dir.join("handoff");
         fs::create_dir_all(&pins).with_context(|| format!("creating {}", pins.display()))?;
         info!(
-            kernel = release,
-            "Linux {}.{} and later assign new inbound connections to ztunnel from tc; on this \
-             kernel they are handed over through the socket lookup (sk_lookup, one link per pod)",
-            TC_ASSIGNS_REUSEPORT.0,
-            TC_ASSIGNS_REUSEPORT.1
+            kernel = kernel.release,
+            "Linux {major}.{minor} and later assign new inbound connections to ztunnel from tc; \
+             on this kernel they are handed over through the socket lookup (sk_lookup, one link \
+             per pod)"
         );
         Ok(Some(Self { pins }))
     }
@@ -76,29 +73,5 @@ impl Handoff {
 
     fn pin(&self, netns_cookie: u64) -> PathBuf {
         self.pins.join(netns_cookie.to_string())
-    }
-}
-
-/// `(major, minor)` of a kernel release such as `6.1.0-50-amd64`.
-fn version(release: &str) -> Option<(u32, u32)> {
-    let mut numbers = release
-        .split(|c: char| !c.is_ascii_digit())
-        .map(str::parse::<u32>);
-    Some((numbers.next()?.ok()?, numbers.next()?.ok()?))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kernel_versions_are_read_from_distribution_releases() {
-        assert_eq!(version("6.1.0-50-amd64"), Some((6, 1)));
-        assert_eq!(version("5.10.0-32-amd64"), Some((5, 10)));
-        assert_eq!(version("6.12.95+deb12-amd64"), Some((6, 12)));
-        assert_eq!(version("6.18.0"), Some((6, 18)));
-        assert_eq!(version("weird"), None);
-        assert!(version("6.4.16").unwrap() < TC_ASSIGNS_REUSEPORT);
-        assert!(version("6.5.0").unwrap() >= TC_ASSIGNS_REUSEPORT);
     }
 }

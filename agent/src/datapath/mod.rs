@@ -15,6 +15,7 @@
 //! an operator's `weir-agent pods` next to a running agent.
 mod discovery;
 mod handoff;
+mod kernel;
 mod layouts;
 mod mounts;
 mod pods;
@@ -298,6 +299,7 @@ impl Owner {
             nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
                 .with_context(|| format!("entering {}", node.display()))?;
         }
+        let kernel = kernel::Kernel::running()?;
         mounts::ensure_bpffs(&config.pin_root)?;
         let maps_dir = maps_dir(&config.pin_root);
         // Links are versioned with the maps: an agent with another layout attaches its own set
@@ -324,7 +326,7 @@ impl Owner {
         programs::attach(&mut ebpf, &cgroup_path, &links_dir)?;
         let cookie_answers: netns::CookieAnswers =
             programs::take_map(&mut ebpf, maps::NETNS_COOKIES)?;
-        let handoff = handoff::Handoff::for_this_kernel(&links_dir)?;
+        let handoff = handoff::Handoff::for_kernel(&kernel, &links_dir)?;
 
         let mut node_config: Array<MapData, NodeConfig> =
             programs::take_map(&mut ebpf, maps::NODE_CONFIG)?;
