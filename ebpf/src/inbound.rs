@@ -53,6 +53,12 @@ use crate::{
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+const VLAN_HLEN: usize = 4;
+/// VLAN tags walked past the one the kernel strips: a double-tagged frame (802.1ad outer, 802.1Q
+/// inner) has one left, and one more is a margin; a deeper stack is dropped, not guessed.
+const MAX_VLAN_TAGS: usize = 2;
 const IPV4_HLEN_MIN: usize = 20;
 const IPV6_HLEN: usize = 40;
 const IPV4_FRAGMENT_OFFSET: u16 = 0x1fff;
@@ -88,9 +94,11 @@ const DROP: i32 = TC_ACT_SHOT as i32;
 
 #[classifier]
 pub fn weir_inbound(ctx: TcContext) -> i32 {
-    let Ok(Some(packet)) = network_header(&ctx) else {
+    let packet = match network_header(&ctx) {
+        Payload::Ip(packet) => packet,
         // Not IP, or an IP header too short to hold the addresses: the kernel drops the latter.
-        return PASS;
+        Payload::Other => return PASS,
+        Payload::TooManyTags => return DROP,
     };
     let Some(netns) = pod_with_ip(&packet.destination) else {
         return PASS;
@@ -122,34 +130,66 @@ enum Fragment {
     Later,
 }
 
-/// The network header of a packet: its addresses, and where and what its transport is.
+/// The network header of a packet: where it starts, and its addresses.
 struct NetworkHeader {
+    offset: usize,
     v6: bool,
     source: IpKey,
     destination: IpKey,
 }
 
-/// The addresses of an IP packet, or `None` for anything else.
+/// What a frame carries.
+enum Payload {
+    Ip(NetworkHeader),
+    /// Anything else, or an IP header too short to hold the addresses (the kernel drops it).
+    Other,
+    /// More VLAN tags than walked: what is inside is unknown, and must not reach a pod.
+    TooManyTags,
+}
+
+/// The IP packet a frame carries, behind any VLAN tags left on it. The kernel takes the outer
+/// tag off before tc runs, and after it an inner tag with VLAN id 0 (priority tagging) too, then
+/// hands the packet to IP without running tc again: a SYN behind two such tags would reach the
+/// pod undecided if this program stopped at the first ethertype.
 #[inline(always)]
-fn network_header(ctx: &TcContext) -> Result<Option<NetworkHeader>, ()> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| ())?);
-    match ethertype {
-        ETH_P_IP => {
-            let saddr: u32 = ctx.load(ETH_HLEN + 12).map_err(|_| ())?;
-            let daddr: u32 = ctx.load(ETH_HLEN + 16).map_err(|_| ())?;
-            Ok(Some(NetworkHeader {
+fn network_header(ctx: &TcContext) -> Payload {
+    let Ok(mut ethertype) = ctx.load::<u16>(12).map(u16::from_be) else {
+        return Payload::Other;
+    };
+    let mut offset = ETH_HLEN;
+    for _ in 0..MAX_VLAN_TAGS {
+        if ethertype != ETH_P_8021Q && ethertype != ETH_P_8021AD {
+            break;
+        }
+        let Ok(inner) = ctx.load::<u16>(offset + 2).map(u16::from_be) else {
+            return Payload::TooManyTags;
+        };
+        ethertype = inner;
+        offset += VLAN_HLEN;
+    }
+    let header = match ethertype {
+        ETH_P_IP => (|| {
+            let saddr: u32 = ctx.load(offset + 12).ok()?;
+            let daddr: u32 = ctx.load(offset + 16).ok()?;
+            Some(NetworkHeader {
+                offset,
                 v6: false,
                 source: ip_from_v4_word(saddr),
                 destination: ip_from_v4_word(daddr),
-            }))
-        }
-        ETH_P_IPV6 => Ok(Some(NetworkHeader {
-            v6: true,
-            source: IpKey::from_v6(ctx.load(ETH_HLEN + 8).map_err(|_| ())?),
-            destination: IpKey::from_v6(ctx.load(ETH_HLEN + 24).map_err(|_| ())?),
-        })),
-        _ => Ok(None),
-    }
+            })
+        })(),
+        ETH_P_IPV6 => (|| {
+            Some(NetworkHeader {
+                offset,
+                v6: true,
+                source: IpKey::from_v6(ctx.load(offset + 8).ok()?),
+                destination: IpKey::from_v6(ctx.load(offset + 24).ok()?),
+            })
+        })(),
+        ETH_P_8021Q | ETH_P_8021AD => return Payload::TooManyTags,
+        _ => None,
+    };
+    header.map_or(Payload::Other, Payload::Ip)
 }
 
 /// Where the transport header is, which protocol it is, and whether the packet is a fragment.
@@ -160,14 +200,15 @@ struct Transport {
 }
 
 #[inline(always)]
-fn transport(ctx: &TcContext, v6: bool) -> Result<Transport, ()> {
-    if !v6 {
-        let version_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| ())?;
+fn transport(ctx: &TcContext, packet: &NetworkHeader) -> Result<Transport, ()> {
+    let base = packet.offset;
+    if !packet.v6 {
+        let version_ihl: u8 = ctx.load(base).map_err(|_| ())?;
         let header_len = ((version_ihl & 0x0f) as usize) * 4;
         if header_len < IPV4_HLEN_MIN {
             return Err(());
         }
-        let flags_offset = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).map_err(|_| ())?);
+        let flags_offset = u16::from_be(ctx.load::<u16>(base + 6).map_err(|_| ())?);
         let fragment = if flags_offset & IPV4_FRAGMENT_OFFSET != 0 {
             Fragment::Later
         } else if flags_offset & IPV4_MORE_FRAGMENTS != 0 {
@@ -176,13 +217,13 @@ fn transport(ctx: &TcContext, v6: bool) -> Result<Transport, ()> {
             Fragment::No
         };
         return Ok(Transport {
-            protocol: ctx.load(ETH_HLEN + 9).map_err(|_| ())?,
-            offset: ETH_HLEN + header_len,
+            protocol: ctx.load(base + 9).map_err(|_| ())?,
+            offset: base + header_len,
             fragment,
         });
     }
-    let mut next: u8 = ctx.load(ETH_HLEN + 6).map_err(|_| ())?;
-    let mut offset = ETH_HLEN + IPV6_HLEN;
+    let mut next: u8 = ctx.load(base + 6).map_err(|_| ())?;
+    let mut offset = base + IPV6_HLEN;
     let mut fragment = Fragment::No;
     for _ in 0..MAX_EXTENSION_HEADERS {
         match next {
@@ -232,7 +273,7 @@ fn transport(ctx: &TcContext, v6: bool) -> Result<Transport, ()> {
 /// cannot be read, which drops it.
 #[inline(always)]
 fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()> {
-    let transport = transport(ctx, packet.v6)?;
+    let transport = transport(ctx, packet)?;
     // Payload-only fragments need their first fragment, which is judged below; other protocols
     // are not captured inbound (istio redirects TCP only).
     if transport.fragment == Fragment::Later || transport.protocol != IPPROTO_TCP {
@@ -323,8 +364,10 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
 
 #[classifier]
 pub fn weir_reroute(ctx: TcContext) -> i32 {
-    let Ok(Some(packet)) = network_header(&ctx) else {
-        return PASS;
+    let packet = match network_header(&ctx) {
+        Payload::Ip(packet) => packet,
+        Payload::Other => return PASS,
+        Payload::TooManyTags => return DROP,
     };
     reroute(&ctx, &packet).unwrap_or_else(|()| {
         diag!(
@@ -342,7 +385,7 @@ pub fn weir_reroute(ctx: TcContext) -> i32 {
 /// outbound listener with its destination recorded; `Err` as for [`decide`].
 #[inline(always)]
 fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
-    let transport = transport(ctx, packet.v6)?;
+    let transport = transport(ctx, packet)?;
     if transport.fragment == Fragment::Later || transport.protocol != IPPROTO_TCP {
         return Ok(PASS);
     }

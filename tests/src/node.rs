@@ -475,6 +475,23 @@ impl Pod {
         self.cni_add
     }
 
+    /// `eth0`'s MAC address, where frames for the pod go on the bridge.
+    pub fn mac(&self) -> [u8; 6] {
+        let shown =
+            crate::netns::ip_output(&["-n", self.netns().name(), "-br", "link", "show", "eth0"])
+                .expect("ip link show eth0");
+        // `eth0@if7  UP  aa:bb:cc:dd:ee:ff <BROADCAST,...>`
+        let mac = shown
+            .split_whitespace()
+            .find(|word| word.len() == 17 && word.matches(':').count() == 5)
+            .unwrap_or_else(|| panic!("no MAC address in {shown:?}"));
+        let mut octets = [0u8; 6];
+        for (octet, hex) in octets.iter_mut().zip(mac.split(':')) {
+            *octet = u8::from_str_radix(hex, 16).expect("hex octet");
+        }
+        octets
+    }
+
     /// Both addresses, IPv4 first.
     pub fn ips(&self) -> [IpAddr; 2] {
         [self.ipv4.into(), self.ipv6.into()]

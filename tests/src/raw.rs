@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::io;
 use std::mem::MaybeUninit;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use socket2::{Domain, Protocol, Socket, Type};
@@ -34,6 +35,10 @@ pub enum Shape {
     Ipv6Extensions(&'static [u8]),
     /// Two fragments, the first carrying this many bytes of the TCP header (a multiple of 8).
     Fragmented(usize),
+    /// One packet in an Ethernet frame sent on the pod's `eth0` (a packet socket, as a pod with
+    /// CAP_NET_RAW can) to this MAC address, behind VLAN tags with id 0 of these types,
+    /// outermost first.
+    VlanTagged(&'static [u16], [u8; 6]),
 }
 
 /// A SYN to send: from the pod's `source` address, to `destination`.
@@ -54,6 +59,10 @@ pub enum Answer {
 
 pub use Shape::*;
 
+/// VLAN tag types: 802.1Q, and 802.1ad (an outer, service tag).
+pub const VLAN: u16 = 0x8100;
+pub const QINQ: u16 = 0x88a8;
+
 /// The IPv6 extension headers tests put before TCP.
 pub const HOP_BY_HOP: &[u8] = &[IPPROTO_HOPOPTS];
 pub const DESTINATION_OPTIONS: &[u8] = &[IPPROTO_DSTOPTS];
@@ -67,8 +76,11 @@ pub fn probe(syns: &[Syn], window: Duration) -> io::Result<Vec<Answer>> {
     for (index, syn) in syns.iter().enumerate() {
         let id = 0x5700 + index as u32;
         for packet in packets(syn, id) {
-            sender(syn.destination)?
-                .send_to(&packet, &SocketAddr::new(syn.destination.ip(), 0).into())?;
+            match syn.shape {
+                VlanTagged(tags, mac) => send_frame(&frame(tags, mac, &packet), mac)?,
+                _ => sender(syn.destination)?
+                    .send_to(&packet, &SocketAddr::new(syn.destination.ip(), 0).into())?,
+            };
         }
     }
     let mut answers: HashMap<(SocketAddr, u16), Answer> = HashMap::new();
@@ -111,6 +123,48 @@ fn sender(destination: SocketAddr) -> io::Result<Socket> {
         Type::RAW,
         Some(Protocol::from(libc::IPPROTO_RAW)),
     )
+}
+
+/// An Ethernet frame carrying `packet` behind VLAN tags with id 0 (priority tags) of the types in
+/// `tags`, from a locally administered address.
+fn frame(tags: &[u16], to: [u8; 6], packet: &[u8]) -> Vec<u8> {
+    let mut frame = to.to_vec();
+    frame.extend_from_slice(&[0x02, 0, 0, 0, 0x57, 0x01]);
+    for tag in tags {
+        frame.extend_from_slice(&tag.to_be_bytes());
+        frame.extend_from_slice(&0u16.to_be_bytes());
+    }
+    let ethertype: u16 = if packet[0] >> 4 == 6 { 0x86dd } else { 0x0800 };
+    frame.extend_from_slice(&ethertype.to_be_bytes());
+    frame.extend_from_slice(packet);
+    frame
+}
+
+/// Sends a whole frame on this netns's `eth0`.
+fn send_frame(frame: &[u8], to: [u8; 6]) -> io::Result<usize> {
+    let socket = Socket::new(Domain::PACKET, Type::RAW, None)?;
+    let interface = nix::net::if_::if_nametoindex("eth0")?;
+    // SAFETY: an all-zero sockaddr_ll is valid; the fields set below describe the link.
+    let mut address: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    address.sll_family = libc::AF_PACKET as u16;
+    address.sll_ifindex = interface as i32;
+    address.sll_halen = 6;
+    address.sll_addr[..6].copy_from_slice(&to);
+    // SAFETY: `address` is a sockaddr_ll and its size is given.
+    let sent = unsafe {
+        libc::sendto(
+            socket.as_raw_fd(),
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            (&raw const address).cast(),
+            size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(sent as usize)
 }
 
 /// `(source, destination port, TCP flags)` of the next caught packet, if any is queued.
@@ -163,7 +217,7 @@ pub fn packets(syn: &Syn, id: u32) -> Vec<Vec<u8>> {
                 )
             };
             match syn.shape {
-                Whole => vec![ipv4(0, &[], &segment)],
+                Whole | VlanTagged(..) => vec![ipv4(0, &[], &segment)],
                 Ipv4Options => vec![ipv4(0, &[1, 1, 1, 0], &segment)],
                 Fragmented(first) => vec![
                     ipv4(IPV4_MORE_FRAGMENTS, &[], &segment[..first]),
@@ -177,7 +231,7 @@ pub fn packets(syn: &Syn, id: u32) -> Vec<Vec<u8>> {
                 ipv6_packet(source.octets(), destination.octets(), next_header, payload)
             };
             match syn.shape {
-                Whole => vec![ipv6(IPPROTO_TCP, &segment)],
+                Whole | VlanTagged(..) => vec![ipv6(IPPROTO_TCP, &segment)],
                 Ipv6Extensions(headers) => {
                     // Each header is 8 bytes: next header, length 0, then a PadN option of 4.
                     let mut payload = Vec::new();
