@@ -17,7 +17,7 @@ use std::{
 
 use weir_agent::{
     datapath::{Datapath, DatapathConfig},
-    workload::PodOptions,
+    workload::{PodOptions, Workload},
 };
 use weir_common::{
     PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
@@ -192,6 +192,65 @@ fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
     let direct = pod.run(|| udp_request(resolver, "query")).unwrap();
     assert_eq!(direct.response, real_resolver.reply_to("query"));
     assert_eq!(direct.from, resolver);
+    datapath.uninstall().unwrap();
+}
+
+/// A pod whose CNI result names one family still has addresses of the other (IPv6 link-local
+/// ones at least, SLAAC or a secondary network's): its TCP in that family has no pod address to
+/// go to ztunnel from, and must not leave around it either.
+#[test]
+fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (client, server) = (fixture.pod("client"), fixture.pod("server"));
+    let echo = EchoServer::app(&server).unwrap();
+    let _ztunnel = ZtunnelStandIn::start(&client).unwrap();
+    let datapath = fixture.start_datapath();
+    let ipv4_only = Workload {
+        ips: vec![IpAddr::V4(client.ipv4())],
+        ..client.workload(PodOptions::default())
+    };
+    datapath.enroll(ipv4_only).expect("pod enrolled");
+
+    let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
+    let refused = client
+        .run(|| tcp_request(target, "around"))
+        .expect_err("IPv6 TCP from an IPv4-only ambient pod must not connect");
+    assert_eq!(refused.kind(), ErrorKind::PermissionDenied, "{refused}");
+    assert!(echo.wait_for(|r| r.line == "around", WAIT).is_none());
+    datapath.uninstall().unwrap();
+}
+
+/// weir makes the probe source address local on the node (the probes' replies come back to
+/// it): an ambient pod must not reach the node's wildcard listeners through it, around ztunnel.
+#[test]
+fn the_probe_address_is_no_door_to_the_node() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let pod = fixture.pod("app");
+    let node_listener = EchoServer::start(
+        fixture.node().netns(),
+        "node",
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0),
+    )
+    .unwrap();
+    let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+
+    let port = node_listener.addr().port();
+    for probe_address in [
+        IpAddr::V4(PROBE_SOURCE_V4.into()),
+        IpAddr::V6(PROBE_SOURCE_V6.into()),
+    ] {
+        let target = SocketAddr::new(probe_address, port);
+        let refused = pod
+            .run(|| tcp_request(target, "door"))
+            .expect_err("an ambient pod must not reach the node through the probe address");
+        assert_eq!(refused.kind(), ErrorKind::PermissionDenied, "{target}: {refused}");
+    }
+    assert!(node_listener.wait_for(|r| r.line == "door", WAIT).is_none());
     datapath.uninstall().unwrap();
 }
 

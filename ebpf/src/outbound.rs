@@ -111,7 +111,20 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
         }
         return ALLOW;
     }
-    if is_loopback(&dst.ip) || pod_owns(netns, &dst.ip) || is_probe_source(&dst.ip) {
+    if is_probe_source(&dst.ip) {
+        // Local on the node (the probes' replies return to it), so any node listener on a
+        // wildcard address answers there: refused, never a way around ztunnel.
+        diag!(
+            warn,
+            sa.ctx,
+            "netns {}: {:i}:{} refused: the probe source address",
+            netns,
+            ip(&dst.ip),
+            dst.port
+        );
+        return DENY;
+    }
+    if is_loopback(&dst.ip) || pod_owns(netns, &dst.ip) {
         return ALLOW;
     }
     let is_dns = dst.port == DNS_PORT && pod.has(POD_DNS_CAPTURE);
@@ -122,8 +135,20 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
         // The pod's own address (not 127.0.0.1): ztunnel must see the pod as the source.
         match pod_address_like(pod, &dst.ip) {
             Some(ip) => Endpoint::new(ip, OUTBOUND_PORT),
-            // No address of that family in the pod: the connect fails on its own.
-            None => return ALLOW,
+            // No CNI address of that family, so none ztunnel would take the connection from;
+            // the pod may still have one (link-local, SLAAC, a secondary network), and the
+            // connection must not leave around ztunnel: refused, as istio's ip6tables would.
+            None => {
+                diag!(
+                    warn,
+                    sa.ctx,
+                    "netns {}: {:i}:{} refused: the pod has no CNI address of its family",
+                    netns,
+                    ip(&dst.ip),
+                    dst.port
+                );
+                return DENY;
+            }
         }
     } else {
         return ALLOW;
