@@ -248,9 +248,40 @@ fn the_probe_address_is_no_door_to_the_node() {
         let refused = pod
             .run(|| tcp_request(target, "door"))
             .expect_err("an ambient pod must not reach the node through the probe address");
-        assert_eq!(refused.kind(), ErrorKind::PermissionDenied, "{target}: {refused}");
+        assert_eq!(
+            refused.kind(),
+            ErrorKind::PermissionDenied,
+            "{target}: {refused}"
+        );
     }
     assert!(node_listener.wait_for(|r| r.line == "door", WAIT).is_none());
+    datapath.uninstall().unwrap();
+}
+
+/// HBONE goes to ztunnel's 15008 listener, as istio sends it: an app that holds the port while
+/// ztunnel is away must not be handed plaintext from outside.
+#[test]
+fn hbone_reaches_only_ztunnels_listener() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
+    let impostor = EchoServer::start(
+        pod.netns(),
+        "impostor",
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), HBONE_PORT),
+    )
+    .unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+
+    for destination in [IpAddr::V4(pod.ipv4()), IpAddr::V6(pod.ipv6())] {
+        let target = SocketAddr::new(destination, HBONE_PORT);
+        let reply = client.run(|| tcp_request(target, "plaintext"));
+        assert!(reply.is_err(), "{target} reached the app: {reply:?}");
+    }
+    assert!(impostor.wait_for(|r| r.line == "plaintext", WAIT).is_none());
+    // Each SYN, retransmissions included.
+    assert!(counters(&datapath, &pod).dropped >= 2);
     datapath.uninstall().unwrap();
 }
 

@@ -34,13 +34,14 @@ use aya_ebpf::{
         bpf_sock, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
         bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2, TC_ACT_OK, TC_ACT_SHOT,
     },
-    helpers::generated::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    helpers::generated::{bpf_sk_assign, bpf_sk_fullsock, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::classifier,
     programs::TcContext,
 };
 use weir_common::{
     ConnectionKey, Endpoint, IpKey, PodCounters, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
-    POD_INBOUND_BYPASS, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
+    POD_INBOUND_BYPASS, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4, PROBE_SOURCE_V6, ZTUNNEL_MARK,
+    ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
@@ -287,7 +288,19 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         ctx.load(transport.offset + 2).map_err(|_| ())?,
     );
     if u16::from_be(dport) == HBONE_PORT {
-        return Ok(PASS);
+        let (mut tuple, tuple_len) = sock_tuple(packet, sport, dport);
+        if hbone_reaches_ztunnel(ctx, &mut tuple, tuple_len) {
+            return Ok(PASS);
+        }
+        diag!(
+            by_ref warn,
+            ctx.skb.skb,
+            "netns {}: drop TCP {:i} to {:i}:15008: the listener is not ztunnel's",
+            netns,
+            ip(&packet.source),
+            ip(&packet.destination)
+        );
+        return Ok(drop_counted(netns));
     }
     // The node's probes and bypassing pods: whole packets and fragments alike, as istio's ACCEPT.
     let from_node_probe = same_ip(&packet.source, &IpKey::from_v4(PROBE_SOURCE_V4))
@@ -490,6 +503,31 @@ fn socket_state(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> Option
         let state = ctx_read!(socket, state);
         bpf_sk_release(socket as *mut c_void);
         Some(state)
+    }
+}
+
+/// Whether HBONE to this tuple goes where istio sends it, ztunnel's 15008 listener: a packet of
+/// a connection goes to its socket, and one that would open a connection (the tuple's owner is a
+/// listener, or a TIME_WAIT remnant that passes a SYN on to it) only to a listener ztunnel made
+/// (its sockets carry ztunnel's mark). An app holding 15008 while ztunnel is away gets nothing.
+#[inline(always)]
+fn hbone_reaches_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> bool {
+    let socket = lookup(ctx, tuple, len);
+    if socket.is_null() {
+        // Nothing listens: the kernel refuses the connection itself.
+        return true;
+    }
+    // SAFETY: non-null socket from a lookup, released before returning.
+    unsafe {
+        let state = ctx_read!(socket, state);
+        let reaches = if state == TCP_LISTEN || state == TCP_TIME_WAIT {
+            let full = bpf_sk_fullsock(socket);
+            !full.is_null() && ctx_read!(full, mark) & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK
+        } else {
+            true
+        };
+        bpf_sk_release(socket as *mut c_void);
+        reaches
     }
 }
 
