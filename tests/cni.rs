@@ -21,7 +21,7 @@ use weir_tests::{
     cni::{Command, RuntimeConf},
     raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    EchoServer, Pod, ZtunnelStandIn, APP_PORT,
+    EchoServer, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
 };
 
 #[test]
@@ -96,7 +96,44 @@ fn del_unenrolls_and_is_idempotent() {
     agent.stop().unwrap();
 }
 
-/// CHECK, with the pod's ADD result as prevResult.
+/// kubelet gives a pod a new sandbox (after a reboot, or when pause dies): it stops the old one,
+/// runs the new one through ADD, then removes the old one, whose second DEL has no netns. That DEL
+/// names the old sandbox only, and must leave the live one redirected.
+#[test]
+fn a_del_for_a_pods_old_sandbox_keeps_the_new_one_redirected() {
+    let Some(node) = Node::privileged() else {
+        return;
+    };
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let (server, echo, old, _) = node.server_and_ambient_pod(&ztunnel, "client");
+    let new = node
+        .fixture
+        .node()
+        .add_pod_with(PodSpec {
+            namespace: MESH.into(),
+            uid: Some(old.uid().to_owned()),
+            ..PodSpec::new("client")
+        })
+        .unwrap();
+    let new_ip = IpAddr::V4(new.ipv4());
+    ztunnel
+        .wait_for(
+            |event| matches!(event, ZdsEvent::Add { uid, pod_ips, .. } if uid == new.uid() && pod_ips.contains(&new_ip)),
+            WAIT,
+        )
+        .expect("ztunnel got the new sandbox over ZDS");
+    let stand_in = ztunnel.stand_in(new.uid()).unwrap();
+
+    let removal = RuntimeConf {
+        netns: None,
+        ..old.runtime_conf().clone()
+    };
+    weir_only(&node, Command::Del, &removal, None).unwrap();
+    assert_through_ztunnel(&new, &stand_in, &server, &echo, "still captured");
+    agent.stop().unwrap();
+}
+
+/// CHECK, with the pod's ADD result as prevResult./// CHECK, with the pod's ADD result as prevResult.
 fn check(node: &Node, pod: &Pod) -> Result<serde_json::Value, weir_tests::cni::CniError> {
     weir_only(
         node,

@@ -264,7 +264,11 @@ impl CniHandler {
             // Nothing names the pod: its maps entries go when its netns does.
             return Response::Ok { enrolled: false };
         }
-        match self.enroller.unenroll(&request.pod.uid).await {
+        let unenrolled = self
+            .enroller
+            .unenroll_sandbox(&request.pod.uid, &request.container_id)
+            .await;
+        match unenrolled {
             Ok(was) => Response::Ok { enrolled: was },
             Err(error) => error_response(PLUGIN_ERROR, "unenroll failed", &error),
         }

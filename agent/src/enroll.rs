@@ -467,6 +467,26 @@ impl Enroller {
         Ok(status)
     }
 
+    /// The runtime's DEL of one of a pod's sandboxes (`container_id`): unenrolls the pod unless
+    /// its record names another sandbox. When kubelet gives a pod a new sandbox it removes the old
+    /// one after the new one's ADD, and that DEL must not take the live sandbox's redirection
+    /// away. Returns whether the pod was unenrolled.
+    pub async fn unenroll_sandbox(&self, uid: &str, container_id: &str) -> Result<bool> {
+        let current = self.state.get(uid).and_then(|pod| pod.attachment);
+        if let Some(current) = current {
+            if !container_id.is_empty() && current.container_id != container_id {
+                info!(
+                    uid,
+                    deleted = container_id,
+                    live = current.container_id,
+                    "CNI DEL for a sandbox the pod has left: the live one stays redirected"
+                );
+                return Ok(false);
+            }
+        }
+        self.unenroll(uid).await
+    }
+
     /// Takes a pod out: ztunnel first (so it stops proxying), then redirection. Returns whether
     /// the pod was enrolled.
     pub async fn unenroll(&self, uid: &str) -> Result<bool> {
