@@ -397,6 +397,11 @@ pub fn write_verdict_cache(path: &Path, cache: &VerdictCache) -> Result<()> {
 /// The names of a comma-separated list, as istio splits it (blanks around names and empty items
 /// are ignored), sorted and without duplicates; `None` when one is not a valid Linux interface
 /// name (1 to 15 bytes, no `/`, `:` or whitespace, not `.` or `..`).
+/// Interfaces a pod cannot have rerouted: `lo` carries all of the pod's locally made TCP (ztunnel's
+/// own dials among it), and `eth0`, the pod's network (CNI_IFNAME, as kubelet names it), carries
+/// its inbound traffic; rerouting either would send that to ztunnel's outbound listener.
+const NEVER_REROUTED: [&str; 2] = ["lo", "eth0"];
+
 fn interface_names(list: &str) -> Option<Vec<String>> {
     let mut names = Vec::new();
     for name in list
@@ -407,7 +412,8 @@ fn interface_names(list: &str) -> Option<Vec<String>> {
         let valid = name.len() < libc::IFNAMSIZ
             && name != "."
             && name != ".."
-            && !name.contains(|c: char| c == '/' || c == ':' || c.is_whitespace());
+            && !name.contains(|c: char| c == '/' || c == ':' || c.is_whitespace())
+            && !NEVER_REROUTED.contains(&name);
         if !valid {
             return None;
         }
@@ -474,7 +480,15 @@ mod tests {
         assert!(problems.is_empty());
         assert!(reroute("").0.reroute_interfaces.is_empty());
 
-        for invalid in ["tap0,a/b", "eth0:1", "a name", "sixteen-bytes-xx", ".."] {
+        for invalid in [
+            "tap0,a/b",
+            "eth0:1",
+            "a name",
+            "sixteen-bytes-xx",
+            "..",
+            "lo",
+            "tap0,eth0",
+        ] {
             let (options, problems) = reroute(invalid);
             assert_eq!(options, PodOptions::default(), "{invalid}");
             assert_eq!(problems.len(), 1, "{invalid}");
