@@ -224,9 +224,11 @@ fn main() -> Result<()> {
         filter = filter.add_directive("weir_ebpf=debug".parse()?);
     }
     // `init` also installs tracing-log's LogTracer: `log` records (aya-log's) become events.
+    // Colour only for a person at a terminal: `kubectl logs` and log files get plain text.
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match cli.command {
         Command::Run(args) => {
