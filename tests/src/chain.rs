@@ -23,8 +23,10 @@ use crate::{
     EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
 };
 
-/// How long a test waits for something the agent does on its own.
-pub const WAIT: Duration = Duration::from_secs(3);
+/// How long a test waits for something the agent does on its own: a deadline, not a pause (a
+/// passing test waits only as long as the thing takes), generous enough for an emulated CPU (the
+/// kernel VMs of `cargo xtask test-kernels`), where a pod's ADD alone can take seconds.
+pub const WAIT: Duration = Duration::from_secs(30);
 /// The ambient namespace of [`ambient_policy`].
 pub const MESH: &str = "mesh";
 

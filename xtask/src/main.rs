@@ -7,6 +7,7 @@ mod run;
 mod sweep;
 mod system;
 mod test;
+mod vm;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -32,11 +33,39 @@ enum Command {
         #[arg(long)]
         debug: bool,
     },
-    /// Run every test: eBPF build, fmt, clippy and `cargo test --workspace` (needs root).
+    /// Run every test: eBPF build, fmt, clippy and `cargo test --workspace` (needs root), then
+    /// the kernel-facing tests on Debian's 5.10, 6.1 and 6.12 kernels (`test-kernels`).
     Test {
-        /// Extra arguments for `cargo test`, after `--` (e.g. a test name filter).
+        /// Only this machine's kernel: skip the other kernels' VMs (a quick local run).
+        #[arg(long)]
+        host_only: bool,
+        /// Extra arguments for `cargo test`, after `--` (e.g. a test name filter). They do not
+        /// reach the other kernels' runs.
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Run the kernel-facing tests (datapath, interfaces, fuzz, faults, kernel_compat) in one VM
+    /// per kernel, each booted with one of Debian's kernels (fetched into target/kernels/).
+    TestKernels {
+        /// The kernel series to boot, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "5.10,6.1,6.12")]
+        kernels: Vec<vm::Series>,
+        /// Every test executable of the workspace, not only the kernel-facing ones.
+        #[arg(long)]
+        all: bool,
+        /// Arguments for each test executable, after `--` (e.g. a test name filter).
+        #[arg(last = true)]
+        filter: Vec<String>,
+    },
+    /// Run a command as root in a VM booted with one of Debian's kernels, from the workspace
+    /// root; exits with the command's status.
+    Vm {
+        /// The kernel series to boot.
+        #[arg(long)]
+        kernel: vm::Series,
+        /// The command and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
     },
     /// Run weir's main job on a throwaway demo node.
     Demo,
@@ -70,19 +99,27 @@ fn main() -> ExitCode {
         Command::BuildEbpf { debug } => {
             ebpf::build(debug).map(|object| println!("{}", object.display()))
         }
-        Command::Test { args } => test::run(&args),
+        Command::Test { host_only, args } => test::run(host_only, &args),
+        Command::TestKernels {
+            kernels,
+            all,
+            filter,
+        } => test::run_kernels(&kernels, all, &filter),
+        // Exits with the command's own status, whatever it is.
+        Command::Vm { kernel, command } => {
+            return vm::run_command(kernel, &command).map_or_else(failure, ExitCode::from);
+        }
         Command::Demo => demo::run(),
         Command::Run { dir, args } => run::run(&dir, &args),
         Command::Bench { quick, args } => bench::run(quick, &args),
         Command::Sweep => sweep::run(),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("error: {err:#}");
-            ExitCode::FAILURE
-        }
-    }
+    result.map_or_else(failure, |()| ExitCode::SUCCESS)
+}
+
+fn failure(err: anyhow::Error) -> ExitCode {
+    eprintln!("error: {err:#}");
+    ExitCode::FAILURE
 }
 
 /// The workspace root: the parent of this crate's directory.

@@ -1,10 +1,14 @@
 //! `cargo xtask test`: every test, in the order CI runs them.
 
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
 
 use crate::system::{self, cargo};
+use crate::vm::{self, Kernel, Series, Vm};
 use crate::{bench, ebpf, step, sweep};
 
 /// What the privileged tests run: the CNI plugins that wire test pods, `ip`, iptables and bpftool.
@@ -15,23 +19,26 @@ const TEST_PACKAGES: &[&str] = &[
     "bpftool",
 ];
 
-pub fn run(test_args: &[String]) -> Result<()> {
+/// The test targets that drive the kernel (program loading and attaching, packet paths, the
+/// kernel's answers to faults): what runs on the other kernels. `kernel_compat` is optional.
+const KERNEL_FACING: &[&str] = &["datapath", "interfaces", "fuzz", "faults", "kernel_compat"];
+/// The guests have 2 vCPUs (emulated, under TCG).
+const GUEST_TEST_THREADS: u32 = 2;
+/// A test executable that hangs in a guest fails its target after this, and the next one runs.
+const GUEST_TARGET_TIMEOUT_SECS: u32 = 20 * 60;
+
+pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     step("checking test system packages");
     ensure_test_packages()?;
 
     let object = ebpf::build(false)?;
-    let with_object = |mut cmd: Command| {
-        cmd.current_dir(crate::workspace_root())
-            .env("WEIR_EBPF_OBJECT", &object);
-        cmd
-    };
 
     step("checking formatting");
-    system::run(with_object(cargo()).args(["fmt", "--all", "--", "--check"]))?;
+    system::run(with_object(cargo(), &object).args(["fmt", "--all", "--", "--check"]))?;
     system::run(ebpf_on_host().args(["fmt", "--", "--check"]))?;
 
     step("running clippy");
-    system::run(with_object(cargo()).args([
+    system::run(with_object(cargo(), &object).args([
         "clippy",
         "--workspace",
         "--all-targets",
@@ -47,9 +54,9 @@ pub fn run(test_args: &[String]) -> Result<()> {
     system::run(ebpf_on_host().arg("test"))?;
 
     step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
-    system::run(with_object(cargo()).args(["build", "--workspace", "--bins"]))?;
+    system::run(with_object(cargo(), &object).args(["build", "--workspace", "--bins"]))?;
 
-    let mut test = with_object(cargo());
+    let mut test = with_object(cargo(), &object);
     test.args(["test", "--workspace"]);
     privileged_test_runner(&mut test)?;
     test.args(test_args);
@@ -63,7 +70,32 @@ pub fn run(test_args: &[String]) -> Result<()> {
     });
     step("sweeping leftovers of this test run");
     let swept = sweep::run_privileged();
-    result.and(swept)
+    let host = result.and(swept);
+    if host_only {
+        return host;
+    }
+    if host.is_err() {
+        step("the tests failed on this machine's kernel (the error follows); the other kernels' run all the same");
+    }
+    let kernels = kernel_matrix(&object, &Series::ALL, false, &[]);
+    host.and(kernels)
+}
+
+/// `cargo xtask test-kernels`: the kernel-facing test executables (or all of them) in one guest
+/// per kernel of `series`, with `filter` passed to each.
+pub fn run_kernels(series: &[Series], all: bool, filter: &[String]) -> Result<()> {
+    step("checking test system packages");
+    // The guests run this machine's ip, bpftool and CNI plugins.
+    ensure_test_packages()?;
+    let object = ebpf::build(false)?;
+    kernel_matrix(&object, series, all, filter)
+}
+
+/// `cmd` from the workspace root, with the eBPF object the agent embeds.
+fn with_object(mut cmd: Command, object: &Path) -> Command {
+    cmd.current_dir(crate::workspace_root())
+        .env("WEIR_EBPF_OBJECT", object);
+    cmd
 }
 
 /// cargo in `ebpf/` (outside the workspace) with the workspace's toolchain, building for the
@@ -116,4 +148,265 @@ fn privileged_test_runner(test: &mut Command) -> Result<()> {
     }
     eprintln!("warning: not root and no sudo: the privileged tests will skip");
     Ok(())
+}
+
+/// Fetch the kernels, build the tests, run them in one guest per kernel, print the results.
+fn kernel_matrix(object: &Path, series: &[Series], all: bool, filter: &[String]) -> Result<()> {
+    let kernels = series
+        .iter()
+        .map(|&series| vm::kernel(series))
+        .collect::<Result<Vec<_>>>()?;
+    let Some(first) = kernels.first() else {
+        bail!("no kernel to run the tests on");
+    };
+    step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
+    system::run(with_object(cargo(), object).args(["build", "--workspace", "--bins"]))?;
+    step("building the test executables");
+    let targets = test_targets(object, all)?;
+    let vm = Vm::prepare(first)?;
+    let script = guest_script(object, &targets, filter);
+    let runs = kernels
+        .iter()
+        .map(|kernel| run_on_kernel(&vm, kernel, &script, &targets))
+        .collect::<Result<Vec<_>>>()?;
+    print_summary(&runs, &targets);
+    let failed = runs.iter().filter(|run| !run.passed()).count();
+    if failed > 0 {
+        bail!("the tests failed on {failed} of {} kernels", runs.len());
+    }
+    Ok(())
+}
+
+/// A test executable cargo built, as `cargo test` runs it.
+struct TestTarget {
+    label: String,
+    executable: PathBuf,
+    package_dir: PathBuf,
+}
+
+/// The test executables of the workspace (every one with `all`, else the kernel-facing ones),
+/// from cargo's build messages.
+fn test_targets(object: &Path, all: bool) -> Result<Vec<TestTarget>> {
+    let out = with_object(cargo(), object)
+        .args(["test", "--workspace", "--no-run", "--message-format=json"])
+        .stderr(Stdio::inherit())
+        .output()
+        .context("cannot run cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("building the test executables failed: {}", out.status);
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut built: Vec<(String, TestTarget)> = stdout
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter_map(|message| test_target(&message))
+        .collect();
+    if all {
+        let mut targets: Vec<TestTarget> = built.into_iter().map(|(_, target)| target).collect();
+        targets.sort_by(|a, b| a.label.cmp(&b.label));
+        return Ok(targets);
+    }
+    let mut targets = Vec::new();
+    for name in KERNEL_FACING {
+        match built
+            .iter()
+            .position(|(kind, target)| kind == "test" && target.label == *name)
+        {
+            Some(index) => targets.push(built.swap_remove(index).1),
+            None => println!("    no test target {name} in the workspace"),
+        }
+    }
+    if targets.is_empty() {
+        bail!(
+            "none of the kernel-facing test targets ({}) was built",
+            KERNEL_FACING.join(", ")
+        );
+    }
+    Ok(targets)
+}
+
+/// The test executable of a `compiler-artifact` message, with its target's kind (`test`, `lib`,
+/// `bin`, ...).
+fn test_target(message: &Value) -> Option<(String, TestTarget)> {
+    if message["reason"] != "compiler-artifact" || message["profile"]["test"] != true {
+        return None;
+    }
+    let executable = PathBuf::from(message["executable"].as_str()?);
+    let package_dir = Path::new(message["manifest_path"].as_str()?)
+        .parent()?
+        .to_path_buf();
+    let name = message["target"]["name"].as_str()?;
+    let kind = message["target"]["kind"][0].as_str()?.to_owned();
+    // Integration tests go by their name; a crate's own unit tests by its name and kind.
+    let label = if kind == "test" {
+        name.to_owned()
+    } else {
+        format!("{name} ({kind})")
+    };
+    Some((
+        kind,
+        TestTarget {
+            label,
+            executable,
+            package_dir,
+        },
+    ))
+}
+
+/// The guest's script: each test executable in turn as `cargo test` runs it (from its package's
+/// directory, `CARGO_MANIFEST_DIR` set), as CI runs it (`CI=true`: privileged tests fail rather
+/// than skip), each followed by a result marker; the kernel's warnings when one failed.
+fn guest_script(object: &Path, targets: &[TestTarget], filter: &[String]) -> String {
+    let marker = vm::MARKER;
+    let quote = |path: &Path| vm::shell_quote(&path.to_string_lossy());
+    let mut script = format!(
+        r#"export CI=true RUST_BACKTRACE=1 WEIR_EBPF_OBJECT={object}
+failed=0
+# run_target INDEX LABEL DIR EXECUTABLE ARGS...
+run_target() {{
+    local index=$1 label=$2 dir=$3
+    shift 3
+    echo "==> $(uname -r): $label"
+    local start=$SECONDS
+    (cd "$dir" && CARGO_MANIFEST_DIR="$dir" timeout --kill-after=10 {GUEST_TARGET_TIMEOUT_SECS} "$@")
+    local status=$?
+    echo "{marker}result $index $status $((SECONDS - start))"
+    [ "$status" = 0 ] || failed=1
+}}
+"#,
+        object = quote(object),
+    );
+    let args: Vec<String> = std::iter::once(format!("--test-threads={GUEST_TEST_THREADS}"))
+        .chain(filter.iter().cloned())
+        .map(|arg| vm::shell_quote(&arg))
+        .collect();
+    for (index, target) in targets.iter().enumerate() {
+        script += &format!(
+            "run_target {index} {} {} {} {}\n",
+            vm::shell_quote(&target.label),
+            quote(&target.package_dir),
+            quote(&target.executable),
+            args.join(" ")
+        );
+    }
+    script += r#"if [ "$failed" != 0 ]; then
+    echo "==> $(uname -r): the kernel's warnings and errors"
+    dmesg --level=emerg,alert,crit,err,warn | tail -n 50
+fi
+exit "$failed"
+"#;
+    script
+}
+
+/// How one test executable ended in a guest.
+struct TargetResult {
+    status: i32,
+    seconds: u64,
+}
+
+/// Whether a target ran and passed (no result: the guest died before it ended).
+fn target_passed(result: &Option<TargetResult>) -> bool {
+    result.as_ref().is_some_and(|result| result.status == 0)
+}
+
+/// One kernel's guest: when it was up, how long it took, each target's result (none when the
+/// guest died first).
+struct KernelRun<'a> {
+    kernel: &'a Kernel,
+    boot: vm::Boot,
+    elapsed: Duration,
+    results: Vec<Option<TargetResult>>,
+}
+
+impl KernelRun<'_> {
+    fn passed(&self) -> bool {
+        self.boot.status == 0 && self.results.iter().all(target_passed)
+    }
+}
+
+fn run_on_kernel<'a>(
+    vm: &Vm,
+    kernel: &'a Kernel,
+    script: &str,
+    targets: &[TestTarget],
+) -> Result<KernelRun<'a>> {
+    let started = Instant::now();
+    let mut results: Vec<Option<TargetResult>> = targets.iter().map(|_| None).collect();
+    let boot = vm.run(kernel, script, |marker| {
+        let Some((index, result)) = parse_result(marker) else {
+            println!("{}{marker}", vm::MARKER);
+            return;
+        };
+        if let Some(target) = targets.get(index) {
+            println!(
+                "<== {}: {} after {} s",
+                target.label,
+                describe(result.status),
+                result.seconds
+            );
+            results[index] = Some(result);
+        }
+    })?;
+    Ok(KernelRun {
+        kernel,
+        boot,
+        elapsed: started.elapsed(),
+        results,
+    })
+}
+
+/// `result INDEX STATUS SECONDS`, as the guest script prints it after each target.
+fn parse_result(marker: &str) -> Option<(usize, TargetResult)> {
+    let mut words = marker.strip_prefix("result ")?.split(' ');
+    let index = words.next()?.parse().ok()?;
+    let status = words.next()?.parse().ok()?;
+    let seconds = words.next()?.parse().ok()?;
+    Some((index, TargetResult { status, seconds }))
+}
+
+/// A test executable's exit status as bash reports it (128 + N: killed by signal N).
+fn describe(status: i32) -> String {
+    match status {
+        0 => "passed".to_owned(),
+        // timeout(1)'s: the target outlived GUEST_TARGET_TIMEOUT_SECS.
+        124 => format!("FAILED (timed out after {GUEST_TARGET_TIMEOUT_SECS} s)"),
+        129.. => format!("FAILED (killed by signal {})", status - 128),
+        _ => format!("FAILED (exit {status})"),
+    }
+}
+
+/// One line per kernel and target, then the count, as a plain closing line.
+fn print_summary(runs: &[KernelRun], targets: &[TestTarget]) {
+    step("the tests on other kernels");
+    let width = targets.iter().map(|t| t.label.len()).max().unwrap_or(0);
+    let (mut passed, mut failed) = (0, 0);
+    for run in runs {
+        let up = run.boot.boot_time.map_or("never came up".to_owned(), |t| {
+            format!("up after {:.0} s", t.as_secs_f64())
+        });
+        println!(
+            "{}: {up}, {:.0} s in all",
+            run.kernel,
+            run.elapsed.as_secs_f64()
+        );
+        for (target, result) in targets.iter().zip(&run.results) {
+            let outcome = match result {
+                Some(result) => format!("{:>5} s  {}", result.seconds, describe(result.status)),
+                None => "    -    FAILED (no result: the guest died before it ended)".to_owned(),
+            };
+            if target_passed(result) {
+                passed += 1;
+            } else {
+                failed += 1;
+            }
+            println!(
+                "    {:<5} {:<width$}  {outcome}",
+                run.kernel.series, target.label
+            );
+        }
+        if run.boot.status != 0 && run.results.iter().all(target_passed) {
+            println!("    the guest exited with status {}", run.boot.status);
+        }
+    }
+    println!("kernels: {passed} passed, {failed} failed");
 }
