@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::net::IpAddr;
 use std::net::SocketAddrV4;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::rc::Rc;
 
 use aya::maps::{MapData, SkStorage};
@@ -80,12 +80,13 @@ pub type CookieAnswers = SkStorage<MapData, u64>;
 /// sockets in it. `SO_NETNS_COOKIE` tells it from 5.14; before, weir's own connect hook does,
 /// into `answers`, once the datapath is attached.
 pub fn current_cookie(answers: Option<&CookieAnswers>) -> io::Result<u64> {
-    let socket = rustix::net::socket_with(
-        rustix::net::AddressFamily::INET,
-        rustix::net::SocketType::DGRAM,
-        rustix::net::SocketFlags::CLOEXEC,
-        None,
-    )?;
+    cookie_of(udp_socket()?.as_fd(), answers)
+}
+
+/// [`current_cookie`], asked on `socket`, one the caller already made in the calling thread's
+/// network namespace (enrollment's rtnetlink socket): no socket of its own where the kernel has
+/// `SO_NETNS_COOKIE`.
+pub fn cookie_of(socket: BorrowedFd<'_>, answers: Option<&CookieAnswers>) -> io::Result<u64> {
     let mut cookie = 0u64;
     let mut len = size_of::<u64>() as libc::socklen_t;
     // SAFETY: `cookie` and `len` are valid for writes and `len` is `cookie`'s size.
@@ -105,21 +106,31 @@ pub fn current_cookie(answers: Option<&CookieAnswers>) -> io::Result<u64> {
     if error.raw_os_error() != Some(libc::ENOPROTOOPT) {
         return Err(error);
     }
-    cookie_from_connect_hook(&socket, answers)
+    cookie_from_connect_hook(answers)
+}
+
+fn udp_socket() -> io::Result<OwnedFd> {
+    Ok(rustix::net::socket_with(
+        rustix::net::AddressFamily::INET,
+        rustix::net::SocketType::DGRAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )?)
 }
 
 /// Linux before 5.14: a connect to the question's address, which the hook refuses after storing
 /// the cookie on the socket.
-fn cookie_from_connect_hook(socket: &OwnedFd, answers: Option<&CookieAnswers>) -> io::Result<u64> {
+fn cookie_from_connect_hook(answers: Option<&CookieAnswers>) -> io::Result<u64> {
     let answers = answers.ok_or_else(|| {
         io::Error::other(
             "this kernel has no SO_NETNS_COOKIE (Linux 5.14), and weir's datapath is not \
              attached to tell it",
         )
     })?;
+    let socket = udp_socket()?;
     let question = SocketAddrV4::new(PROBE_SOURCE_V4.into(), NETNS_COOKIE_PORT);
-    let _refused = rustix::net::connect(socket, &question);
-    answers.get(socket, 0).map_err(|error| {
+    let _refused = rustix::net::connect(&socket, &question);
+    answers.get(&socket, 0).map_err(|error| {
         io::Error::other(format!(
             "weir's connect hook did not tell the netns cookie: {error}"
         ))

@@ -114,8 +114,8 @@ impl Owner {
             .enter(netns_file.as_fd())
             .context("entering the pod netns")?;
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
-        let netns_cookie =
-            netns::current_cookie(Some(&self.cookie_answers)).context("the pod's netns cookie")?;
+        let netns_cookie = netns::cookie_of(rtnl.as_fd(), Some(&self.cookie_answers))
+            .context("the pod's netns cookie")?;
         let subscription = self.subscribe(&pod.uid, netns_cookie, netns_file.as_fd())?;
         stopwatch.lap("netns");
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces");
