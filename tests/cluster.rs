@@ -24,13 +24,15 @@ use weir_agent::{
         SIDECAR_STATUS_ANNOTATION, UNINITIALIZED_LABEL,
     },
 };
-use weir_common::OUTBOUND_PORT;
+use weir_common::{DNS_PORT, OUTBOUND_PORT};
 use weir_tests::{
     agent::{http_get, http_status, Agent, NodeFiles},
     cgroup::{CgroupDriver, PodProcess},
     chain::wait_for_metric,
     cni::{Command, NetworkConfigList},
-    tcp_request, ApiServer, EchoServer, Fixture, PodSpec, ZdsEvent, ZdsZtunnel, APP_PORT,
+    tcp_request, udp_request,
+    ztunnel::DNS_REPLY_PREFIX,
+    ApiServer, EchoServer, Fixture, PodSpec, ZdsEvent, ZdsZtunnel, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(5);
@@ -746,6 +748,45 @@ fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
         &agent,
         r#"istio_cni_repair_pods_repaired_total{type="repair",result="success"} 1"#,
     );
+    agent.stop().unwrap();
+}
+
+/// A pod enrolled live was found through a process's `/proc/<pid>/ns/net`. Once that process
+/// is gone the path names nothing, or, after the PID is reused, another namespace (the node's
+/// among them): changes to the pod apply to the namespace the agent holds, never to a path.
+#[test]
+fn a_live_enrolled_pod_keeps_its_netns_when_the_process_it_was_found_by_exits() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let (uid, pod) = cluster.pod_with_object(MESH, "app");
+    let process = PodProcess::start(pod.netns(), &uid, CgroupDriver::Cgroupfs).unwrap();
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    cluster.set_running(MESH, "app", &ips_of(&pod));
+    ztunnel.wait_for_pod(&uid, WAIT).expect("enrolled live");
+    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    drop(process);
+
+    let resolver = SocketAddr::new(cluster.node.node().gateway_v4().into(), DNS_PORT);
+    let captured = |answer: &weir_tests::UdpReply| answer.response.starts_with(DNS_REPLY_PREFIX);
+    let answer = pod.run(|| udp_request(resolver, "query")).unwrap();
+    assert!(captured(&answer), "DNS capture is on by default");
+    let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
+    object.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "false")]);
+    cluster.api.update(&object);
+    let deadline = std::time::Instant::now() + WAIT;
+    while pod
+        .run(|| udp_request(resolver, "query"))
+        .is_ok_and(|answer| captured(&answer))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the annotation did not reach the pod's netns"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(ztunnel.pod(&uid).is_some(), "the pod stays enrolled");
     agent.stop().unwrap();
 }
 

@@ -981,6 +981,113 @@ fn failed_enrollment_leaves_nothing_behind() {
     datapath.uninstall().unwrap();
 }
 
+#[test]
+fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let _echo = EchoServer::app(&server).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    // With `lo` down the return path cannot be set up again: the new options fail midway.
+    let lo = |state| ip(&["-n", pod.netns().name(), "link", "set", "lo", state]).unwrap();
+    lo("down");
+    let bypass = PodOptions {
+        inbound_bypass: true,
+        ..PodOptions::default()
+    };
+    datapath
+        .enroll(pod.workload(bypass))
+        .expect_err("re-enrollment fails");
+    lo("up");
+
+    assert!(datapath.is_redirected(pod.uid()).unwrap());
+    assert!(datapath.audit().unwrap().is_empty());
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    pod.run(|| tcp_request(target, "still captured")).unwrap();
+    let seen = ztunnel
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .expect("outbound still goes to ztunnel");
+    assert_eq!(seen.original_dst, Some(target));
+    // Inbound too: the options of the failed attempt did not apply.
+    let to_pod = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let _ = server.run(|| tcp_request(to_pod, "inbound"));
+    assert!(ztunnel
+        .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
+        .is_some());
+    datapath.uninstall().unwrap();
+}
+
+#[test]
+fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let echo = EchoServer::app(&server).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    // As an operator's `bpftool map delete` would.
+    let pinned = fixture
+        .node()
+        .pinned_map(weir_common::maps::POD_IPS)
+        .unwrap();
+    let mut pod_ips: aya::maps::HashMap<_, weir_common::IpKey, u64> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(pinned)).unwrap();
+    let keys: Vec<_> = pod_ips.keys().map(Result::unwrap).collect();
+    assert!(!keys.is_empty());
+    for key in &keys {
+        pod_ips.remove(key).unwrap();
+    }
+
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let reply = pod.run(|| tcp_request(target, "uncaptured")).unwrap();
+    assert_eq!(
+        reply.response,
+        echo.reply_to("uncaptured"),
+        "capture is lost"
+    );
+    assert!(!datapath.is_redirected(pod.uid()).unwrap());
+
+    let found = datapath.audit().unwrap();
+    assert!(!found.is_empty());
+    assert!(
+        found.iter().all(|kind| *kind == "address_missing"),
+        "{found:?}"
+    );
+    assert!(datapath.is_redirected(pod.uid()).unwrap());
+    pod.run(|| tcp_request(target, "captured again")).unwrap();
+    assert!(ztunnel
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .is_some());
+    assert!(datapath.audit().unwrap().is_empty(), "nothing left to find");
+    datapath.uninstall().unwrap();
+}
+
+#[test]
+fn the_nodes_own_netns_is_never_enrolled() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let pod = fixture.pod("app");
+    let datapath = fixture.start_datapath();
+    let node = Workload {
+        netns: fixture.node().netns().path().to_path_buf(),
+        ..pod.workload(PodOptions::default())
+    };
+    let error = datapath
+        .enroll(node)
+        .expect_err("the node's netns is refused");
+    assert!(
+        format!("{error:#}").contains("node's own network namespace"),
+        "{error:#}"
+    );
+    assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
+    assert!(datapath.enrolled().unwrap().is_empty());
+    datapath.uninstall().unwrap();
+}
+
 /// With `--bpf-log` the programs carry their logging code, which the verifier must accept too,
 /// and the agent forwards their records to the `log` crate.
 #[test]

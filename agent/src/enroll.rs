@@ -31,7 +31,7 @@ use tracing::{info, warn};
 use weir_cni::protocol::Attachment;
 
 use crate::{
-    datapath::{Datapath, PodNetns},
+    datapath::{Datapath, EnrollNetns, PodNetns},
     policy::{PodName, PolicySource},
     state::StateFile,
     workload::Workload,
@@ -436,11 +436,18 @@ impl Enroller {
         result
     }
 
-    /// Where a pod is enrolled: redirection in place, then ztunnel's Ack, then enabled.
+    /// Enrolls a pod in the netns at its path, as the runtime gives it.
     pub async fn enroll(&self, pod: &Workload) -> Result<Status> {
+        self.enroll_in(pod, EnrollNetns::Path).await
+    }
+
+    /// Where a pod is enrolled: redirection in place, then ztunnel's Ack, then enabled.
+    pub async fn enroll_in(&self, pod: &Workload, netns: EnrollNetns) -> Result<Status> {
         let owned = pod.clone();
         let started = std::time::Instant::now();
-        let netns = self.datapath_call(move |d| d.enroll(owned)).await?;
+        let netns = self
+            .datapath_call(move |d| d.enroll_in(owned, netns))
+            .await?;
         self.redirect_seconds
             .observe(started.elapsed().as_secs_f64());
         fail::fail_point!("enroll-redirected");

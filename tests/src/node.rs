@@ -235,6 +235,16 @@ impl TestNode {
         crate::agent::datapath_config(self.netns().name())
     }
 
+    /// One of the maps of the datapath pinned for this node, opened as bpftool would.
+    pub fn pinned_map(&self, name: &str) -> Result<aya::maps::MapData> {
+        let pin_root = self.datapath_config().pin_root;
+        let path = pin_root
+            .join(format!("abi-{}", weir_common::ABI_VERSION))
+            .join(name);
+        Ok(aya::maps::MapData::from_pin(&path)
+            .with_context(|| format!("opening {}", path.display()))?)
+    }
+
     /// Runs `f` on the node, where kubelet probes and other hosts' servers live.
     pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         self.shared.netns.run(f)

@@ -31,6 +31,7 @@ use tracing::{debug, info, warn};
 
 use super::{facts_of, repair::Repair, Change, Reflectors};
 use crate::{
+    datapath::EnrollNetns,
     enroll::Enroller,
     policy::{AmbientPod, PodName, PolicyConfig, PolicySource, Warning},
     workload::Workload,
@@ -281,7 +282,7 @@ impl Reconciler {
                             options: ambient.options.clone(),
                             ..record.clone()
                         };
-                        self.enroller.enroll(&updated).await?;
+                        self.enroller.enroll_in(&updated, EnrollNetns::Held).await?;
                         info!(%name, uid, options = ?ambient.options, "pod options applied live");
                     }
                     return Ok(());
@@ -327,9 +328,9 @@ impl Reconciler {
             options: ambient.options,
             attachment,
         };
-        // `found` holds the namespace open while it is enrolled.
-        self.enroller.enroll(&pod).await?;
-        drop(found);
+        self.enroller
+            .enroll_in(&pod, EnrollNetns::Found(found.netns))
+            .await?;
         info!(%name, uid, "running pod enrolled");
         Ok(())
     }

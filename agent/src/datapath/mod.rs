@@ -13,6 +13,7 @@
 //!
 //! [`pinned_pods`] is the one reader that needs no owner: it opens the pinned maps read-only, for
 //! an operator's `weir-agent pods` next to a running agent.
+mod audit;
 mod discovery;
 mod handoff;
 mod kernel;
@@ -37,6 +38,7 @@ use std::{
     path::{Path, PathBuf},
     sync::mpsc,
     thread,
+    time::{Duration, Instant},
 };
 
 use anyhow::{anyhow, Context, Result};
@@ -83,7 +85,7 @@ impl Default for DatapathConfig {
 type Reply<T> = mpsc::SyncSender<Result<T>>;
 
 enum Command {
-    Enroll(Workload, Reply<OwnedFd>),
+    Enroll(Workload, EnrollNetns, Reply<OwnedFd>),
     Unenroll(String, Reply<bool>),
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
@@ -102,6 +104,7 @@ enum Command {
         netns_cookie: u64,
     },
     Enrolled(Reply<Vec<String>>),
+    Audit(Reply<Vec<&'static str>>),
     Stop {
         uninstall: bool,
         reply: Reply<()>,
@@ -113,6 +116,7 @@ pub struct Datapath {
     commands: mpsc::Sender<Command>,
     thread: std::sync::Mutex<Option<thread::JoinHandle<()>>>,
     enroll_steps: pods::EnrollSteps,
+    mismatches: audit::Mismatches,
 }
 
 impl Datapath {
@@ -123,17 +127,21 @@ impl Datapath {
         let changes = commands.clone();
         let enroll_steps = pods::EnrollSteps::default();
         let steps = enroll_steps.clone();
+        let mismatches = audit::Mismatches::default();
+        let counted = mismatches.clone();
         let thread = thread::Builder::new()
             .name("weir-datapath".into())
-            .spawn(move || match Owner::open(&config, changes, steps) {
-                Ok(mut owner) => {
-                    let _ = ready_tx.send(Ok(()));
-                    owner.serve(inbox);
-                }
-                Err(error) => {
-                    let _ = ready_tx.send(Err(error));
-                }
-            })
+            .spawn(
+                move || match Owner::open(&config, changes, steps, counted) {
+                    Ok(mut owner) => {
+                        let _ = ready_tx.send(Ok(()));
+                        owner.serve(inbox);
+                    }
+                    Err(error) => {
+                        let _ = ready_tx.send(Err(error));
+                    }
+                },
+            )
             .context("spawning the datapath thread")?;
         ready
             .recv()
@@ -142,11 +150,13 @@ impl Datapath {
             commands,
             thread: std::sync::Mutex::new(Some(thread)),
             enroll_steps,
+            mismatches,
         })
     }
 
     pub fn register_metrics(&self, registry: &mut Registry) {
         self.enroll_steps.register(registry);
+        self.mismatches.register(registry);
     }
 
     fn ask<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T> {
@@ -159,10 +169,17 @@ impl Datapath {
             .map_err(|_| anyhow!("the datapath thread is gone"))?
     }
 
-    /// Redirects the pod's traffic to ztunnel. Idempotent: enrolling again applies new options.
-    /// Returns a handle on the pod's netns (the one the datapath holds), for ztunnel.
+    /// Redirects the pod's traffic to ztunnel, in the netns at its path (as the runtime gives
+    /// it). Idempotent: enrolling again applies new options. Returns a handle on the pod's netns
+    /// (the one the datapath holds), for ztunnel.
     pub fn enroll(&self, pod: Workload) -> Result<OwnedFd> {
-        self.ask(|reply| Command::Enroll(pod, reply))
+        self.enroll_in(pod, EnrollNetns::Path)
+    }
+
+    /// [`Self::enroll`] in the given network namespace. A failed attempt undoes only what it
+    /// wrote: a pod enrolled before stays redirected as it was. The node's own netns is refused.
+    pub fn enroll_in(&self, pod: Workload, netns: EnrollNetns) -> Result<OwnedFd> {
+        self.ask(|reply| Command::Enroll(pod, netns, reply))
     }
 
     /// Removes the pod's redirection; `Ok(false)` when it was not enrolled.
@@ -223,6 +240,13 @@ impl Datapath {
         self.ask(|reply| Command::Orphaned(only, reply))
     }
 
+    /// Compares the maps with the enrolled pods now (the owner also does every
+    /// [`AUDIT_INTERVAL`]): writes back missing entries of enrolled pods, and returns the kind of
+    /// each mismatch found (`weir_datapath_mismatches_total`).
+    pub fn audit(&self) -> Result<Vec<&'static str>> {
+        self.ask(Command::Audit)
+    }
+
     /// Uids of the enrolled pods.
     pub fn enrolled(&self) -> Result<Vec<String>> {
         self.ask(Command::Enrolled)
@@ -248,15 +272,33 @@ impl Datapath {
     }
 }
 
+/// How often the owner compares the maps with the pods it enrolled.
+pub const AUDIT_INTERVAL: Duration = Duration::from_secs(30);
+
 /// Where the maps of this build's layout are pinned.
 fn maps_dir(pin_root: &Path) -> PathBuf {
     pin_root.join(format!("abi-{ABI_VERSION}"))
+}
+
+/// Which network namespace an enrollment redirects.
+#[derive(Debug)]
+pub enum EnrollNetns {
+    /// The one at the pod's `netns` path, opened now: what the runtime just gave (a CNI ADD).
+    Path,
+    /// The one the datapath holds for the enrolled pod. A recorded path may name another
+    /// namespace by now (a `/proc/<pid>/ns/net` after the PID was reused), so it is never
+    /// reopened to change a pod.
+    Held,
+    /// One the caller found and holds (a running pod enrolled live).
+    Found(OwnedFd),
 }
 
 /// One enrolled pod as the owner tracks it.
 struct Enrolled {
     netns_cookie: u64,
     ips: Vec<IpKey>,
+    /// Its `PODS` entry as written, to restore it when a later attempt fails.
+    config: PodConfig,
     /// Held so per-pod state can be undone while the pod lives; `None` for pods found in the
     /// pinned maps after a restart.
     netns: Option<File>,
@@ -282,9 +324,12 @@ struct Owner {
     /// How the netns cookie is learnt on kernels without `SO_NETNS_COOKIE` (before 5.14).
     cookie_answers: netns::CookieAnswers,
     enroll_steps: pods::EnrollSteps,
+    mismatches: audit::Mismatches,
     sysctls: netns::ReplyMarkSysctls,
     /// The thread's own netns (the node's), which enrolling and unenrolling come back to.
     home: netns::Home,
+    /// Its cookie: never enrolled as a pod's, whatever path or process claims it.
+    node_netns_cookie: u64,
 }
 
 impl Owner {
@@ -292,6 +337,7 @@ impl Owner {
         config: &DatapathConfig,
         changes: mpsc::Sender<Command>,
         enroll_steps: pods::EnrollSteps,
+        mismatches: audit::Mismatches,
     ) -> Result<Self> {
         if let Some(node) = &config.node_netns {
             let file = File::open(node).with_context(|| format!("opening {}", node.display()))?;
@@ -330,9 +376,10 @@ impl Owner {
 
         let mut node_config: Array<MapData, NodeConfig> =
             programs::take_map(&mut ebpf, maps::NODE_CONFIG)?;
+        let node_netns_cookie = netns::current_cookie(Some(&cookie_answers))?;
         let host_netns_cookie = if config.probe_bypass {
             netlink::install_probe_source().context("making the probe source address local")?;
-            netns::current_cookie(Some(&cookie_answers))?
+            node_netns_cookie
         } else {
             0
         };
@@ -362,16 +409,29 @@ impl Owner {
             handoff,
             cookie_answers,
             enroll_steps,
+            mismatches,
             sysctls: netns::ReplyMarkSysctls::new(),
             home: netns::Home::current().context("the datapath thread's netns")?,
+            node_netns_cookie,
         })
     }
 
     fn serve(&mut self, inbox: mpsc::Receiver<Command>) {
-        while let Ok(command) = inbox.recv() {
+        let mut next_audit = Instant::now() + AUDIT_INTERVAL;
+        loop {
+            let command =
+                match inbox.recv_timeout(next_audit.saturating_duration_since(Instant::now())) {
+                    Ok(command) => command,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        self.audit();
+                        next_audit = Instant::now() + AUDIT_INTERVAL;
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                };
             match command {
-                Command::Enroll(pod, reply) => {
-                    let _ = reply.send(self.enroll(&pod));
+                Command::Enroll(pod, netns, reply) => {
+                    let _ = reply.send(self.enroll(&pod, netns));
                 }
                 Command::Unenroll(uid, reply) => {
                     let _ = reply.send(self.unenroll(&uid));
@@ -402,6 +462,9 @@ impl Owner {
                 }
                 Command::Orphaned(only, reply) => {
                     let _ = reply.send(Ok(self.orphaned(only.as_deref())));
+                }
+                Command::Audit(reply) => {
+                    let _ = reply.send(Ok(self.audit()));
                 }
                 Command::Enrolled(reply) => {
                     let _ = reply.send(Ok(self.pods.keys().cloned().collect()));

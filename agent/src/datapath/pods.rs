@@ -24,7 +24,7 @@ use weir_common::{
     POD_SOCKET_LOOKUP_HANDOFF, POD_UID_LEN,
 };
 
-use super::{handoff::Handoff, programs, watch::Interfaces, Enrolled, Owner};
+use super::{handoff::Handoff, programs, watch::Interfaces, EnrollNetns, Enrolled, Owner};
 use crate::{
     netlink::{self, PodSetup, Rtnl},
     netns::{self, ReplyMarkSysctls},
@@ -101,13 +101,12 @@ impl Owner {
     /// dials the pod only once it has the pod, after enrollment, and a pod moving from another
     /// layout has it already. Any failure takes the pod out entirely: never half-redirected.
     /// Each step is timed ([`EnrollSteps`]).
-    pub(super) fn enroll(&mut self, pod: &Workload) -> Result<OwnedFd> {
+    pub(super) fn enroll(&mut self, pod: &Workload, netns: EnrollNetns) -> Result<OwnedFd> {
         let steps = self.enroll_steps.clone();
         let mut stopwatch = steps.stopwatch();
         let config = pod_config(pod, self.handoff.is_some())?;
         let pod_ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
-        let netns_file = File::open(&pod.netns)
-            .with_context(|| format!("opening pod netns {}", pod.netns.display()))?;
+        let netns_file = self.open_netns(pod, netns)?;
         // Map writes do not depend on the calling thread's netns, so every step runs in the pod.
         let inside = self
             .home
@@ -116,6 +115,12 @@ impl Owner {
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
         let netns_cookie = netns::cookie_of(rtnl.as_fd(), Some(&self.cookie_answers))
             .context("the pod's netns cookie")?;
+        if netns_cookie == self.node_netns_cookie {
+            bail!(
+                "refusing to redirect the node's own network namespace as pod {}",
+                pod.uid
+            );
+        }
         let subscription = self.subscribe(&pod.uid, netns_cookie, netns_file.as_fd())?;
         stopwatch.lap("netns");
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces");
@@ -128,6 +133,11 @@ impl Owner {
             .map(|ip| ip_key(*ip))
             .filter(|ip| !pod_ips.contains(ip))
             .collect();
+        let before = self.pods.get(&pod.uid).map(|previous| Previous {
+            netns_cookie: previous.netns_cookie,
+            ips: previous.ips.clone(),
+            config: previous.config,
+        });
         let redirected = found.and_then(|found| {
             let ips = self.redirect(
                 pod,
@@ -144,13 +154,27 @@ impl Owner {
         let ips = match redirected {
             Ok(ips) => ips,
             Err(error) => {
-                self.remove_map_entries(&pod.uid);
                 let written = [&pod_ips[..], &other_ips].concat();
-                self.remove_entries(netns_cookie, &written);
-                undo_pod_netns(&mut rtnl);
+                self.roll_back(netns_cookie, &written, before.as_ref(), &mut rtnl);
                 return Err(error.context(format!("enrolling pod {}", pod.uid)));
             }
         };
+        // Only now that the new entries are in place do the previous ones go: a sandbox
+        // recreated with another netns drops the old netns' entries, a pod re-enrolled in place
+        // the addresses it no longer has.
+        if let Some(before) = &before {
+            if before.netns_cookie != netns_cookie {
+                self.remove_entries(before.netns_cookie, &before.ips);
+            } else {
+                let gone: Vec<IpKey> = before
+                    .ips
+                    .iter()
+                    .filter(|ip| !ips.contains(ip))
+                    .copied()
+                    .collect();
+                self.remove_ip_entries(netns_cookie, &gone);
+            }
+        }
         debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
         let handle = netns_file.try_clone()?.into();
         self.pods.insert(
@@ -158,12 +182,68 @@ impl Owner {
             Enrolled {
                 netns_cookie,
                 ips,
+                config,
                 netns: Some(netns_file),
             },
         );
         drop(inside);
         stopwatch.lap("finish");
         Ok(handle)
+    }
+
+    fn open_netns(&self, pod: &Workload, netns: EnrollNetns) -> Result<File> {
+        match netns {
+            EnrollNetns::Path => File::open(&pod.netns)
+                .with_context(|| format!("opening pod netns {}", pod.netns.display())),
+            EnrollNetns::Held => self
+                .pods
+                .get(&pod.uid)
+                .and_then(|enrolled| enrolled.netns.as_ref())
+                .context("the pod's network namespace is not held: it must be found again")?
+                .try_clone()
+                .context("duplicating the held pod netns"),
+            EnrollNetns::Found(fd) => Ok(File::from(fd)),
+        }
+    }
+
+    /// Undoes what one failed enrollment wrote, and nothing it found: a pod that was
+    /// redirected before the attempt stays redirected as it was, its previous entries and
+    /// programs intact.
+    fn roll_back(
+        &mut self,
+        netns_cookie: u64,
+        written: &[IpKey],
+        before: Option<&Previous>,
+        rtnl: &mut Rtnl,
+    ) {
+        let Some(before) = before else {
+            self.remove_entries(netns_cookie, written);
+            undo_pod_netns(rtnl);
+            return;
+        };
+        let new: Vec<IpKey> = written
+            .iter()
+            .filter(|ip| before.netns_cookie != netns_cookie || !before.ips.contains(ip))
+            .copied()
+            .collect();
+        if before.netns_cookie == netns_cookie {
+            self.remove_ip_entries(netns_cookie, &new);
+            if let Err(error) = self.pods_map.insert(netns_cookie, before.config, 0) {
+                warn!(netns_cookie, %error, "restoring the pod's previous entry");
+            }
+            return;
+        }
+        // Another netns: the attempt's entries all go, and addresses it took over from the
+        // previous netns are handed back.
+        self.remove_entries(netns_cookie, &new);
+        undo_pod_netns(rtnl);
+        for ip in &before.ips {
+            if self.pod_ips.get(ip, 0).is_err() {
+                if let Err(error) = self.pod_ips.insert(ip, before.netns_cookie, BPF_NOEXIST) {
+                    warn!(netns_cookie, %error, "restoring the pod's previous address");
+                }
+            }
+        }
     }
 
     /// The steps of [`Self::enroll`] inside the pod's netns; returns the addresses indexed for
@@ -179,21 +259,6 @@ impl Owner {
         (pod_ips, other_ips): (&[IpKey], &[IpKey]),
         stopwatch: &mut Stopwatch,
     ) -> Result<Vec<IpKey>> {
-        // A pod re-enrolled with another netns (sandbox recreated) drops its old entries; one
-        // re-enrolled in place drops the addresses it no longer has.
-        if let Some(previous) = self.pods.get(&pod.uid) {
-            if previous.netns_cookie != netns_cookie {
-                self.remove_map_entries(&pod.uid);
-            } else {
-                let gone: Vec<IpKey> = previous
-                    .ips
-                    .iter()
-                    .filter(|ip| !pod_ips.contains(ip) && !other_ips.contains(ip))
-                    .copied()
-                    .collect();
-                self.remove_ip_entries(netns_cookie, &gone);
-            }
-        }
         self.sysctls
             .set(config.has(POD_HAS_IPV4), config.has(POD_HAS_IPV6))
             .context("reply-mark sysctls")?;
@@ -381,6 +446,13 @@ fn set_up_pod_netns(
         .context("tc programs and rerouting rules")?;
     step_done("tc");
     Ok(())
+}
+
+/// A pod's enrollment as it stood before an attempt to enroll it again.
+struct Previous {
+    netns_cookie: u64,
+    ips: Vec<IpKey>,
+    config: PodConfig,
 }
 
 /// Best effort: called on rollback and unenroll, where the pod may be half set up or gone.

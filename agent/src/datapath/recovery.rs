@@ -27,6 +27,7 @@ pub(super) fn recover_pods(
             let enrolled = Enrolled {
                 netns_cookie: entry.netns_cookie,
                 ips: entry.ips,
+                config: entry.config,
                 netns: None,
             };
             (entry.uid, enrolled)

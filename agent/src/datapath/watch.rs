@@ -19,7 +19,7 @@ use netlink_sys::Socket;
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
-use super::{Command, Owner};
+use super::{Command, EnrollNetns, Owner};
 use crate::{
     netlink::{self, Rtnl},
     workload::Workload,
@@ -244,9 +244,8 @@ impl Owner {
         }
         let workload = watch.workload.clone();
         debug!(uid, "pod interfaces changed");
-        if let Err(error) = self.enroll(&workload) {
-            // Enrollment took the pod out entirely: stop following it too.
-            self.watches.remove(uid);
+        // A failed attempt leaves the pod as it was enrolled; the next change tries again.
+        if let Err(error) = self.enroll(&workload, EnrollNetns::Held) {
             warn!(
                 uid,
                 error = format!("{error:#}"),
