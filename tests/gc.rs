@@ -48,6 +48,55 @@ fn assert_removed_and_kept(agent: &Agent, ztunnel: &ZdsZtunnel, removed: &Pod, k
     }));
 }
 
+/// Detaches the pod's netns from its path, as `ip netns delete` (and a runtime removing the
+/// sandbox) does.
+fn unmount_netns(pod: &Pod) {
+    let status = Process::new("umount")
+        .arg("--lazy")
+        .arg(pod.netns_path())
+        .status()
+        .unwrap();
+    assert!(status.success(), "umount {}", pod.netns_path().display());
+}
+
+/// A process in a mount namespace of its own that bind-mounts a pod's netns there, and stays in
+/// the node's netns: only that mount holds the pod's.
+struct PinElsewhere {
+    process: std::process::Child,
+    _mount_point: tempfile::TempPath,
+}
+
+impl PinElsewhere {
+    fn start(pod: &Pod) -> Self {
+        let target = tempfile::NamedTempFile::new().unwrap().into_temp_path();
+        let script = format!(
+            "mount --bind {} {} && echo pinned && exec sleep 600",
+            pod.netns_path().display(),
+            target.display()
+        );
+        let mut child = Process::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", &script])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        let stdout = child.stdout.take().unwrap();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).unwrap();
+        assert_eq!(line.trim(), "pinned", "the pin in another mount namespace");
+        Self {
+            process: child,
+            _mount_point: target,
+        }
+    }
+}
+
+impl Drop for PinElsewhere {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
 #[test]
 fn gc_unenrolls_the_pods_whose_attachment_the_runtime_no_longer_lists() {
     let Some(node) = ChainNode::privileged() else {
@@ -56,11 +105,17 @@ fn gc_unenrolls_the_pods_whose_attachment_the_runtime_no_longer_lists() {
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, kept, kept_ztunnel) = node.server_and_ambient_pod(&ztunnel, "kept");
     let (stale, _) = node.ambient_pod(&ztunnel, "stale");
+    let (unlisted, unlisted_ztunnel) = node.ambient_pod(&ztunnel, "unlisted");
     let pin_root = agent.config.datapath.pin_root.clone();
 
-    // The runtime still has `server` (not ambient) and `kept`; `stale`'s sandbox is gone.
+    // The runtime still has `server` (not ambient) and `kept`; `stale`'s sandbox is gone, its
+    // netns with it. `unlisted` is missing from the list too, but its netns is still there: a
+    // runtime's list that lags or errs must not take a live pod's capture away.
+    unmount_netns(&stale);
     gc(&node, &[&server, &kept]).expect("GC succeeds");
     assert_removed_and_kept(&agent, &ztunnel, &stale, &kept);
+    assert!(uids_in_maps(&pin_root).contains(unlisted.uid()));
+    assert_through_ztunnel(&unlisted, &unlisted_ztunnel, &server, &echo, "unlisted");
 
     // The listed pod still goes through ztunnel; the collected one talks directly again.
     assert_through_ztunnel(&kept, &kept_ztunnel, &server, &echo, "kept");
@@ -92,27 +147,27 @@ fn the_sweep_unenrolls_a_pod_whose_del_never_came_and_keeps_one_still_held() {
     .expect("agent ready");
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
     let (server, echo, held, held_ztunnel) = node.server_and_ambient_pod(&ztunnel, "held");
+    let (pinned, pinned_ztunnel) = node.ambient_pod(&ztunnel, "pinned");
+    // `pinned` keeps a mount in another mount namespace, as a runtime with a mount namespace of
+    // its own pins it; `released` comes after, so that namespace has no copy of its mount.
+    let _pin = PinElsewhere::start(&pinned);
     let (released, _) = node.ambient_pod(&ztunnel, "released");
 
-    // Both lose the runtime's bind mount without a DEL; only `held` keeps a process. `held`
-    // goes first, so the sweep that finds `released` gone has seen `held` unmounted too.
+    // All lose the runtime's bind mount without a DEL; `held` keeps a process. `released` goes
+    // last, so the sweep that finds it gone has seen the others unmounted.
     let _process = PodProcess::start(held.netns(), held.uid(), CgroupDriver::Cgroupfs).unwrap();
-    for pod in [&held, &released] {
-        // Detached, as `ip netns delete` unmounts it.
-        let status = Process::new("umount")
-            .arg("--lazy")
-            .arg(pod.netns_path())
-            .status()
-            .unwrap();
-        assert!(status.success(), "umount {}", pod.netns_path().display());
+    for pod in [&held, &pinned, &released] {
+        unmount_netns(pod);
     }
 
     // The sweep removed the released pod, and counted it once that was done.
     wait_for_metric(&agent, "weir_orphans_removed_total 1");
     assert_removed_and_kept(&agent, &ztunnel, &released, &held);
+    assert!(uids_in_maps(&agent.config.datapath.pin_root).contains(pinned.uid()));
 
-    // The held pod is still redirected.
+    // The held and pinned pods are still redirected.
     assert_through_ztunnel(&held, &held_ztunnel, &server, &echo, "held");
+    assert_through_ztunnel(&pinned, &pinned_ztunnel, &server, &echo, "pinned");
     agent.stop().unwrap();
 }
 

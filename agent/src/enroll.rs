@@ -71,6 +71,9 @@ pub struct Enroller {
     recovery_failures: Counter,
     /// Pods unenrolled because nothing but weir and ztunnel held their netns any more.
     orphans_removed: Counter,
+    /// Pods that looked orphaned (to the sweep or GC) but were kept: their netns could be held
+    /// where the agent could not look.
+    orphans_kept: Counter,
 }
 
 impl Enroller {
@@ -92,6 +95,7 @@ impl Enroller {
             redirect_seconds: Histogram::new(exponential_buckets(50e-6, 2.0, 12)),
             recovery_failures: Counter::default(),
             orphans_removed: Counter::default(),
+            orphans_kept: Counter::default(),
         })
     }
 
@@ -119,6 +123,12 @@ impl Enroller {
             "weir_orphans_removed",
             "Enrolled pods unenrolled because no process and no mount held their netns any more",
             self.orphans_removed.clone(),
+        );
+        registry.register(
+            "weir_orphans_kept",
+            "Enrolled pods that looked orphaned (to the orphan sweep or CNI GC) but were kept: \
+             their netns could be held where the agent could not look",
+            self.orphans_kept.clone(),
         );
     }
 
@@ -194,7 +204,9 @@ impl Enroller {
         Ok(())
     }
 
-    /// CNI GC: unenrolls every pod enrolled through an attachment the runtime no longer lists.
+    /// CNI GC: unenrolls every pod enrolled through an attachment the runtime no longer lists
+    /// and whose netns nothing holds any more: a runtime's list alone never takes a live pod's
+    /// capture away.
     /// A pod enrolled without one (live, or recorded by an older agent) is not the runtime's to
     /// judge and stays; the orphan sweep covers it. Each pod is decided in its turn from its
     /// current record, so one re-added meanwhile under a new container stays. A failing pod
@@ -219,7 +231,17 @@ impl Enroller {
             let outcome = self
                 .in_turn(&uid, async {
                     match self.state.get(&uid) {
-                        Some(pod) if stale(&pod) => self.unenroll(&uid).await.map(|_| true),
+                        Some(pod) if stale(&pod) => {
+                            if !self.certainly_orphaned(&uid).await? {
+                                info!(
+                                    uid,
+                                    "GC: the runtime no longer lists the pod's attachment, but \
+                                     its netns is still held: kept"
+                                );
+                                return Ok(false);
+                            }
+                            self.unenroll(&uid).await.map(|_| true)
+                        }
                         _ => Ok(false),
                     }
                 })
@@ -262,14 +284,23 @@ impl Enroller {
 
     async fn sweep_orphans_once(&self) -> Result<()> {
         let candidates = self.datapath_call(|d| d.orphaned(None)).await?;
-        for uid in candidates {
+        if let Some(unsure) = candidates.unsure {
+            self.orphans_kept.inc_by(candidates.pods.len() as u64);
+            if !candidates.pods.is_empty() {
+                warn!(
+                    pods = ?candidates.pods,
+                    "orphan sweep: not every namespace holder could be inspected ({unsure}): \
+                     kept"
+                );
+            }
+            return Ok(());
+        }
+        for uid in candidates.pods {
             // Checked again in the pod's turn: an ADD meanwhile (a new sandbox for the same
             // pod) holds a new netns, and that pod must stay.
             let removed = self
                 .in_turn(&uid, async {
-                    let owned = uid.clone();
-                    let orphaned = self.datapath_call(move |d| d.orphaned(Some(owned))).await?;
-                    if orphaned.is_empty() {
+                    if !self.certainly_orphaned(&uid).await? {
                         return Ok(false);
                     }
                     self.unenroll(&uid).await
@@ -288,6 +319,23 @@ impl Enroller {
             }
         }
         Ok(())
+    }
+
+    /// Whether nothing but weir and ztunnel holds the pod's netns, as far as every holder could
+    /// be inspected; a pod that could be held where the agent cannot look counts as kept.
+    async fn certainly_orphaned(&self, uid: &str) -> Result<bool> {
+        let owned = uid.to_owned();
+        let orphans = self.datapath_call(move |d| d.orphaned(Some(owned))).await?;
+        let looks_orphaned = !orphans.pods.is_empty();
+        if let (true, Some(unsure)) = (looks_orphaned, &orphans.unsure) {
+            self.orphans_kept.inc();
+            warn!(
+                uid,
+                "not every namespace holder could be inspected ({unsure}): the pod is kept"
+            );
+            return Ok(false);
+        }
+        Ok(looks_orphaned)
     }
 
     /// Records a pod's status (`None`: no longer enrolled), updates the per-status gauge, and

@@ -54,6 +54,7 @@ use crate::{netlink, netns, workload::Workload};
 
 pub use discovery::PodNetns;
 pub use mounts::cgroup2_root;
+pub use recovery::Orphans;
 
 #[derive(Clone, Debug)]
 pub struct DatapathConfig {
@@ -97,7 +98,7 @@ enum Command {
         reply: Reply<Option<PodNetns>>,
     },
     RetireOtherLayouts(Reply<()>),
-    Orphaned(Option<String>, Reply<Vec<String>>),
+    Orphaned(Option<String>, Reply<Orphans>),
     /// From the watcher: an enrolled pod's links or addresses changed.
     InterfacesChanged {
         uid: String,
@@ -234,9 +235,10 @@ impl Datapath {
     }
 
     /// Enrolled pods (all, or only `only`) whose netns nothing but weir and ztunnel holds any
-    /// more: no other process has it as its own and no nsfs mount is of it. Their DEL never
-    /// came; their traffic cannot either.
-    pub fn orphaned(&self, only: Option<String>) -> Result<Vec<String>> {
+    /// more: no other process has it as its own and no nsfs mount, in any mount namespace, is of
+    /// it. Their DEL never came; their traffic cannot either. `unsure` says what could not be
+    /// inspected: then none of them is certainly orphaned.
+    pub fn orphaned(&self, only: Option<String>) -> Result<Orphans> {
         self.ask(|reply| Command::Orphaned(only, reply))
     }
 

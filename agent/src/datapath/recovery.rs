@@ -61,22 +61,27 @@ impl Owner {
     }
 
     /// The enrolled pods (all, or only `only`) whose DEL never came: no process but the agent
-    /// has their netns as its own, and no nsfs mount (the runtime's /var/run/netns/cni-…) is
-    /// of it. What holds it otherwise (this owner's handle, ztunnel's from ZDS) keeps nothing
-    /// alive that could send traffic. A pod whose netns this owner does not hold (recovered
-    /// without it) is looked for by cookie in the same places.
-    pub(super) fn orphaned(&self, only: Option<&str>) -> Vec<String> {
+    /// has their netns as its own, and no nsfs mount (the runtime's /var/run/netns/cni-…, in any
+    /// mount namespace) is of it. What holds it otherwise (this owner's handle, ztunnel's from
+    /// ZDS) keeps nothing alive that could send traffic. A pod whose netns this owner does not
+    /// hold (recovered without it) is looked for by cookie in the same places.
+    pub(super) fn orphaned(&self, only: Option<&str>) -> Orphans {
         let held = held_namespaces();
-        self.pods
+        let pods = self
+            .pods
             .iter()
             .filter(|(uid, _)| only.is_none_or(|only| only == uid.as_str()))
             .filter(|(_, pod)| match &pod.netns {
                 Some(netns) => nix::sys::stat::fstat(netns.as_raw_fd())
-                    .is_ok_and(|stat| !held.contains(&(stat.st_dev, stat.st_ino))),
+                    .is_ok_and(|stat| !held.namespaces.contains(&(stat.st_dev, stat.st_ino))),
                 None => find_by_cookie(&self.cookie_answers, pod.netns_cookie, None).is_none(),
             })
             .map(|(uid, _)| uid.clone())
-            .collect()
+            .collect();
+        Orphans {
+            pods,
+            unsure: held.unreadable,
+        }
     }
 
     /// Puts this agent's tc programs on a recovered pod (replacing the previous agent's in
@@ -151,15 +156,91 @@ fn find_by_cookie(
     None
 }
 
-/// Every namespace something other than the agent keeps alive on purpose: a process's own, or
-/// an nsfs mount's; by (device, inode).
-fn held_namespaces() -> HashSet<(u64, u64)> {
-    other_processes()
-        .map(|process| discovery::netns_path(&process))
-        .chain(nsfs_mounts())
-        .filter_map(|path| nix::sys::stat::stat(&path).ok())
-        .map(|stat| (stat.st_dev, stat.st_ino))
-        .collect()
+/// Enrolled pods that look orphaned.
+#[derive(Debug, Default)]
+pub struct Orphans {
+    pub pods: Vec<String>,
+    /// What could not be inspected (a process's namespaces or mounts that could not be read,
+    /// other than a process that ended meanwhile), if anything: then any of `pods` may be held
+    /// there, and keeping a dead pod is the lesser harm.
+    pub unsure: Option<String>,
+}
+
+struct Held {
+    /// By (device, inode).
+    namespaces: HashSet<(u64, u64)>,
+    unreadable: Option<String>,
+}
+
+/// Every network namespace something other than the agent keeps alive on purpose: a process's
+/// own, or an nsfs mount's in any process's mount namespace (a runtime may pin it in a mount
+/// namespace of its own).
+fn held_namespaces() -> Held {
+    use nix::{errno::Errno, sys::stat::stat};
+    let mut held = Held {
+        namespaces: HashSet::new(),
+        unreadable: None,
+    };
+    let nsfs_device = match stat("/proc/self/ns/net") {
+        Ok(own) => own.st_dev,
+        Err(error) => {
+            held.unreadable = Some(format!("/proc/self/ns/net: {error}"));
+            return held;
+        }
+    };
+    let agent = std::process::id() as i32;
+    let mut mount_namespaces = HashSet::new();
+    // PID 1, the node's init, runs in the node's namespaces, never a pod's; it may be beyond
+    // even a privileged agent's reach (a sandbox's init with capabilities the agent lacks).
+    for process in discovery::processes().filter(|process| process.pid != 1) {
+        let pid = process.pid;
+        let namespace = |kind: &str| stat(format!("/proc/{pid}/ns/{kind}").as_str());
+        // A process that ended meanwhile holds nothing.
+        let ended = |error: Errno| matches!(error, Errno::ENOENT | Errno::ESRCH);
+        if pid != agent {
+            match namespace("net") {
+                Ok(net) => {
+                    held.namespaces.insert((net.st_dev, net.st_ino));
+                }
+                Err(error) if ended(error) => continue,
+                Err(error) => {
+                    held.unreadable = Some(format!("the netns of process {pid}: {error}"));
+                }
+            }
+        }
+        let mnt = match namespace("mnt") {
+            Ok(mnt) => mnt.st_ino,
+            Err(error) if ended(error) => continue,
+            Err(error) => {
+                held.unreadable = Some(format!("the mount namespace of process {pid}: {error}"));
+                continue;
+            }
+        };
+        if !mount_namespaces.insert(mnt) {
+            continue;
+        }
+        match process.mountinfo() {
+            Ok(mounts) => held.namespaces.extend(
+                mounts
+                    .into_iter()
+                    .filter(|mount| mount.fs_type == "nsfs")
+                    .filter_map(|mount| netns_inode(&mount.root))
+                    .map(|inode| (nsfs_device, inode)),
+            ),
+            Err(procfs::ProcError::NotFound(_)) => {
+                mount_namespaces.remove(&mnt);
+            }
+            Err(error) => {
+                held.unreadable = Some(format!("the mounts of process {pid}: {error}"));
+            }
+        }
+    }
+    held
+}
+
+/// The inode of the network namespace an nsfs mount's root names (`net:[4026532178]`).
+fn netns_inode(root: &str) -> Option<u64> {
+    root.strip_prefix("net:[")?.strip_suffix(']')?.parse().ok()
 }
 
 fn other_processes() -> impl Iterator<Item = procfs::process::Process> {
