@@ -406,6 +406,119 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
     datapath.uninstall().unwrap();
 }
 
+/// A pod with CAP_NET_ADMIN may put any address on its interfaces, the API server's among them:
+/// the node's own connections to such an address keep their source. Only the addresses the
+/// runtime gave the pod, which kubelet probes, get the probe source.
+#[test]
+fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let echo = EchoServer::app(&server).unwrap();
+    let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    // The pod claims the server's address; the interface watch indexes it for the pod.
+    let claimed = server.ipv4();
+    ip(&[
+        "-n",
+        pod.netns().name(),
+        "address",
+        "add",
+        &format!("{claimed}/32"),
+        "dev",
+        "eth0",
+    ])
+    .unwrap();
+    let pinned = fixture
+        .node()
+        .pinned_map(weir_common::maps::POD_IPS)
+        .unwrap();
+    let pod_ips: aya::maps::HashMap<_, weir_common::IpKey, u64> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(pinned)).unwrap();
+    let key = weir_common::IpKey::from_v4(claimed.octets());
+    let deadline = Instant::now() + WAIT;
+    while pod_ips.get(&key, 0).is_err() {
+        assert!(Instant::now() < deadline, "the claimed address is indexed");
+        thread::sleep(Duration::from_millis(20));
+    }
+
+    let target = SocketAddr::new(IpAddr::V4(claimed), APP_PORT);
+    let reply = fixture
+        .node()
+        .run(|| tcp_request(target, "from the node"))
+        .unwrap();
+    assert_eq!(reply.response, echo.reply_to("from the node"));
+    let received = echo.wait_for(|r| r.line == "from the node", WAIT).unwrap();
+    assert_eq!(
+        received.peer.ip(),
+        IpAddr::V4(fixture.node().gateway_v4()),
+        "the node's connection keeps its own source"
+    );
+    assert!(datapath.is_redirected(pod.uid()).unwrap());
+    datapath.uninstall().unwrap();
+}
+
+/// Every pod on the node shares the address index: one pod adding addresses by the hundred
+/// gets a bounded share of it, and stays redirected.
+#[test]
+fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let _echo = EchoServer::app(&server).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let pinned = fixture
+        .node()
+        .pinned_map(weir_common::maps::POD_IPS)
+        .unwrap();
+    let pod_ips: aya::maps::HashMap<_, weir_common::IpKey, u64> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(pinned)).unwrap();
+    let indexed = || pod_ips.keys().count();
+    let before = indexed();
+    let added = 64;
+    let batch: String = (0..added)
+        .map(|n| {
+            format!(
+                "address add 10.99.{}.{}/32 dev eth0\n",
+                n / 200,
+                n % 200 + 1
+            )
+        })
+        .collect();
+    let mut ip_batch = Command::new("ip")
+        .args(["-n", pod.netns().name(), "-batch", "-"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    ip_batch
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(batch.as_bytes())
+        .unwrap();
+    assert!(ip_batch.wait().unwrap().success());
+
+    // Re-enrolled after the change: some of the new addresses are indexed.
+    let deadline = Instant::now() + WAIT;
+    while indexed() == before {
+        assert!(Instant::now() < deadline, "the new addresses are followed");
+        thread::sleep(Duration::from_millis(20));
+    }
+    thread::sleep(Duration::from_millis(300));
+    // The pod's two CNI addresses and at most 16 others.
+    assert!(indexed() <= 2 + 16, "{} addresses indexed", indexed());
+    assert!(datapath.is_redirected(pod.uid()).unwrap());
+    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    pod.run(|| tcp_request(target, "captured")).unwrap();
+    assert!(ztunnel
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .is_some());
+    datapath.uninstall().unwrap();
+}
+
 #[test]
 fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
     let Some(fixture) = Fixture::privileged() else {

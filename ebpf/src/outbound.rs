@@ -199,7 +199,15 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
         return;
     }
     let dst = sa.user_endpoint();
-    if pod_with_ip(&dst.ip).is_none() {
+    // Only toward an address the runtime gave the pod, which is what kubelet probes: one the
+    // pod put on an interface itself may be anyone's (the API server's), and the node's
+    // connections to it keep their source.
+    let Some(target) = pod_with_ip(&dst.ip).and_then(pod) else {
+        return;
+    };
+    let given = (target.has(POD_HAS_IPV4) && same_ip(&dst.ip, &IpKey::from_v4(target.ipv4)))
+        || (target.has(POD_HAS_IPV6) && same_ip(&dst.ip, &IpKey::from_v6(target.ipv6)));
+    if !given {
         return;
     }
     // Counted as bypassed by the pod's inbound program when the SYN arrives.

@@ -33,6 +33,11 @@ use crate::{
 
 const BPF_NOEXIST: u64 = 1;
 
+/// Addresses indexed per pod beyond those the runtime gave it (link-local ones, a VM's). Each
+/// takes an entry of `POD_IPS`, which every pod on the node shares: a pod with CAP_NET_ADMIN
+/// could otherwise add addresses until no other pod can be enrolled.
+const MAX_OTHER_ADDRESSES: usize = 16;
+
 /// Where a pod's enrollment time goes, step by step (`weir_enroll_step_seconds{step}`): what an
 /// operator looks at when enrollment is slow on a node, and what the bench reports.
 #[derive(Clone)]
@@ -125,14 +130,23 @@ impl Owner {
         stopwatch.lap("netns");
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces");
         stopwatch.lap("interfaces");
-        // Addresses beyond the pod's IPs (link-local ones) are indexed too, and removed on
-        // failure.
-        let other_ips: Vec<IpKey> = found
+        // Addresses beyond the pod's IPs (link-local ones) are indexed too, up to a bound, and
+        // removed on failure.
+        let mut other_ips: Vec<IpKey> = found
             .iter()
             .flat_map(|found| &found.addresses)
             .map(|ip| ip_key(*ip))
             .filter(|ip| !pod_ips.contains(ip))
             .collect();
+        if other_ips.len() > MAX_OTHER_ADDRESSES {
+            warn!(
+                uid = %pod.uid,
+                addresses = other_ips.len(),
+                "the pod has more addresses than the runtime gave it than weir indexes; only \
+                 the first {MAX_OTHER_ADDRESSES} are"
+            );
+            other_ips.truncate(MAX_OTHER_ADDRESSES);
+        }
         let before = self.pods.get(&pod.uid).map(|previous| Previous {
             netns_cookie: previous.netns_cookie,
             ips: previous.ips.clone(),
