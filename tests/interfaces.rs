@@ -11,7 +11,8 @@ use weir_agent::{
     datapath::{pinned_pods, Datapath},
     workload::PodOptions,
 };
-use weir_common::{INBOUND_PORT, OUTBOUND_PORT};
+use socket2::{Domain, Socket, Type};
+use weir_common::{maps, ConnectionKey, Endpoint, IpKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     netns::{ip, NetNs},
     tcp_request, EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn, APP_PORT,
@@ -190,6 +191,58 @@ fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() 
 
 /// Whether the pinned maps index `address` for `pod`, once the datapath has caught up with a
 /// change it learns of asynchronously (or the deadline passes: the caller's assert then fails).
+/// A VM controls the source of what it sends: it may claim another pod's address and port, the
+/// key under which that pod's redirected connection keeps its original destination. Such a SYN
+/// must neither overwrite that entry nor remove it.
+#[test]
+fn a_vm_cannot_overwrite_another_pods_original_destination() {
+    let Some(fixture) = Fixture::privileged() else {
+        return;
+    };
+    let (host, other, server) = (
+        fixture.pod("host"),
+        fixture.pod("other"),
+        fixture.pod("server"),
+    );
+    let vm = VirtualMachine::behind(&host, "tap0");
+    let _echo = EchoServer::app(&server).unwrap();
+    let _ztunnel = ZtunnelStandIn::start(&host).unwrap();
+    let datapath = fixture.enrolled(&host, rerouting(&[vm.interface]));
+
+    // `other`'s connection from port 40000 to the server, as its connect hook recorded it.
+    let key = ConnectionKey {
+        client: Endpoint::new(IpKey::from_v4(other.ipv4().octets()), 40000),
+        listener: Endpoint::new(IpKey::from_v4(server.ipv4().octets()), APP_PORT),
+    };
+    let recorded = Endpoint::new(IpKey::from_v4([10, 96, 0, 10]), 8443);
+    let pinned = fixture.node().pinned_map(maps::CONN_ORIG_DST).unwrap();
+    let mut original_destinations: aya::maps::HashMap<_, ConnectionKey, Endpoint> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned)).unwrap();
+    original_destinations.insert(key, recorded, 0).unwrap();
+
+    // The VM sends a SYN from `other`'s address and port to the same destination.
+    ip(&[
+        "-n",
+        vm.netns.name(),
+        "address",
+        "add",
+        &format!("{}/32", other.ipv4()),
+        "dev",
+        "eth0",
+    ])
+    .unwrap();
+    let target = SocketAddr::new(server.ipv4().into(), APP_PORT);
+    let source = SocketAddr::new(other.ipv4().into(), 40000);
+    vm.netns.run(|| {
+        let socket = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        socket.bind(&source.into()).unwrap();
+        let _ = socket.connect_timeout(&target.into(), Duration::from_millis(500));
+    });
+
+    assert_eq!(original_destinations.get(&key, 0).ok(), Some(recorded));
+    datapath.uninstall().unwrap();
+}
+
 fn indexed_eventually(node: &TestNode, pod: &Pod, address: IpAddr, indexed: bool) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {

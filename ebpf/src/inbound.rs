@@ -32,7 +32,7 @@ use core::ffi::c_void;
 use aya_ebpf::{
     bindings::{
         bpf_sock, bpf_sock_tuple, bpf_sock_tuple__bindgen_ty_1__bindgen_ty_1,
-        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_sock_tuple__bindgen_ty_1__bindgen_ty_2, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
     },
     helpers::generated::{bpf_sk_assign, bpf_sk_fullsock, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::classifier,
@@ -47,7 +47,7 @@ use weir_common::{
 use crate::{
     diag::{diag, ip, ip_fixed},
     handoff,
-    maps::{count, pod, pod_with_ip, CONN_ORIG_DST},
+    maps::{count, original_destination, pod, pod_with_ip, CONN_ORIG_DST},
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
 };
 
@@ -430,12 +430,30 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
         // local address.
         listener: original,
     };
-    // Recorded before the SYN can reach ztunnel, which asks as soon as it accepts.
+    // Recorded before the SYN can reach ztunnel, which asks as soon as it accepts. The VM
+    // chooses the source, so the key may be another pod's connection: an entry is never
+    // overwritten or removed here, only written where there is none (or the same, for a
+    // retransmitted SYN).
+    let recorded = match CONN_ORIG_DST.insert(connection, original, BPF_NOEXIST.into()) {
+        Ok(()) => true,
+        Err(_) if original_destination(&connection) == Some(original) => false,
+        Err(_) => {
+            diag!(
+                by_ref warn,
+                ctx.skb.skb,
+                "drop rerouted {:i} to {:i}:{}: the connection is another's",
+                ip_fixed(&packet.source),
+                ip_fixed(&packet.destination),
+                u16::from_be(dport)
+            );
+            return Ok(DROP);
+        }
+    };
     // The agent attaches the hand-off program to every pod's netns where the kernel needs it.
-    if CONN_ORIG_DST.insert(connection, original, 0).is_err()
-        || !assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT, &connection, true)
-    {
-        let _ = CONN_ORIG_DST.remove(connection);
+    if !assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT, &connection, true) {
+        if recorded {
+            let _ = CONN_ORIG_DST.remove(connection);
+        }
         diag!(
             by_ref warn,
             ctx.skb.skb,
