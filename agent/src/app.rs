@@ -17,7 +17,7 @@ use crate::{
     datapath::{Datapath, DatapathConfig},
     enroll::Enroller,
     http,
-    install::{InstallConfig, InstallStatus, Installer},
+    install::{InstallConfig, InstallStatus, Installer, ServiceAccount},
     policy::{
         cluster::ClusterSource, local::LocalSource, PodName, PolicyConfig, PolicySource, Warning,
     },
@@ -42,6 +42,9 @@ pub struct AgentConfig {
     pub cni_net_dir: PathBuf,
     pub cni_plugin: PathBuf,
     pub cni_plugin_log: Option<PathBuf>,
+    /// What the plugin reads the API server with while the agent is away (its kubeconfig);
+    /// `None` writes none, and the plugin falls back to the verdict cache alone.
+    pub service_account: Option<ServiceAccount>,
     pub health_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
     pub uninstall_on_exit: bool,
@@ -131,6 +134,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         plugin_binary: config.cni_plugin.clone(),
         plugin_name: PLUGIN_NAME.into(),
         plugin_config: plugin_config(&config),
+        service_account: config.service_account.clone(),
     }));
     installer.register_metrics(&mut registry);
     let registry = Arc::new(Mutex::new(registry));
@@ -174,10 +178,14 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             }
         }
     });
+    let live: http::Liveness = {
+        let datapath = datapath.clone();
+        Arc::new(move || datapath.health())
+    };
     for addr in [config.health_addr, config.metrics_addr] {
-        let (ready, registry) = (ready.clone(), registry.clone());
+        let (ready, live, registry) = (ready.clone(), live.clone(), registry.clone());
         tasks.spawn(async move {
-            if let Err(error) = http::serve(addr, ready, registry).await {
+            if let Err(error) = http::serve(addr, ready, live, registry).await {
                 warn!(%error, "http server stopped");
             }
         });
@@ -238,12 +246,18 @@ async fn report_config_rewrites(
     }
 }
 
-/// weir's entry in the node's conflist.
+/// weir's entry in the node's conflist: where the agent is, and its ambient rule, which the
+/// plugin applies to the API server's objects while the agent is away.
 fn plugin_config(config: &AgentConfig) -> serde_json::Value {
+    let policy = &config.policy;
     let mut entry = serde_json::json!({
         "agent_socket": config.cni_socket,
         "verdict_cache": config.verdict_cache,
-        "exclude_namespaces": config.policy.exclude_namespaces,
+        "exclude_namespaces": policy.exclude_namespaces,
+        "enablement_selectors": policy.enablement,
+        "system_namespace": policy.system_namespace,
+        "pod_namespace": policy.own.namespace,
+        "daemonset_name": policy.own.daemonset,
     });
     if let Some(log) = &config.cni_plugin_log {
         entry["log_file"] = serde_json::json!(log);

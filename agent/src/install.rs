@@ -11,8 +11,13 @@
 //! Only weir's own entry is ever changed: every other field keeps its meaning, and the other
 //! plugins keep their order. Key order and formatting are not kept (the file is re-serialized,
 //! pretty-printed), as with istio-cni.
+//!
+//! In a pod, it also writes the plugin's kubeconfig (`weir-kubeconfig` in the net dir, 0600,
+//! [`kubeconfig`]) from the agent's service account, names it in weir's entry, rewrites it when
+//! the token rotates, and removes it on uninstall.
 pub mod conflist;
 mod files;
+pub mod kubeconfig;
 mod watch;
 
 use std::{
@@ -33,11 +38,13 @@ use prometheus_client::{
 };
 use serde_json::Value;
 use tokio::sync::watch as status_channel;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
+pub use self::kubeconfig::ServiceAccount;
 use self::{
     conflist::{Format, NetworkConfig, Object},
     files::FileAttrs,
+    kubeconfig::KUBECONFIG_FILE,
 };
 
 /// Where and what to install.
@@ -55,6 +62,9 @@ pub struct InstallConfig {
     /// or null. The installer sets `type`, a default `name`, and the pod-annotations capability
     /// (merged into any `capabilities` given); a `cniVersion` is dropped (the list's applies).
     pub plugin_config: Value,
+    /// Credentials for the plugin's kubeconfig; `None` writes none (no API server, or the agent
+    /// is not in a pod).
+    pub service_account: Option<ServiceAccount>,
 }
 
 /// What [`Installer::install`] did.
@@ -207,6 +217,13 @@ impl Inner {
         let binary_changed = self
             .install_binary()
             .map_err(|e| self.install_failed(Some(RESULT_COPY_BINARIES_FAILURE), e))?;
+        // Before the entry that names it. A plugin without it still decides from the verdict
+        // cache, so a failure here does not hold back the entry: a chain without weir-cni lets
+        // ambient pods start unredirected.
+        if let Err(e) = self.install_kubeconfig() {
+            self.metrics.count_install(RESULT_CREATE_KUBECONFIG_FAILURE);
+            warn!("the plugin's kubeconfig is not written; retrying at the next check: {e:#}");
+        }
         let (file, config_changed) = self.insert_entry().map_err(|e| {
             let waiting = e.is::<NoNetworkConfig>();
             // Waiting for the primary CNI is not a failure (istio-cni does not count it either).
@@ -233,10 +250,32 @@ impl Inner {
             .with_context(|| format!("copying {} to {}", source.display(), dest.display()))
     }
 
+    /// Writes the plugin's kubeconfig when its content (the token, the CA) changed.
+    fn install_kubeconfig(&self) -> Result<()> {
+        let Some(account) = &self.config.service_account else {
+            return Ok(());
+        };
+        let path = self.kubeconfig_path();
+        let contents = account.kubeconfig()?;
+        if kubeconfig::write(&path, &contents)
+            .with_context(|| format!("writing {}", path.display()))?
+        {
+            info!(file = %path.display(), "wrote the plugin's kubeconfig");
+        }
+        Ok(())
+    }
+
     /// Puts weir's entry last in the active config; returns the file holding it and whether it
     /// was written.
     fn insert_entry(&self) -> Result<(PathBuf, bool)> {
-        let entry = conflist::plugin_entry(&self.config.plugin_name, &self.config.plugin_config)?;
+        let mut entry =
+            conflist::plugin_entry(&self.config.plugin_name, &self.config.plugin_config)?;
+        if self.config.service_account.is_some() {
+            entry.insert(
+                "kubeconfig".into(),
+                Value::from(self.kubeconfig_path().to_string_lossy()),
+            );
+        }
         let (path, config) = self.active_config()?;
         if config.holds_last(&entry) {
             return Ok((path, false));
@@ -282,6 +321,12 @@ impl Inner {
         {
             info!(binary = %binary.display(), "removed weir's CNI plugin binary");
         }
+        let kubeconfig = self.kubeconfig_path();
+        if files::remove_if_present(&kubeconfig)
+            .with_context(|| format!("removing {}", kubeconfig.display()))?
+        {
+            info!(file = %kubeconfig.display(), "removed the plugin's kubeconfig");
+        }
         self.publish(|status| {
             status.installed = false;
             status.config_file = None;
@@ -316,6 +361,10 @@ impl Inner {
 
     fn binary_path(&self) -> PathBuf {
         self.config.cni_bin_dir.join(&self.config.plugin_name)
+    }
+
+    fn kubeconfig_path(&self) -> PathBuf {
+        self.config.cni_net_dir.join(KUBECONFIG_FILE)
     }
 
     fn install_succeeded(&self, outcome: &InstallOutcome) {
@@ -392,6 +441,7 @@ fn to_json(list: &Object) -> Vec<u8> {
 const RESULT_SUCCESS: &str = "SUCCESS";
 const RESULT_COPY_BINARIES_FAILURE: &str = "COPY_BINARIES_FAILURE";
 const RESULT_CREATE_CNI_CONFIG_FAILURE: &str = "CREATE_CNI_CONFIG_FAILURE";
+const RESULT_CREATE_KUBECONFIG_FAILURE: &str = "CREATE_KUBECONFIG_FAILURE";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {

@@ -11,7 +11,7 @@ use weir_agent::{
     cluster::{repair::BrokenPodAction, ClusterConfig},
     datapath::{Datapath, DatapathConfig},
     inspect,
-    install::{InstallConfig, Installer},
+    install::{InstallConfig, Installer, ServiceAccount},
     policy::{
         enablement::{default_selectors, parse_selectors, EnablementSelector},
         OwnPods, PolicyConfig,
@@ -122,7 +122,8 @@ struct RunArgs {
     /// Unix socket the CNI plugin talks to.
     #[arg(long, env = "WEIR_CNI_SOCKET", default_value = DEFAULT_AGENT_SOCKET)]
     cni_socket: PathBuf,
-    /// Where the plugin finds the last known ambient verdicts while the agent is away.
+    /// Where the plugin finds the last known ambient verdicts while the agent and the API server
+    /// are both away.
     #[arg(long, env = "WEIR_VERDICT_CACHE", default_value = DEFAULT_VERDICT_CACHE)]
     verdict_cache: PathBuf,
     #[command(flatten)]
@@ -242,6 +243,7 @@ fn main() -> Result<()> {
                 plugin_binary: PathBuf::new(),
                 plugin_name: PLUGIN_NAME.into(),
                 plugin_config: serde_json::Value::Null,
+                service_account: None,
             })
             .uninstall()?;
             Datapath::start(cli.datapath.config())?.uninstall()
@@ -260,6 +262,10 @@ fn main() -> Result<()> {
 
 impl RunArgs {
     fn config(self, datapath: DatapathConfig) -> Result<AgentConfig> {
+        // The plugin gets the agent's own credentials, as istio-cni's does: in a pod that
+        // follows the cluster with its service account.
+        let in_pod = self.policy_file.is_none() && self.kubeconfig.is_none();
+        let service_account = in_pod.then(ServiceAccount::in_cluster).flatten();
         let source = match (self.policy_file, self.node_name) {
             (Some(file), _) => SourceConfig::File(file),
             (None, Some(node_name)) => SourceConfig::Cluster(ClusterConfig {
@@ -300,6 +306,7 @@ impl RunArgs {
                 None => std::env::current_exe()?.with_file_name("weir-cni"),
             },
             cni_plugin_log: self.cni_plugin_log,
+            service_account,
             health_addr: self.health_addr,
             metrics_addr: self.metrics_addr,
             uninstall_on_exit: self.uninstall_on_exit,

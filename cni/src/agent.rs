@@ -14,9 +14,13 @@ const MAX_RESPONSE_BYTES: usize = 16 * 1024;
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum Failure {
-    /// No answer, and why: the socket is missing or refuses, the agent hung up early, or it did
-    /// not answer in time. The caller falls back to the verdict cache.
+    /// No connection, and why: the socket is missing or refuses, or the connect timed out (an
+    /// agent whose accept backlog is full). The agent has not seen the request, so the caller
+    /// may decide without it.
     Unreachable(String),
+    /// The agent took the connection, then no answer came: it hung up, reset, or did not answer
+    /// in time. It may be enrolling the pod this very moment, so nobody else may decide.
+    NoAnswer(String),
     /// The agent answered something that is not a response: a bug, never a reason to guess.
     Invalid(String),
 }
@@ -25,12 +29,13 @@ pub enum Failure {
 pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Response, Failure> {
     let deadline = Instant::now() + timeout;
     let line = encode(request)?;
-    let unreachable = |err: io::Error| Failure::Unreachable(describe(&err));
-    let mut stream = connect(socket, timeout).map_err(unreachable)?;
-    send(&mut stream, &line, deadline).map_err(unreachable)?;
-    let answer = receive(&stream, deadline).map_err(unreachable)?;
+    let mut stream =
+        connect(socket, timeout).map_err(|err| Failure::Unreachable(describe(&err)))?;
+    let no_answer = |err: io::Error| Failure::NoAnswer(describe(&err));
+    send(&mut stream, &line, deadline).map_err(no_answer)?;
+    let answer = receive(&stream, deadline).map_err(no_answer)?;
     if answer.is_empty() {
-        return Err(Failure::Unreachable(
+        return Err(Failure::NoAnswer(
             "the agent closed the connection without answering".into(),
         ));
     }
@@ -190,6 +195,20 @@ mod tests {
         assert!(is_istio_annotation("istio.io/x"));
         assert!(!is_istio_annotation("notistio.io/x"));
         assert!(!is_istio_annotation("istio.io"));
+    }
+
+    #[test]
+    fn an_accepted_connection_without_an_answer_is_no_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let request = request_with_annotations(&[]);
+        // Never accepted, never answered: the kernel took the connection all the same.
+        let err = call(&socket, &request, Duration::from_millis(200)).unwrap_err();
+        assert_eq!(err, Failure::NoAnswer("timed out".into()));
+        drop(listener);
+        let err = call(&socket, &request, Duration::from_secs(1)).unwrap_err();
+        assert!(matches!(err, Failure::Unreachable(why) if why.contains("refused")));
     }
 
     #[test]

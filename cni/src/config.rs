@@ -7,6 +7,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
+use crate::ambient::{self, EnablementSelector, OwnPods, Rule};
 use crate::error::{self, code, CniError};
 use crate::log::LogLevel;
 use crate::protocol::{Attachment, PodIp, DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
@@ -35,6 +36,19 @@ pub struct NetConf {
     pub exclude_namespaces: Vec<String>,
     #[serde(default = "default_timeout_seconds")]
     pub timeout_seconds: u64,
+    /// The kubeconfig the plugin reads the API server with when the agent cannot be reached.
+    #[serde(default)]
+    pub kubeconfig: Option<PathBuf>,
+    /// The agent's ambient rule, for deciding from the API server's objects: its enablement
+    /// selectors, the Istio system namespace (ztunnel's pods), weir's namespace and DaemonSet.
+    #[serde(default = "ambient::default_selectors")]
+    pub enablement_selectors: Vec<EnablementSelector>,
+    #[serde(default = "default_istio_namespace")]
+    pub system_namespace: String,
+    #[serde(default = "default_istio_namespace")]
+    pub pod_namespace: String,
+    #[serde(default = "default_daemonset_name")]
+    pub daemonset_name: String,
     #[serde(default)]
     pub log_file: Option<PathBuf>,
     #[serde(default)]
@@ -68,6 +82,12 @@ fn default_exclude_namespaces() -> Vec<String> {
 fn default_timeout_seconds() -> u64 {
     5
 }
+fn default_istio_namespace() -> String {
+    "istio-system".into()
+}
+fn default_daemonset_name() -> String {
+    "weir".into()
+}
 
 impl NetConf {
     pub fn parse(stdin: &[u8]) -> Result<Self, CniError> {
@@ -91,7 +111,30 @@ impl NetConf {
                 "timeout_seconds must be at least 1",
             ));
         }
+        ambient::validate_selectors(&conf.enablement_selectors).map_err(|why| {
+            CniError::new(code::INVALID_CONFIG, "invalid enablement_selectors").with_details(why)
+        })?;
         Ok(conf)
+    }
+
+    /// weir's own pods, as the agent is told them (its own pod runs on the host network and
+    /// never reaches the plugin).
+    pub fn own_pods(&self) -> OwnPods {
+        OwnPods {
+            namespace: self.pod_namespace.clone(),
+            daemonset: self.daemonset_name.clone(),
+            pod_name: None,
+        }
+    }
+
+    /// The agent's ambient rule with this config's settings.
+    pub fn rule<'a>(&'a self, own: &'a OwnPods) -> Rule<'a> {
+        Rule {
+            exclude_namespaces: &self.exclude_namespaces,
+            system_namespace: &self.system_namespace,
+            enablement: &self.enablement_selectors,
+            own,
+        }
     }
 
     pub fn timeout(&self) -> Duration {
@@ -246,6 +289,11 @@ mod tests {
         assert!(conf.prev_result.is_none());
         assert!(conf.runtime_config.pod_annotations.is_empty());
         assert!(conf.is_excluded("kube-system") && !conf.is_excluded("default"));
+        assert_eq!(conf.kubeconfig, None);
+        assert_eq!(conf.enablement_selectors, ambient::default_selectors());
+        assert_eq!(conf.own_pods().namespace, "istio-system");
+        assert_eq!(conf.own_pods().daemonset, "weir");
+        assert_eq!(conf.system_namespace, "istio-system");
     }
 
     #[test]
@@ -263,6 +311,9 @@ mod tests {
         assert_eq!(code_of(zero), code::INVALID_CONFIG);
         let level = r#"{"cniVersion":"1.0.0","log_level":"loud"}"#;
         assert_eq!(code_of(level), code::INVALID_CONFIG);
+        let selector = r#"{"cniVersion":"1.0.0","enablement_selectors":
+            [{"podSelector":{"matchExpressions":[{"key":"k","operator":"Near"}]}}]}"#;
+        assert_eq!(code_of(selector), code::INVALID_CONFIG);
     }
 
     #[test]

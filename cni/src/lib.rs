@@ -22,17 +22,25 @@
 //! - `GC`: nothing to collect (the agent tracks pods itself).
 //! - `VERSION`: the supported spec versions.
 //!
-//! # When the agent cannot be reached
+//! # When the agent does not answer
 //!
-//! (socket missing or refusing, or no answer within `timeout_seconds`): ADD and CHECK fall back
-//! to the verdict cache the agent keeps on disk ([`protocol::VerdictCache`]).
-//! - A pod the cache names ambient fails with code 11 ("try again later"): it must not start
-//!   unredirected, and the runtime retries until the agent is back (fail closed).
-//! - A pod the cache does not name ambient goes ahead without redirection, with a warning in
-//!   the log: weir being down never stops pods that are not in the mesh.
-//! - A missing or unreadable cache fails every pod with code 11. The agent writes the cache
-//!   before it installs the plugin, so a missing cache means weir is broken, and then nobody
-//!   can tell which pods are ambient.
+//! - The agent took the connection and then gave no answer (it hung up, reset, or did not
+//!   answer within `timeout_seconds`): ADD and CHECK fail with code 11 ("try again later"). The
+//!   agent may be enrolling the pod at that very moment; the runtime retries.
+//! - The agent cannot be reached at all (socket missing or refusing, connect timed out): ADD and
+//!   CHECK ask the Kubernetes API server, as istio-cni's plugin does, with the kubeconfig the
+//!   agent's installer writes (`kubeconfig`): the pod and its namespace, within 2 s, decided
+//!   with the agent's rule ([`ambient`], with the conflist's `enablement_selectors`,
+//!   `exclude_namespaces`, `system_namespace`, `pod_namespace`, `daemonset_name`). An ambient
+//!   pod fails with 11 and waits for the agent (fail closed); any other pod goes ahead without
+//!   redirection, with a warning in the log, so weir being down never stops pods that are not in
+//!   the mesh.
+//! - Only when the API server cannot tell either (no kubeconfig, unreachable, an error, or it
+//!   does not have this very pod: none of that name, or another uid) does the verdict cache the
+//!   agent keeps on disk decide ([`protocol::VerdictCache`]): a pod it names ambient fails with
+//!   11, any other starts; a missing or unreadable cache fails every pod with 11 (the agent
+//!   writes the cache before it installs the plugin, so a missing cache means weir is broken,
+//!   and then nobody can tell which pods are ambient).
 //!
 //! An answer that is not a valid response (garbage, over 16 KiB) is a bug and fails with 999.
 //!
@@ -42,9 +50,13 @@
 //! |---|---|---|
 //! | `type` | | `"weir-cni"`, the binary's name |
 //! | `agent_socket` | [`protocol::DEFAULT_AGENT_SOCKET`] | the agent's unix socket |
-//! | `verdict_cache` | [`protocol::DEFAULT_VERDICT_CACHE`] | the agent's verdict cache, read only when the agent does not answer |
+//! | `verdict_cache` | [`protocol::DEFAULT_VERDICT_CACHE`] | the agent's verdict cache, read only when neither the agent nor the API server can tell |
 //! | `exclude_namespaces` | `["kube-system"]` | namespaces whose pods never reach the agent |
 //! | `timeout_seconds` | `5` | bound on the whole exchange with the agent (connect, send, answer); at least 1 |
+//! | `kubeconfig` | none | the API server and credentials to decide with while the agent cannot be reached (JSON) |
+//! | `enablement_selectors` | istio's default rule | which pods are ambient, as the agent's `--ambient-enablement-selector` |
+//! | `system_namespace` | `"istio-system"` | where ztunnel runs (its pods are never ambient) |
+//! | `pod_namespace`, `daemonset_name` | `"istio-system"`, `"weir"` | weir's own pods, never ambient |
 //! | `log_file` | none: stderr | file to append log lines to |
 //! | `log_level` | `"info"` | `"error"`, `"warn"`, `"info"` or `"debug"` |
 //!
@@ -59,9 +71,11 @@
 //! 5 stdin unreadable, 6 undecodable JSON, 7 invalid config (including ADD without
 //! `prevResult`), 11 try again later, 999 anything else; an agent
 //! `error` keeps the agent's code.
+pub mod ambient;
 pub mod protocol;
 
 mod agent;
+mod apiserver;
 mod config;
 mod env;
 mod error;

@@ -5,6 +5,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::agent::{self, Failure};
+use crate::apiserver::{self, Lookup};
 use crate::config::{self, NetConf, PrevResult, LATEST_VERSION, SUPPORTED_VERSIONS};
 use crate::env::{self, CniEnv};
 use crate::error::{self, code, CniError};
@@ -183,6 +184,9 @@ fn del(conf: &NetConf, env: &CniEnv, log: &mut Log) -> Result<(), CniError> {
         Err(Failure::Unreachable(why)) => log.warn(format!(
             "weir agent unreachable at {socket} ({why}); teardown goes on, the agent cleans up when back"
         )),
+        Err(Failure::NoAnswer(why)) => log.warn(format!(
+            "weir agent at {socket} did not answer ({why}); teardown goes on, the agent cleans up"
+        )),
         Err(Failure::Invalid(why)) => log.warn(format!("{why}; teardown goes on")),
     }
     Ok(())
@@ -226,7 +230,7 @@ fn gc(conf: &NetConf, log: &mut Log) -> Result<(), CniError> {
         }
         Ok(Response::Error { code, msg, details }) => Err(CniError { code, msg, details }),
         Err(Failure::Invalid(why)) => Err(CniError::new(code::PLUGIN_SPECIFIC, why)),
-        Err(Failure::Unreachable(why)) => Err(CniError::new(
+        Err(Failure::Unreachable(why) | Failure::NoAnswer(why)) => Err(CniError::new(
             code::TRY_AGAIN_LATER,
             format!(
                 "weir agent unreachable at {}: stale pods not collected",
@@ -271,12 +275,19 @@ fn request(
     })
 }
 
-/// ADD and CHECK: the agent's verdict, or the verdict cache's when the agent does not answer.
+/// ADD and CHECK: the agent's verdict. An agent that took the request and gave no answer may be
+/// enrolling the pod: the pod waits (11). An agent that cannot be reached at all leaves the
+/// decision to the API server, as istio-cni's plugin asks it, and to the verdict cache only when
+/// the API server cannot tell either.
 fn ask_agent(conf: &NetConf, request: &Request, log: &Log) -> Result<(), CniError> {
     if conf.is_excluded(&request.pod.namespace) {
         log.info("namespace excluded: agent not asked");
         return Ok(());
     }
+    let socket = conf.agent_socket.display();
+    let PodRef {
+        namespace, name, ..
+    } = &request.pod;
     match agent::call(&conf.agent_socket, request, conf.timeout()) {
         Ok(Response::Ok { enrolled }) => {
             log.info(if enrolled { "enrolled" } else { "not ambient" });
@@ -284,22 +295,77 @@ fn ask_agent(conf: &NetConf, request: &Request, log: &Log) -> Result<(), CniErro
         }
         Ok(Response::Error { code, msg, details }) => Err(CniError { code, msg, details }),
         Err(Failure::Invalid(why)) => Err(CniError::new(code::PLUGIN_SPECIFIC, why)),
-        Err(Failure::Unreachable(why)) => {
-            let cache = agent::load_verdicts(&conf.verdict_cache);
-            decide_offline(&conf.agent_socket, &why, cache, request)?;
+        Err(Failure::NoAnswer(why)) => Err(CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!(
+                "weir agent at {socket} did not answer: pod {namespace}/{name} waits until it does"
+            ),
+        )
+        .with_details(why)),
+        Err(Failure::Unreachable(why)) => decide_without_agent(conf, request, &why, log),
+    }
+}
+
+/// The agent cannot be reached: the API server's objects decide with the agent's rule; when the
+/// API server cannot tell (no kubeconfig, unreachable, refusing, or it does not have this very
+/// pod), the verdict cache does.
+fn decide_without_agent(
+    conf: &NetConf,
+    request: &Request,
+    why: &str,
+    log: &Log,
+) -> Result<(), CniError> {
+    let socket = conf.agent_socket.display();
+    let PodRef {
+        namespace, name, ..
+    } = &request.pod;
+    let api_verdict = match &conf.kubeconfig {
+        None => Err("no kubeconfig in the plugin's config".to_owned()),
+        Some(kubeconfig) => {
+            match apiserver::lookup(kubeconfig, &request.pod, apiserver::DEADLINE) {
+                Ok(Lookup::Found(facts)) => Ok(conf.rule(&conf.own_pods()).is_ambient(&facts)),
+                Ok(Lookup::NotThisPod(reason)) => Err(reason),
+                Err(error) => Err(format!("the API server could not tell: {error}")),
+            }
+        }
+    };
+    let waits = if request.command == Command::Check {
+        "cannot be checked until it is back"
+    } else {
+        "waits until it is back"
+    };
+    match api_verdict {
+        Ok(true) => Err(CniError::new(
+            code::TRY_AGAIN_LATER,
+            format!(
+                "weir agent unreachable at {socket}: ambient pod {namespace}/{name} {waits} \
+                 (ambient per the API server)"
+            ),
+        )
+        .with_details(why)),
+        Ok(false) => {
             log.warn(format!(
-                "weir agent unreachable at {} ({why}); not ambient per the verdict cache: \
-                 starting without redirection",
-                conf.agent_socket.display()
+                "weir agent unreachable at {socket} ({why}); not ambient per the API server: \
+                 starting without redirection"
+            ));
+            Ok(())
+        }
+        Err(api_error) => {
+            let cache = agent::load_verdicts(&conf.verdict_cache);
+            let why_both = format!("{why}; {api_error}");
+            decide_offline(&conf.agent_socket, &why_both, cache, request)?;
+            log.warn(format!(
+                "weir agent unreachable at {socket} ({why}) and {api_error}; not ambient per \
+                 the verdict cache: starting without redirection"
             ));
             Ok(())
         }
     }
 }
 
-/// Without the agent, only a pod the verdict cache knows to be non-ambient may go ahead. An
-/// ambient pod, or any pod when the cache cannot be read, fails with "try again later": it
-/// must not run unredirected, and the runtime retries until the agent is back.
+/// Without the agent and the API server, only a pod the verdict cache knows to be non-ambient
+/// may go ahead. An ambient pod, or any pod when the cache cannot be read, fails with "try again
+/// later": it must not run unredirected, and the runtime retries until the agent is back.
 fn decide_offline(
     socket: &Path,
     why: &str,

@@ -85,9 +85,9 @@ pub enum Response {
     },
 }
 
-/// What the agent last knew of the ambient policy, for the plugin to decide alone when the agent
-/// cannot be reached: pods it names as ambient (or in an ambient namespace, unless opted out)
-/// must not start; every other pod starts unredirected.
+/// What the agent last knew of the ambient policy, for the plugin to decide alone when neither
+/// the agent nor the API server can be asked: pods it names as ambient (or in an ambient
+/// namespace, unless opted out) must not start; every other pod starts unredirected.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VerdictCache {
     pub ambient_namespaces: Vec<String>,

@@ -1,10 +1,14 @@
 //! Runs the built `weir-cni` binary the way containerd does (verbatim env and stdin from
-//! `data/containerd-1.6-cni-calls.txt`) against a fake agent on a temporary socket.
+//! `data/containerd-1.6-cni-calls.txt`) against a fake agent on a temporary socket, and, when
+//! the agent is away, a fake Kubernetes API server on a loopback port.
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -139,6 +143,19 @@ impl FakeAgent {
                     }
                     None => held.push(stream),
                 }
+            }
+        });
+        Self { requests }
+    }
+
+    /// Accepts each connection and closes it at once, before the request is read: the plugin
+    /// sees a reset or a broken pipe.
+    fn resetting(socket: &Path, _reply: Option<Vec<u8>>) -> Self {
+        let listener = UnixListener::bind(socket).unwrap();
+        let (_record, requests) = mpsc::channel();
+        thread::spawn(move || {
+            for stream in listener.incoming().map_while(Result::ok) {
+                drop(stream);
             }
         });
         Self { requests }
@@ -340,21 +357,39 @@ fn add_with_agent_down_and_no_verdict_cache_fails_closed() {
     assert!(err["details"].as_str().unwrap().contains("verdicts.json"));
 }
 
+/// A verdict cache that names the sample pod as not ambient (opted out of an ambient namespace).
+fn opted_out_cache() -> VerdictCache {
+    VerdictCache {
+        ambient_namespaces: vec!["node1-ns".into()],
+        opted_out_pods: vec!["node1-ns/pod-2".into()],
+        ..VerdictCache::default()
+    }
+}
+
 #[test]
-fn add_with_a_silent_agent_times_out_and_uses_the_cache() {
+fn add_with_an_agent_that_accepts_and_never_answers_fails_with_try_again_later() {
     let [add, ..] = &recorded_calls()[..] else {
         unreachable!()
     };
-    let node = Node::new();
-    let agent = FakeAgent::start(&node.socket(), None);
-    node.write_verdicts(&VerdictCache::default());
+    // Whatever the cache says: an agent that took the request may be enrolling the pod.
+    for cache in [VerdictCache::default(), opted_out_cache()] {
+        let node = Node::new();
+        let agent = FakeAgent::start(&node.socket(), None);
+        node.write_verdicts(&cache);
 
-    let started = Instant::now();
-    let out = node.exec(add, json!({"timeout_seconds": 1}));
-    assert_eq!(success_json(&out), prev_result(add));
-    assert!(started.elapsed() < Duration::from_secs(3));
-    agent.next_request();
-    assert!(node.log().contains("timed out"), "log: {}", node.log());
+        let started = Instant::now();
+        let err = cni_error(&node.exec(add, json!({"timeout_seconds": 1})), 11);
+        assert!(started.elapsed() < Duration::from_secs(3));
+        agent.next_request();
+        let msg = err["msg"].as_str().unwrap();
+        assert!(msg.contains(node.socket().to_str().unwrap()), "{msg}");
+        assert!(msg.contains("did not answer"), "{msg}");
+        assert!(msg.contains("pod node1-ns/pod-2 waits"), "{msg}");
+        assert!(
+            err["details"].as_str().unwrap().contains("timed out"),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -555,12 +590,442 @@ fn garbage_from_the_agent_is_an_error_not_a_crash() {
 }
 
 #[test]
-fn agent_hanging_up_without_answer_counts_as_unreachable() {
+fn agent_hanging_up_without_answer_fails_with_try_again_later() {
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    for cache in [VerdictCache::default(), opted_out_cache()] {
+        // Reads the request and closes; closes without reading it (a reset).
+        for hang_up in [FakeAgent::start, FakeAgent::resetting] {
+            let node = Node::new();
+            let _agent = hang_up(&node.socket(), Some(Vec::new()));
+            node.write_verdicts(&cache);
+            let err = cni_error(&node.exec(add, no_extra()), 11);
+            let msg = err["msg"].as_str().unwrap();
+            assert!(msg.contains("did not answer"), "{msg}");
+            assert!(msg.contains("pod node1-ns/pod-2 waits"), "{msg}");
+        }
+    }
+}
+
+/// A stand-in for the Kubernetes API server: answers `GET`s of the objects it holds with their
+/// JSON as the API server serves it (`/api/v1/namespaces/NS` and `/api/v1/namespaces/NS/pods/NAME`),
+/// anything else with a 404 `Status`; over HTTPS with `tls`, plain http without. It records
+/// each request line and its `Authorization` header.
+struct FakeApiServer {
+    url: String,
+    requests: Arc<Mutex<Vec<ApiRequest>>>,
+}
+
+/// A request line and its `Authorization` header.
+type ApiRequest = (String, Option<String>);
+
+impl FakeApiServer {
+    fn start(objects: &[Value]) -> Self {
+        Self::start_with(objects, None)
+    }
+
+    fn start_with(objects: &[Value], tls: Option<Arc<rustls::ServerConfig>>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut by_path = BTreeMap::new();
+        for object in objects {
+            let metadata = &object["metadata"];
+            let name = metadata["name"].as_str().unwrap();
+            let path = match object["kind"].as_str().unwrap() {
+                "Namespace" => format!("/api/v1/namespaces/{name}"),
+                "Pod" => format!(
+                    "/api/v1/namespaces/{}/pods/{name}",
+                    metadata["namespace"].as_str().unwrap()
+                ),
+                kind => panic!("the stand-in serves no {kind}"),
+            };
+            by_path.insert(path, object.to_string());
+        }
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let seen = requests.clone();
+        thread::spawn(move || {
+            for stream in listener.incoming().map_while(Result::ok) {
+                let (by_path, seen, tls) = (by_path.clone(), seen.clone(), tls.clone());
+                thread::spawn(move || {
+                    let _ = match tls {
+                        Some(config) => {
+                            let session = rustls::ServerConnection::new(config).unwrap();
+                            serve_api(rustls::StreamOwned::new(session, stream), &by_path, &seen)
+                        }
+                        None => serve_api(stream, &by_path, &seen),
+                    };
+                });
+            }
+        });
+        Self {
+            url: format!("{scheme}://127.0.0.1:{port}"),
+            requests,
+        }
+    }
+
+    fn requests(&self) -> Vec<ApiRequest> {
+        self.requests.lock().unwrap().clone()
+    }
+}
+
+/// One request, one answer, then the connection closes.
+fn serve_api(
+    mut stream: impl std::io::Read + Write,
+    by_path: &BTreeMap<String, String>,
+    seen: &Mutex<Vec<ApiRequest>>,
+) -> std::io::Result<()> {
+    let mut reader = BufReader::new(&mut stream);
+    let mut request_line = String::new();
+    reader.read_line(&mut request_line)?;
+    let mut authorization = None;
+    loop {
+        let mut header = String::new();
+        reader.read_line(&mut header)?;
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':') {
+            if name.eq_ignore_ascii_case("authorization") {
+                authorization = Some(value.trim().to_owned());
+            }
+        }
+    }
+    let request_line = request_line.trim_end().to_owned();
+    let path = request_line
+        .split(' ')
+        .nth(1)
+        .unwrap_or_default()
+        .to_owned();
+    seen.lock().unwrap().push((request_line, authorization));
+    let (status, body) = match by_path.get(&path) {
+        Some(object) => ("200 OK", object.clone()),
+        None => ("404 Not Found", not_found(&path).to_string()),
+    };
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()
+}
+
+/// The API server's 404, a `Status` object.
+fn not_found(path: &str) -> Value {
+    let name = path.rsplit('/').next().unwrap_or_default();
+    let kind = if path.contains("/pods/") {
+        "pods"
+    } else {
+        "namespaces"
+    };
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": format!("{kind} \"{name}\" not found"), "reason": "NotFound",
+           "details": {"name": name, "kind": kind}, "code": 404})
+}
+
+/// The namespace as `GET /api/v1/namespaces/NAME` returns it.
+fn namespace_object(name: &str, labels: Value) -> Value {
+    let mut all_labels = json!({"kubernetes.io/metadata.name": name});
+    all_labels
+        .as_object_mut()
+        .unwrap()
+        .extend(labels.as_object().unwrap().clone());
+    json!({"kind": "Namespace", "apiVersion": "v1",
+           "metadata": {"name": name, "uid": "5f1a9a51-7d0e-4b0c-9b59-8c6c2f3c9d11",
+                        "resourceVersion": "208", "creationTimestamp": "2026-11-30T04:10:00Z",
+                        "labels": all_labels,
+                        "managedFields": [{"manager": "kubectl-label", "operation": "Update",
+                                           "apiVersion": "v1", "time": "2026-11-30T04:18:00Z",
+                                           "fieldsType": "FieldsV1",
+                                           "fieldsV1": {"f:metadata": {"f:labels": {}}}}]},
+           "spec": {"finalizers": ["kubernetes"]},
+           "status": {"phase": "Active"}})
+}
+
+/// The sample pod as `GET /api/v1/namespaces/node1-ns/pods/pod-2` returns it while its sandbox
+/// is being created, with `labels`.
+fn sample_pod_object(labels: Value) -> Value {
+    json!({"kind": "Pod", "apiVersion": "v1",
+           "metadata": {"name": "pod-2", "generateName": "pod-", "namespace": "node1-ns",
+                        "uid": sample_pod().uid, "resourceVersion": "1187",
+                        "creationTimestamp": "2026-11-30T04:19:06Z",
+                        "labels": labels,
+                        "annotations": {"kubernetes.io/egress-bandwidth": "20M",
+                                        "kubernetes.io/ingress-bandwidth": "10M"},
+                        "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                             "name": "pod-7d9c", "uid": "0b1e7f0c-35c1-4c11-a5e4-0c8f7e3b5a21",
+                                             "controller": true, "blockOwnerDeletion": true}]},
+           "spec": {"volumes": [],
+                    "containers": [{"name": "app", "image": "nginx:1.27",
+                                    "ports": [{"hostPort": 18080, "containerPort": 8080,
+                                               "protocol": "TCP"}],
+                                    "resources": {}, "terminationMessagePath": "/dev/termination-log",
+                                    "terminationMessagePolicy": "File",
+                                    "imagePullPolicy": "IfNotPresent"}],
+                    "restartPolicy": "Always", "terminationGracePeriodSeconds": 30,
+                    "dnsPolicy": "ClusterFirst", "serviceAccountName": "default",
+                    "serviceAccount": "default", "nodeName": "node1",
+                    "securityContext": {}, "schedulerName": "default-scheduler",
+                    "tolerations": [{"key": "node.kubernetes.io/not-ready", "operator": "Exists",
+                                     "effect": "NoExecute", "tolerationSeconds": 300}],
+                    "priority": 0, "enableServiceLinks": true, "preemptionPolicy": "PreemptLowerPriority"},
+           "status": {"phase": "Pending", "qosClass": "BestEffort",
+                      "conditions": [{"type": "PodScheduled", "status": "True",
+                                      "lastProbeTime": null,
+                                      "lastTransitionTime": "2026-11-30T04:19:06Z"}],
+                      "hostIP": "192.168.1.20", "hostIPs": [{"ip": "192.168.1.20"}],
+                      "startTime": "2026-11-30T04:19:06Z"}})
+}
+
+const TOKEN: &str = "eyJhbGciOiJSUzI1NiIsImtpZCI6IndlaXIifQ.c2VydmljZWFjY291bnQ.c2ln";
+
+impl Node {
+    /// A kubeconfig naming `server`, with a bearer token and, for HTTPS, the CA inline, as
+    /// weir's installer writes it for the plugin.
+    fn write_kubeconfig(&self, server: &str, ca_pem: Option<&[u8]>) -> PathBuf {
+        let mut cluster = json!({"server": server});
+        if let Some(pem) = ca_pem {
+            cluster["certificate-authority-data"] = base64(pem).into();
+        }
+        let kubeconfig = json!({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "local", "cluster": cluster}],
+            "users": [{"name": "weir-cni", "user": {"token": TOKEN}}],
+            "contexts": [{"name": "weir-cni", "context": {"cluster": "local", "user": "weir-cni"}}],
+            "current-context": "weir-cni",
+        });
+        let path = self.dir.path().join("weir-kubeconfig");
+        std::fs::write(&path, serde_json::to_vec_pretty(&kubeconfig).unwrap()).unwrap();
+        path
+    }
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The agent's socket is absent, the API server answers with `objects`: what happens to the
+/// sample pod's ADD, with the verdict cache `cache`.
+fn add_with_the_agent_away(
+    objects: &[Value],
+    cache: &VerdictCache,
+) -> (Output, Node, FakeApiServer) {
     let [add, ..] = &recorded_calls()[..] else {
         unreachable!()
     };
     let node = Node::new();
-    let _agent = FakeAgent::start(&node.socket(), Some(Vec::new()));
+    node.write_verdicts(cache);
+    let api = FakeApiServer::start(objects);
+    let kubeconfig = node.write_kubeconfig(&api.url, None);
+    let out = node.exec(add, json!({"kubeconfig": kubeconfig}));
+    (out, node, api)
+}
+
+/// The plugin asked for the sample pod, with the kubeconfig's bearer token on every request.
+fn assert_asked_for_the_pod(api: &FakeApiServer) {
+    let requests = api.requests();
+    let lines: Vec<&str> = requests.iter().map(|(line, _)| line.as_str()).collect();
+    assert!(
+        lines.contains(&"GET /api/v1/namespaces/node1-ns/pods/pod-2 HTTP/1.1"),
+        "{lines:?}"
+    );
+    for (_, authorization) in &requests {
+        assert_eq!(
+            authorization.as_deref(),
+            Some(format!("Bearer {TOKEN}").as_str())
+        );
+    }
+}
+
+#[test]
+fn agent_away_and_api_server_says_ambient_namespace_fails_with_try_again_later() {
+    let objects = [
+        namespace_object("node1-ns", json!({"istio.io/dataplane-mode": "ambient"})),
+        sample_pod_object(json!({"app": "web", "pod-template-hash": "7d9c"})),
+    ];
+    // The cache was written before the namespace was labelled: it does not name the pod.
+    let (out, node, api) = add_with_the_agent_away(&objects, &VerdictCache::default());
+    let err = cni_error(&out, 11);
+    let msg = err["msg"].as_str().unwrap();
+    assert!(msg.contains(node.socket().to_str().unwrap()), "{msg}");
+    assert!(msg.contains("unreachable"), "{msg}");
+    assert!(msg.contains("ambient pod node1-ns/pod-2 waits"), "{msg}");
+    assert_asked_for_the_pod(&api);
+    assert_eq!(api.requests().len(), 2, "pod and namespace");
+}
+
+#[test]
+fn agent_away_and_api_server_says_ambient_pod_fails_with_try_again_later() {
+    let objects = [
+        namespace_object("node1-ns", json!({})),
+        sample_pod_object(json!({"app": "web", "istio.io/dataplane-mode": "ambient"})),
+    ];
+    let (out, _node, api) = add_with_the_agent_away(&objects, &VerdictCache::default());
+    let err = cni_error(&out, 11);
+    assert!(err["msg"]
+        .as_str()
+        .unwrap()
+        .contains("ambient pod node1-ns/pod-2 waits"));
+    assert_asked_for_the_pod(&api);
+}
+
+#[test]
+fn agent_away_and_api_server_says_not_ambient_passes_prev_result_through() {
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    // The cache names the namespace ambient; the API server has it unlabelled since.
+    let unlabelled = [
+        namespace_object("node1-ns", json!({})),
+        sample_pod_object(json!({"app": "web"})),
+    ];
+    let (out, node, api) = add_with_the_agent_away(&unlabelled, &ambient_namespace_cache());
+    assert_eq!(success_json(&out), prev_result(add));
+    assert!(node.log().contains("not ambient"), "log: {}", node.log());
+    assert_asked_for_the_pod(&api);
+
+    // Opted out of an ambient namespace.
+    let opted_out = [
+        namespace_object("node1-ns", json!({"istio.io/dataplane-mode": "ambient"})),
+        sample_pod_object(json!({"app": "web", "istio.io/dataplane-mode": "none"})),
+    ];
+    let (out, _node, api) = add_with_the_agent_away(&opted_out, &ambient_namespace_cache());
+    assert_eq!(success_json(&out), prev_result(add));
+    assert_asked_for_the_pod(&api);
+}
+
+#[test]
+fn agent_away_and_a_pod_of_another_uid_is_decided_by_the_cache() {
+    let mut other = sample_pod_object(json!({"istio.io/dataplane-mode": "ambient"}));
+    other["metadata"]["uid"] = "0c3e1f2a-7d41-4c1e-9a0b-2b6f3d8e9a10".into();
+    let objects = [
+        namespace_object("node1-ns", json!({"istio.io/dataplane-mode": "ambient"})),
+        other,
+    ];
+    let cache = VerdictCache {
+        ambient_namespaces: vec!["other".into()],
+        ..VerdictCache::default()
+    };
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    // The cache does not name the pod: it starts, although the other pod is ambient.
+    let (out, node, api) = add_with_the_agent_away(&objects, &cache);
+    assert_eq!(success_json(&out), prev_result(add));
+    assert!(node.log().contains("uid"), "log: {}", node.log());
+    assert_asked_for_the_pod(&api);
+    // The cache names its namespace: it waits.
+    let (out, _node, _api) = add_with_the_agent_away(&objects, &ambient_namespace_cache());
+    let err = cni_error(&out, 11);
+    let msg = err["msg"].as_str().unwrap();
+    assert!(
+        msg.contains("ambient pod node1-ns/pod-2 cannot start without redirection"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn agent_away_and_api_server_over_https_with_the_kubeconfigs_ca() {
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    let objects = [
+        namespace_object("node1-ns", json!({"istio.io/dataplane-mode": "ambient"})),
+        sample_pod_object(json!({})),
+    ];
+    let api = FakeApiServer::start_with(&objects, Some(tls_server_config()));
+    let node = Node::new();
+    node.write_verdicts(&VerdictCache::default());
+    let ca = include_bytes!("data/apiserver-ca.crt");
+    let kubeconfig = node.write_kubeconfig(&api.url, Some(ca));
+    let err = cni_error(&node.exec(add, json!({"kubeconfig": kubeconfig})), 11);
+    assert!(err["msg"]
+        .as_str()
+        .unwrap()
+        .contains("ambient pod node1-ns/pod-2 waits"));
+    assert_eq!(api.requests().len(), 2, "pod and namespace");
+
+    // A server the kubeconfig's CA did not sign is not believed: the cache decides.
+    let other_ca = include_bytes!("data/apiserver.crt");
+    let kubeconfig = node.write_kubeconfig(&api.url, Some(other_ca));
+    let out = node.exec(add, json!({"kubeconfig": kubeconfig}));
+    assert_eq!(success_json(&out), prev_result(add));
+    assert!(node.log().contains("API server"), "log: {}", node.log());
+}
+
+/// The stand-in's certificate for 127.0.0.1, signed by `data/apiserver-ca.crt` (test-only keys,
+/// valid until 2126).
+fn tls_server_config() -> Arc<rustls::ServerConfig> {
+    use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
+    let chain = vec![CertificateDer::from_pem_slice(include_bytes!("data/apiserver.crt")).unwrap()];
+    let key = PrivateKeyDer::from_pem_slice(include_bytes!("data/apiserver.key")).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .unwrap();
+    Arc::new(config)
+}
+
+#[test]
+fn agent_and_api_server_away_the_cache_decides() {
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    // A port nobody listens on.
+    let closed = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let node = Node::new();
+    let kubeconfig = node.write_kubeconfig(&url, None);
+    let config = json!({"kubeconfig": kubeconfig});
+
     node.write_verdicts(&ambient_namespace_cache());
-    cni_error(&node.exec(add, no_extra()), 11);
+    let err = cni_error(&node.exec(add, config.clone()), 11);
+    let msg = err["msg"].as_str().unwrap();
+    assert!(msg.contains("ambient pod node1-ns/pod-2 cannot start without redirection"));
+
+    node.write_verdicts(&VerdictCache::default());
+    assert_eq!(
+        success_json(&node.exec(add, config.clone())),
+        prev_result(add)
+    );
+
+    // No kubeconfig where the config says: the same.
+    let missing = json!({"kubeconfig": node.dir.path().join("absent")});
+    assert_eq!(success_json(&node.exec(add, missing)), prev_result(add));
+}
+
+#[test]
+fn agent_reachable_the_api_server_is_never_asked() {
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    let node = Node::new();
+    let _agent = FakeAgent::ok(&node.socket());
+    let api = FakeApiServer::start(&[]);
+    let kubeconfig = node.write_kubeconfig(&api.url, None);
+    let out = node.exec(add, json!({"kubeconfig": kubeconfig}));
+    assert_eq!(success_json(&out), prev_result(add));
+    assert!(api.requests().is_empty());
 }

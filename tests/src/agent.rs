@@ -115,6 +115,7 @@ pub fn agent_config_at(
         cni_net_dir: dir.join("net.d"),
         cni_plugin: workspace_binary("weir-cni"),
         cni_plugin_log: Some(run.join("weir-cni.log")),
+        service_account: None,
         health_addr,
         metrics_addr,
         uninstall_on_exit: false,

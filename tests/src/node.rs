@@ -241,8 +241,7 @@ impl TestNode {
         let path = pin_root
             .join(format!("abi-{}", weir_common::ABI_VERSION))
             .join(name);
-        Ok(aya::maps::MapData::from_pin(&path)
-            .with_context(|| format!("opening {}", path.display()))?)
+        aya::maps::MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))
     }
 
     /// Runs `f` on the node, where kubelet probes and other hosts' servers live.

@@ -51,6 +51,14 @@ impl FileAttrs {
         })
     }
 
+    /// A credential: root's alone.
+    pub fn secret() -> Self {
+        Self {
+            mode: 0o600,
+            owner: None,
+        }
+    }
+
     /// A plugin binary: the runtime executes it, everyone may read it.
     pub fn executable() -> Self {
         Self {

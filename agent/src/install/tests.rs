@@ -6,6 +6,7 @@ use std::{
     time::Duration,
 };
 
+use base64::Engine;
 use serde_json::{json, Value};
 use tempfile::TempDir;
 use tokio::{sync::oneshot, task::JoinHandle, time::Instant};
@@ -46,7 +47,29 @@ impl Node {
             plugin_binary: self.plugin.clone(),
             plugin_name: PLUGIN.into(),
             plugin_config: plugin_config(),
+            service_account: None,
         })
+    }
+
+    /// An installer that also writes the plugin's kubeconfig, from a service account whose
+    /// token and CA are files under the node's root (as the kubelet mounts them in a pod).
+    fn installer_with_service_account(&self) -> Installer {
+        let account = self._root.path().join("serviceaccount");
+        fs::create_dir_all(&account).unwrap();
+        fs::write(account.join("token"), "token-1\n").unwrap();
+        fs::write(account.join("ca.crt"), CA_PEM).unwrap();
+        Installer::new(InstallConfig {
+            service_account: Some(ServiceAccount::for_service("10.96.0.1", "443", &account)),
+            ..self.installer().inner.config.clone()
+        })
+    }
+
+    fn rotate_token(&self, token: &str) {
+        fs::write(self._root.path().join("serviceaccount/token"), token).unwrap();
+    }
+
+    fn kubeconfig(&self) -> PathBuf {
+        self.path("weir-kubeconfig")
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -82,6 +105,9 @@ fn plugin_config() -> Value {
            "log_file": "/var/run/weir/cni.log",
            "exclude_namespaces": ["kube-system"]})
 }
+
+const CA_PEM: &str =
+    "-----BEGIN CERTIFICATE-----\nMIIBdTCCARugAwIBAgIUWeir\n-----END CERTIFICATE-----\n";
 
 fn weir_entry() -> Value {
     json!({"name": PLUGIN, "type": PLUGIN,
@@ -603,5 +629,118 @@ async fn watch_keeps_up_with_repeated_rewrites() {
         assert!(holds_weir_last(&node, "05-cilium.conflist"));
     }
     assert_eq!(installer.inner.metrics.config_rewrites.get(), 4);
+    watched.stop().await;
+}
+
+#[test]
+fn writes_the_plugins_kubeconfig_0600_and_names_it_in_the_entry() {
+    let node = Node::new();
+    node.write("10-bridge.conflist", &bridge_conflist());
+    node.installer_with_service_account().install().unwrap();
+
+    let kubeconfig = node.kubeconfig();
+    assert_eq!(mode(&kubeconfig), 0o600, "it holds the agent's token");
+    let written: Value = serde_json::from_slice(&fs::read(&kubeconfig).unwrap()).unwrap();
+    assert_eq!(
+        written,
+        json!({"apiVersion": "v1", "kind": "Config",
+               "clusters": [{"name": "local", "cluster": {
+                   "server": "https://10.96.0.1:443",
+                   "certificate-authority-data": base64_of(CA_PEM)}}],
+               "users": [{"name": "weir-cni", "user": {"token": "token-1"}}],
+               "contexts": [{"name": "weir-cni",
+                             "context": {"cluster": "local", "user": "weir-cni"}}],
+               "current-context": "weir-cni"})
+    );
+    let mut entry = weir_entry();
+    entry["kubeconfig"] = json!(kubeconfig);
+    let mut expected = bridge_conflist();
+    expected["plugins"].as_array_mut().unwrap().push(entry);
+    assert_eq!(node.read("10-bridge.conflist"), expected);
+    // Not a network config: libcni never loads it, and weir never takes it for one.
+    assert_eq!(
+        node.installer_with_service_account().install().unwrap(),
+        InstallOutcome::AlreadyInstalled {
+            file: node.path("10-bridge.conflist")
+        }
+    );
+}
+
+fn base64_of(text: &str) -> String {
+    base64::engine::general_purpose::STANDARD.encode(text)
+}
+
+#[test]
+fn rewrites_the_kubeconfig_when_the_token_rotates() {
+    let node = Node::new();
+    node.write("10-bridge.conflist", &bridge_conflist());
+    let installer = node.installer_with_service_account();
+    installer.install().unwrap();
+    let inode = fs::metadata(node.kubeconfig()).unwrap().ino();
+    installer.install().unwrap();
+    assert_eq!(
+        fs::metadata(node.kubeconfig()).unwrap().ino(),
+        inode,
+        "unchanged: not rewritten"
+    );
+
+    node.rotate_token("token-2");
+    installer.install().unwrap();
+    let written: Value = serde_json::from_slice(&fs::read(node.kubeconfig()).unwrap()).unwrap();
+    assert_eq!(written["users"][0]["user"]["token"], "token-2");
+    assert_eq!(mode(&node.kubeconfig()), 0o600);
+
+    // Loosened by someone: made 0600 again.
+    fs::set_permissions(node.kubeconfig(), fs::Permissions::from_mode(0o644)).unwrap();
+    installer.install().unwrap();
+    assert_eq!(mode(&node.kubeconfig()), 0o600);
+}
+
+#[test]
+fn a_missing_token_holds_back_the_kubeconfig_not_the_entry() {
+    let node = Node::new();
+    node.write("10-bridge.conflist", &bridge_conflist());
+    let installer = node.installer_with_service_account();
+    fs::remove_file(node._root.path().join("serviceaccount/token")).unwrap();
+    installer.install().unwrap();
+    assert!(!node.kubeconfig().exists());
+    assert!(holds_weir_last_with_kubeconfig(&node, "10-bridge.conflist"));
+}
+
+fn holds_weir_last_with_kubeconfig(node: &Node, name: &str) -> bool {
+    let config = node.read(name);
+    let last = config["plugins"].as_array().and_then(|p| p.last()).cloned();
+    last.is_some_and(|last| {
+        last["type"] == PLUGIN && last["kubeconfig"] == json!(node.kubeconfig())
+    })
+}
+
+#[test]
+fn uninstall_removes_the_kubeconfig() {
+    let node = Node::new();
+    node.write("10-bridge.conflist", &bridge_conflist());
+    node.installer_with_service_account().install().unwrap();
+    assert!(node.kubeconfig().exists());
+    // `weir-agent uninstall` knows no service account, and removes it all the same.
+    node.installer().uninstall().unwrap();
+    assert!(!node.kubeconfig().exists());
+    assert_eq!(node.entries(), ["10-bridge.conflist"]);
+    assert_eq!(node.read("10-bridge.conflist"), bridge_conflist());
+}
+
+#[tokio::test]
+async fn watch_restores_a_deleted_kubeconfig() {
+    let node = Node::new();
+    node.write("10-bridge.conflist", &bridge_conflist());
+    let installer = node.installer_with_service_account();
+    installer.install().unwrap();
+    let watched = Watched::start(&installer).await;
+
+    fs::remove_file(node.kubeconfig()).unwrap();
+    eventually(Duration::from_secs(2), "kubeconfig back", || {
+        node.kubeconfig().exists()
+    })
+    .await;
+    assert_eq!(mode(&node.kubeconfig()), 0o600);
     watched.stop().await;
 }

@@ -16,7 +16,10 @@ use tokio::{
 };
 use tracing::{error, info, warn};
 
-use super::{conflist::Format, Inner, InstallConfig, InstallOutcome, Installer, NoNetworkConfig};
+use super::{
+    conflist::Format, kubeconfig::KUBECONFIG_FILE, Inner, InstallConfig, InstallOutcome, Installer,
+    NoNetworkConfig,
+};
 
 /// How long the dirs must stay quiet before a check: CNIs and editors write a file in several
 /// steps (truncate, write, chmod; or a temp file, then a rename), and a check in between would
@@ -88,8 +91,9 @@ fn is_relevant(inner: &Inner, event: &notify::Result<Event>) -> bool {
     let plugin_name = inner.config.plugin_name.as_str();
     event.paths.is_empty()
         || event.paths.iter().any(|path| {
-            path.file_name()
-                .is_some_and(|name| name == plugin_name || Format::of(name).is_some())
+            path.file_name().is_some_and(|name| {
+                name == plugin_name || name == KUBECONFIG_FILE || Format::of(name).is_some()
+            })
         })
 }
 

@@ -1,152 +1,51 @@
 //! The enablement rule, as istio-cni's `enablement_selector.go` has it: a few kinds of pods are
 //! never in the mesh (host network, sidecar-injected, ztunnel's own, weir's own, excluded
 //! namespaces); every other pod is in when any enablement selector matches it. The selectors
-//! have istio's `AMBIENT_ENABLEMENT_SELECTOR` shape, and the defaults are istio's defaults.
-use anyhow::{bail, Result};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
-use serde::{Deserialize, Serialize};
+//! have istio's `AMBIENT_ENABLEMENT_SELECTOR` shape, and the defaults are istio's defaults. The
+//! rule itself lives in `weir_cni::ambient`, which the plugin applies when the agent is away.
+use anyhow::{anyhow, Result};
 
-use super::{Labels, PodFacts, PolicyConfig, DATAPLANE_MODE_LABEL, SIDECAR_STATUS_ANNOTATION};
+pub use weir_cni::ambient::{
+    default_selectors, requirement_holds, EnablementSelector, LabelSelector,
+    LabelSelectorRequirement,
+};
+use weir_cni::ambient::{validate_selectors, Rule};
 
-/// One entry of istio's `AMBIENT_ENABLEMENT_SELECTOR` (Helm `ambient.enablementSelectors`): a pod
-/// matches when both its labels match `podSelector` and its namespace's labels match
-/// `namespaceSelector`. An absent selector matches everything.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct EnablementSelector {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pod_selector: Option<LabelSelector>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub namespace_selector: Option<LabelSelector>,
-}
-
-impl EnablementSelector {
-    pub fn matches(&self, pod: &PodFacts) -> bool {
-        selector_matches(self.pod_selector.as_ref(), &pod.labels)
-            && selector_matches(self.namespace_selector.as_ref(), &pod.namespace_labels)
-    }
-}
-
-/// istio's defaults: the pod label `istio.io/dataplane-mode=ambient` in any namespace, or the
-/// namespace label `istio.io/dataplane-mode=ambient` unless the pod's label is `none`.
-pub fn default_selectors() -> Vec<EnablementSelector> {
-    let ambient = || LabelSelector {
-        match_labels: Some(Labels::from([(
-            DATAPLANE_MODE_LABEL.to_owned(),
-            "ambient".to_owned(),
-        )])),
-        ..LabelSelector::default()
-    };
-    vec![
-        EnablementSelector {
-            pod_selector: Some(ambient()),
-            namespace_selector: None,
-        },
-        EnablementSelector {
-            pod_selector: Some(LabelSelector {
-                match_expressions: Some(vec![LabelSelectorRequirement {
-                    key: DATAPLANE_MODE_LABEL.to_owned(),
-                    operator: "NotIn".to_owned(),
-                    values: Some(vec!["none".to_owned()]),
-                }]),
-                ..LabelSelector::default()
-            }),
-            namespace_selector: Some(ambient()),
-        },
-    ]
-}
+use super::{PodFacts, PolicyConfig};
 
 /// Parses a list of selectors, YAML or JSON (JSON is YAML), refusing what Kubernetes refuses: an
 /// unknown operator, `In`/`NotIn` without values, `Exists`/`DoesNotExist` with values.
 pub fn parse_selectors(text: &str) -> Result<Vec<EnablementSelector>> {
     let selectors: Vec<EnablementSelector> = serde_saphyr::from_str(text)?;
-    for selector in &selectors {
-        let requirements = [&selector.pod_selector, &selector.namespace_selector]
-            .into_iter()
-            .flatten()
-            .flat_map(|s| s.match_expressions.iter().flatten());
-        for requirement in requirements {
-            let values = requirement.values.as_deref().unwrap_or_default();
-            match (requirement.operator.as_str(), values.is_empty()) {
-                ("In" | "NotIn", false) | ("Exists" | "DoesNotExist", true) => {}
-                ("In" | "NotIn", true) => {
-                    bail!(
-                        "{}: operator {} needs values",
-                        requirement.key,
-                        requirement.operator
-                    )
-                }
-                ("Exists" | "DoesNotExist", false) => {
-                    bail!(
-                        "{}: operator {} takes no values",
-                        requirement.key,
-                        requirement.operator
-                    )
-                }
-                (other, _) => bail!("{}: unknown operator {other:?}", requirement.key),
-            }
-        }
-    }
+    validate_selectors(&selectors).map_err(|error| anyhow!(error))?;
     Ok(selectors)
 }
 
-/// Kubernetes label selector semantics: every `matchLabels` pair and every expression holds.
-fn selector_matches(selector: Option<&LabelSelector>, labels: &Labels) -> bool {
-    let Some(selector) = selector else {
-        return true;
-    };
-    selector
-        .match_labels
-        .iter()
-        .flatten()
-        .all(|(key, value)| labels.get(key) == Some(value))
-        && selector.match_expressions.iter().flatten().all(|r| {
-            let values = r.values.as_deref().unwrap_or_default();
-            requirement_holds(&r.key, &r.operator, values, labels)
-        })
-}
-
-/// One set-based requirement (`In`, `NotIn`, `Exists`, `DoesNotExist`) on `labels`; node
-/// selectors share these operators.
-pub(crate) fn requirement_holds(
-    key: &str,
-    operator: &str,
-    values: &[String],
-    labels: &Labels,
-) -> bool {
-    let value = labels.get(key);
-    match operator {
-        "In" => value.is_some_and(|v| values.contains(v)),
-        "NotIn" => value.is_none_or(|v| !values.contains(v)),
-        "Exists" => value.is_some(),
-        "DoesNotExist" => value.is_none(),
-        // Refused when parsed; a selector that cannot be understood selects nothing.
-        _ => false,
-    }
-}
-
 impl PolicyConfig {
+    /// The rule as the plugin applies it too (`weir_cni::ambient`), with this node's settings.
+    pub fn rule(&self) -> Rule<'_> {
+        Rule {
+            exclude_namespaces: &self.exclude_namespaces,
+            system_namespace: &self.system_namespace,
+            enablement: &self.enablement,
+            own: &self.own,
+        }
+    }
+
     /// Whether a pod belongs in the ambient mesh: never for the kinds of pods istio leaves out,
     /// otherwise when any enablement selector matches.
     pub fn is_ambient(&self, pod: &PodFacts) -> bool {
-        let never = pod.host_network
-            || pod.annotations.contains_key(SIDECAR_STATUS_ANNOTATION)
-            || self.exclude_namespaces.contains(&pod.namespace)
-            || self.is_ztunnel(pod)
-            || self.own.is_own(pod);
-        !never && self.enablement.iter().any(|s| s.matches(pod))
-    }
-
-    fn is_ztunnel(&self, pod: &PodFacts) -> bool {
-        pod.namespace == self.system_namespace
-            && pod.labels.get("app").map(String::as_str) == Some("ztunnel")
+        self.rule().is_ambient(pod)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{test_labels as labels, OwnPods};
+    use crate::policy::{
+        test_labels as labels, Labels, OwnPods, DATAPLANE_MODE_LABEL, SIDECAR_STATUS_ANNOTATION,
+    };
+    use weir_cni::ambient::selector_matches;
 
     fn pod(ns_mode: Option<&str>, pod_mode: Option<&str>) -> PodFacts {
         let mode = |m: Option<&str>| {

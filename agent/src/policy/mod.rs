@@ -8,7 +8,6 @@ pub mod enablement;
 pub mod local;
 
 use std::{
-    collections::BTreeMap,
     fmt,
     path::{Path, PathBuf},
     sync::Mutex,
@@ -22,16 +21,15 @@ use weir_cni::protocol::VerdictCache;
 use crate::{enroll::Status, workload::PodOptions};
 use enablement::EnablementSelector;
 
-pub const DATAPLANE_MODE_LABEL: &str = "istio.io/dataplane-mode";
-pub const SIDECAR_STATUS_ANNOTATION: &str = "sidecar.istio.io/status";
+pub use weir_cni::ambient::{
+    Labels, OwnPods, PodFacts, DATAPLANE_MODE_LABEL, SIDECAR_STATUS_ANNOTATION,
+};
 pub const BYPASS_INBOUND_ANNOTATION: &str = "ambient.istio.io/bypass-inbound-capture";
 pub const DNS_CAPTURE_ANNOTATION: &str = "ambient.istio.io/dns-capture";
 /// Comma-separated interface names whose incoming TCP goes to ztunnel's outbound listener.
 pub const REROUTE_VIRTUAL_INTERFACES_ANNOTATION: &str = "istio.io/reroute-virtual-interfaces";
 /// The pod's enrollment status as ztunnel's peers and operators see it (REFERENCE §7).
 pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
-
-pub type Labels = BTreeMap<String, String>;
 
 /// A pod by namespace and name, as the runtime and the API server both name it.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -52,37 +50,6 @@ impl PodName {
 impl fmt::Display for PodName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
-
-/// What the rules look at for one pod.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PodFacts {
-    pub namespace: String,
-    pub name: String,
-    pub labels: Labels,
-    pub annotations: Labels,
-    pub namespace_labels: Labels,
-    pub host_network: bool,
-    /// The DaemonSet the pod belongs to (its ownerReference), if any.
-    pub daemonset_owner: Option<String>,
-    pub service_account: Option<String>,
-}
-
-/// weir's own pods, never enrolled: its DaemonSet's pods in its namespace, and itself.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OwnPods {
-    pub namespace: String,
-    pub daemonset: String,
-    /// This agent's pod, which may not carry its ownerReference (a static or debug pod).
-    pub pod_name: Option<String>,
-}
-
-impl OwnPods {
-    pub fn is_own(&self, pod: &PodFacts) -> bool {
-        pod.namespace == self.namespace
-            && (pod.daemonset_owner.as_deref() == Some(self.daemonset.as_str())
-                || self.pod_name.as_deref() == Some(pod.name.as_str()))
     }
 }
 

@@ -6,7 +6,8 @@
 //! Sections (issue 10): cost to pods and host processes that are not enrolled; enrollment;
 //! connection path; bulk download (these with weir's datapath in this process); then, on a node
 //! of their own with the real agent binary ([`node_scale`]): the whole CNI ADD with and without
-//! weir-cni, scale, and the node reboot storm. Output: a markdown table and JSON under `--out`,
+//! weir-cni, weir-cni's decision with the agent away (API server, verdict cache), scale, and the
+//! node reboot storm. Output: a markdown table and JSON under `--out`,
 //! and an SVG of the scale curve. `--quick` runs tiny sizes: it shows that the bench runs,
 //! nothing about speed.
 

@@ -3,20 +3,26 @@
 //! every Add over ZDS, and pods' ADDs executing weir-cni as the runtime does. The node has as many
 //! bridges as its pods need (one takes at most [`PODS_PER_BRIDGE`]); one agent serves them all.
 //!
-//! Sections: the whole CNI ADD with and without weir-cni; scale (enroll latency, agent RSS, map
-//! memory and removal time at each size); the node reboot storm.
+//! Sections: the whole CNI ADD with and without weir-cni; weir-cni's decision when the agent is
+//! away (the API server's, the verdict cache's) against the agent's; scale (enroll latency, agent
+//! RSS, map memory and removal time at each size); the node reboot storm.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use k8s_openapi::api::core::v1::{
+    Container, Namespace, Pod as PodObject, PodSpec as PodObjectSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{json, Value};
 use weir_agent::datapath::Datapath;
 use weir_tests::agent::{AgentBinary, AgentProcess, NodeFiles};
 use weir_tests::chain::{ambient_policy, MESH};
 use weir_tests::cni::{self, Command, NetworkConfigList};
 use weir_tests::node::{NodeOptions, PODS_PER_BRIDGE};
+use weir_tests::ApiServer;
 use weir_tests::{Pod, PodSpec, TestNode, ZdsEvent, ZdsZtunnel};
 
 use crate::report::{self, micros, ratio, Report, Samples, Table};
@@ -62,6 +68,8 @@ fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Repo
     let measured = (|| {
         println!("whole CNI ADD with and without weir-cni...");
         report.push(cni_add(node, plan)?);
+        println!("weir-cni with the agent away: the API server, the verdict cache...");
+        report.push(agent_away(node, files, &weir, plan)?);
         println!("scale, through the agent...");
         let (table, curve) = scale(node, &agent, &weir, &mut pods, plan)?;
         report.push(table);
@@ -77,6 +85,7 @@ fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Repo
 }
 
 /// weir-cni as the node's conflist configures it (the agent's installer chained it there).
+#[derive(Clone)]
 struct WeirCni {
     list: NetworkConfigList,
     plugin: Value,
@@ -98,6 +107,18 @@ impl WeirCni {
             plugin,
             binary,
         })
+    }
+
+    /// The same with `changes` made to its config.
+    fn with(&self, changes: Value) -> Self {
+        let mut plugin = self.plugin.clone();
+        for (key, value) in changes.as_object().into_iter().flatten() {
+            plugin[key] = value.clone();
+        }
+        Self {
+            plugin,
+            ..self.clone()
+        }
     }
 
     /// weir-cni alone for `pod` (wired by the primary CNI), as the runtime runs it after the
@@ -181,6 +202,113 @@ fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
         "added_by_weir_cni_median_us": added_median * 1e6,
         "with_over_without": report::median(&ratios),
     });
+    Ok(table)
+}
+
+/// weir-cni's ADD of a pod that is not ambient, three ways, in triples with the order rotated:
+/// the agent answers (its socket, as installed); the agent is away and the API server decides
+/// (the tests' stand-in on the node's loopback, plain http: two GETs); the agent is away and so
+/// is the API server, and the verdict cache decides.
+fn agent_away(node: &TestNode, files: &NodeFiles, weir: &WeirCni, plan: &Plan) -> Result<Table> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    // Bound in the node's netns, where weir-cni runs; served from the runtime's threads.
+    let api = node.run(|| runtime.block_on(ApiServer::start()))?;
+    api.create(&Namespace {
+        metadata: ObjectMeta {
+            name: Some("default".into()),
+            ..ObjectMeta::default()
+        },
+        ..Namespace::default()
+    });
+    let mut pods = Vec::new();
+    for i in 0..plan.chain_pairs.clamp(1, 10) {
+        let name = format!("away{i}");
+        let object = api.create(&PodObject {
+            metadata: ObjectMeta {
+                name: Some(name.clone()),
+                namespace: Some("default".into()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodObjectSpec {
+                containers: vec![Container {
+                    name: "app".into(),
+                    ..Container::default()
+                }],
+                ..PodObjectSpec::default()
+            }),
+            ..PodObject::default()
+        });
+        pods.push(node.add_pod_primary(PodSpec {
+            uid: object.metadata.uid,
+            ..PodSpec::new(&name)
+        })?);
+    }
+    let kubeconfig = files.run_dir().join("weir-kubeconfig");
+    let cluster = json!({"server": api.url()});
+    std::fs::write(
+        &kubeconfig,
+        json!({"clusters": [{"name": "bench", "cluster": cluster}],
+               "users": [{"name": "bench", "user": {"token": "bench"}}],
+               "contexts": [{"name": "bench", "context": {"cluster": "bench", "user": "bench"}}],
+               "current-context": "bench"})
+        .to_string(),
+    )?;
+    let nowhere = files.run_dir().join("no-agent.sock");
+    let variants = [
+        ("the agent answers", weir.clone()),
+        (
+            "agent away: the API server decides",
+            weir.with(json!({"agent_socket": nowhere, "kubeconfig": kubeconfig})),
+        ),
+        (
+            "agent and API server away: the verdict cache decides",
+            weir.with(json!({"agent_socket": nowhere})),
+        ),
+    ];
+    let mut samples: Vec<Samples> = variants.iter().map(|_| Samples::new()).collect();
+    let mut ratios: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let requests_before = api.requests().len();
+    for (round, pod) in pods.iter().cycle().take(plan.enroll_samples).enumerate() {
+        let mut took = vec![Duration::ZERO; variants.len()];
+        for k in 0..variants.len() {
+            let which = (round + k) % variants.len();
+            took[which] = node.run(|| timed(|| variants[which].1.call(Command::Add, pod)))?;
+        }
+        for (which, one) in took.iter().enumerate() {
+            samples[which].push(*one);
+            ratios[which].push(one.as_secs_f64() / took[0].as_secs_f64());
+        }
+    }
+    let asked = api.requests().len() - requests_before;
+    if asked != 2 * plan.enroll_samples {
+        bail!("weir-cni asked the API server {asked} times, not twice per ADD");
+    }
+    crate::remove_pods(pods);
+    let mut table = Table::new(
+        "weir-cni when the agent is away: a pod that is not ambient",
+        &[
+            "path",
+            "ADD, median (p99)",
+            "over the agent's path (triples)",
+        ],
+    );
+    let mut json_paths = Vec::new();
+    for ((name, _), (samples, ratios)) in variants.iter().zip(samples.iter().zip(&ratios)) {
+        table.row(&[name.to_string(), samples.show(), ratio(ratios)]);
+        json_paths.push(json!({"path": name, "add": samples.json(),
+                               "over_agent": report::median(ratios)}));
+    }
+    table.note(format!(
+        "{} ADDs each way of pods in a namespace that is not ambient, weir-cni alone executed as \
+         the runtime executes it after the primary plugins, in triples with the order rotated. \
+         The agent's path: its socket and its policy (it answers \"not ambient\"). The API \
+         server's: the agent's socket missing, then GET pod and GET namespace from the tests' \
+         API server stand-in on the node's loopback over plain http (a real API server adds a \
+         TLS handshake and its own latency; weir-cni allows both GETs 2 s together). The \
+         verdict cache's: no kubeconfig, the agent's cache file.",
+        plan.enroll_samples
+    ));
+    table.json = json!({ "samples": plan.enroll_samples, "paths": json_paths });
     Ok(table)
 }
 
