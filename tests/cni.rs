@@ -5,15 +5,26 @@ use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Write},
     net::{IpAddr, SocketAddr},
-    os::unix::net::UnixStream,
+    os::unix::{fs::PermissionsExt, net::UnixStream},
     time::Duration,
 };
 
+use k8s_openapi::api::core::v1::{
+    Container, Namespace, Pod as PodObject, PodSpec as PodObjectSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::json;
-use weir_agent::policy::{local::ObjectMeta, BYPASS_INBOUND_ANNOTATION, DNS_CAPTURE_ANNOTATION};
+use weir_agent::{
+    app::AgentConfig,
+    install::ServiceAccount,
+    policy::{
+        local::ObjectMeta as PolicyMeta, BYPASS_INBOUND_ANNOTATION, DATAPLANE_MODE_LABEL,
+        DNS_CAPTURE_ANNOTATION,
+    },
+};
 use weir_common::{DNS_PORT, INBOUND_PORT};
 use weir_tests::{
-    agent::http_get,
+    agent::{http_get, Agent},
     chain::{
         ambient_policy, assert_direct, assert_through_ztunnel, pods_command, wait_for_metric,
         weir_only, ChainNode as Node, MESH, WAIT,
@@ -21,7 +32,7 @@ use weir_tests::{
     cni::{Command, RuntimeConf},
     raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    EchoServer, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
+    ApiServer, EchoServer, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
 };
 
 #[test]
@@ -41,6 +52,36 @@ fn installer_chains_weir_into_the_node_conflist() {
     let (status, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
     assert_eq!(status, 200);
     assert!(metrics.contains("istio_cni_install_ready 1"), "{metrics}");
+    agent.stop().unwrap();
+}
+
+/// Pods can reach the health and metrics ports: a connection that sends nothing is closed, and
+/// many of them keep neither probes nor scrapes from being answered.
+#[test]
+fn idle_http_connections_are_closed_and_do_not_block_probes() {
+    use std::io::Read;
+    let Some(node) = Node::privileged() else {
+        return;
+    };
+    let agent = node.start_agent();
+    let addr = agent.config.health_addr;
+    let idle: Vec<std::net::TcpStream> = (0..32)
+        .map(|_| std::net::TcpStream::connect(addr).unwrap())
+        .collect();
+    assert_eq!(
+        http_get(addr, "/healthz").unwrap(),
+        (200, "ok\n".to_owned())
+    );
+    let mut first = &idle[0];
+    first
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    let mut rest = Vec::new();
+    // EOF (or a reset): the server hung up on the idle client; a read timeout means it did not.
+    match first.read_to_end(&mut rest) {
+        Ok(_) => assert!(rest.is_empty(), "the idle connection got {rest:?}"),
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset),
+    }
     agent.stop().unwrap();
 }
 
@@ -189,6 +230,92 @@ fn agent_down_fails_ambient_pods_and_starts_plain_ones() {
     assert!(message.contains("11"), "try again later: {message}");
     let plain = node.pod("default", "plain").expect("a plain pod starts");
     assert!(plain.ipv4().is_private());
+}
+
+/// The agent away, and a namespace labelled ambient after its verdict cache was written: the
+/// plugin asks the API server with the kubeconfig the agent's installer wrote, and the pod waits;
+/// a pod the API server says is not ambient starts.
+#[test]
+fn agent_down_the_api_server_decides_with_the_installed_kubeconfig() {
+    let Some(node) = Node::privileged() else {
+        return;
+    };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    // On the node's loopback, where the runtime runs weir-cni.
+    let api = node
+        .netns()
+        .run(|| runtime.block_on(ApiServer::start()))
+        .unwrap();
+    let account = node.files.run_dir().join("serviceaccount");
+    std::fs::create_dir(&account).unwrap();
+    std::fs::write(account.join("token"), "agent-token").unwrap();
+    let config = AgentConfig {
+        service_account: Some(ServiceAccount {
+            server: api.url(),
+            token_file: account.join("token"),
+            ca_file: None,
+        }),
+        ..node.files.agent_config(node.netns()).unwrap()
+    };
+    let agent = Agent::start(config).expect("agent ready");
+    let kubeconfig = node.files.net_dir().join("weir-kubeconfig");
+    let mode = std::fs::metadata(&kubeconfig).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    agent.stop().unwrap();
+
+    let pod_object = |namespace: &str, name: &str| {
+        api.create(&PodObject {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(namespace.into()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodObjectSpec {
+                containers: vec![Container {
+                    name: "app".into(),
+                    ..Container::default()
+                }],
+                ..PodObjectSpec::default()
+            }),
+            ..PodObject::default()
+        })
+        .metadata
+        .uid
+    };
+    for (name, labels) in [
+        (
+            "late",
+            BTreeMap::from([(DATAPLANE_MODE_LABEL.to_owned(), "ambient".to_owned())]),
+        ),
+        ("default", BTreeMap::new()),
+    ] {
+        api.create(&Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some(labels),
+                ..ObjectMeta::default()
+            },
+            ..Namespace::default()
+        });
+    }
+    let pod = |namespace: &str, name: &str| {
+        node.fixture.node().add_pod_with(PodSpec {
+            namespace: namespace.into(),
+            uid: pod_object(namespace, name),
+            ..PodSpec::new(name)
+        })
+    };
+    let error = pod("late", "app").expect_err("an ambient pod must not start unredirected");
+    let message = format!("{error:#}");
+    assert!(message.contains("11"), "try again later: {message}");
+    assert!(message.contains("ambient pod late/app waits"), "{message}");
+    let plain = pod("default", "plain").expect("a plain pod starts");
+    assert!(plain.ipv4().is_private());
+    let asked: Vec<String> = api.requests().into_iter().map(|r| r.path).collect();
+    assert!(
+        asked.contains(&"/api/v1/namespaces/late/pods/app".to_owned()),
+        "{asked:?}"
+    );
 }
 
 #[test]
@@ -399,12 +526,12 @@ fn pods_command_lists_what_the_node_holds() {
     let mut policy = ambient_policy();
     policy.pods.insert(
         format!("{MESH}/quiet"),
-        ObjectMeta {
+        PolicyMeta {
             annotations: BTreeMap::from([
                 (BYPASS_INBOUND_ANNOTATION.into(), "true".into()),
                 (DNS_CAPTURE_ANNOTATION.into(), "false".into()),
             ]),
-            ..ObjectMeta::default()
+            ..PolicyMeta::default()
         },
     );
     node.files.write_policy(&policy).unwrap();

@@ -366,6 +366,18 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
     assert_eq!(received.peer.ip(), IpAddr::V4(pod.ipv4()));
     assert_eq!(ztunnel.seen().len(), before, "{:?}", ztunnel.seen());
     assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
+    // Nothing of weir's is left in the pod: no qdisc, the sysctls back to the defaults.
+    let in_pod = |command: &[&str]| {
+        let mut args = vec!["netns", "exec", pod.netns().name()];
+        args.extend_from_slice(command);
+        ip_output(&args).unwrap()
+    };
+    let qdiscs = in_pod(&["tc", "qdisc", "show", "dev", "eth0"]);
+    assert!(!qdiscs.contains("clsact"), "{qdiscs}");
+    for sysctl in weir_agent::netns::REPLY_MARK_SYSCTLS {
+        let value = in_pod(&["cat", &format!("/proc/sys/{sysctl}")]);
+        assert_eq!(value.trim(), "0", "{sysctl}");
+    }
     datapath.uninstall().unwrap();
 }
 

@@ -7,11 +7,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+use socket2::{Domain, Socket, Type};
 use weir_agent::{
     datapath::{pinned_pods, Datapath},
     workload::PodOptions,
 };
-use socket2::{Domain, Socket, Type};
 use weir_common::{maps, ConnectionKey, Endpoint, IpKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     netns::{ip, NetNs},

@@ -203,11 +203,23 @@ impl ReplyMarkSysctls {
         self.written += 1;
         let [accept, reflect_v4, reflect_v6] = REPLY_MARK_SYSCTLS;
         let wanted = [(accept, true), (reflect_v4, ipv4), (reflect_v6, ipv6)];
-        for sysctl in wanted
-            .into_iter()
-            .filter_map(|(sysctl, wanted)| wanted.then_some(sysctl))
-        {
-            match self.write_one(sysctl) {
+        self.write(
+            wanted
+                .into_iter()
+                .filter_map(|(sysctl, wanted)| wanted.then_some(sysctl)),
+            b"1",
+        )
+    }
+
+    /// Puts them back to the kernel's defaults (off) in the calling thread's network namespace,
+    /// when a pod is unenrolled.
+    pub fn reset(&mut self) -> io::Result<()> {
+        self.write(REPLY_MARK_SYSCTLS.into_iter(), b"0")
+    }
+
+    fn write<'a>(&self, sysctls: impl Iterator<Item = &'a str>, value: &[u8]) -> io::Result<()> {
+        for sysctl in sysctls {
+            match self.write_one(sysctl, value) {
                 // A kernel without IPv6 has no IPv6 replies to mark.
                 Err(error)
                     if error.kind() == io::ErrorKind::NotFound && sysctl.contains("/ipv6/") => {}
@@ -220,7 +232,7 @@ impl ReplyMarkSysctls {
         Ok(())
     }
 
-    fn write_one(&self, sysctl: &str) -> io::Result<()> {
+    fn write_one(&self, sysctl: &str, value: &[u8]) -> io::Result<()> {
         let flags = rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC;
         let file = match &self.procfs {
             Some(root) => rustix::fs::openat(
@@ -235,7 +247,7 @@ impl ReplyMarkSysctls {
                 rustix::fs::Mode::empty(),
             )?,
         };
-        File::from(file).write_all(b"1")
+        File::from(file).write_all(value)
     }
 }
 

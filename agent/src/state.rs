@@ -181,9 +181,14 @@ impl StateFile {
                 records.journal.insert(opened)
             }
         };
-        journal
-            .write_all(&line)
-            .with_context(|| format!("writing {}", journal_path(&self.path).display()))?;
+        if let Err(error) = journal.write_all(&line) {
+            // Part of the line may be written: cut it off, or the next line would be glued to
+            // it and both lost to readers.
+            let _ = journal.set_len(records.journal_whole);
+            return Err(error)
+                .with_context(|| format!("writing {}", journal_path(&self.path).display()));
+        }
+        records.journal_whole += line.len() as u64;
         records.journal_lines += 1;
         if records.journal_lines >= records.pods.len().max(MIN_JOURNAL_TO_FOLD) {
             self.fold(records)?;
@@ -217,6 +222,7 @@ impl StateFile {
         }
         .with_context(|| format!("emptying {}", journal.display()))?;
         records.journal_lines = 0;
+        records.journal_whole = 0;
         Ok(())
     }
 
@@ -355,6 +361,50 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("pods.json");
         (dir, path)
+    }
+
+    /// A disk that fills up mid-line: the torn part is cut off, so the records written once
+    /// there is room again are read back.
+    #[test]
+    fn a_journal_write_that_fails_partway_loses_nothing_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+            .arg(dir.path())
+            .status();
+        if !mounted.is_ok_and(|status| status.success()) {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "mounting a tmpfs needs root"
+            );
+            return;
+        }
+        struct Unmount<'a>(&'a Path);
+        impl Drop for Unmount<'_> {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("umount").arg(self.0).status();
+            }
+        }
+        let _unmount = Unmount(dir.path());
+        let path = dir.path().join("pods.json");
+        let state = StateFile::open(path.clone());
+        // Leaves a few hundred bytes free: the next journal line does not fit whole.
+        let filler = dir.path().join("filler");
+        std::fs::write(&filler, vec![0u8; 64 * 1024 - 4096]).unwrap();
+        let mut written = 0;
+        let error = loop {
+            match state.insert(&workload(&format!("u{written}")), Status::Enabled) {
+                Ok(()) => written += 1,
+                Err(error) => break error,
+            }
+        };
+        assert!(format!("{error:#}").contains("No space left"), "{error:#}");
+        std::fs::remove_file(&filler).unwrap();
+        state.insert(&workload("after"), Status::Enabled).unwrap();
+
+        let records = read(&path).unwrap();
+        assert!(records.contains_key("after"), "{:?}", records.keys());
+        assert_eq!(records.len(), written + 1);
     }
 
     #[test]

@@ -653,9 +653,31 @@ async fn the_probe_paths_answer_on_the_agents_http_server() {
         .unwrap();
     let (ready_tx, ready) = tokio::sync::watch::channel(false);
     let registry = Arc::new(Mutex::new(prometheus_client::registry::Registry::default()));
-    let server = tokio::spawn(weir_agent::http::serve(addr, ready, registry));
+    let live = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let liveness_check: weir_agent::http::Liveness = {
+        let live = live.clone();
+        Arc::new(
+            move || match live.load(std::sync::atomic::Ordering::Relaxed) {
+                true => Ok(()),
+                false => Err("the datapath thread has stopped".into()),
+            },
+        )
+    };
+    let server = tokio::spawn(weir_agent::http::serve(
+        addr,
+        ready,
+        liveness_check,
+        registry,
+    ));
 
     assert_eq!(get(addr, &liveness).await, 200, "{liveness}");
+    live.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        get(addr, &liveness).await,
+        503,
+        "{liveness} once a part died"
+    );
+    live.store(true, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(get(addr, &readiness).await, 503, "{readiness} before ready");
     ready_tx.send_replace(true);
     assert_eq!(get(addr, &readiness).await, 200, "{readiness} when ready");

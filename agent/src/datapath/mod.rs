@@ -36,7 +36,10 @@ use std::{
         unix::fs::PermissionsExt,
     },
     path::{Path, PathBuf},
-    sync::mpsc,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc,
+    },
     thread,
     time::{Duration, Instant},
 };
@@ -118,6 +121,8 @@ pub struct Datapath {
     thread: std::sync::Mutex<Option<thread::JoinHandle<()>>>,
     enroll_steps: pods::EnrollSteps,
     mismatches: audit::Mismatches,
+    /// Set while the pods' interface watch runs.
+    watching: Arc<AtomicBool>,
 }
 
 impl Datapath {
@@ -130,10 +135,12 @@ impl Datapath {
         let steps = enroll_steps.clone();
         let mismatches = audit::Mismatches::default();
         let counted = mismatches.clone();
+        let watching = Arc::new(AtomicBool::new(false));
+        let watch_alive = watching.clone();
         let thread = thread::Builder::new()
             .name("weir-datapath".into())
             .spawn(
-                move || match Owner::open(&config, changes, steps, counted) {
+                move || match Owner::open(&config, changes, steps, counted, watch_alive) {
                     Ok(mut owner) => {
                         let _ = ready_tx.send(Ok(()));
                         owner.serve(inbox);
@@ -152,7 +159,22 @@ impl Datapath {
             thread: std::sync::Mutex::new(Some(thread)),
             enroll_steps,
             mismatches,
+            watching,
         })
+    }
+
+    /// Whether the owner thread and the pods' interface watch are running; `Err` says which is
+    /// not. Either stopped leaves pods without what the agent promises (changes applied, new
+    /// addresses captured), so the agent is then not live.
+    pub fn health(&self) -> Result<(), String> {
+        let thread = self.thread.lock().unwrap();
+        if thread.as_ref().is_none_or(|thread| thread.is_finished()) {
+            return Err("the datapath thread has stopped".into());
+        }
+        if !self.watching.load(Ordering::Relaxed) {
+            return Err("the pods' interface watch has stopped".into());
+        }
+        Ok(())
     }
 
     pub fn register_metrics(&self, registry: &mut Registry) {
@@ -340,6 +362,7 @@ impl Owner {
         changes: mpsc::Sender<Command>,
         enroll_steps: pods::EnrollSteps,
         mismatches: audit::Mismatches,
+        watching: Arc<AtomicBool>,
     ) -> Result<Self> {
         if let Some(node) = &config.node_netns {
             let file = File::open(node).with_context(|| format!("opening {}", node.display()))?;
@@ -405,7 +428,7 @@ impl Owner {
             counters,
             pods,
             watches: StdHashMap::new(),
-            watcher: watch::Watcher::start(changes)?,
+            watcher: watch::Watcher::start(changes, watching)?,
             pin_root: config.pin_root.clone(),
             probe_bypass: config.probe_bypass,
             handoff,

@@ -112,6 +112,9 @@ impl Owner {
         let config = pod_config(pod, self.handoff.is_some())?;
         let pod_ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
         let netns_file = self.open_netns(pod, netns)?;
+        // Every fd the enrollment needs is taken before anything is written: an EMFILE after
+        // the map entries went in would leave them to nobody.
+        let handle: OwnedFd = netns_file.try_clone()?.into();
         // Map writes do not depend on the calling thread's netns, so every step runs in the pod.
         let inside = self
             .home
@@ -190,7 +193,6 @@ impl Owner {
             }
         }
         debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
-        let handle = netns_file.try_clone()?.into();
         self.pods.insert(
             pod.uid.clone(),
             Enrolled {
@@ -358,7 +360,12 @@ impl Owner {
                 .enter(netns.as_fd())
                 .and_then(|inside| Ok((inside, Rtnl::new()?)));
             match inside {
-                Ok((_inside, mut rtnl)) => undo_pod_netns(&mut rtnl),
+                Ok((_inside, mut rtnl)) => {
+                    undo_pod_netns(&mut rtnl);
+                    if let Err(error) = self.sysctls.reset() {
+                        debug!(uid, %error, "resetting the pod's reply-mark sysctls");
+                    }
+                }
                 Err(error) => debug!(uid, %error, "pod netns not entered for cleanup"),
             }
         }

@@ -11,7 +11,10 @@ use std::{
     io,
     net::IpAddr,
     os::fd::{AsFd, BorrowedFd},
-    sync::{mpsc, Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc, Mutex,
+    },
 };
 
 use anyhow::{Context, Result};
@@ -91,20 +94,23 @@ impl Interfaces {
 impl Watcher {
     /// Subscribes (the calling thread is in the node's netns) and reports changes to `owner`'s
     /// command queue from now on.
-    pub(super) fn start(owner: mpsc::Sender<Command>) -> Result<Self> {
+    pub(super) fn start(owner: mpsc::Sender<Command>, alive: Arc<AtomicBool>) -> Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("weir-pod-watch")
             .enable_io()
+            .enable_time()
             .build()
             .context("starting the pod interface watcher")?;
         let socket = netlink::subscribe_interface_changes()
             .context("subscribing to the pods' interface changes")?;
         let followed = Followed::default();
         let reported = followed.clone();
+        alive.store(true, Ordering::Relaxed);
         runtime.spawn(async move {
             if let Err(error) = report_changes(socket, &owner, &reported).await {
                 warn!(%error, "pod interface changes are no longer followed");
+                alive.store(false, Ordering::Relaxed);
             }
         });
         Ok(Self {
@@ -115,6 +121,10 @@ impl Watcher {
     }
 }
 
+/// Receive errors in a row (other than lost messages) after which the watch gives up, and
+/// `/healthz` says so: a restarted agent subscribes afresh and re-reads every pod.
+const MAX_RECEIVE_ERRORS: u32 = 10;
+
 /// Wakes the owner once per burst of changes per pod, until the owner is gone.
 async fn report_changes(
     socket: Socket,
@@ -123,9 +133,10 @@ async fn report_changes(
 ) -> io::Result<()> {
     // SAFETY: the socket owns its fd, open and the same until it is dropped with the AsyncFd.
     let socket = unsafe { AsyncFd::register(socket) }?;
+    let mut errors_in_a_row = 0;
     loop {
         let mut ready = socket.readable().await?;
-        let (mut changed, mut overflowed) = (HashSet::new(), false);
+        let (mut changed, mut overflowed, mut failed) = (HashSet::new(), false, false);
         loop {
             match netlink::recv_namespace_id(ready.get_inner()) {
                 Ok(Some(id)) => {
@@ -136,10 +147,27 @@ async fn report_changes(
                 // Changes were lost: any pod may have changed.
                 Err(error) if error.raw_os_error() == Some(libc::ENOBUFS) => overflowed = true,
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
-                Err(error) => return Err(error),
+                // Whatever the message said is lost, as with ENOBUFS; the watch goes on unless
+                // the socket keeps failing.
+                Err(error) => {
+                    errors_in_a_row += 1;
+                    if errors_in_a_row >= MAX_RECEIVE_ERRORS {
+                        return Err(error);
+                    }
+                    warn!(%error, "reading pod interface changes; every pod is checked");
+                    (overflowed, failed) = (true, true);
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    break;
+                }
             }
         }
-        ready.clear_ready();
+        // After a failed read more may be waiting: the socket is read again at once.
+        if failed {
+            drop(ready);
+        } else {
+            errors_in_a_row = 0;
+            ready.clear_ready();
+        }
         let pods: Vec<(String, u64)> = {
             let followed = followed.lock().unwrap();
             match overflowed {

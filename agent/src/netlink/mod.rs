@@ -619,7 +619,38 @@ impl Rtnl {
             .into_iter()
             .rev()
             .map(|object| (Op::Delete, object));
-        self.apply(filters.chain(rules).chain(return_path))
+        self.apply(filters.chain(rules).chain(return_path))?;
+        // The clsact qdisc goes too once no filter is left on it, weir's or another's: one that
+        // still holds another tool's filters stays.
+        let mut unused = Vec::new();
+        for (ifindex, _) in interfaces {
+            if self
+                .clsact_filters(*ifindex)
+                .is_ok_and(|filters| filters == 0)
+            {
+                unused.push((Op::Delete, Object::Clsact(clsact(*ifindex))));
+            }
+        }
+        self.apply(unused)
+    }
+
+    /// The filters on the interface's clsact qdisc, both directions.
+    fn clsact_filters(&mut self, ifindex: u32) -> io::Result<usize> {
+        let mut count = 0;
+        for minor in [TcHandle::MIN_INGRESS, TcHandle::MIN_EGRESS] {
+            let mut request = TcMessage::default();
+            request.header.index = ifindex as i32;
+            request.header.parent = TcHandle {
+                major: TcHandle::CLSACT.major,
+                minor,
+            };
+            count += self
+                .dump(RouteNetlinkMessage::GetTrafficFilter(request))?
+                .into_iter()
+                .filter(|reply| matches!(reply, RouteNetlinkMessage::NewTrafficFilter(_)))
+                .count();
+        }
+        Ok(count)
     }
 
     /// Applies every `(op, object)`, in order, in one round trip.
