@@ -141,9 +141,12 @@ impl Cluster {
     }
 
     /// The pod made by the node's CNI chain.
+    /// A sandbox for the pod, under the uid of its object when the API server has one.
     fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<weir_tests::Pod> {
+        let object: Option<PodObject> = self.api.get(namespace, name);
         self.node.node().add_pod_with(PodSpec {
             namespace: namespace.into(),
+            uid: object.and_then(|object| object.metadata.uid),
             ..PodSpec::new(name)
         })
     }
@@ -332,6 +335,30 @@ fn add_decides_from_the_cluster_cache() {
         .as_array()
         .unwrap()
         .contains(&Value::from("mesh/opted-out")));
+    agent.stop().unwrap();
+}
+
+/// A pod deleted and created again under the same name: until the new one reaches the agent's
+/// cache, the cached namesake's labels never decide for it.
+#[test]
+fn add_never_decides_from_a_namesake_with_another_uid() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    cluster.pod_object(MESH, "app", |_| {});
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let namesake = cluster.node.node().add_pod_with(PodSpec {
+        namespace: MESH.into(),
+        uid: Some("00000000-0000-0000-0000-00000000beef".into()),
+        ..PodSpec::new("app")
+    });
+    let message = format!("{:#}", namesake.expect_err("the namesake must wait"));
+    assert!(message.contains("not known to the agent yet"), "{message}");
+    assert!(message.contains("11"), "try again later: {message}");
+    assert!(ztunnel
+        .pod("00000000-0000-0000-0000-00000000beef")
+        .is_none());
     agent.stop().unwrap();
 }
 

@@ -198,7 +198,11 @@ impl CniHandler {
     async fn ambient_workload(&self, request: &Request) -> Result<Option<Workload>, PolicyError> {
         let name = PodName::new(&request.pod.namespace, &request.pod.name);
         let annotations: Labels = request.annotations.clone().into_iter().collect();
-        let Some(ambient) = self.policy.decide(&name, &annotations).await? else {
+        let Some(ambient) = self
+            .policy
+            .decide(&name, &request.pod.uid, &annotations)
+            .await?
+        else {
             return Ok(None);
         };
         report_problems(&*self.policy, &name, &ambient).await;

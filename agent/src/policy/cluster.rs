@@ -77,9 +77,14 @@ impl ClusterSource {
     }
 
     /// The pod's facts from the caches, waiting briefly for a pod or namespace not there yet.
-    async fn facts(&self, pod: &PodName) -> Result<PodFacts, PolicyError> {
+    /// A cached pod of that name with another uid is a namesake (deleted, and the new one not
+    /// in the cache yet): its labels never decide for the runtime's pod.
+    async fn facts(&self, pod: &PodName, uid: &str) -> Result<PodFacts, PolicyError> {
         for attempt in 1..=LOOKUP_TRIES {
-            let object = self.reflectors.pod(pod);
+            let object = self
+                .reflectors
+                .pod(pod)
+                .filter(|object| uid.is_empty() || object.uid().as_deref() == Some(uid));
             let namespace_labels = self.reflectors.namespace_labels(&pod.namespace);
             if let (Some(object), Some(namespace_labels)) = (object, namespace_labels) {
                 return Ok(facts_of(&object, namespace_labels));
@@ -141,10 +146,11 @@ impl PolicySource for ClusterSource {
     fn decide<'a>(
         &'a self,
         pod: &'a PodName,
+        uid: &'a str,
         _runtime_annotations: &'a Labels,
     ) -> BoxFuture<'a, Result<Option<AmbientPod>, PolicyError>> {
         // The pod object is the truth; the runtime's copy of its annotations adds nothing.
-        async move { Ok(self.config.decide(&self.facts(pod).await?)) }.boxed()
+        async move { Ok(self.config.decide(&self.facts(pod, uid).await?)) }.boxed()
     }
 
     fn report_status<'a>(&'a self, pod: &'a PodName, status: Option<Status>) -> BoxFuture<'a, ()> {

@@ -114,6 +114,7 @@ impl PolicySource for LocalSource {
     fn decide<'a>(
         &'a self,
         pod: &'a PodName,
+        _uid: &'a str,
         runtime_annotations: &'a Labels,
     ) -> BoxFuture<'a, Result<Option<AmbientPod>, PolicyError>> {
         let decision = self
@@ -167,7 +168,7 @@ mod tests {
 
         let decide = |namespace, name| {
             let (pod, runtime) = (PodName::new(namespace, name), Labels::new());
-            futures::executor::block_on(source.decide(&pod, &runtime)).unwrap()
+            futures::executor::block_on(source.decide(&pod, "", &runtime)).unwrap()
         };
         assert_eq!(decide("plain", "in").unwrap().service_account, "sa");
         assert!(decide("mesh", "out").is_none());

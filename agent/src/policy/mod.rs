@@ -305,11 +305,14 @@ impl Warning {
 /// Where the enrollment path learns which pods are ambient, and where it reports back. The
 /// enrollment path holds an `Arc<dyn PolicySource>` and never knows which source it is.
 pub trait PolicySource: Send + Sync {
-    /// The decision for one pod (`None`: not ambient). `runtime_annotations` are the ones the
-    /// container runtime passed with the CNI request.
+    /// The decision for one pod (`None`: not ambient). `uid` is the one the container runtime
+    /// gave (empty when it gave none): a source that knows pods by uid decides only from that
+    /// pod, never from a namesake. `runtime_annotations` are the ones the runtime passed with
+    /// the CNI request.
     fn decide<'a>(
         &'a self,
         pod: &'a PodName,
+        uid: &'a str,
         runtime_annotations: &'a Labels,
     ) -> BoxFuture<'a, Result<Option<AmbientPod>, PolicyError>>;
 
