@@ -9,9 +9,7 @@ use std::{
     time::Duration,
 };
 
-use k8s_openapi::api::core::v1::{
-    Container, Namespace, Pod as PodObject, PodSpec as PodObjectSpec,
-};
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::json;
 use weir_agent::{
@@ -263,25 +261,6 @@ fn agent_down_the_api_server_decides_with_the_installed_kubeconfig() {
     assert_eq!(mode & 0o777, 0o600);
     agent.stop().unwrap();
 
-    let pod_object = |namespace: &str, name: &str| {
-        api.create(&PodObject {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some(namespace.into()),
-                ..ObjectMeta::default()
-            },
-            spec: Some(PodObjectSpec {
-                containers: vec![Container {
-                    name: "app".into(),
-                    ..Container::default()
-                }],
-                ..PodObjectSpec::default()
-            }),
-            ..PodObject::default()
-        })
-        .metadata
-        .uid
-    };
     for (name, labels) in [
         (
             "late",
@@ -301,7 +280,7 @@ fn agent_down_the_api_server_decides_with_the_installed_kubeconfig() {
     let pod = |namespace: &str, name: &str| {
         node.fixture.node().add_pod_with(PodSpec {
             namespace: namespace.into(),
-            uid: pod_object(namespace, name),
+            uid: Some(api.create_pod(namespace, name)),
             ..PodSpec::new(name)
         })
     };

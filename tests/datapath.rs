@@ -39,6 +39,15 @@ fn v4_mapped(ip: Ipv4Addr) -> IpAddr {
     IpAddr::V6(ip.to_ipv6_mapped())
 }
 
+/// An enrolled pod `app` with its ztunnel, and a pod `server` (not enrolled) running the echo app.
+fn enrolled_app_and_server(fixture: &Fixture) -> (Pod, Pod, EchoServer, ZtunnelStandIn, Datapath) {
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let echo = EchoServer::app(&server).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    (pod, server, echo, ztunnel, datapath)
+}
+
 fn counters(datapath: &Datapath, pod: &Pod) -> PodCounters {
     datapath
         .counters(pod.uid())
@@ -426,10 +435,7 @@ fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
     let Some(fixture) = Fixture::privileged() else {
         return;
     };
-    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
-    let echo = EchoServer::app(&server).unwrap();
-    let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let (pod, server, echo, _ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // The pod claims the server's address; the interface watch indexes it for the pod.
     let claimed = server.ipv4();
     ip(&[
@@ -442,12 +448,7 @@ fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
         "eth0",
     ])
     .unwrap();
-    let pinned = fixture
-        .node()
-        .pinned_map(weir_common::maps::POD_IPS)
-        .unwrap();
-    let pod_ips: aya::maps::HashMap<_, weir_common::IpKey, u64> =
-        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(pinned)).unwrap();
+    let pod_ips = fixture.node().pinned_pod_ips().unwrap();
     let key = weir_common::IpKey::from_v4(claimed.octets());
     let deadline = Instant::now() + WAIT;
     while pod_ips.get(&key, 0).is_err() {
@@ -478,16 +479,8 @@ fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
     let Some(fixture) = Fixture::privileged() else {
         return;
     };
-    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
-    let _echo = EchoServer::app(&server).unwrap();
-    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let datapath = fixture.enrolled(&pod, PodOptions::default());
-    let pinned = fixture
-        .node()
-        .pinned_map(weir_common::maps::POD_IPS)
-        .unwrap();
-    let pod_ips: aya::maps::HashMap<_, weir_common::IpKey, u64> =
-        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(pinned)).unwrap();
+    let (pod, server, _echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
+    let pod_ips = fixture.node().pinned_pod_ips().unwrap();
     let indexed = || pod_ips.keys().count();
     let before = indexed();
     let added = 64;
@@ -1111,10 +1104,7 @@ fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
     let Some(fixture) = Fixture::privileged() else {
         return;
     };
-    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
-    let _echo = EchoServer::app(&server).unwrap();
-    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let (pod, server, _echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // With `lo` down the return path cannot be set up again: the new options fail midway.
     let lo = |state| ip(&["-n", pod.netns().name(), "link", "set", "lo", state]).unwrap();
     lo("down");
@@ -1149,17 +1139,9 @@ fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
     let Some(fixture) = Fixture::privileged() else {
         return;
     };
-    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
-    let echo = EchoServer::app(&server).unwrap();
-    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let (pod, server, echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // As an operator's `bpftool map delete` would.
-    let pinned = fixture
-        .node()
-        .pinned_map(weir_common::maps::POD_IPS)
-        .unwrap();
-    let mut pod_ips: aya::maps::HashMap<_, weir_common::IpKey, u64> =
-        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(pinned)).unwrap();
+    let mut pod_ips = fixture.node().pinned_pod_ips().unwrap();
     let keys: Vec<_> = pod_ips.keys().map(Result::unwrap).collect();
     assert!(!keys.is_empty());
     for key in &keys {

@@ -434,45 +434,40 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
     // chooses the source, so the key may be another pod's connection: an entry is never
     // overwritten or removed here, only written where there is none (or the same, for a
     // retransmitted SYN).
-    let recorded = match CONN_ORIG_DST.insert(connection, original, BPF_NOEXIST.into()) {
-        Ok(()) => true,
-        Err(_) if original_destination(&connection) == Some(original) => false,
-        Err(_) => {
-            diag!(
-                by_ref warn,
-                ctx.skb.skb,
-                "drop rerouted {:i} to {:i}:{}: the connection is another's",
-                ip_fixed(&packet.source),
-                ip_fixed(&packet.destination),
-                u16::from_be(dport)
-            );
-            return Ok(DROP);
+    let refused = match CONN_ORIG_DST.insert(connection, original, BPF_NOEXIST.into()) {
+        Err(_) if original_destination(&connection) != Some(original) => {
+            "the connection is another's"
+        }
+        inserted => {
+            // The agent attaches the hand-off program to every pod's netns where the kernel
+            // needs it.
+            if assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT, &connection, true) {
+                diag!(
+                    by_ref debug,
+                    ctx.skb.skb,
+                    "rerouted {:i} to {:i}:{} assigned to 15001",
+                    ip_fixed(&packet.source),
+                    ip_fixed(&packet.destination),
+                    u16::from_be(dport)
+                );
+                return Ok(PASS);
+            }
+            if inserted.is_ok() {
+                let _ = CONN_ORIG_DST.remove(connection);
+            }
+            "ztunnel's 15001 listener not found"
         }
     };
-    // The agent attaches the hand-off program to every pod's netns where the kernel needs it.
-    if !assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT, &connection, true) {
-        if recorded {
-            let _ = CONN_ORIG_DST.remove(connection);
-        }
-        diag!(
-            by_ref warn,
-            ctx.skb.skb,
-            "drop rerouted {:i} to {:i}:{}: ztunnel's 15001 listener not found",
-            ip_fixed(&packet.source),
-            ip_fixed(&packet.destination),
-            u16::from_be(dport)
-        );
-        return Ok(DROP);
-    }
     diag!(
-        by_ref debug,
+        by_ref warn,
         ctx.skb.skb,
-        "rerouted {:i} to {:i}:{} assigned to 15001",
+        "drop rerouted {:i} to {:i}:{}: {}",
         ip_fixed(&packet.source),
         ip_fixed(&packet.destination),
-        u16::from_be(dport)
+        u16::from_be(dport),
+        refused
     );
-    Ok(PASS)
+    Ok(DROP)
 }
 
 /// The verdict that drops a packet for the pod, counted in its `dropped` counter.

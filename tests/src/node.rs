@@ -244,6 +244,14 @@ impl TestNode {
         aya::maps::MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))
     }
 
+    /// The pinned address index (`POD_IPS`), as bpftool would open it.
+    pub fn pinned_pod_ips(
+        &self,
+    ) -> Result<aya::maps::HashMap<aya::maps::MapData, weir_common::IpKey, u64>> {
+        let map = self.pinned_map(weir_common::maps::POD_IPS)?;
+        Ok(aya::maps::HashMap::try_from(aya::maps::Map::HashMap(map))?)
+    }
+
     /// Runs `f` on the node, where kubelet probes and other hosts' servers live.
     pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         self.shared.netns.run(f)

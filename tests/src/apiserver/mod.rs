@@ -173,6 +173,31 @@ impl ApiServer {
         from_json(created.unwrap_or_else(|e| panic!("creating a {}: {e}", K::KIND)))
     }
 
+    /// Creates a pod with one container and nothing else, as a bare `kubectl run` would; returns
+    /// its uid, which the runtime's sandbox of it must carry.
+    pub fn create_pod(&self, namespace: &str, name: &str) -> String {
+        use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+        let pod = Pod {
+            metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(namespace.into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "app".into(),
+                    ..Container::default()
+                }],
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        };
+        self.create(&pod)
+            .metadata
+            .uid
+            .expect("the stand-in gives every object a uid")
+    }
+
     /// Replaces an object whole, whatever resourceVersion `object` carries. Panics if it does not exist.
     pub fn update<K>(&self, object: &K) -> K
     where

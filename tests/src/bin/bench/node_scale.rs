@@ -12,9 +12,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use k8s_openapi::api::core::v1::{
-    Container, Namespace, Pod as PodObject, PodSpec as PodObjectSpec,
-};
+use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{json, Value};
 use weir_agent::datapath::Datapath;
@@ -223,23 +221,8 @@ fn agent_away(node: &TestNode, files: &NodeFiles, weir: &WeirCni, plan: &Plan) -
     let mut pods = Vec::new();
     for i in 0..plan.chain_pairs.clamp(1, 10) {
         let name = format!("away{i}");
-        let object = api.create(&PodObject {
-            metadata: ObjectMeta {
-                name: Some(name.clone()),
-                namespace: Some("default".into()),
-                ..ObjectMeta::default()
-            },
-            spec: Some(PodObjectSpec {
-                containers: vec![Container {
-                    name: "app".into(),
-                    ..Container::default()
-                }],
-                ..PodObjectSpec::default()
-            }),
-            ..PodObject::default()
-        });
         pods.push(node.add_pod_primary(PodSpec {
-            uid: object.metadata.uid,
+            uid: Some(api.create_pod("default", &name)),
             ..PodSpec::new(&name)
         })?);
     }
