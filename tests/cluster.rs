@@ -555,6 +555,51 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
     agent.stop().unwrap();
 }
 
+/// kubelet's order for a pod going away: deletionTimestamp, then the sandbox stops (CNI DEL)
+/// while the object still says Running with its IPs. Likewise a sandbox that died and waits for
+/// its successor's ADD. Neither is a broken pod: nothing is repaired or reported.
+#[test]
+fn a_pod_whose_sandbox_is_gone_is_neither_repaired_nor_reported() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let mut sandboxes = Vec::new();
+    for name in ["terminating", "restarting"] {
+        let (uid, pod) = cluster.pod_with_object(MESH, name);
+        ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+        cluster.set_running(MESH, name, &ips_of(&pod));
+        cluster.wait_for_redirection(MESH, name, Some("enabled"));
+        sandboxes.push((name, uid, pod));
+    }
+    let mut terminating: PodObject = cluster.api.get(MESH, "terminating").unwrap();
+    terminating.metadata.deletion_timestamp = Some(
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()),
+    );
+    cluster.api.update(&terminating);
+    for (name, uid, pod) in sandboxes {
+        // The runtime's DEL, then the netns is gone.
+        drop(pod);
+        assert!(
+            ztunnel.wait_for_del(&uid, WAIT),
+            "{name}: ztunnel gets the Del"
+        );
+        cluster.wait_for_redirection(MESH, name, None);
+    }
+    // Whatever the reconcile loop does with these pods, it does at once on the watch events.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(cluster.warnings("AmbientEnrollmentFailed").is_empty());
+    assert_eq!(
+        metric(
+            &agent,
+            r#"istio_cni_repair_pods_repaired_total{type="repair",result="fail"}"#
+        ),
+        None
+    );
+    agent.stop().unwrap();
+}
+
 #[test]
 fn changes_made_while_the_watches_are_down_are_not_lost() {
     let Some(cluster) = Cluster::privileged() else {

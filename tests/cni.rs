@@ -127,11 +127,42 @@ fn del_unenrolls_and_is_idempotent() {
         ztunnel.wait_for_del(client.uid(), WAIT),
         "ztunnel was told to drop the pod"
     );
+    // Both DELs of a pod that was never enrolled (not ambient) reach weir-cni too.
+    let plain = node.pod("default", "plain").unwrap();
+    weir_only(
+        &node,
+        Command::Del,
+        plain.runtime_conf(),
+        Some(plain.prev_result()),
+    )
+    .unwrap();
+    weir_only(
+        &node,
+        Command::Del,
+        &RuntimeConf {
+            netns: None,
+            ..plain.runtime_conf().clone()
+        },
+        None,
+    )
+    .unwrap();
 
     // The pod talks directly again.
     let before = stand_in.seen().len();
     assert_direct(&client, &server, &echo, "direct");
     assert_eq!(stand_in.seen().len(), before);
+    // ztunnel hears of the pod it had once, and of no other.
+    let dels: Vec<ZdsEvent> = ztunnel
+        .events()
+        .into_iter()
+        .filter(|event| matches!(event, ZdsEvent::Del { .. }))
+        .collect();
+    assert_eq!(
+        dels,
+        [ZdsEvent::Del {
+            uid: client.uid().to_owned()
+        }]
+    );
     agent.stop().unwrap();
 }
 

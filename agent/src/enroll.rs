@@ -74,6 +74,9 @@ pub struct Enroller {
     /// Pods that looked orphaned (to the sweep or GC) but were kept: their netns could be held
     /// where the agent could not look.
     orphans_kept: Counter,
+    /// Pods whose sandbox the runtime removed (a DEL) and that no ADD enrolled since: between
+    /// sandboxes, or going away, never broken.
+    removed_sandboxes: Mutex<HashSet<String>>,
 }
 
 impl Enroller {
@@ -96,6 +99,7 @@ impl Enroller {
             recovery_failures: Counter::default(),
             orphans_removed: Counter::default(),
             orphans_kept: Counter::default(),
+            removed_sandboxes: Mutex::default(),
         })
     }
 
@@ -499,6 +503,7 @@ impl Enroller {
         self.redirect_seconds
             .observe(started.elapsed().as_secs_f64());
         fail::fail_point!("enroll-redirected");
+        self.removed_sandboxes.lock().unwrap().remove(&pod.uid);
         let status = match self
             .zds
             .add(&pod.uid, zds_info(pod), Some(Arc::new(netns)))
@@ -539,6 +544,10 @@ impl Enroller {
                 return Ok(false);
             }
         }
+        self.removed_sandboxes
+            .lock()
+            .unwrap()
+            .insert(uid.to_owned());
         self.unenroll(uid).await
     }
 
@@ -556,6 +565,19 @@ impl Enroller {
             info!(uid, "pod unenrolled");
         }
         Ok(was)
+    }
+
+    /// Whether the runtime removed the pod's sandbox and no ADD enrolled it since.
+    pub fn sandbox_removed(&self, uid: &str) -> bool {
+        self.removed_sandboxes.lock().unwrap().contains(uid)
+    }
+
+    /// Forgets the removed sandboxes of pods `keep` does not keep (gone from the cluster).
+    pub fn forget_removed_sandboxes(&self, keep: impl Fn(&str) -> bool) {
+        self.removed_sandboxes
+            .lock()
+            .unwrap()
+            .retain(|uid| keep(uid));
     }
 
     /// Whether the pod's redirection is in the kernel as enrolled.

@@ -462,6 +462,7 @@ fn misbehaving_connections_are_closed_alone() {
 
         // The well-behaved connection is untouched and still served.
         assert!(server.wait_connections(1), "after {what}");
+        server.add(&format!("x-{what}"), None).unwrap();
         server.del(&format!("x-{what}")).unwrap();
         let del = ZdsEvent::Del {
             uid: format!("x-{what}"),
@@ -488,6 +489,7 @@ fn misbehaving_connections_are_closed_alone() {
 fn request_on_a_closing_connection_fails_without_hanging() {
     let server = Server::start();
     let client = server.connect();
+    server.add("p", None).unwrap();
     client.never_ack();
     // Del waits for the ack deadline, then reports the timeout (no netns needed).
     let started = Instant::now();

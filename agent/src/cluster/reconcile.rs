@@ -63,6 +63,9 @@ enum Wanted {
     Enrolled(AmbientPod, Vec<IpAddr>, Arc<Pod>),
     /// Not ambient, terminated, or gone: not enrolled.
     Out,
+    /// Being deleted: left as it is. An enrolled pod stays captured through its grace period
+    /// until its sandbox's DEL; one that is not is never enrolled or repaired now.
+    Terminating,
 }
 
 impl Reconciler {
@@ -135,6 +138,8 @@ impl Reconciler {
             .lock()
             .unwrap()
             .retain(|uid| known.contains(uid));
+        self.enroller
+            .forget_removed_sandboxes(|uid| known.contains(uid));
         self.reconcile_selected(&pods, |_| true).await;
         debug!(pods = pods.len(), "full reconcile pass done");
     }
@@ -224,6 +229,9 @@ impl Reconciler {
         if matches!(phase, Some("Succeeded" | "Failed")) {
             return Wanted::Out;
         }
+        if pod.metadata.deletion_timestamp.is_some() {
+            return Wanted::Terminating;
+        }
         let namespace = pod.namespace().unwrap_or_default();
         let namespace_labels = self
             .reflectors
@@ -273,7 +281,11 @@ impl Reconciler {
                 self.enroller.unenroll(uid).await?;
                 info!(%name, uid, "pod no longer ambient: removed");
             }
-            Wanted::Out => {}
+            Wanted::Out | Wanted::Terminating => {}
+            Wanted::Enrolled(..) if !enrolled && self.enroller.sandbox_removed(uid) => {
+                // The runtime removed its sandbox (a DEL) and the next one's ADD enrolls it: a
+                // pod between sandboxes is not broken.
+            }
             Wanted::Enrolled(ambient, ips, object) => {
                 let record = self.enroller.record(uid);
                 if let Some(record) = record.as_ref().filter(|_| enrolled) {

@@ -208,7 +208,10 @@ impl ZdsHandle {
     pub async fn del(&self, uid: &str) -> Result<(), ZdsError> {
         let replies: Vec<_> = {
             let mut state = self.shared.lock();
-            state.pods.remove(uid);
+            // ztunnel never had it (a pod that was not enrolled, a second DEL): nothing to drop.
+            if state.pods.remove(uid).is_none() {
+                return Ok(());
+            }
             state
                 .connections
                 .iter()
