@@ -94,6 +94,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
                 ClusterSource::start(config.policy.clone(), cluster, config.verdict_cache.clone())
                     .await
                     .context("following the cluster")?;
+            source.register_metrics(&mut registry);
             let repair = Repair::new(source.client().clone(), cluster.broken_pods);
             let reflectors = (source.reflectors().clone(), cluster.resync_interval, repair);
             (source, Some(reflectors))

@@ -16,6 +16,11 @@ use kube::{
     runtime::events::{Event, EventType, Recorder, Reporter as EventReporter},
     Client,
 };
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family},
+    registry::Registry,
+};
 use serde_json::json;
 
 use crate::{
@@ -27,15 +32,24 @@ use crate::{
 pub const CONTROLLER: &str = "weir";
 /// The reporting controller on Events about pod repair, as istio's repair controller names it.
 pub const REPAIR_CONTROLLER: &str = "cni-repair";
-/// The same warning for the same pod is published at most once per window.
+/// A warning with the same reason for the same pod is published at most once per window,
+/// whatever its note says (a failed enrollment's names the netns, which changes with every
+/// sandbox the runtime tries).
 pub const EVENT_WINDOW: Duration = Duration::from_secs(60);
 
 pub struct Reporter {
     client: Client,
     recorder: Recorder,
     repair_recorder: Recorder,
-    /// When each (pod, reason, note) was last published.
-    published: Mutex<HashMap<(PodName, &'static str, String), Instant>>,
+    /// When each (pod, reason) was last published.
+    published: Mutex<HashMap<(PodName, &'static str), Instant>>,
+    /// `weir_events_suppressed_total{reason}`: warnings not published within the window.
+    suppressed: Family<Reason, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: &'static str,
 }
 
 impl Reporter {
@@ -53,7 +67,17 @@ impl Reporter {
             repair_recorder: recorder(REPAIR_CONTROLLER),
             client,
             published: Mutex::new(HashMap::new()),
+            suppressed: Family::default(),
         }
+    }
+
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        registry.register(
+            "weir_events_suppressed",
+            "Warning Events not published because one with the same reason was published for the \
+             same pod within the last minute",
+            self.suppressed.clone(),
+        );
     }
 
     /// Sets the pod's `ambient.istio.io/redirection` to `enabled` or `pending`, or removes it.
@@ -77,8 +101,12 @@ impl Reporter {
         uid: Option<String>,
         warning: &Warning,
     ) -> Result<bool> {
-        let key = (pod.clone(), warning.reason(), warning.note());
-        if !self.first_in_window(key, Instant::now()) {
+        if !self.first_in_window((pod.clone(), warning.reason()), Instant::now()) {
+            self.suppressed
+                .get_or_create(&Reason {
+                    reason: warning.reason(),
+                })
+                .inc();
             return Ok(false);
         }
         let event = Event {
@@ -107,7 +135,7 @@ impl Reporter {
 
     /// Records `key` as published at `now` unless it was within the window; forgets entries
     /// older than the window so the map stays as small as the recent trouble.
-    fn first_in_window(&self, key: (PodName, &'static str, String), now: Instant) -> bool {
+    fn first_in_window(&self, key: (PodName, &'static str), now: Instant) -> bool {
         let mut published = self.published.lock().unwrap();
         published.retain(|_, at| now.duration_since(*at) < EVENT_WINDOW);
         if published.contains_key(&key) {
@@ -122,22 +150,36 @@ impl Reporter {
 mod tests {
     use super::*;
 
+    /// A failed enrollment's note names the sandbox's netns, new with each retry: still one
+    /// Event a minute for the pod, and the rest counted.
     #[tokio::test]
-    async fn one_event_per_pod_and_reason_per_window() {
+    async fn one_event_per_pod_and_reason_per_window_whatever_the_note() {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         let reporter = Reporter::new(Client::try_from(config).unwrap(), None);
-        let key = |pod: &str, note: &str| (PodName::new("ns", pod), "Reason", note.to_owned());
+        let failed = |netns: &str| Warning::EnrollmentFailed(format!("opening pod netns {netns}"));
+        let pod = PodName::new("ns", "a");
+        // Published (the API server is unreachable here, so publishing fails: still counted
+        // as the window's one Event).
+        assert!(reporter.warn(&pod, None, &failed("cni-1")).await.is_err());
+        for netns in ["cni-2", "cni-3"] {
+            assert!(!reporter.warn(&pod, None, &failed(netns)).await.unwrap());
+        }
+        let other_pod = PodName::new("ns", "b");
+        assert!(reporter
+            .warn(&other_pod, None, &failed("cni-4"))
+            .await
+            .is_err());
+        let mut registry = Registry::default();
+        reporter.register_metrics(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(r#"weir_events_suppressed_total{reason="AmbientEnrollmentFailed"} 2"#),
+            "{text}"
+        );
+        let key = (pod, failed("x").reason());
         let start = Instant::now();
-        assert!(reporter.first_in_window(key("a", "x"), start));
-        assert!(!reporter.first_in_window(key("a", "x"), start + Duration::from_secs(59)));
-        assert!(
-            reporter.first_in_window(key("a", "y"), start),
-            "another note"
-        );
-        assert!(
-            reporter.first_in_window(key("b", "x"), start),
-            "another pod"
-        );
-        assert!(reporter.first_in_window(key("a", "x"), start + EVENT_WINDOW));
+        assert!(!reporter.first_in_window(key.clone(), start + Duration::from_secs(59)));
+        assert!(reporter.first_in_window(key, start + EVENT_WINDOW));
     }
 }

@@ -72,6 +72,10 @@ impl ClusterSource {
     }
 
     /// The client it follows the cluster with, for the reconcile loop's repairs.
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.reporter.register_metrics(registry);
+    }
+
     pub fn client(&self) -> &Client {
         &self.client
     }
