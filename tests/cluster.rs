@@ -776,6 +776,50 @@ fn an_annotation_change_applies_to_a_running_pod() {
     agent.stop().unwrap();
 }
 
+/// An annotation made invalid on a running pod is reported as at ADD, once, and the pod keeps
+/// the default.
+#[test]
+fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (uid, pod) = cluster.pod_with_object(MESH, "app");
+    ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+    cluster.set_running(MESH, "app", &ips_of(&pod));
+    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    assert!(cluster.warnings("InvalidAmbientAnnotation").is_empty());
+
+    let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
+    object.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "maybe")]);
+    cluster.api.update(&object);
+    let warnings = cluster.wait_for_warnings("InvalidAmbientAnnotation");
+    let note = warnings[0]["note"].as_str().unwrap();
+    assert!(
+        note.contains("maybe") && note.contains("using true"),
+        "{note}"
+    );
+    // Other changes to the pod reconcile it again; the same problem is not reported again.
+    let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
+    object.metadata.labels = map(&[("app", "x")]);
+    cluster.api.update(&object);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(cluster.warnings("InvalidAmbientAnnotation").len(), 1);
+    assert_eq!(
+        metric(
+            &agent,
+            r#"weir_events_suppressed_total{reason="InvalidAmbientAnnotation"}"#
+        ),
+        None
+    );
+    // DNS capture stays on, the default.
+    let resolver = SocketAddr::new(cluster.node.node().gateway_v4().into(), DNS_PORT);
+    let answer = pod.run(|| udp_request(resolver, "query")).unwrap();
+    assert!(answer.response.starts_with(DNS_REPLY_PREFIX));
+    agent.stop().unwrap();
+}
+
 #[test]
 fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
     let Some(cluster) = Cluster::privileged() else {

@@ -33,7 +33,10 @@ use super::{facts_of, repair::Repair, Change, Reflectors};
 use crate::{
     datapath::EnrollNetns,
     enroll::Enroller,
-    policy::{AmbientPod, PodName, PolicyConfig, PolicySource, Warning},
+    policy::{
+        report_problems, AmbientPod, AnnotationProblem, PodName, PolicyConfig, PolicySource,
+        Warning,
+    },
     workload::Workload,
 };
 
@@ -53,6 +56,9 @@ pub struct Reconciler {
     /// Pods this agent has seen out of the mesh: found ambient and unenrolled later, one of
     /// them was flipped in, not broken.
     seen_out: Mutex<HashSet<String>>,
+    /// The invalid annotations each ambient pod had when last reconciled: a new one is reported
+    /// as at ADD, once, not on every pass.
+    annotation_problems: Mutex<HashMap<String, Vec<AnnotationProblem>>>,
     failures: Counter,
 }
 
@@ -86,6 +92,7 @@ impl Reconciler {
             repair,
             backoff: Mutex::new(HashMap::new()),
             seen_out: Mutex::new(HashSet::new()),
+            annotation_problems: Mutex::new(HashMap::new()),
             failures: Counter::default(),
         })
     }
@@ -140,6 +147,10 @@ impl Reconciler {
             .retain(|uid| known.contains(uid));
         self.enroller
             .forget_removed_sandboxes(|uid| known.contains(uid));
+        self.annotation_problems
+            .lock()
+            .unwrap()
+            .retain(|uid, _| known.contains(uid));
         self.reconcile_selected(&pods, |_| true).await;
         debug!(pods = pods.len(), "full reconcile pass done");
     }
@@ -287,6 +298,8 @@ impl Reconciler {
                 // pod between sandboxes is not broken.
             }
             Wanted::Enrolled(ambient, ips, object) => {
+                self.report_new_problems(uid, name, &ambient, enrolled)
+                    .await;
                 let record = self.enroller.record(uid);
                 if let Some(record) = record.as_ref().filter(|_| enrolled) {
                     if record.options != ambient.options {
@@ -312,6 +325,37 @@ impl Reconciler {
             }
         }
         Ok(())
+    }
+
+    /// Reports the pod's invalid annotations that it did not have when last reconciled. Those
+    /// of a pod enrolled by its ADD were reported there.
+    async fn report_new_problems(
+        &self,
+        uid: &str,
+        name: &PodName,
+        ambient: &AmbientPod,
+        enrolled: bool,
+    ) {
+        let previous = self
+            .annotation_problems
+            .lock()
+            .unwrap()
+            .insert(uid.to_owned(), ambient.problems.clone());
+        let known = match previous {
+            Some(previous) => previous,
+            None if enrolled => return,
+            None => Vec::new(),
+        };
+        let new = AmbientPod {
+            problems: ambient
+                .problems
+                .iter()
+                .filter(|problem| !known.contains(problem))
+                .cloned()
+                .collect(),
+            ..ambient.clone()
+        };
+        report_problems(&*self.source, name, &new).await;
     }
 
     /// Enrolls a running pod in place: its netns found from the agent's record or /proc.
