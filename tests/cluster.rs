@@ -688,6 +688,40 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
     agent.stop().unwrap();
 }
 
+/// An agent restart (an upgrade) leaves running pods' annotations alone: they stay redirected
+/// and are handed back to ztunnel, so `enabled` never flaps to `pending` and back.
+#[test]
+fn a_restart_writes_no_annotation_for_pods_that_stay_enabled() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    cluster.daemonset();
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (uid, _pod) = cluster.pod_with_object(MESH, "app");
+    ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    agent.stop().unwrap();
+    drop(ztunnel);
+    let status_writes = || {
+        cluster
+            .api
+            .requests()
+            .into_iter()
+            .filter(|request| request.verb == "patch" && request.path.ends_with("/pods/app/status"))
+            .count()
+    };
+    let before = status_writes();
+
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    assert!(ztunnel.wait_for_pod(&uid, WAIT).is_some(), "handed back");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(status_writes(), before, "no annotation write for the pod");
+    assert_eq!(cluster.redirection(MESH, "app").as_deref(), Some("enabled"));
+    agent.stop().unwrap();
+}
+
 #[test]
 fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
     let Some(cluster) = Cluster::privileged() else {

@@ -182,12 +182,19 @@ impl Enroller {
                 "recovered an enrolled pod"
             );
             let handed_over = netns.is_some();
-            // Without its netns the pod is only named in snapshots (Keep): not confirmed.
+            let recorded = self.state.status(&uid);
+            // Without its netns the pod is only named in snapshots (Keep): not confirmed. With
+            // it, a pod that was enabled stays so: still redirected, and in the snapshot the
+            // next ztunnel connection gets.
             let status = match self.zds.add(&uid, info, netns.map(Arc::new)).await {
                 Ok(()) if handed_over => Status::Enabled,
+                Err(ZdsError::NotConnected) if handed_over => recorded.unwrap_or(Status::Pending),
                 _ => Status::Pending,
             };
-            self.set_status(&uid, Some((status, name))).await;
+            // The annotation already says what the record does: no write for it.
+            let publish = recorded != Some(status);
+            self.update_status(&uid, Some((status, name)), publish)
+                .await;
         }
         for pod in migrate.iter().filter(|pod| pod.netns.exists()) {
             match self.enroll(pod).await {
@@ -345,6 +352,11 @@ impl Enroller {
     /// Records a pod's status (`None`: no longer enrolled), updates the per-status gauge, and
     /// publishes the change through the policy source.
     async fn set_status(&self, uid: &str, status: Option<(Status, PodName)>) {
+        self.update_status(uid, status, true).await
+    }
+
+    /// [`Self::set_status`]; `publish: false` leaves the pod's annotation as it is.
+    async fn update_status(&self, uid: &str, status: Option<(Status, PodName)>, publish: bool) {
         if let Err(error) = self
             .state
             .set_status(uid, status.as_ref().map(|(status, _)| *status))
@@ -380,7 +392,7 @@ impl Enroller {
             changed
         };
         // A pod without a name (recovered without its record) has no object to annotate.
-        if let Some((pod, status)) = changed.filter(|(pod, _)| !pod.name.is_empty()) {
+        if let Some((pod, status)) = changed.filter(|(pod, _)| publish && !pod.name.is_empty()) {
             self.policy.report_status(&pod, status).await;
         }
     }

@@ -107,6 +107,13 @@ impl StateFile {
             .collect()
     }
 
+    /// The pod's recorded status: what its annotation says, as this agent or the previous one
+    /// last set it.
+    pub fn status(&self, uid: &str) -> Option<Status> {
+        let records = self.records.lock().unwrap();
+        records.pods.get(uid).and_then(|record| record.status)
+    }
+
     pub fn get(&self, uid: &str) -> Option<Workload> {
         let records = self.records.lock().unwrap();
         records.pods.get(uid).map(|record| record.workload.clone())
