@@ -1114,3 +1114,31 @@ fn a_rewritten_cni_config_is_an_event_on_the_agents_pod() {
     wait_for_metric(&agent, "weir_cni_config_rewrites_total 1");
     agent.stop().unwrap();
 }
+
+/// The config rewritten while no agent ran (during an upgrade, say): the next agent puts
+/// weir-cni back, and says so as when it runs.
+#[test]
+fn a_config_rewritten_while_the_agent_was_away_is_an_event_too() {
+    let Some(cluster) = Cluster::privileged() else {
+        return;
+    };
+    // With its DaemonSet selecting the node, a stopping agent leaves weir in place.
+    cluster.daemonset();
+    let own_pod = |config: &mut AgentConfig| config.policy.own.pod_name = Some("weir-x1".into());
+    cluster.start_agent_with(own_pod).stop().unwrap();
+    assert!(cluster.warnings("CniConfigRewritten").is_empty());
+    let file = cluster.files.net_dir().join("10-weir-test.conflist");
+    let mut conflist: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    conflist["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|plugin| plugin["type"] != "weir-cni");
+    std::fs::write(&file, serde_json::to_vec_pretty(&conflist).unwrap()).unwrap();
+
+    let agent = cluster.start_agent_with(own_pod);
+    assert!(cluster.plugin_installed(), "weir-cni is back in the chain");
+    let rewritten = cluster.wait_for_warnings("CniConfigRewritten");
+    assert_eq!(rewritten.len(), 1, "{rewritten:#?}");
+    wait_for_metric(&agent, "weir_cni_config_rewrites_total 1");
+    agent.stop().unwrap();
+}

@@ -231,8 +231,9 @@ async fn report_config_rewrites(
     own_pod: PodName,
     mut status: tokio::sync::watch::Receiver<InstallStatus>,
 ) {
-    let mut reported = status.borrow_and_update().config_rewrites;
-    while status.changed().await.is_ok() {
+    // From zero: a rewrite found by the first install (made while no agent ran) counts too.
+    let mut reported = 0;
+    loop {
         let (rewrites, file) = {
             let status = status.borrow_and_update();
             (status.config_rewrites, status.config_file.clone())
@@ -243,6 +244,9 @@ async fn report_config_rewrites(
             policy
                 .warn(&own_pod, Warning::CniConfigRewritten { file })
                 .await;
+        }
+        if status.changed().await.is_err() {
+            return;
         }
     }
 }

@@ -80,6 +80,10 @@ pub enum InstallOutcome {
         config_changed: bool,
         /// The binary was (re)written.
         binary_changed: bool,
+        /// weir's entry was missing from a config that had it: weir was installed on this node
+        /// (its binary was in place) and another component rewrote the config meanwhile, while
+        /// no agent ran.
+        reinstated: bool,
     },
 }
 
@@ -214,6 +218,7 @@ impl Installer {
 impl Inner {
     fn install(&self) -> Result<InstallOutcome> {
         let _guard = self.file_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let on_node_before = self.binary_path().exists();
         let binary_changed = self
             .install_binary()
             .map_err(|e| self.install_failed(Some(RESULT_COPY_BINARIES_FAILURE), e))?;
@@ -224,7 +229,7 @@ impl Inner {
             self.metrics.count_install(RESULT_CREATE_KUBECONFIG_FAILURE);
             warn!("the plugin's kubeconfig is not written; retrying at the next check: {e:#}");
         }
-        let (file, config_changed) = self.insert_entry().map_err(|e| {
+        let (file, config_changed, entry_was_missing) = self.insert_entry().map_err(|e| {
             let waiting = e.is::<NoNetworkConfig>();
             // Waiting for the primary CNI is not a failure (istio-cni does not count it either).
             self.install_failed((!waiting).then_some(RESULT_CREATE_CNI_CONFIG_FAILURE), e)
@@ -235,6 +240,7 @@ impl Inner {
                 file,
                 config_changed,
                 binary_changed,
+                reinstated: on_node_before && entry_was_missing,
             }
         } else {
             InstallOutcome::AlreadyInstalled { file }
@@ -267,7 +273,9 @@ impl Inner {
 
     /// Puts weir's entry last in the active config; returns the file holding it and whether it
     /// was written.
-    fn insert_entry(&self) -> Result<(PathBuf, bool)> {
+    /// Puts weir's entry last in the active config; returns the file, whether it was written,
+    /// and whether the config had no entry of weir's at all.
+    fn insert_entry(&self) -> Result<(PathBuf, bool, bool)> {
         let mut entry =
             conflist::plugin_entry(&self.config.plugin_name, &self.config.plugin_config)?;
         if self.config.service_account.is_some() {
@@ -278,8 +286,9 @@ impl Inner {
         }
         let (path, config) = self.active_config()?;
         if config.holds_last(&entry) {
-            return Ok((path, false));
+            return Ok((path, false, false));
         }
+        let entry_was_missing = !config.holds_type(&self.config.plugin_name);
         let is_single = matches!(config, NetworkConfig::Single(_));
         let contents = to_json(&config.with_last(entry));
         let file = if is_single {
@@ -288,7 +297,7 @@ impl Inner {
             rewrite_list(&path, &contents)?;
             path
         };
-        Ok((file, true))
+        Ok((file, true, entry_was_missing))
     }
 
     /// The network config the runtime loads, as libcni picks it: the first file in lexical order

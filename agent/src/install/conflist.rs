@@ -72,6 +72,16 @@ impl NetworkConfig {
         ours == 1 && plugins.last().and_then(Value::as_object) == Some(entry)
     }
 
+    /// Whether a plugin of `plugin_type` is in the configuration, wherever.
+    pub fn holds_type(&self, plugin_type: &str) -> bool {
+        match self {
+            Self::List(list) => plugins(list)
+                .iter()
+                .any(|plugin| self::plugin_type(plugin) == Some(plugin_type)),
+            Self::Single(plugin) => plugin.get("type").and_then(Value::as_str) == Some(plugin_type),
+        }
+    }
+
     /// The configuration as a list whose last plugin is `entry`, with any other plugin of
     /// `entry`'s type (stale, or at the wrong position) dropped. A lone plugin is wrapped the way
     /// libcni's `ConfListFromConf` wraps it in memory: the plugin unchanged, the list taking its

@@ -162,6 +162,7 @@ fn installed(file: PathBuf) -> InstallOutcome {
         file,
         config_changed: true,
         binary_changed: true,
+        reinstated: false,
     }
 }
 

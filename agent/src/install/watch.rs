@@ -127,8 +127,9 @@ async fn check(inner: &Arc<Inner>, rewrites: &mut RewriteHistory) {
         Ok(InstallOutcome::Installed {
             file,
             config_changed,
+            reinstated,
             ..
-        }) if was_installed => repaired(inner, &file, config_changed, rewrites),
+        }) if was_installed || reinstated => repaired(inner, &file, config_changed, rewrites),
         Ok(_) => {}
         Err(e) if e.is::<NoNetworkConfig>() => info!("{e}; waiting"),
         Err(e) => warn!("weir's CNI plugin is not installed; retrying on the next change: {e:#}"),
