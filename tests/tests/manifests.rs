@@ -159,14 +159,12 @@ mod expected {
         }
     }
 
-    /// Every request the agent makes of the API server (its cluster policy source, status
-    /// patches, events recorder, pod repair and shutdown check, issue 9). Exactly these: no
-    /// more, no less.
+    /// Every request the agent makes of the API server with its defaults (its cluster policy
+    /// source, status patches, events recorder, pod repair and shutdown check). Exactly these:
+    /// no more, no less.
     pub const RBAC: &[Rule] = &[
         // Reflector over this node's pods (field selector spec.nodeName).
         rule(Cluster, "", "pods", &["get", "list", "watch"]),
-        // Pod repair, --repair-broken-pods=delete (agent/src/cluster/repair.rs `Repair::delete`).
-        rule(Cluster, "", "pods", &["delete"]),
         // ambient.istio.io/redirection, a merge patch on the status subresource; and the label
         // of --repair-broken-pods=label, the same way (`Repair::label`).
         rule(Cluster, "", "pods/status", &["patch"]),
@@ -940,6 +938,48 @@ fn rbac_rules_are_exactly_the_requests_the_agent_makes() {
             "{grant:?} names the DaemonSet"
         );
     }
+}
+
+/// `delete` on pods, for `--repair-broken-pods=delete` alone (`Repair::delete` in
+/// agent/src/cluster/repair.rs), comes from its own manifest, bound to the agent's account.
+#[test]
+fn pod_deletion_is_granted_only_by_the_repair_delete_manifest() {
+    let text = std::fs::read_to_string(deploy_dir().join("repair-delete/rbac.yaml")).unwrap();
+    let (mut roles, mut bindings) = (Vec::new(), Vec::new());
+    for document in serde_norway::Deserializer::from_str(&text) {
+        let value = Value::deserialize(document).unwrap();
+        match value["kind"].as_str() {
+            Some("ClusterRole") => roles.push(typed::<ClusterRole>("repair-delete", &value)),
+            Some("ClusterRoleBinding") => {
+                bindings.push(typed::<ClusterRoleBinding>("repair-delete", &value))
+            }
+            other => panic!("unexpected {other:?} in repair-delete/rbac.yaml"),
+        }
+    }
+    let [role] = &roles[..] else {
+        panic!("one ClusterRole")
+    };
+    let granted = grants(Scope::Cluster, role.rules.as_deref().unwrap_or_default());
+    let delete = (
+        Scope::Cluster,
+        String::new(),
+        "pods".to_owned(),
+        "delete".to_owned(),
+        vec![],
+    );
+    assert_eq!(granted, BTreeSet::from([delete]));
+    let [binding] = &bindings[..] else {
+        panic!("one ClusterRoleBinding")
+    };
+    assert_eq!(binding.role_ref.name, role.metadata.name.clone().unwrap());
+    let all = manifests();
+    let account = &all.service_accounts[0].metadata;
+    let subjects = binding.subjects.as_deref().unwrap_or_default();
+    assert!(subjects
+        .iter()
+        .any(|subject| subject.kind == "ServiceAccount"
+            && Some(&subject.name) == account.name.as_ref()
+            && subject.namespace == account.namespace));
 }
 
 #[test]
