@@ -68,6 +68,9 @@ pub enum Change {
     Pod(PodName),
     Namespace(String),
     DaemonSet,
+    /// A watch relisted (at start, or after the API server forgot its resourceVersion): the
+    /// store now holds the whole new list, which reached it at once at the list's end.
+    Relisted,
 }
 
 /// The caches the agent decides from, kept current by watches that relist when the API server
@@ -164,7 +167,9 @@ impl Reflectors {
     }
 }
 
-/// A reflector over `api` feeding a store, announcing each object it applies or deletes.
+/// A reflector over `api` feeding a store, announcing each object it applies or deletes, and
+/// the end of each relist. The objects of a relist reach the store only together, at its end:
+/// announced one by one as they arrive, a reader would find the store's copy from before.
 fn reflect<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -177,13 +182,15 @@ where
 {
     let (reader, writer) = reflector::store();
     let changes = changes.clone();
-    let events = reflector::reflector(writer, watcher(api, config))
-        .default_backoff()
-        .touched_objects();
+    let events = reflector::reflector(writer, watcher(api, config)).default_backoff();
     tasks.spawn(events.for_each(move |event| {
+        // Nobody listening yet is fine: the stores hold the state.
         match event {
-            // Nobody listening yet is fine: the stores hold the state.
-            Ok(object) => drop(changes.send(change_of(&object))),
+            Ok(watcher::Event::Apply(object) | watcher::Event::Delete(object)) => {
+                drop(changes.send(change_of(&object)))
+            }
+            Ok(watcher::Event::InitDone) => drop(changes.send(Change::Relisted)),
+            Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
             Err(error) => warn!(kind = K::kind(&()).as_ref(), %error, "watch failed; retrying"),
         }
         futures::future::ready(())

@@ -123,6 +123,7 @@ impl Reconciler {
                     Ok(Change::Pod(pod)) => self.reconcile_named(&pod).await,
                     Ok(Change::Namespace(namespace)) => self.reconcile_namespace(&namespace).await,
                     Ok(Change::DaemonSet) => {}
+                    Ok(Change::Relisted) => self.full_pass().await,
                     // Changes were missed: only the stores know them now.
                     Err(RecvError::Lagged(_)) => self.full_pass().await,
                     Err(RecvError::Closed) => return,
