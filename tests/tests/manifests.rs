@@ -98,15 +98,15 @@ mod expected {
     /// `--cgroup` unset: agent/src/datapath/mounts.rs `cgroup2_root`, the cgroup2 mount point.
     pub const CGROUP: &str = "/sys/fs/cgroup";
     /// agent/src/datapath/recovery.rs `named_namespaces`, and the netns paths the CNI plugin
-    /// passes on from containerd (`/var/run/netns/cni-<uuid>`, REFERENCE §4). Created by the
+    /// passes on from containerd (`/var/run/netns/cni-<uuid>`). Created by the
     /// runtime after the agent starts: the mount must let host mounts propagate in.
     pub const NETNS: &str = "/var/run/netns";
     /// agent/src/datapath/recovery.rs `process_namespaces` walks `/proc` for
     /// `/proc/<pid>/ns/net`: the pod must share the host's PID namespace.
     pub const PROC: &str = "/proc";
 
-    /// The Downward API envs (flag, env, fieldPath) of the cluster policy source (issue 9: the
-    /// flags are added in agent/src/main.rs with it).
+    /// The Downward API envs (flag, env, fieldPath) of the cluster policy source (their flags
+    /// are in agent/src/main.rs).
     pub const DOWNWARD_ENV: &[(&str, &str, &str)] = &[
         ("--node-name", "WEIR_NODE_NAME", "spec.nodeName"),
         ("--pod-name", "WEIR_POD_NAME", "metadata.name"),

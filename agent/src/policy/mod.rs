@@ -28,7 +28,8 @@ pub const BYPASS_INBOUND_ANNOTATION: &str = "ambient.istio.io/bypass-inbound-cap
 pub const DNS_CAPTURE_ANNOTATION: &str = "ambient.istio.io/dns-capture";
 /// Comma-separated interface names whose incoming TCP goes to ztunnel's outbound listener.
 pub const REROUTE_VIRTUAL_INTERFACES_ANNOTATION: &str = "istio.io/reroute-virtual-interfaces";
-/// The pod's enrollment status as ztunnel's peers and operators see it (REFERENCE §7).
+/// The pod's enrollment status (`enabled`, `pending`) as istio-cni sets it, for ztunnel's
+/// peers and operators to read.
 pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
 
 /// A pod by namespace and name, as the runtime and the API server both name it.

@@ -1,6 +1,6 @@
 //! The kernel floor of one pod's enrollment: the kernel work weir cannot do without, issued bare
 //! from the bench's own thread through the agent's own building blocks. weir's enroll less this is
-//! the agent's own overhead, the split issue 10 asks the profile for.
+//! the agent's own overhead: the split a profile of enrollment needs.
 
 use std::{
     fs::File,

@@ -3,7 +3,7 @@
 //! made pair by pair (alternating which variant goes first) and reported as medians and the
 //! median of the pairs' ratios, never as absolutes to compare across runs.
 //!
-//! Sections (issue 10): cost to pods and host processes that are not enrolled; enrollment;
+//! Sections: cost to pods and host processes that are not enrolled; enrollment;
 //! connection path; bulk download (these with weir's datapath in this process); then, on a node
 //! of their own with the real agent binary ([`node_scale`]): the whole CNI ADD with and without
 //! weir-cni, weir-cni's decision with the agent away (API server, verdict cache), scale, and the

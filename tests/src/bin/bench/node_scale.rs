@@ -398,7 +398,7 @@ fn scale(
              agent's socket and ZDS round trips; agent RSS: VmRSS of its process; map memory: \
              bpftool's bytes_memlock over its pins; ADD all, DEL all: every pod's weir-cni ADD (DEL), {POD_WORKERS} at a time. \
              The pods' namespaces and bridge ports (wired by the bridge plugin, {POD_WORKERS} \
-             threads) are not in these times. Targets (issue 10): at most 2x from 10 to \
+             threads) are not in these times. Targets: at most 2x from 10 to \
              5,000 pods, agent RSS at most 64 MiB at 5,000.",
             last.pods, first.pods, plan.enroll_samples
         ));
@@ -500,7 +500,7 @@ fn reboot_storm(
          to the running agent. Wall time: until the last ADD returned (each returns after the \
          ztunnel stand-in acked its Add; every pod's Add checked). Agent CPU: utime + stime of \
          its process over the storm. An ADD that failed was retried (up to {STORM_ATTEMPTS} \
-         attempts, as kubelet retries). Target (issue 10): at most 1 s of agent CPU for 1,000 \
+         attempts, as kubelet retries). Target: at most 1 s of agent CPU for 1,000 \
          pods.",
         plan.storm_concurrency
     ));
