@@ -205,7 +205,7 @@ impl CniHandler {
         else {
             return Ok(None);
         };
-        report_problems(&*self.policy, &name, &ambient).await;
+        report_problems(&*self.policy, &name, &ambient.problems).await;
         let ips = request
             .ips
             .iter()

@@ -183,12 +183,15 @@ where
     let (reader, writer) = reflector::store();
     let changes = changes.clone();
     let events = reflector::reflector(writer, watcher(api, config)).default_backoff();
+    // The first list is the initial sync, which the reconciler's first full pass covers.
+    let mut listed = false;
     tasks.spawn(events.for_each(move |event| {
         // Nobody listening yet is fine: the stores hold the state.
         match event {
             Ok(watcher::Event::Apply(object) | watcher::Event::Delete(object)) => {
                 drop(changes.send(change_of(&object)))
             }
+            Ok(watcher::Event::InitDone) if !listed => listed = true,
             Ok(watcher::Event::InitDone) => drop(changes.send(Change::Relisted)),
             Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
             Err(error) => warn!(kind = K::kind(&()).as_ref(), %error, "watch failed; retrying"),

@@ -347,15 +347,12 @@ impl Reconciler {
             None if enrolled => return,
             None => Vec::new(),
         };
-        let new = AmbientPod {
-            problems: ambient
-                .problems
-                .iter()
-                .filter(|problem| !known.contains(problem))
-                .cloned()
-                .collect(),
-            ..ambient.clone()
-        };
+        let new: Vec<AnnotationProblem> = ambient
+            .problems
+            .iter()
+            .filter(|problem| !known.contains(problem))
+            .cloned()
+            .collect();
         report_problems(&*self.source, name, &new).await;
     }
 

@@ -396,8 +396,12 @@ fn interface_names(list: &str) -> Option<Vec<String>> {
 }
 
 /// Logs a pod's annotation problems; the source turns them into Events where it can.
-pub async fn report_problems(source: &dyn PolicySource, pod: &PodName, ambient: &AmbientPod) {
-    for problem in &ambient.problems {
+pub async fn report_problems(
+    source: &dyn PolicySource,
+    pod: &PodName,
+    problems: &[AnnotationProblem],
+) {
+    for problem in problems {
         warn!(
             %pod,
             annotation = problem.annotation,
