@@ -605,7 +605,15 @@ fn changes_made_while_the_watches_are_down_are_not_lost() {
     let Some(cluster) = Cluster::privileged() else {
         return;
     };
-    let agent = cluster.start_agent();
+    // A namespace listed after the mesh's, so that the relist brings the change before its end.
+    cluster.api.create(&Namespace {
+        metadata: meta(None, "observability", &[]),
+        ..Namespace::default()
+    });
+    // Only the watches may apply the change: no full pass comes during the test.
+    let agent = cluster.start_agent_with(|config| {
+        cluster_config(config).resync_interval = Duration::from_secs(3600);
+    });
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let (uid, _pod) = cluster.pod_with_object(MESH, "app");
     ztunnel.wait_for_pod(&uid, WAIT).unwrap();
@@ -617,7 +625,10 @@ fn changes_made_while_the_watches_are_down_are_not_lost() {
         .count();
 
     // As an API server restart: the streams end, and no resourceVersion handed out so far can be
-    // resumed from. The namespace leaves the mesh meanwhile.
+    // resumed from. The namespace leaves the mesh meanwhile. The relist then comes a namespace a
+    // page, seconds apart, so the agent holds the changed namespace long before the list is
+    // whole: only what it does at the list's end decides the test.
+    cluster.api.limit_pages(1, Duration::from_millis(1500));
     cluster.api.expire_history();
     cluster.api.drop_watches();
     cluster.api.update(&Namespace {
@@ -626,9 +637,10 @@ fn changes_made_while_the_watches_are_down_are_not_lost() {
     });
 
     // The watcher backs off before it relists (kube's default backoff, from 0.8 s with jitter),
-    // and a loaded machine stretches that: a deadline for a change that must come, not a speed.
+    // the pages take seconds, and a loaded machine stretches both: a deadline for a change that
+    // must come, not a speed.
     assert!(
-        ztunnel.wait_for_del(&uid, 3 * WAIT),
+        ztunnel.wait_for_del(&uid, 4 * WAIT),
         "the relist shows the namespace left the mesh"
     );
     cluster.wait_for_redirection(MESH, "app", None);

@@ -137,6 +137,13 @@ pub fn datapath_config(node_netns: &str) -> DatapathConfig {
 }
 
 impl NodeFiles {
+    /// A kubeconfig file for the cluster `api`, as a node agent outside the cluster uses.
+    pub fn kubeconfig(&self, api: &ApiServer) -> Result<PathBuf> {
+        let kubeconfig = self.dir.path().join("kubeconfig");
+        std::fs::write(&kubeconfig, api.kubeconfig())?;
+        Ok(kubeconfig)
+    }
+
     /// The agent's configuration for `node` when it follows the cluster `api` as `node_name`,
     /// through a kubeconfig file as a node agent outside the cluster would.
     pub fn cluster_agent_config(
@@ -145,8 +152,7 @@ impl NodeFiles {
         api: &ApiServer,
         node_name: &str,
     ) -> Result<AgentConfig> {
-        let kubeconfig = self.dir.path().join("kubeconfig");
-        std::fs::write(&kubeconfig, api.kubeconfig())?;
+        let kubeconfig = self.kubeconfig(api)?;
         Ok(AgentConfig {
             source: SourceConfig::Cluster(ClusterConfig {
                 kubeconfig: Some(kubeconfig),
@@ -293,9 +299,45 @@ pub enum AgentBinary<'a> {
     /// `weir-agent run`, the production binary, configured by its flags as the DaemonSet
     /// configures it, with `env` added to its environment.
     Run { env: &'a [(&'a str, &'a str)] },
+    /// `weir-agent run` following the cluster at `kubeconfig` as the node `node_name`, instead of
+    /// a policy file.
+    RunInCluster {
+        kubeconfig: &'a Path,
+        node_name: &'a str,
+    },
     /// `weir-agent-with-failpoints`, held for good at the fault-injection point `pause_at` (a
     /// `fail::fail_point!` name in the agent) when one is given.
     WithFailpoints { pause_at: Option<&'a str> },
+}
+
+/// `weir-agent run` with `config`'s paths and addresses as flags, its other settings the
+/// binary's defaults; the caller adds where the pods' policy comes from.
+fn run_command(config: &AgentConfig) -> std::process::Command {
+    let mut command = std::process::Command::new(workspace_binary("weir-agent"));
+    command
+        .arg("--pin-root")
+        .arg(&config.datapath.pin_root)
+        .arg("run")
+        .arg("--cni-socket")
+        .arg(&config.cni_socket)
+        .arg("--verdict-cache")
+        .arg(&config.verdict_cache)
+        .arg("--state-file")
+        .arg(&config.state_file)
+        .arg("--zds-socket")
+        .arg(&config.zds_socket)
+        .arg("--cni-bin-dir")
+        .arg(&config.cni_bin_dir)
+        .arg("--cni-net-dir")
+        .arg(&config.cni_net_dir)
+        .arg("--cni-plugin")
+        .arg(&config.cni_plugin)
+        .arg("--health-addr")
+        .arg(config.health_addr.to_string())
+        .arg("--metrics-addr")
+        .arg(config.metrics_addr.to_string())
+        .env("RUST_LOG", "warn");
+    command
 }
 
 /// The agent in a process of its own, in the node's network namespace (host network, as the
@@ -316,33 +358,22 @@ impl AgentProcess {
         let config = files.agent_config(node)?;
         let mut command = match binary {
             AgentBinary::Run { env } => {
-                let mut command = std::process::Command::new(workspace_binary("weir-agent"));
+                let mut command = run_command(&config);
                 command
-                    .arg("--pin-root")
-                    .arg(&config.datapath.pin_root)
-                    .arg("run")
                     .arg("--policy-file")
                     .arg(files.policy_file())
-                    .arg("--cni-socket")
-                    .arg(&config.cni_socket)
-                    .arg("--verdict-cache")
-                    .arg(&config.verdict_cache)
-                    .arg("--state-file")
-                    .arg(&config.state_file)
-                    .arg("--zds-socket")
-                    .arg(&config.zds_socket)
-                    .arg("--cni-bin-dir")
-                    .arg(&config.cni_bin_dir)
-                    .arg("--cni-net-dir")
-                    .arg(&config.cni_net_dir)
-                    .arg("--cni-plugin")
-                    .arg(&config.cni_plugin)
-                    .arg("--health-addr")
-                    .arg(config.health_addr.to_string())
-                    .arg("--metrics-addr")
-                    .arg(config.metrics_addr.to_string())
-                    .env("RUST_LOG", "warn")
                     .envs(env.iter().copied());
+                command
+            }
+            AgentBinary::RunInCluster {
+                kubeconfig,
+                node_name,
+            } => {
+                let mut command = run_command(&config);
+                command
+                    .arg("--kubeconfig")
+                    .arg(kubeconfig)
+                    .args(["--node-name", node_name]);
                 command
             }
             AgentBinary::WithFailpoints { pause_at } => {
@@ -405,12 +436,21 @@ impl AgentProcess {
 
     /// Its resident memory (`VmRSS` of `/proc/<pid>/status`), in bytes.
     pub fn rss_bytes(&self) -> Result<u64> {
+        self.memory_status("VmRSS")
+    }
+
+    /// The most resident memory it has had (`VmHWM`), in bytes.
+    pub fn peak_rss_bytes(&self) -> Result<u64> {
+        self.memory_status("VmHWM")
+    }
+
+    fn memory_status(&self, field: &str) -> Result<u64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
         let kib: u64 = status
             .lines()
-            .find_map(|line| line.strip_prefix("VmRSS:"))
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
             .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
-            .context("no VmRSS in the agent's /proc/<pid>/status")?;
+            .with_context(|| format!("no {field} in the agent's /proc/<pid>/status"))?;
         Ok(kib * 1024)
     }
 

@@ -684,3 +684,38 @@ async fn withheld_lists_are_answered_once_released() {
     let answered = timeout(WAIT, listing).await.expect("answered").unwrap();
     assert!(answered.unwrap().items.is_empty());
 }
+
+#[tokio::test]
+async fn lists_come_in_pages_of_one_snapshot() {
+    let api = ApiServer::start().await.unwrap();
+    for name in ["a", "b", "c"] {
+        api.create(&pod(name, "node-a", &[]));
+    }
+    let pods: Api<Pod> = Api::namespaced(api.client(), "default");
+    let first = pods.list(&ListParams::default().limit(2)).await.unwrap();
+    assert_eq!(sorted_names(&first.items), ["a", "b"]);
+    let token = first.metadata.continue_.clone().expect("a continue token");
+    // The next page reads the list as it was at its first page: later writes are not in it.
+    api.create(&pod("d", "node-a", &[]));
+    let second = pods
+        .list(&ListParams::default().limit(2).continue_token(&token))
+        .await
+        .unwrap();
+    assert_eq!(sorted_names(&second.items), ["c"]);
+    assert_eq!(second.metadata.continue_, None);
+    assert_eq!(
+        second.metadata.resource_version,
+        first.metadata.resource_version
+    );
+
+    // Smaller pages than asked for, as a loaded API server may give: a watcher still gets all.
+    api.limit_pages(1, Duration::ZERO);
+    let listed = pods.list(&ListParams::default().limit(500)).await.unwrap();
+    assert_eq!(listed.items.len(), 1);
+    let (cache, _, task) = run_reflector(Api::all(api.client()), watcher::Config::default());
+    eventually("the paged list reaches the cache", || {
+        cached_names(&cache) == ["a", "b", "c", "d"]
+    })
+    .await;
+    task.abort();
+}

@@ -124,7 +124,7 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
         ("watch", None) => return watch(store, route, &params),
         ("list", None) => {
             store.lists_answered(route.resource).await;
-            list(&store, route, &params)
+            list(&store, route, &params).await
         }
         ("get", Some(name)) => store
             .lock()
@@ -206,19 +206,36 @@ fn scope(route: Route, params: &HashMap<String, String>) -> Result<Scope, ApiErr
     })
 }
 
-/// Everything in one page, whatever `limit` asks: no `continue` token is ever handed out.
-fn list(
+/// A page of the list, as `limit` and `continue` ask.
+async fn list(
     store: &Shared,
     route: Route,
     params: &HashMap<String, String>,
 ) -> Result<(StatusCode, Value), ApiError> {
     let resource = route.resource;
-    let (items, version) = store.lock().list(&scope(route, params)?);
+    let limit = params.get("limit").and_then(|limit| limit.parse().ok());
+    let page = match params.get("continue").filter(|token| !token.is_empty()) {
+        Some(token) => {
+            let delay = store.lock().paging.continue_delay();
+            tokio::time::sleep(delay).await;
+            store.lock().paging.next(token, limit)?
+        }
+        None => {
+            let mut store = store.lock();
+            let (items, version) = store.list(&scope(route, params)?);
+            store.paging.page(items, version, limit)
+        }
+    };
+    let mut metadata = json!({ "resourceVersion": page.version.to_string() });
+    if let Some(token) = page.continue_token {
+        metadata["continue"] = token.into();
+        metadata["remainingItemCount"] = page.remaining.into();
+    }
     let list = json!({
         "kind": format!("{}List", resource.kind),
         "apiVersion": resource.api_version,
-        "metadata": { "resourceVersion": version.to_string() },
-        "items": items,
+        "metadata": metadata,
+        "items": page.items,
     });
     Ok((StatusCode::OK, list))
 }

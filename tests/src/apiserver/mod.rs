@@ -8,8 +8,10 @@
 //! - GET of one object; a missing one is a 404 `Status` with reason `NotFound`, which kube-rs
 //!   turns into `kube::Error::Api`.
 //! - LIST, honouring `labelSelector` (`k=v`, `k!=v`, `k`, `!k`, `k in (..)`, `k notin (..)`) and
-//!   `fieldSelector` (`path=v`, `path!=v` on dotted paths such as `spec.nodeName`), answering
-//!   everything in one page whatever `limit` asks, with the list's `resourceVersion`.
+//!   `fieldSelector` (`path=v`, `path!=v` on dotted paths such as `spec.nodeName`), with the
+//!   list's `resourceVersion`, in pages of `limit` items followed with `continue`, each page of
+//!   a list read from the list as it was at its first page. [`ApiServer::limit_pages`] makes
+//!   pages smaller and slower to come, as from a loaded API server.
 //! - WATCH (`watch=true` or `1`): newline-delimited JSON events, one chunk each. Without a
 //!   `resourceVersion` (or `0`) the current objects come first as `ADDED`; from a version, the
 //!   changes since, or, when those are forgotten ([`ApiServer::expire_history`]), an `ERROR` event
@@ -30,11 +32,12 @@
 //!   hold a client before its caches sync.
 //!
 //! Deliberately not: TLS, authentication and authorization, discovery (`/api`, `/apis`), PUT,
-//! JSON patch and server-side apply (415), pagination, `resourceVersionMatch` and
+//! JSON patch and server-side apply (415), `resourceVersionMatch` and
 //! `sendInitialEvents`, defaulting, validation, admission, finalizers, garbage collection, other
 //! kinds (404), and a bounded history: changes are kept until [`ApiServer::expire_history`].
 
 mod http;
+mod paging;
 mod selector;
 mod store;
 mod watch;
@@ -42,6 +45,7 @@ mod watch;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -263,6 +267,15 @@ impl ApiServer {
     /// Ends every open watch stream, as a restart of the API server would.
     pub fn drop_watches(&self) {
         self.store.lock().drop_watches();
+    }
+
+    /// Answers lists at most `max_items` a page, and each continued page only after
+    /// `continue_delay`, as a loaded API server may: a relist then reaches a client in parts.
+    pub fn limit_pages(&self, max_items: usize, continue_delay: Duration) {
+        self.store
+            .lock()
+            .paging
+            .limit_pages(max_items, continue_delay);
     }
 
     /// Leaves every LIST of `K` unanswered until [`ApiServer::answer_lists`], as an API server

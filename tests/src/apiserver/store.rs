@@ -9,6 +9,7 @@ use k8s_openapi::jiff::Timestamp;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
+use super::paging::Paging;
 use super::selector::Selectors;
 use super::ApiRequest;
 
@@ -164,6 +165,7 @@ pub(super) struct Store {
     history_start: u64,
     watchers: Vec<Watcher>,
     requests: Vec<ApiRequest>,
+    pub paging: Paging,
 }
 
 #[derive(PartialEq, Eq, PartialOrd, Ord)]

@@ -7,10 +7,12 @@
 //! connection path; bulk download (these with weir's datapath in this process); then, on a node
 //! of their own with the real agent binary ([`node_scale`]): the whole CNI ADD with and without
 //! weir-cni, weir-cni's decision with the agent away (API server, verdict cache), scale, and the
-//! node reboot storm. Output: a markdown table and JSON under `--out`,
+//! node reboot storm; then the agent following a cluster ([`cluster`]): its memory with a node's
+//! pods and a cluster's namespaces cached, and the API requests it makes. Output: a markdown table and JSON under `--out`,
 //! and an SVG of the scale curve. `--quick` runs tiny sizes: it shows that the bench runs,
 //! nothing about speed.
 
+mod cluster;
 mod floor;
 mod load;
 mod node_scale;
@@ -56,8 +58,9 @@ struct Args {
     )]
     sizes: Vec<usize>,
     /// Which sections to run: all of them, or (to look into one side) only those measured in
-    /// the bench's process (enrollment, connections, bulk, cost) or only those on a running
-    /// agent (scale, pod start, reboot storm).
+    /// the bench's process (enrollment, connections, bulk, cost), only those on a running
+    /// agent (scale, pod start, reboot storm), or only the agent following a cluster (memory,
+    /// API requests).
     #[arg(long, env = "WEIR_BENCH_SECTIONS", value_enum, default_value_t = Sections::All)]
     sections: Sections,
     /// Directory for bench.md, bench.json and scale.svg.
@@ -70,6 +73,7 @@ enum Sections {
     All,
     InProcess,
     Agent,
+    Cluster,
 }
 
 /// How much of everything a run does.
@@ -91,6 +95,11 @@ struct Plan {
     turn: Duration,
     concurrency: usize,
     bulk_bytes: usize,
+    /// The cluster section: pod objects on the agent's node, namespaces in the cluster, and
+    /// pods the agent enrolls while its API requests are counted.
+    cluster_pods: usize,
+    cluster_namespaces: usize,
+    cluster_enrolled: usize,
 }
 
 impl Plan {
@@ -108,6 +117,9 @@ impl Plan {
                 turn: Duration::from_millis(100),
                 concurrency: 8,
                 bulk_bytes: 4 << 20,
+                cluster_pods: 20,
+                cluster_namespaces: 5,
+                cluster_enrolled: 2,
             };
         }
         Self {
@@ -122,6 +134,9 @@ impl Plan {
             turn: Duration::from_secs(1),
             concurrency: 8,
             bulk_bytes: 256 << 20,
+            cluster_pods: 5000,
+            cluster_namespaces: 1000,
+            cluster_enrolled: 20,
         }
     }
 }
@@ -134,11 +149,15 @@ fn main() -> Result<()> {
     raise_open_files_limit()?;
     let plan = Plan::new(&args);
     let mut report = Report::new(args.quick);
-    if args.sections != Sections::Agent {
+    if matches!(args.sections, Sections::All | Sections::InProcess) {
         in_process(&plan, &mut report)?;
     }
-    if args.sections != Sections::InProcess {
+    if matches!(args.sections, Sections::All | Sections::Agent) {
         node_scale::measure(&plan, &mut report)?;
+    }
+    if matches!(args.sections, Sections::All | Sections::Cluster) {
+        println!("the agent following a cluster: memory, API requests...");
+        cluster::measure(&plan, &mut report)?;
     }
 
     report.finish();
