@@ -50,6 +50,12 @@ pub(super) fn load(maps_dir: &Path, bpf_log: bool) -> Result<Ebpf> {
     if bpf_log {
         loader.override_global(globals::LOG_ENABLED, &1u8, true);
     }
+    if EBPF_OBJECT.is_empty() {
+        bail!(
+            "this weir-agent was built without its eBPF programs: run `cargo xtask build-ebpf`, \
+             then build weir-agent again"
+        );
+    }
     loader
         .load(EBPF_OBJECT)
         .context("loading weir's eBPF object")
