@@ -12,6 +12,7 @@ use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
 use crate::{
+    check::{self, CheckConfig},
     cluster::{reconcile::Reconciler, repair::Repair, ClusterConfig},
     cni_server::{CniHandler, CniServer},
     datapath::{Datapath, DatapathConfig},
@@ -62,6 +63,9 @@ pub enum SourceConfig {
 
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
+    // Before anything is loaded: a node that lacks what weir needs is told so, requirement by
+    // requirement, not by a failure deep in the datapath.
+    check::before_start(&CheckConfig::of(&config)).await?;
     let mut registry = Registry::default();
 
     // The order matters: everything that serves pods is up before the plugin is installed, so
@@ -187,7 +191,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         let (ready, live, registry) = (ready.clone(), live.clone(), registry.clone());
         tasks.spawn(async move {
             if let Err(error) = http::serve(addr, ready, live, registry).await {
-                warn!(%error, "http server stopped");
+                warn!(error = format!("{error:#}"), "http server stopped");
             }
         });
     }
@@ -206,7 +210,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     shutdown.await;
     let _ = stop_install.send(());
     if let Err(error) = watcher.await? {
-        warn!(%error, "installer watch");
+        warn!(error = format!("{error:#}"), "installer watch");
     }
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}

@@ -10,7 +10,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{Context, Result};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family},
@@ -20,23 +20,22 @@ use tokio::{
     io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader},
     net::{UnixListener, UnixStream},
 };
-use tracing::{debug, warn};
-use weir_cni::protocol::{Attachment, Command, Request, Response, MAX_REQUEST_BYTES};
+use tracing::{debug, warn, Instrument};
+use weir_cni::{
+    code::{DECODE_FAILURE, INVALID_CONFIG, INVALID_ENVIRONMENT, PLUGIN_SPECIFIC, TRY_AGAIN_LATER},
+    protocol::{Attachment, Command, PodIp, Request, Response, MAX_REQUEST_BYTES},
+};
 
 use crate::{
+    datapath::Unenrollable,
     enroll::{Enroller, Status},
+    logging::pod_span,
     policy::{report_problems, Labels, PodName, PolicyError, PolicySource, Warning},
     workload::Workload,
 };
 
 /// How long a plugin may take to send its request.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
-/// CNI error code for content that cannot be decoded.
-const DECODING_FAILURE: u32 = 6;
-/// CNI error code for "try again later": the runtime retries the ADD.
-const TRY_AGAIN_LATER: u32 = 11;
-/// CNI error code for failures specific to this plugin.
-const PLUGIN_ERROR: u32 = 999;
 
 pub struct CniServer {
     listener: UnixListener,
@@ -74,7 +73,7 @@ impl CniServer {
                     let handler = handler.clone();
                     tokio::spawn(async move {
                         if let Err(error) = serve_connection(stream, &handler).await {
-                            warn!(%error, "plugin connection");
+                            warn!(error = format!("{error:#}"), "plugin connection");
                         }
                     });
                 }
@@ -99,9 +98,9 @@ async fn serve_connection(stream: UnixStream, handler: &CniHandler) -> Result<()
         // The plugin's STATUS probe connects and closes without a request.
         Ok(Ok(None)) => return Ok(()),
         Ok(Ok(Some(request))) => handler.handle(&request).await,
-        Ok(Err(error)) => error_response(DECODING_FAILURE, "malformed request", &error),
+        Ok(Err(error)) => error_response(DECODE_FAILURE, "malformed request", &error),
         Err(_) => Response::Error {
-            code: DECODING_FAILURE,
+            code: DECODE_FAILURE,
             msg: "request timed out".into(),
             details: format!("no complete request within {READ_TIMEOUT:?}"),
         },
@@ -178,7 +177,11 @@ impl CniHandler {
         let (event, result) = if request.command == Command::Gc {
             step.await
         } else {
-            self.enroller.in_turn(key, step).await
+            let pod = &request.pod;
+            self.enroller
+                .in_turn(key, step)
+                .instrument(pod_span(&pod.namespace, &pod.name, &pod.uid))
+                .await
         };
         let outcome = if matches!(result, Response::Ok { .. }) {
             "ok"
@@ -194,14 +197,16 @@ impl CniHandler {
         result
     }
 
-    /// Decides from policy; returns the pod to enroll, or `None` when it is not ambient.
-    async fn ambient_workload(&self, request: &Request) -> Result<Option<Workload>, PolicyError> {
+    /// Decides from policy; returns the pod to enroll, or `None` when it is not ambient. `Err`
+    /// is the response: the decision failed, or the request cannot name an ambient pod.
+    async fn ambient_workload(&self, request: &Request) -> Result<Option<Workload>, Response> {
         let name = PodName::new(&request.pod.namespace, &request.pod.name);
         let annotations: Labels = request.annotations.clone().into_iter().collect();
         let Some(ambient) = self
             .policy
             .decide(&name, &request.pod.uid, &annotations)
-            .await?
+            .await
+            .map_err(|error| decision_error(&name, error))?
         else {
             return Ok(None);
         };
@@ -209,13 +214,8 @@ impl CniHandler {
         let ips = request
             .ips
             .iter()
-            .map(|ip| {
-                let address = ip.address.split('/').next().unwrap_or_default();
-                address
-                    .parse()
-                    .with_context(|| format!("pod IP {:?}", ip.address))
-            })
-            .collect::<Result<Vec<IpAddr>>>()?;
+            .map(|ip| pod_ip(&name, ip))
+            .collect::<Result<Vec<IpAddr>, Response>>()?;
         Ok(Some(Workload {
             uid: request.pod.uid.clone(),
             name: request.pod.name.clone(),
@@ -235,14 +235,10 @@ impl CniHandler {
         let pod = match self.ambient_workload(request).await {
             Ok(Some(pod)) => pod,
             Ok(None) => return Response::Ok { enrolled: false },
-            Err(error) => return decision_error(error),
+            Err(response) => return response,
         };
-        if pod.uid.is_empty() || pod.ips.is_empty() || request.netns.is_empty() {
-            return error_response(
-                PLUGIN_ERROR,
-                "incomplete ADD",
-                &anyhow!("an ambient pod needs K8S_POD_UID, a netns and IPs from prevResult"),
-            );
+        if let Some(incomplete) = incomplete_add(&pod) {
+            return incomplete;
         }
         match self.enroller.enroll(&pod).await {
             Ok(Status::Enabled) => Response::Ok { enrolled: true },
@@ -258,7 +254,7 @@ impl CniHandler {
                 let name = PodName::new(&pod.namespace, &pod.name);
                 let warning = Warning::EnrollmentFailed(format!("{error:#}"));
                 self.policy.warn(&name, warning).await;
-                error_response(TRY_AGAIN_LATER, "enrollment failed", &error)
+                enrollment_failure(&name, &error)
             }
         }
     }
@@ -274,14 +270,14 @@ impl CniHandler {
             .await;
         match unenrolled {
             Ok(was) => Response::Ok { enrolled: was },
-            Err(error) => error_response(PLUGIN_ERROR, "unenroll failed", &error),
+            Err(error) => error_response(PLUGIN_SPECIFIC, "unenroll failed", &error),
         }
     }
 
     async fn gc(&self, valid: &[Attachment]) -> Response {
         match self.enroller.collect_garbage(valid).await {
             Ok(_) => Response::Ok { enrolled: false },
-            Err(error) => error_response(PLUGIN_ERROR, "GC left stale pods", &error),
+            Err(error) => error_response(PLUGIN_SPECIFIC, "GC left stale pods", &error),
         }
     }
 
@@ -291,27 +287,124 @@ impl CniHandler {
             Ok(Some(pod)) => match self.enroller.is_redirected(&pod.uid).await {
                 Ok(true) => Response::Ok { enrolled: true },
                 Ok(false) => Response::Error {
-                    code: PLUGIN_ERROR,
+                    code: PLUGIN_SPECIFIC,
                     msg: format!(
                         "ambient pod {}/{} has no redirection",
                         request.pod.namespace, request.pod.name
                     ),
                     details: String::new(),
                 },
-                Err(error) => error_response(PLUGIN_ERROR, "check failed", &error),
+                Err(error) => error_response(PLUGIN_SPECIFIC, "check failed", &error),
             },
-            Err(error) => decision_error(error),
+            Err(response) => response,
         }
     }
 }
 
-/// A pod the agent does not know yet is worth a retry (the runtime's); anything else is not.
-fn decision_error(error: PolicyError) -> Response {
-    let code = match error {
-        PolicyError::NotYetKnown(_) => TRY_AGAIN_LATER,
-        PolicyError::Failed(_) => PLUGIN_ERROR,
+/// The policy could not decide: the agent does not know the pod yet, or cannot read its
+/// policy now. Both clear up without a new request, so the runtime retries.
+fn decision_error(pod: &PodName, error: PolicyError) -> Response {
+    let msg = match &error {
+        PolicyError::NotYetKnown(_) => error.to_string(),
+        PolicyError::Failed(cause) => format!(
+            "cannot decide whether pod {pod} is ambient: {}",
+            cause.root_cause()
+        ),
     };
-    error_response(code, "cannot decide", &error.into())
+    Response::Error {
+        code: TRY_AGAIN_LATER,
+        msg,
+        details: format!("{:#}", anyhow::Error::from(error)),
+    }
+}
+
+/// An address from the previous plugin's result, without its prefix length.
+fn pod_ip(pod: &PodName, ip: &PodIp) -> Result<IpAddr, Response> {
+    let address = ip.address.split('/').next().unwrap_or_default();
+    address.parse().map_err(|error| Response::Error {
+        code: INVALID_CONFIG,
+        msg: format!(
+            "prevResult address {:?} is not an IP address: ambient pod {pod} cannot be enrolled",
+            ip.address
+        ),
+        details: format!("{error}"),
+    })
+}
+
+/// What an ambient pod's ADD lacks, as the spec's code for where it should have been: the
+/// runtime sends the same request again, so it can never succeed.
+fn incomplete_add(pod: &Workload) -> Option<Response> {
+    let (code, missing, details) = if pod.netns.as_os_str().is_empty() {
+        (INVALID_ENVIRONMENT, "CNI_NETNS is empty", "")
+    } else if pod.uid.is_empty() {
+        (
+            INVALID_ENVIRONMENT,
+            "CNI_ARGS has no K8S_POD_UID",
+            "ztunnel and the agent know pods by uid; kubelet's runtimes pass it",
+        )
+    } else if pod.ips.is_empty() {
+        (
+            INVALID_CONFIG,
+            "prevResult has no IP address",
+            "weir-cni comes after the plugin that gives the pod its addresses",
+        )
+    } else {
+        return None;
+    };
+    Some(Response::Error {
+        code,
+        msg: format!(
+            "{missing}: ambient pod {}/{} cannot be enrolled",
+            pod.namespace, pod.name
+        ),
+        details: details.into(),
+    })
+}
+
+/// A failed enrollment as the runtime sees it. One that can never succeed as asked fails for
+/// good, with the spec's code where one names the culprit (4: the runtime's `CNI_NETNS` or
+/// `K8S_POD_UID`; 7: `prevResult`) and 999 otherwise; any other failure may pass (the kernel
+/// busy or short of memory, the agent's own trouble), and the runtime tries again (11).
+fn enrollment_failure(pod: &PodName, error: &anyhow::Error) -> Response {
+    let details = format!("{error:#}");
+    if let Some(cause) = error.downcast_ref::<Unenrollable>() {
+        let (code, culprit) = match cause {
+            Unenrollable::NetnsMissing(_) | Unenrollable::NotANetns(_) => {
+                (INVALID_ENVIRONMENT, "CNI_NETNS")
+            }
+            Unenrollable::NodeNetns { .. } => (PLUGIN_SPECIFIC, "CNI_NETNS"),
+            Unenrollable::InvalidUid(_) => (INVALID_ENVIRONMENT, "K8S_POD_UID in CNI_ARGS"),
+            Unenrollable::NoIp { .. } => (INVALID_CONFIG, "prevResult"),
+        };
+        let msg = format!("{culprit}: {cause}: ambient pod {pod} cannot be enrolled");
+        return Response::Error { code, msg, details };
+    }
+    let (code, msg) = match unsupported_by_kernel(error) {
+        Some(refused) => (
+            PLUGIN_SPECIFIC,
+            format!(
+                "the kernel lacks a feature weir needs ({refused}): ambient pod {pod} cannot \
+                 be enrolled on this node"
+            ),
+        ),
+        None => (
+            TRY_AGAIN_LATER,
+            format!(
+                "ambient pod {pod} is not enrolled yet: {}",
+                error.root_cause()
+            ),
+        ),
+    };
+    Response::Error { code, msg, details }
+}
+
+/// The kernel's answer that it has no such operation (`EOPNOTSUPP`, `ENOSYS`), anywhere in the
+/// error's chain: a kernel built without what weir needs does not gain it on a retry.
+fn unsupported_by_kernel(error: &anyhow::Error) -> Option<&std::io::Error> {
+    error
+        .chain()
+        .filter_map(|cause| cause.downcast_ref::<std::io::Error>())
+        .find(|cause| cause.kind() == std::io::ErrorKind::Unsupported)
 }
 
 fn error_response(code: u32, msg: &str, error: &anyhow::Error) -> Response {
@@ -319,5 +412,114 @@ fn error_response(code: u32, msg: &str, error: &anyhow::Error) -> Response {
         code,
         msg: msg.to_owned(),
         details: format!("{error:#}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+
+    use super::*;
+
+    fn pod() -> PodName {
+        PodName::new("mesh", "app")
+    }
+
+    fn code_and_msg(response: Response) -> (u32, String) {
+        match response {
+            Response::Error { code, msg, .. } => (code, msg),
+            Response::Ok { .. } => panic!("not an error"),
+        }
+    }
+
+    /// Each cause keeps its code under the context an enrollment adds on its way up (the
+    /// netns causes are shown end to end in `tests/cni.rs`).
+    #[test]
+    fn enrollments_that_can_never_succeed_name_the_culprit() {
+        for (cause, code, msg) in [
+            (
+                Unenrollable::NodeNetns { uid: "u".into() },
+                PLUGIN_SPECIFIC,
+                "CNI_NETNS: refusing to redirect the node's own network namespace as pod u: \
+                 ambient pod mesh/app cannot be enrolled",
+            ),
+            (
+                Unenrollable::InvalidUid("u".repeat(99)),
+                INVALID_ENVIRONMENT,
+                "K8S_POD_UID in CNI_ARGS",
+            ),
+            (
+                Unenrollable::NoIp { uid: "u".into() },
+                INVALID_CONFIG,
+                "prevResult: pod u has no IP",
+            ),
+        ] {
+            let error = anyhow::Error::new(cause).context("enrolling");
+            let (got_code, got_msg) = code_and_msg(enrollment_failure(&pod(), &error));
+            assert_eq!(got_code, code, "{got_msg}");
+            assert!(got_msg.starts_with(msg), "{got_msg}");
+        }
+    }
+
+    #[test]
+    fn a_kernel_without_the_operation_fails_for_good_and_a_busy_one_is_retried() {
+        let failed = |errno| {
+            anyhow::Error::new(io::Error::from_raw_os_error(errno))
+                .context("tc programs and rerouting rules")
+                .context("enrolling pod u")
+        };
+        for errno in [libc::EOPNOTSUPP, libc::ENOSYS] {
+            let (code, msg) = code_and_msg(enrollment_failure(&pod(), &failed(errno)));
+            assert_eq!(code, PLUGIN_SPECIFIC, "{msg}");
+            assert!(
+                msg.starts_with("the kernel lacks a feature weir needs"),
+                "{msg}"
+            );
+        }
+        for errno in [libc::EBUSY, libc::EAGAIN, libc::ENOMEM, libc::ENOBUFS] {
+            let (code, msg) = code_and_msg(enrollment_failure(&pod(), &failed(errno)));
+            assert_eq!(code, TRY_AGAIN_LATER, "{msg}");
+            let cause = io::Error::from_raw_os_error(errno).to_string();
+            assert_eq!(
+                msg,
+                format!("ambient pod mesh/app is not enrolled yet: {cause}")
+            );
+        }
+    }
+
+    #[test]
+    fn undecided_pods_are_retried() {
+        for error in [
+            PolicyError::NotYetKnown(pod()),
+            PolicyError::Failed(anyhow::anyhow!("policy.json: EOF while parsing")),
+        ] {
+            let (code, msg) = code_and_msg(decision_error(&pod(), error));
+            assert_eq!(code, TRY_AGAIN_LATER, "{msg}");
+            assert!(msg.contains("mesh/app"), "{msg}");
+        }
+    }
+
+    /// Only a client other than weir-cni (which insists on `CNI_NETNS`) sends an ADD without
+    /// a netns.
+    #[test]
+    fn an_ambient_add_without_a_netns_names_the_variable() {
+        let mut pod = Workload {
+            uid: "u".into(),
+            name: "app".into(),
+            namespace: "mesh".into(),
+            service_account: None,
+            netns: "/var/run/netns/x".into(),
+            ips: vec![IpAddr::from([10, 0, 0, 2])],
+            options: Default::default(),
+            attachment: None,
+        };
+        assert!(incomplete_add(&pod).is_none());
+        pod.netns = PathBuf::new();
+        let (code, msg) = code_and_msg(incomplete_add(&pod).unwrap());
+        assert_eq!(code, INVALID_ENVIRONMENT);
+        assert_eq!(
+            msg,
+            "CNI_NETNS is empty: ambient pod mesh/app cannot be enrolled"
+        );
     }
 }

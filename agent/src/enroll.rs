@@ -27,11 +27,12 @@ use prometheus_client::{
     registry::Registry,
 };
 use serde::{Deserialize, Serialize};
-use tracing::{info, warn};
+use tracing::{info, warn, Instrument, Span};
 use weir_cni::protocol::Attachment;
 
 use crate::{
     datapath::{Datapath, EnrollNetns, PodNetns},
+    logging::pod_span,
     policy::{PodName, PolicySource},
     state::StateFile,
     workload::Workload,
@@ -158,52 +159,17 @@ impl Enroller {
             .state
             .drop_unless(|uid| enrolled.iter().any(|known| known == uid));
         for uid in enrolled {
-            let record = self.state.get(&uid);
-            let (owned_record, owned_uid) = (record.clone(), uid.clone());
-            let netns = match self
-                .datapath_call(move |d| d.adopt(&owned_uid, owned_record))
-                .await
-            {
-                Ok(netns) => netns,
-                Err(error) => {
-                    self.recovery_failures.inc();
-                    warn!(
-                        uid,
-                        "recovery: taking the pod's netns back failed: {error:#}"
-                    );
-                    None
-                }
-            };
-            let info: WorkloadInfo = record.as_ref().map(zds_info).unwrap_or_default();
-            let name = PodName::new(&info.namespace, &info.name);
-            info!(
-                uid,
-                netns_found = netns.is_some(),
-                "recovered an enrolled pod"
-            );
-            let handed_over = netns.is_some();
-            let recorded = self.state.status(&uid);
-            // Without its netns the pod is only named in snapshots (Keep): not confirmed. With
-            // it, a pod that was enabled stays so: still redirected, and in the snapshot the
-            // next ztunnel connection gets.
-            let status = match self.zds.add(&uid, info, netns.map(Arc::new)).await {
-                Ok(()) if handed_over => Status::Enabled,
-                Err(ZdsError::NotConnected) if handed_over => recorded.unwrap_or(Status::Pending),
-                _ => Status::Pending,
-            };
-            // The annotation already says what the record does: no write for it.
-            let publish = recorded != Some(status);
-            self.update_status(&uid, Some((status, name)), publish)
-                .await;
+            self.recover_pod(&uid).instrument(self.pod_span(&uid)).await;
         }
         for pod in migrate.iter().filter(|pod| pod.netns.exists()) {
-            match self.enroll(pod).await {
-                Ok(_) => info!(uid = pod.uid, "pod moved to this agent's map layout"),
-                Err(error) => warn!(
-                    uid = pod.uid,
-                    "moving the pod to this map layout: {error:#}"
-                ),
+            async {
+                match self.enroll(pod).await {
+                    Ok(_) => info!("pod moved to this agent's map layout"),
+                    Err(error) => warn!("moving the pod to this map layout: {error:#}"),
+                }
             }
+            .instrument(pod_span(&pod.namespace, &pod.name, &pod.uid))
+            .await;
         }
         if let Err(error) = self.datapath_call(|d| d.retire_other_layouts()).await {
             warn!("retiring older map layouts: {error:#}");
@@ -213,6 +179,39 @@ impl Enroller {
             warn!("recording the recovered pods: {error:#}");
         }
         Ok(())
+    }
+
+    /// Takes back one pod the pinned maps still redirect (see [`Self::recover`]).
+    async fn recover_pod(&self, uid: &str) {
+        let record = self.state.get(uid);
+        let (owned_record, owned_uid) = (record.clone(), uid.to_owned());
+        let netns = match self
+            .datapath_call(move |d| d.adopt(&owned_uid, owned_record))
+            .await
+        {
+            Ok(netns) => netns,
+            Err(error) => {
+                self.recovery_failures.inc();
+                warn!("recovery: taking the pod's netns back failed: {error:#}");
+                None
+            }
+        };
+        let info: WorkloadInfo = record.as_ref().map(zds_info).unwrap_or_default();
+        let name = PodName::new(&info.namespace, &info.name);
+        info!(netns_found = netns.is_some(), "recovered an enrolled pod");
+        let handed_over = netns.is_some();
+        let recorded = self.state.status(uid);
+        // Without its netns the pod is only named in snapshots (Keep): not confirmed. With
+        // it, a pod that was enabled stays so: still redirected, and in the snapshot the
+        // next ztunnel connection gets.
+        let status = match self.zds.add(uid, info, netns.map(Arc::new)).await {
+            Ok(()) if handed_over => Status::Enabled,
+            Err(ZdsError::NotConnected) if handed_over => recorded.unwrap_or(Status::Pending),
+            _ => Status::Pending,
+        };
+        // The annotation already says what the record does: no write for it.
+        let publish = recorded != Some(status);
+        self.update_status(uid, Some((status, name)), publish).await;
     }
 
     /// CNI GC: unenrolls every pod enrolled through an attachment the runtime no longer lists
@@ -239,13 +238,13 @@ impl Enroller {
         let mut removed = 0;
         let mut failures = Vec::new();
         for uid in candidates {
+            let span = self.pod_span(&uid);
             let outcome = self
                 .in_turn(&uid, async {
                     match self.state.get(&uid) {
                         Some(pod) if stale(&pod) => {
                             if !self.certainly_orphaned(&uid).await? {
                                 info!(
-                                    uid,
                                     "GC: the runtime no longer lists the pod's attachment, but \
                                      its netns is still held: kept"
                                 );
@@ -256,14 +255,14 @@ impl Enroller {
                         _ => Ok(false),
                     }
                 })
+                .instrument(span.clone())
                 .await;
             match outcome {
                 Ok(true) => {
                     removed += 1;
-                    info!(
-                        uid,
-                        "GC: the runtime no longer has the pod's attachment: unenrolled"
-                    );
+                    span.in_scope(|| {
+                        info!("GC: the runtime no longer has the pod's attachment: unenrolled")
+                    });
                 }
                 Ok(false) => {}
                 Err(error) => failures.push(format!("{uid}: {error:#}")),
@@ -307,6 +306,7 @@ impl Enroller {
             return Ok(());
         }
         for uid in candidates.pods {
+            let span = self.pod_span(&uid);
             // Checked again in the pod's turn: an ADD meanwhile (a new sandbox for the same
             // pod) holds a new netns, and that pod must stay.
             let removed = self
@@ -316,18 +316,16 @@ impl Enroller {
                     }
                     self.unenroll(&uid).await
                 })
+                .instrument(span.clone())
                 .await;
-            match removed {
+            span.in_scope(|| match removed {
                 Ok(true) => {
                     self.orphans_removed.inc();
-                    info!(
-                        uid,
-                        "orphan sweep: nothing holds the pod's netns: unenrolled"
-                    );
+                    info!("orphan sweep: nothing holds the pod's netns: unenrolled");
                 }
                 Ok(false) => {}
-                Err(error) => warn!(uid, "orphan sweep: unenrolling: {error:#}"),
-            }
+                Err(error) => warn!("orphan sweep: unenrolling: {error:#}"),
+            });
         }
         Ok(())
     }
@@ -340,10 +338,7 @@ impl Enroller {
         let looks_orphaned = !orphans.pods.is_empty();
         if let (true, Some(unsure)) = (looks_orphaned, &orphans.unsure) {
             self.orphans_kept.inc();
-            warn!(
-                uid,
-                "not every namespace holder could be inspected ({unsure}): the pod is kept"
-            );
+            warn!("not every namespace holder could be inspected ({unsure}): the pod is kept");
             return Ok(false);
         }
         Ok(looks_orphaned)
@@ -361,7 +356,7 @@ impl Enroller {
             .state
             .set_status(uid, status.as_ref().map(|(status, _)| *status))
         {
-            warn!(uid, "recording the pod's status: {error:#}");
+            warn!("recording the pod's status: {error:#}");
         }
         let changed = {
             let mut statuses = self.status.lock().unwrap();
@@ -432,10 +427,29 @@ impl Enroller {
                 .map(|(_, pod)| pod.clone());
             if let Some(pod) = pod {
                 self.set_status(uid, Some((Status::Enabled, pod))).await;
-                info!(uid, "ztunnel acked the pod: redirection enabled");
+                info!("ztunnel acked the pod: redirection enabled");
             }
         })
+        .instrument(self.pod_span(uid))
         .await
+    }
+
+    /// [`pod_span`] for the pod with this uid, named as the agent knows it (enrolled, or in its
+    /// record).
+    fn pod_span(&self, uid: &str) -> Span {
+        let enrolled = self
+            .status
+            .lock()
+            .unwrap()
+            .get(uid)
+            .map(|(_, pod)| pod.clone());
+        let name = enrolled
+            .or_else(|| {
+                let record = self.state.get(uid)?;
+                Some(PodName::new(&record.namespace, &record.name))
+            })
+            .unwrap_or_default();
+        pod_span(&name.namespace, &name.name, uid)
     }
 
     pub fn status(&self, uid: &str) -> Option<Status> {
@@ -524,7 +538,7 @@ impl Enroller {
             Ok(()) => Status::Enabled,
             Err(ZdsError::NotConnected) => Status::Pending,
             Err(error) => {
-                warn!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), %error, "ztunnel did not accept the pod");
+                warn!(%error, "ztunnel did not accept the pod");
                 Status::Pending
             }
         };
@@ -535,7 +549,7 @@ impl Enroller {
         let name = PodName::new(&pod.namespace, &pod.name);
         self.set_status(&pod.uid, Some((status, name))).await;
         recorded?;
-        info!(uid = pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name), ?status, "pod enrolled");
+        info!(?status, "pod enrolled");
         Ok(status)
     }
 
@@ -548,7 +562,6 @@ impl Enroller {
         if let Some(current) = current {
             if !container_id.is_empty() && current.container_id != container_id {
                 info!(
-                    uid,
                     deleted = container_id,
                     live = current.container_id,
                     "CNI DEL for a sandbox the pod has left: the live one stays redirected"
@@ -567,14 +580,14 @@ impl Enroller {
     /// the pod was enrolled.
     pub async fn unenroll(&self, uid: &str) -> Result<bool> {
         if let Err(error) = self.zds.del(uid).await {
-            warn!(uid, %error, "ztunnel Del");
+            warn!(%error, "ztunnel Del");
         }
         self.set_status(uid, None).await;
         let owned = uid.to_owned();
         let was = self.datapath_call(move |d| d.unenroll(&owned)).await?;
         self.state.remove(uid)?;
         if was {
-            info!(uid, "pod unenrolled");
+            info!("pod unenrolled");
         }
         Ok(was)
     }
@@ -598,13 +611,15 @@ impl Enroller {
         self.datapath_call(move |d| d.is_redirected(&owned)).await
     }
 
-    /// Runs a datapath call off the async workers: the datapath answers from its own thread.
+    /// Runs a datapath call off the async workers, in the caller's span (the pod's): the
+    /// datapath answers from its own thread.
     async fn datapath_call<T: Send + 'static>(
         &self,
         call: impl FnOnce(&Datapath) -> Result<T> + Send + 'static,
     ) -> Result<T> {
         let datapath = self.datapath.clone();
-        tokio::task::spawn_blocking(move || call(&datapath)).await?
+        let span = Span::current();
+        tokio::task::spawn_blocking(move || span.in_scope(|| call(&datapath))).await?
     }
 }
 

@@ -284,7 +284,7 @@ impl Inner {
                 Value::from(self.kubeconfig_path().to_string_lossy()),
             );
         }
-        let (path, config) = self.active_config()?;
+        let (path, config) = active_config(&self.config.cni_net_dir)?;
         if config.holds_last(&entry) {
             return Ok((path, false, false));
         }
@@ -300,24 +300,9 @@ impl Inner {
         Ok((file, true, entry_was_missing))
     }
 
-    /// The network config the runtime loads, as libcni picks it: the first file in lexical order
-    /// that parses.
-    fn active_config(&self) -> Result<(PathBuf, NetworkConfig)> {
-        let dir = &self.config.cni_net_dir;
-        for (path, format) in self.config_files()? {
-            match files::read_config(&path, format) {
-                Ok(config) => return Ok((path, config)),
-                // The runtime does not load this file either; it is its owner's to fix, so
-                // weir leaves it as it is.
-                Err(e) => error!("skipping an invalid CNI config file: {e:#}"),
-            }
-        }
-        Err(NoNetworkConfig { dir: dir.clone() }.into())
-    }
-
     fn uninstall(&self) -> Result<()> {
         let _guard = self.file_lock.lock().unwrap_or_else(|e| e.into_inner());
-        for (path, format) in self.config_files()? {
+        for (path, format) in config_files(&self.config.cni_net_dir)? {
             match files::read_config(&path, format) {
                 Ok(NetworkConfig::List(list)) => self.remove_entry(&path, list)?,
                 Ok(NetworkConfig::Single(_)) => {}
@@ -358,16 +343,6 @@ impl Inner {
         Ok(())
     }
 
-    /// The net dir's config files; none while the dir does not exist (the primary CNI, or the
-    /// kubelet's hostPath mount, creates it).
-    fn config_files(&self) -> Result<Vec<(PathBuf, Format)>> {
-        let dir = &self.config.cni_net_dir;
-        match files::config_files(dir) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
-            listed => listed.with_context(|| format!("listing {}", dir.display())),
-        }
-    }
-
     fn binary_path(&self) -> PathBuf {
         self.config.cni_bin_dir.join(&self.config.plugin_name)
     }
@@ -405,6 +380,32 @@ impl Inner {
         self.status.send_modify(update);
         let ready = self.status.borrow().ready();
         self.metrics.ready.set(i64::from(ready));
+    }
+}
+
+/// The network config the runtime loads from the net dir `dir`, as libcni picks it: the first
+/// file in lexical order that parses. Fails with [`NoNetworkConfig`] while there is none.
+pub fn active_config(dir: &Path) -> Result<(PathBuf, NetworkConfig)> {
+    for (path, format) in config_files(dir)? {
+        match files::read_config(&path, format) {
+            Ok(config) => return Ok((path, config)),
+            // The runtime does not load this file either; it is its owner's to fix, so
+            // weir leaves it as it is.
+            Err(e) => error!("skipping an invalid CNI config file: {e:#}"),
+        }
+    }
+    Err(NoNetworkConfig {
+        dir: dir.to_owned(),
+    }
+    .into())
+}
+
+/// The net dir's config files; none while the dir does not exist (the primary CNI, or the
+/// kubelet's hostPath mount, creates it).
+fn config_files(dir: &Path) -> Result<Vec<(PathBuf, Format)>> {
+    match files::config_files(dir) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(Vec::new()),
+        listed => listed.with_context(|| format!("listing {}", dir.display())),
     }
 }
 

@@ -11,12 +11,18 @@
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
 //! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
 //! - [`bpf_sys`]: the bpf syscalls aya 0.14 lacks (updatable pinned cgroup links, other layouts' maps).
+//! - [`check`]: what weir needs of the node and the cluster, one line per requirement
+//!   (`weir-agent check`, and the agent at start).
+//! - [`cli`]: `weir-agent`'s command line, and the configuration reference generated from it.
+//! - [`logging`]: log lines as plain text or JSON, with the fields of the pod they concern.
 //! - [`inspect`]: `weir-agent pods`, what the node holds, from the pinned maps and the state file.
 //! - [`cni_server`], [`zds`], [`install`], [`http`]: the edges: the CNI plugin (its requests
 //!   turned into enrollment steps and responses), ztunnel, the node's CNI configuration, health
 //!   and metrics.
 pub mod app;
 pub mod bpf_sys;
+pub mod check;
+pub mod cli;
 pub mod cluster;
 pub mod cni_server;
 pub mod datapath;
@@ -24,6 +30,7 @@ pub mod enroll;
 pub mod http;
 pub mod inspect;
 pub mod install;
+pub mod logging;
 pub mod netlink;
 pub mod netns;
 pub mod policy;

@@ -8,8 +8,10 @@ pub mod code {
     pub const IO_FAILURE: u32 = 5;
     pub const DECODE_FAILURE: u32 = 6;
     pub const INVALID_CONFIG: u32 = 7;
+    /// The only code that asks the runtime to retry: for conditions that clear up.
     pub const TRY_AGAIN_LATER: u32 = 11;
-    /// The first plugin-specific code; weir uses it for everything the spec does not name.
+    /// A failure the spec has no code for, which a retry does not cure: libcni's `ErrInternal`,
+    /// what plugins built on it report for a plain error (codes from 100 are the plugins' own).
     pub const PLUGIN_SPECIFIC: u32 = 999;
 }
 

@@ -66,11 +66,16 @@
 //!
 //! # Errors
 //!
-//! Failures print `{"cniVersion", "code", "msg", "details"}` and exit 1, with the spec's codes:
-//! 1 incompatible version, 4 bad `CNI_*` variable (including a missing pod name on ADD),
-//! 5 stdin unreadable, 6 undecodable JSON, 7 invalid config (including ADD without
-//! `prevResult`), 11 try again later, 999 anything else; an agent
-//! `error` keeps the agent's code.
+//! Failures print `{"cniVersion", "code", "msg", "details"}` and exit 1; `msg` names the cause.
+//! Only what clears up without a new request is 11 ("try again later"): the agent out of reach
+//! or silent (see above), ztunnel not yet acknowledging the pod, the agent not yet knowing the
+//! pod or unable to read its policy, a kernel that is busy or short of memory. What can never
+//! succeed as asked gets the spec's code for it: 1 incompatible version, 4 bad `CNI_*` variable
+//! (also a `CNI_NETNS` with no network namespace there, or an ambient pod without
+//! `K8S_POD_UID`), 5 stdin unreadable, 6 undecodable JSON, 7 invalid config (ADD without
+//! `prevResult`, or an ambient pod's without a valid address), and 999 for the rest (the node's
+//! own netns as an ambient pod's, a kernel without a feature weir needs, an agent answer that is
+//! not one). An agent `error` keeps the agent's code.
 pub mod ambient;
 pub mod protocol;
 
@@ -83,4 +88,6 @@ mod log;
 mod plugin;
 
 pub use env::CniEnv;
+/// The codes of CNI error results, for the agent's responses too.
+pub use error::code;
 pub use plugin::{run, Outcome};

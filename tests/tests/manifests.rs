@@ -1,17 +1,15 @@
 //! deploy/'s manifests against the agent they deploy. Every YAML document in deploy/ must parse
 //! into its k8s-openapi type and serialize back to the same document (a misspelt or misplaced
 //! field is lost on the way and fails), and the DaemonSet, its ServiceAccount and RBAC must agree
-//! with the built `weir-agent` (its `run --help`: flags, `[env: …]`, `[default: …]`) and with
-//! `expected` below. Nothing here needs privileges or a cluster.
-//!
-//! Needs `cargo build --workspace --bins` first (the test runs `target/<profile>/weir-agent`).
+//! with the agent's command line (`weir_agent::cli::Cli`: `weir-agent run`'s flags, their envs
+//! and defaults) and with `expected` below. Nothing here needs privileges or a cluster.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use clap::CommandFactory;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{
     Container, HostPathVolumeSource, PodSpec, Probe, ServiceAccount, VolumeMount,
@@ -22,16 +20,16 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use weir_tests::agent::workspace_binary;
+use weir_agent::cli::Cli;
 
 /// What the agent expects of its deployment, in one place, each value with where the agent
-/// defines it. `expected_values_are_the_built_agents_defaults_and_envs` checks every flag
-/// default and env name here against the built binary, so a change in the agent fails that test
-/// first; the other tests check the manifests against these values.
+/// defines it. `expected_values_are_the_agents_flag_defaults_and_envs` checks every flag
+/// default and env name here against the agent's command line, so a change in the agent fails
+/// that test first; the other tests check the manifests against these values.
 mod expected {
-    /// `--health-addr` default (agent/src/main.rs `RunArgs::health_addr`): /healthz and /readyz.
+    /// `--health-addr` default (agent/src/cli.rs `RunArgs::health_addr`): /healthz and /readyz.
     pub const HEALTH_ADDR: &str = "0.0.0.0:8000";
-    /// `--metrics-addr` default (agent/src/main.rs `RunArgs::metrics_addr`): /metrics.
+    /// `--metrics-addr` default (agent/src/cli.rs `RunArgs::metrics_addr`): /metrics.
     pub const METRICS_ADDR: &str = "0.0.0.0:15014";
     /// The routes of agent/src/http.rs `serve` (served on both addresses above).
     pub const LIVENESS_PATH: &str = "/healthz";
@@ -43,7 +41,7 @@ mod expected {
     /// the socket and verdict cache paths into the host's CNI config for the plugin, which runs on
     /// the host. The DaemonSet keeps these defaults (sets none of these envs).
     pub const HOST_PATH_FLAGS: &[(&str, &str, &str, &str)] = &[
-        // cni/src/protocol.rs DEFAULT_AGENT_SOCKET, via agent/src/main.rs `--cni-socket`.
+        // cni/src/protocol.rs DEFAULT_AGENT_SOCKET, via agent/src/cli.rs `--cni-socket`.
         (
             "--cni-socket",
             "WEIR_CNI_SOCKET",
@@ -57,21 +55,21 @@ mod expected {
             "/var/run/weir/verdicts.json",
             "/var/run/weir",
         ),
-        // agent/src/main.rs `--state-file`.
+        // agent/src/cli.rs `--state-file`.
         (
             "--state-file",
             "WEIR_STATE_FILE",
             "/var/run/weir/pods.json",
             "/var/run/weir",
         ),
-        // agent/src/main.rs `--zds-socket` (agent/src/zds/mod.rs DEFAULT_SOCKET_PATH).
+        // agent/src/cli.rs `--zds-socket` (agent/src/zds/mod.rs DEFAULT_SOCKET_PATH).
         (
             "--zds-socket",
             "WEIR_ZDS_SOCKET",
             "/var/run/ztunnel/ztunnel.sock",
             "/var/run/ztunnel",
         ),
-        // agent/src/main.rs `CniDirs`.
+        // agent/src/cli.rs `CniDirs`.
         (
             "--cni-bin-dir",
             "WEIR_CNI_BIN_DIR",
@@ -84,7 +82,7 @@ mod expected {
             "/etc/cni/net.d",
             "/etc/cni/net.d",
         ),
-        // agent/src/main.rs `DatapathArgs::pin_root`; agent/src/datapath/mounts.rs
+        // agent/src/cli.rs `DatapathArgs::pin_root`; agent/src/datapath/mounts.rs
         // `ensure_bpffs` mounts a bpffs at /sys/fs/bpf when the host has none there.
         (
             "--pin-root",
@@ -106,7 +104,7 @@ mod expected {
     pub const PROC: &str = "/proc";
 
     /// The Downward API envs (flag, env, fieldPath) of the cluster policy source (their flags
-    /// are in agent/src/main.rs).
+    /// are in agent/src/cli.rs).
     pub const DOWNWARD_ENV: &[(&str, &str, &str)] = &[
         ("--node-name", "WEIR_NODE_NAME", "spec.nodeName"),
         ("--pod-name", "WEIR_POD_NAME", "metadata.name"),
@@ -116,8 +114,8 @@ mod expected {
             "metadata.namespace",
         ),
     ];
-    /// The agent's own DaemonSet, checked on SIGTERM: `--daemonset-name` (issue 9) must be the
-    /// DaemonSet's name, `--system-namespace` (agent/src/main.rs `RunArgs::system_namespace`)
+    /// The agent's own DaemonSet, checked on SIGTERM: `--daemonset-name` must be the
+    /// DaemonSet's name, `--system-namespace` (agent/src/cli.rs `RunArgs::system_namespace`)
     /// its namespace.
     pub const DAEMONSET_NAME_FLAG: (&str, &str) = ("--daemonset-name", "WEIR_DAEMONSET_NAME");
     pub const SYSTEM_NAMESPACE_FLAG: (&str, &str) = ("--system-namespace", "WEIR_SYSTEM_NAMESPACE");
@@ -126,6 +124,9 @@ mod expected {
     /// repair in place only, so the DaemonSet does not set it.
     pub const REPAIR_FLAG: (&str, &str, &str) =
         ("--repair-broken-pods", "WEIR_REPAIR_BROKEN_PODS", "none");
+    /// `--log-format` (agent/src/cli.rs `Cli::log_format`), set by the DaemonSet: a cluster's log
+    /// pipeline reads one JSON object per line.
+    pub const LOG_FORMAT_FLAG: (&str, &str, &str) = ("--log-format", "LOG_FORMAT", "json");
 
     /// Where a rule is granted: the ClusterRole, or the Role in the DaemonSet's namespace.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -319,74 +320,58 @@ fn port_of(addr: &str) -> i32 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The built agent
+// The agent's command line
 
-/// One flag of `weir-agent run --help`.
+/// One flag of `weir-agent run`.
 #[derive(Debug, Default)]
 struct Flag {
     env: Option<String>,
     default: Option<String>,
+    /// The values it accepts, where they are a list.
+    values: Vec<String>,
 }
 
-/// `weir-agent run --help`: the flags (by `--long` name) with their env and default, and the
-/// flags the usage line requires.
-struct AgentHelp {
+/// `weir-agent run`'s flags (by `--long` name, the global ones included, as its `--help` lists
+/// them) with their env and default, and the flags it requires: read from the agent's own
+/// definition of its command line.
+struct AgentFlags {
     flags: BTreeMap<String, Flag>,
     required: Vec<String>,
 }
 
-impl AgentHelp {
+impl AgentFlags {
     fn load() -> Self {
-        let agent = workspace_binary("weir-agent");
-        let mut command = Command::new(&agent);
-        command.args(["run", "--help"]);
-        // `[env: NAME=value]` would show this process's values.
-        for (name, _) in std::env::vars().filter(|(name, _)| name.starts_with("WEIR_")) {
-            command.env_remove(name);
-        }
-        let output = command.output().expect("running weir-agent run --help");
-        assert!(
-            output.status.success(),
-            "{} run --help failed",
-            agent.display()
-        );
-        Self::parse(&String::from_utf8(output.stdout).unwrap())
-    }
-
-    fn parse(help: &str) -> Self {
+        let mut command = Cli::command();
+        // Built, each subcommand holds the global flags too.
+        command.build();
+        let run = command
+            .find_subcommand("run")
+            .expect("weir-agent has a run subcommand");
         let mut flags = BTreeMap::new();
-        let mut current: Option<String> = None;
         let mut required = Vec::new();
-        for line in help.lines() {
-            let trimmed = line.trim_start();
-            if let Some(usage) = trimmed.strip_prefix("Usage:") {
-                required = usage
-                    .split_whitespace()
-                    .filter(|word| word.starts_with("--"))
-                    .map(str::to_owned)
-                    .collect();
-                continue;
-            }
-            // `      --cni-socket <CNI_SOCKET>` or `  -h, --help`
-            if trimmed.starts_with('-') && line.starts_with("  ") && line.len() - trimmed.len() <= 6
-            {
-                let long = trimmed
-                    .split(|c: char| c.is_whitespace() || c == ',')
-                    .find(|word| word.starts_with("--"));
-                current = long.map(str::to_owned);
-                if let Some(long) = &current {
-                    flags.insert(long.clone(), Flag::default());
-                }
-            }
-            let Some(flag) = current.as_ref().and_then(|long| flags.get_mut(long)) else {
+        for arg in run.get_arguments() {
+            let Some(long) = arg.get_long() else {
                 continue;
             };
-            if let Some(rest) = line.split("[env: ").nth(1) {
-                flag.env = Some(rest.split('=').next().unwrap().to_owned());
+            let long = format!("--{long}");
+            let defaults: Vec<String> = arg
+                .get_default_values()
+                .iter()
+                .map(|value| value.to_string_lossy().into_owned())
+                .collect();
+            let flag = Flag {
+                env: arg.get_env().map(|env| env.to_string_lossy().into_owned()),
+                default: (!defaults.is_empty()).then(|| defaults.join(",")),
+                values: arg
+                    .get_possible_values()
+                    .iter()
+                    .map(|value| value.get_name().to_owned())
+                    .collect(),
+            };
+            if arg.is_required_set() {
+                required.push(long.clone());
             }
-            if let Some(rest) = line.split("[default: ").nth(1) {
-                flag.default = Some(rest.split(']').next().unwrap().to_owned());
-            }
+            flags.insert(long, flag);
         }
         Self { flags, required }
     }
@@ -440,10 +425,11 @@ fn the_round_trip_reports_a_misspelt_or_misplaced_field() {
 }
 
 #[test]
-fn expected_values_are_the_built_agents_defaults_and_envs() {
-    let help = AgentHelp::load();
+fn expected_values_are_the_agents_flag_defaults_and_envs() {
+    let agent = AgentFlags::load();
     let flag = |long: &str| {
-        help.flags
+        agent
+            .flags
             .get(long)
             .unwrap_or_else(|| panic!("weir-agent run has no {long}"))
     };
@@ -484,14 +470,13 @@ fn expected_values_are_the_built_agents_defaults_and_envs() {
     );
 }
 
-/// Fails until issue 9's agent flags (`--node-name`, `--pod-name`, `--pod-namespace`,
-/// `--daemonset-name`) are built: they are the other half of these manifests.
+/// Every env the DaemonSet sets is one the agent reads, for the flag `expected` says.
 #[test]
-fn every_env_var_the_daemonset_sets_is_a_flag_env_of_the_built_agent() {
+fn every_env_var_the_daemonset_sets_is_a_flag_env_of_the_agent() {
     let all = manifests();
     let (_, _, container) = daemonset(&all);
-    let help = AgentHelp::load();
-    let known = help.envs();
+    let agent = AgentFlags::load();
+    let known = agent.envs();
     let unknown: Vec<&str> = container
         .env
         .iter()
@@ -510,22 +495,24 @@ fn every_env_var_the_daemonset_sets_is_a_flag_env_of_the_built_agent() {
         .collect();
     pairs.push(expected::DAEMONSET_NAME_FLAG);
     pairs.push(expected::SYSTEM_NAMESPACE_FLAG);
+    let (long, env, _) = expected::LOG_FORMAT_FLAG;
+    pairs.push((long, env));
     for (long, env) in pairs {
         assert_eq!(
-            help.flags.get(long).and_then(|flag| flag.env.as_deref()),
+            agent.flags.get(long).and_then(|flag| flag.env.as_deref()),
             Some(env),
             "{long}'s env"
         );
     }
 }
 
-/// Fails while `--policy-file` is required (the local policy source); the cluster policy
-/// source of issue 9 is what the DaemonSet runs, with no policy file.
+/// The DaemonSet runs the cluster policy source (no policy file), and sets whatever flag
+/// `weir-agent run` requires.
 #[test]
-fn the_daemonset_sets_every_flag_the_built_agent_requires() {
+fn the_daemonset_sets_every_flag_the_agent_requires() {
     let all = manifests();
     let (_, _, container) = daemonset(&all);
-    let help = AgentHelp::load();
+    let agent = AgentFlags::load();
     let args: Vec<&str> = container
         .args
         .iter()
@@ -533,8 +520,8 @@ fn the_daemonset_sets_every_flag_the_built_agent_requires() {
         .map(String::as_str)
         .collect();
     assert_eq!(args, ["run"], "the container runs `weir-agent run`");
-    for long in &help.required {
-        let env = help.flags[long].env.as_deref();
+    for long in &agent.required {
+        let env = agent.flags[long].env.as_deref();
         let set = env.is_some_and(|env| env_value(container, env).is_some())
             || args.iter().any(|arg| arg.starts_with(long.as_str()));
         assert!(
@@ -542,6 +529,21 @@ fn the_daemonset_sets_every_flag_the_built_agent_requires() {
             "weir-agent run requires {long} (env {env:?}), which the DaemonSet does not set"
         );
     }
+}
+
+#[test]
+fn the_daemonset_has_the_agent_log_json() {
+    let all = manifests();
+    let (_, _, container) = daemonset(&all);
+    let (long, env, format) = expected::LOG_FORMAT_FLAG;
+    let var = env_value(container, env).unwrap_or_else(|| panic!("{env} is not set"));
+    assert_eq!(var.value.as_deref(), Some(format), "{env}");
+    let agent = AgentFlags::load();
+    let values = &agent.flags[long].values;
+    assert!(
+        values.iter().any(|value| value == format),
+        "{long} takes {format}: it takes {values:?}"
+    );
 }
 
 #[test]
@@ -1026,8 +1028,9 @@ fn the_daemonset_runs_on_every_node_before_other_pods_and_upgrades_one_node_at_a
     assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(1)));
     assert_eq!(rolling.max_surge, None, "one agent per node at a time");
 
-    // deploy/Dockerfile's image and entrypoint.
-    assert_eq!(container.image.as_deref(), Some("weir-agent:dev"));
+    // The image `cargo xtask image` builds, and its entrypoint.
+    let image = concat!("localhost/weir-agent:", env!("CARGO_PKG_VERSION"));
+    assert_eq!(container.image.as_deref(), Some(image));
     assert_eq!(container.command, None, "the image's ENTRYPOINT runs");
     let resources = container.resources.as_ref().unwrap();
     let requests = resources.requests.clone().unwrap_or_default();

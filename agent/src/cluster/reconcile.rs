@@ -27,12 +27,13 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use prometheus_client::{metrics::counter::Counter, registry::Registry};
 use tokio::sync::{broadcast::error::RecvError, watch};
-use tracing::{debug, info, warn};
+use tracing::{debug, info, warn, Instrument};
 
 use super::{facts_of, repair::Repair, Change, Reflectors};
 use crate::{
     datapath::EnrollNetns,
     enroll::Enroller,
+    logging::pod_span,
     policy::{
         report_problems, AmbientPod, AnnotationProblem, PodName, PolicyConfig, PolicySource,
         Warning,
@@ -269,21 +270,25 @@ impl Reconciler {
         if !self.due(uid) {
             return;
         }
-        let result = self
-            .enroller
-            .in_turn(uid, self.converge(uid, name, wanted))
-            .await;
-        match result {
-            Ok(()) => drop(self.backoff.lock().unwrap().remove(uid)),
-            Err(error) => {
-                self.failures.inc();
-                let wait = self.back_off(uid);
-                warn!(%name, uid, retry_in = ?wait, "reconciling the pod: {error:#}");
-                self.source
-                    .warn(name, Warning::EnrollmentFailed(format!("{error:#}")))
-                    .await;
+        async {
+            let result = self
+                .enroller
+                .in_turn(uid, self.converge(uid, name, wanted))
+                .await;
+            match result {
+                Ok(()) => drop(self.backoff.lock().unwrap().remove(uid)),
+                Err(error) => {
+                    self.failures.inc();
+                    let wait = self.back_off(uid);
+                    warn!(retry_in = ?wait, "reconciling the pod: {error:#}");
+                    self.source
+                        .warn(name, Warning::EnrollmentFailed(format!("{error:#}")))
+                        .await;
+                }
             }
         }
+        .instrument(pod_span(&name.namespace, &name.name, uid))
+        .await
     }
 
     async fn converge(&self, uid: &str, name: &PodName, wanted: Wanted) -> Result<()> {
@@ -291,7 +296,7 @@ impl Reconciler {
         match wanted {
             Wanted::Out if enrolled => {
                 self.enroller.unenroll(uid).await?;
-                info!(%name, uid, "pod no longer ambient: removed");
+                info!("pod no longer ambient: removed");
             }
             Wanted::Out | Wanted::Terminating => {}
             Wanted::Enrolled(..) if !enrolled && self.enroller.sandbox_removed(uid) => {
@@ -309,7 +314,7 @@ impl Reconciler {
                             ..record.clone()
                         };
                         self.enroller.enroll_in(&updated, EnrollNetns::Held).await?;
-                        info!(%name, uid, options = ?ambient.options, "pod options applied live");
+                        info!(options = ?ambient.options, "pod options applied live");
                     }
                     return Ok(());
                 }
@@ -385,7 +390,7 @@ impl Reconciler {
         self.enroller
             .enroll_in(&pod, EnrollNetns::Found(found.netns))
             .await?;
-        info!(%name, uid, "running pod enrolled");
+        info!("running pod enrolled");
         Ok(())
     }
 
@@ -395,7 +400,7 @@ impl Reconciler {
     async fn repaired(&self, name: &PodName, object: &Pod, enrolled: Result<()>) -> Result<()> {
         self.repair.repaired_in_place(enrolled.is_ok());
         let Err(error) = enrolled else {
-            warn!(%name, "the pod ran without weir's redirection: repaired in place");
+            warn!("the pod ran without weir's redirection: repaired in place");
             self.source.warn(name, Warning::RepairedPod).await;
             return Ok(());
         };

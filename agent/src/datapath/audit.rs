@@ -11,6 +11,8 @@ use prometheus_client::{
 };
 use tracing::warn;
 
+use crate::logging::chain;
+
 /// `weir_datapath_mismatches_total{kind}`.
 #[derive(Clone, Default)]
 pub(super) struct Mismatches(Family<Kind, Counter>);
@@ -67,7 +69,7 @@ impl Owner {
                     format!("netns {}", pod.netns_cookie),
                 );
                 if let Err(error) = self.pods_map.insert(pod.netns_cookie, pod.config, 0) {
-                    warn!(uid, %error, "writing the pod's entry back");
+                    warn!(uid, error = chain(&error), "writing the pod's entry back");
                 }
             }
             for ip in &pod.ips {
@@ -81,7 +83,7 @@ impl Owner {
                     Err(_) => {
                         report(ADDRESS_MISSING, uid, format!("{}", ip_addr(ip)));
                         if let Err(error) = self.pod_ips.insert(ip, pod.netns_cookie, 0) {
-                            warn!(uid, %error, "writing the pod's address back");
+                            warn!(uid, error = chain(&error), "writing the pod's address back");
                         }
                     }
                 }

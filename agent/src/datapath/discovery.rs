@@ -72,7 +72,12 @@ pub(super) fn find_running_pod(
                 }));
             }
             Ok(None) => debug!(uid, hint = %hint.display(), "the hint does not hold the pod's IPs"),
-            Err(error) => debug!(uid, hint = %hint.display(), %error, "the hint cannot be checked"),
+            Err(error) => debug!(
+                uid,
+                hint = %hint.display(),
+                error = format!("{error:#}"),
+                "the hint cannot be checked"
+            ),
         }
     }
     let node = netns_id(Path::new(netns::THREAD_NETNS)).context("the node's netns")?;

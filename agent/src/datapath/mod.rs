@@ -16,9 +16,9 @@
 mod audit;
 mod discovery;
 mod handoff;
-mod kernel;
+pub(crate) mod kernel;
 mod layouts;
-mod mounts;
+pub(crate) mod mounts;
 mod pods;
 mod programs;
 mod recovery;
@@ -57,6 +57,7 @@ use crate::{netlink, netns, workload::Workload};
 
 pub use discovery::PodNetns;
 pub use mounts::cgroup2_root;
+pub use pods::Unenrollable;
 pub use recovery::Orphans;
 
 #[derive(Clone, Debug)]
@@ -88,6 +89,10 @@ impl Default for DatapathConfig {
 
 type Reply<T> = mpsc::SyncSender<Result<T>>;
 
+/// A command with the span it was given in: the owner thread's log lines about a pod carry the
+/// pod's fields, as the caller's do.
+type Traced = (tracing::Span, Command);
+
 enum Command {
     Enroll(Workload, EnrollNetns, Reply<OwnedFd>),
     Unenroll(String, Reply<bool>),
@@ -117,7 +122,7 @@ enum Command {
 
 /// Handle to the datapath owner thread.
 pub struct Datapath {
-    commands: mpsc::Sender<Command>,
+    commands: mpsc::Sender<Traced>,
     thread: std::sync::Mutex<Option<thread::JoinHandle<()>>>,
     enroll_steps: pods::EnrollSteps,
     mismatches: audit::Mismatches,
@@ -185,7 +190,7 @@ impl Datapath {
     fn ask<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T> {
         let (reply, answer) = mpsc::sync_channel(1);
         self.commands
-            .send(command(reply))
+            .send((tracing::Span::current(), command(reply)))
             .map_err(|_| anyhow!("the datapath thread is gone"))?;
         answer
             .recv()
@@ -359,7 +364,7 @@ struct Owner {
 impl Owner {
     fn open(
         config: &DatapathConfig,
-        changes: mpsc::Sender<Command>,
+        changes: mpsc::Sender<Traced>,
         enroll_steps: pods::EnrollSteps,
         mismatches: audit::Mismatches,
         watching: Arc<AtomicBool>,
@@ -441,12 +446,12 @@ impl Owner {
         })
     }
 
-    fn serve(&mut self, inbox: mpsc::Receiver<Command>) {
+    fn serve(&mut self, inbox: mpsc::Receiver<Traced>) {
         let mut next_audit = Instant::now() + AUDIT_INTERVAL;
         loop {
-            let command =
+            let (span, command) =
                 match inbox.recv_timeout(next_audit.saturating_duration_since(Instant::now())) {
-                    Ok(command) => command,
+                    Ok(traced) => traced,
                     Err(mpsc::RecvTimeoutError::Timeout) => {
                         self.audit();
                         next_audit = Instant::now() + AUDIT_INTERVAL;
@@ -454,6 +459,7 @@ impl Owner {
                     }
                     Err(mpsc::RecvTimeoutError::Disconnected) => return,
                 };
+            let _caller = span.enter();
             match command {
                 Command::Enroll(pod, netns, reply) => {
                     let _ = reply.send(self.enroll(&pod, netns));

@@ -5,10 +5,11 @@ use std::{
     io,
     net::IpAddr,
     os::fd::{AsFd, OwnedFd},
+    path::PathBuf,
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use aya::{maps::PerCpuValues, Ebpf};
 use prometheus_client::{
     encoding::EncodeLabelSet,
@@ -26,6 +27,7 @@ use weir_common::{
 
 use super::{handoff::Handoff, programs, watch::Interfaces, EnrollNetns, Enrolled, Owner};
 use crate::{
+    logging::chain,
     netlink::{self, PodSetup, Rtnl},
     netns::{self, ReplyMarkSysctls},
     workload::{PodOptions, Workload},
@@ -37,6 +39,26 @@ const BPF_NOEXIST: u64 = 1;
 /// takes an entry of `POD_IPS`, which every pod on the node shares: a pod with CAP_NET_ADMIN
 /// could otherwise add addresses until no other pod can be enrolled.
 const MAX_OTHER_ADDRESSES: usize = 16;
+
+/// Why a pod can never be enrolled as asked, however often it is tried again: the namespace
+/// named for it is not a pod's, or the pod cannot be told apart in the maps. Every other
+/// enrollment failure may pass (the kernel busy or short of memory, the agent's own trouble).
+#[derive(Debug, thiserror::Error)]
+pub enum Unenrollable {
+    /// Nothing at the netns path: the sandbox's namespace is gone, or never was.
+    #[error("pod netns {} does not exist", .0.display())]
+    NetnsMissing(PathBuf),
+    /// Something other than a network namespace at the path (a netns file left behind once
+    /// the namespace was unmounted, or another kind of namespace).
+    #[error("pod netns {} is not a network namespace", .0.display())]
+    NotANetns(PathBuf),
+    #[error("refusing to redirect the node's own network namespace as pod {uid}")]
+    NodeNetns { uid: String },
+    #[error("pod uid {0:?} must be 1 to {POD_UID_LEN} bytes")]
+    InvalidUid(String),
+    #[error("pod {uid} has no IP")]
+    NoIp { uid: String },
+}
 
 /// Where a pod's enrollment time goes, step by step (`weir_enroll_step_seconds{step}`): what an
 /// operator looks at when enrollment is slow on a node, and what the bench reports.
@@ -116,18 +138,22 @@ impl Owner {
         // the map entries went in would leave them to nobody.
         let handle: OwnedFd = netns_file.try_clone()?.into();
         // Map writes do not depend on the calling thread's netns, so every step runs in the pod.
-        let inside = self
-            .home
-            .enter(netns_file.as_fd())
-            .context("entering the pod netns")?;
+        let inside = self.home.enter(netns_file.as_fd()).map_err(|error| {
+            // setns takes namespaces only: anything else at the path is EINVAL.
+            if error.raw_os_error() == Some(libc::EINVAL) {
+                Unenrollable::NotANetns(pod.netns.clone()).into()
+            } else {
+                anyhow::Error::new(error).context("entering the pod netns")
+            }
+        })?;
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
         let netns_cookie = netns::cookie_of(rtnl.as_fd(), Some(&self.cookie_answers))
             .context("the pod's netns cookie")?;
         if netns_cookie == self.node_netns_cookie {
-            bail!(
-                "refusing to redirect the node's own network namespace as pod {}",
-                pod.uid
-            );
+            return Err(Unenrollable::NodeNetns {
+                uid: pod.uid.clone(),
+            }
+            .into());
         }
         let subscription = self.subscribe(&pod.uid, netns_cookie, netns_file.as_fd())?;
         stopwatch.lap("netns");
@@ -209,8 +235,14 @@ impl Owner {
 
     fn open_netns(&self, pod: &Workload, netns: EnrollNetns) -> Result<File> {
         match netns {
-            EnrollNetns::Path => File::open(&pod.netns)
-                .with_context(|| format!("opening pod netns {}", pod.netns.display())),
+            EnrollNetns::Path => File::open(&pod.netns).map_err(|error| {
+                if error.kind() == io::ErrorKind::NotFound {
+                    Unenrollable::NetnsMissing(pod.netns.clone()).into()
+                } else {
+                    anyhow::Error::new(error)
+                        .context(format!("opening pod netns {}", pod.netns.display()))
+                }
+            }),
             EnrollNetns::Held => self
                 .pods
                 .get(&pod.uid)
@@ -245,7 +277,11 @@ impl Owner {
         if before.netns_cookie == netns_cookie {
             self.remove_ip_entries(netns_cookie, &new);
             if let Err(error) = self.pods_map.insert(netns_cookie, before.config, 0) {
-                warn!(netns_cookie, %error, "restoring the pod's previous entry");
+                warn!(
+                    netns_cookie,
+                    error = chain(&error),
+                    "restoring the pod's previous entry"
+                );
             }
             return;
         }
@@ -256,7 +292,11 @@ impl Owner {
         for ip in &before.ips {
             if self.pod_ips.get(ip, 0).is_err() {
                 if let Err(error) = self.pod_ips.insert(ip, before.netns_cookie, BPF_NOEXIST) {
-                    warn!(netns_cookie, %error, "restoring the pod's previous address");
+                    warn!(
+                        netns_cookie,
+                        error = chain(&error),
+                        "restoring the pod's previous address"
+                    );
                 }
             }
         }
@@ -511,10 +551,13 @@ fn retrying_enomem(
 
 fn pod_config(pod: &Workload, handoff: bool) -> Result<PodConfig> {
     if pod.uid.is_empty() || pod.uid.len() > POD_UID_LEN {
-        bail!("pod uid {:?} must be 1 to {POD_UID_LEN} bytes", pod.uid);
+        return Err(Unenrollable::InvalidUid(pod.uid.clone()).into());
     }
     if pod.ips.is_empty() {
-        bail!("pod {} has no IP", pod.uid);
+        return Err(Unenrollable::NoIp {
+            uid: pod.uid.clone(),
+        }
+        .into());
     }
     let mut config = PodConfig {
         flags: 0,

@@ -22,8 +22,9 @@ use netlink_sys::Socket;
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
-use super::{Command, EnrollNetns, Owner};
+use super::{Command, EnrollNetns, Owner, Traced};
 use crate::{
+    logging::pod_span,
     netlink::{self, Rtnl},
     workload::Workload,
 };
@@ -94,7 +95,7 @@ impl Interfaces {
 impl Watcher {
     /// Subscribes (the calling thread is in the node's netns) and reports changes to `owner`'s
     /// command queue from now on.
-    pub(super) fn start(owner: mpsc::Sender<Command>, alive: Arc<AtomicBool>) -> Result<Self> {
+    pub(super) fn start(owner: mpsc::Sender<Traced>, alive: Arc<AtomicBool>) -> Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("weir-pod-watch")
@@ -128,7 +129,7 @@ const MAX_RECEIVE_ERRORS: u32 = 10;
 /// Wakes the owner once per burst of changes per pod, until the owner is gone.
 async fn report_changes(
     socket: Socket,
-    owner: &mpsc::Sender<Command>,
+    owner: &mpsc::Sender<Traced>,
     followed: &Followed,
 ) -> io::Result<()> {
     // SAFETY: the socket owns its fd, open and the same until it is dropped with the AsyncFd.
@@ -180,7 +181,10 @@ async fn report_changes(
         };
         for (uid, netns_cookie) in pods {
             if owner
-                .send(Command::InterfacesChanged { uid, netns_cookie })
+                .send((
+                    tracing::Span::none(),
+                    Command::InterfacesChanged { uid, netns_cookie },
+                ))
                 .is_err()
             {
                 return Ok(());
@@ -271,11 +275,11 @@ impl Owner {
             return;
         }
         let workload = watch.workload.clone();
-        debug!(uid, "pod interfaces changed");
+        let _pod = pod_span(&workload.namespace, &workload.name, uid).entered();
+        debug!("pod interfaces changed");
         // A failed attempt leaves the pod as it was enrolled; the next change tries again.
         if let Err(error) = self.enroll(&workload, EnrollNetns::Held) {
             warn!(
-                uid,
                 error = format!("{error:#}"),
                 "re-enrolling after an interface change"
             );

@@ -18,6 +18,7 @@ use super::proto::{
 };
 use super::seqpacket::{Datagram, SeqpacketConnection, MAX_DATAGRAM};
 use super::{message_name, Metrics, Shared, ZdsError, IO_TIMEOUT};
+use crate::logging::pod_span;
 
 pub(super) async fn serve(socket: SeqpacketConnection, shared: Arc<Shared>) {
     match run(&socket, &shared).await {
@@ -72,6 +73,7 @@ async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Resu
 
     for (uid, pod) in snapshot {
         let name = format!("{}/{}", pod.info.namespace, pod.info.name);
+        let span = pod_span(&pod.info.namespace, &pod.info.name, &uid);
         let payload = match &pod.netns {
             Some(_) => Payload::Add(AddWorkload {
                 uid: uid.clone(),
@@ -82,7 +84,7 @@ async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Resu
         let message = message_name(&payload);
         match exchange(socket, &shared.metrics, payload, pod.netns.as_deref()).await {
             Ok(()) => {
-                debug!(conn, uid, pod = name, message, "snapshot entry acked");
+                span.in_scope(|| debug!(conn, message, "snapshot entry acked"));
                 if message == "add" {
                     // No receiver is fine: nobody is waiting for pending pods.
                     let _ = shared.acked.send(uid);
@@ -90,7 +92,7 @@ async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Resu
             }
             // As istio: a refused entry is logged and the snapshot goes on.
             Err(err) if !err.is_fatal() => {
-                warn!(conn, uid, pod = name, message, %err, "snapshot entry refused");
+                span.in_scope(|| warn!(conn, message, %err, "snapshot entry refused"));
             }
             Err(err) => return Err(err).context(format!("snapshot {message} for {uid} ({name})")),
         }

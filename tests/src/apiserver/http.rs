@@ -90,7 +90,11 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
         .into_owned()
         .collect();
     let route = Route::parse(parts.uri.path());
-    let verb = verb(&parts.method, route.as_ref(), &params);
+    let endpoint = Endpoint::of(&parts.method, parts.uri.path());
+    let verb = match endpoint {
+        Some(endpoint) => endpoint.verb().to_owned(),
+        None => verb(&parts.method, route.as_ref(), &params),
+    };
     let body = to_bytes(body, usize::MAX).await;
     store.lock().record(ApiRequest {
         verb: verb.clone(),
@@ -104,6 +108,14 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
             .and_then(|body| serde_json::from_slice(body).ok()),
     });
 
+    match endpoint {
+        Some(Endpoint::Version) => return respond(Ok((StatusCode::OK, version()))),
+        Some(Endpoint::AccessReview) => {
+            let body = body.map_err(|error| ApiError::new(400, "BadRequest", error.to_string()));
+            return respond(body.and_then(|body| review_access(&store, &body)));
+        }
+        None => {}
+    }
     let Some(route) = route else {
         let message = "the server could not find the requested resource";
         return respond(Err(ApiError::new(404, "NotFound", message)));
@@ -172,6 +184,70 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
         )),
     };
     respond(answer)
+}
+
+/// The paths that name no stored object.
+#[derive(Clone, Copy)]
+enum Endpoint {
+    /// `GET /version`, as kube-rs's `Client::apiserver_version` asks.
+    Version,
+    /// `POST` of a SelfSubjectAccessReview: answered, never stored.
+    AccessReview,
+}
+
+impl Endpoint {
+    fn of(method: &Method, path: &str) -> Option<Endpoint> {
+        match (method, path) {
+            (&Method::GET, "/version") => Some(Endpoint::Version),
+            (&Method::POST, "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews") => {
+                Some(Endpoint::AccessReview)
+            }
+            _ => None,
+        }
+    }
+
+    fn verb(self) -> &'static str {
+        match self {
+            Endpoint::Version => "get",
+            Endpoint::AccessReview => "create",
+        }
+    }
+}
+
+/// What a Kubernetes 1.34 API server answers at `/version`.
+fn version() -> Value {
+    json!({
+        "major": "1",
+        "minor": "34",
+        "gitVersion": "v1.34.0",
+        "gitCommit": "f28b4c9efbca5c5c0af716d9f2d5702667ee8a45",
+        "gitTreeState": "clean",
+        "buildDate": "2025-08-27T10:15:35Z",
+        "goVersion": "go1.24.6",
+        "compiler": "gc",
+        "platform": "linux/amd64",
+    })
+}
+
+/// The review sent back with its `status`: allowed, unless [`super::ApiServer::deny`] named its
+/// verb, group and resource (`resource/subresource` for a subresource).
+fn review_access(store: &Shared, body: &[u8]) -> Result<(StatusCode, Value), ApiError> {
+    let mut review: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::new(400, "BadRequest", e.to_string()))?;
+    let attributes = &review["spec"]["resourceAttributes"];
+    let field = |name: &str| attributes[name].as_str().unwrap_or_default().to_owned();
+    let resource = match field("subresource") {
+        subresource if subresource.is_empty() => field("resource"),
+        subresource => format!("{}/{subresource}", field("resource")),
+    };
+    let asked = (field("verb"), field("group"), resource);
+    let allowed = !store.lock().denied.contains(&asked);
+    review["status"] = if allowed {
+        json!({ "allowed": true, "reason": "allowed by the API stand-in" })
+    } else {
+        json!({ "allowed": false, "reason": "denied by the API stand-in" })
+    };
+    Ok((StatusCode::CREATED, review))
 }
 
 /// The request's verb as Kubernetes names it (RBAC, audit logs); the stand-in serves the six

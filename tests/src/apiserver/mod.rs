@@ -30,6 +30,10 @@
 //!   `Conflict`). The object goes at once, as with a grace period of 0.
 //! - On demand, no answer to the LISTs of a kind ([`ApiServer::withhold_lists`]), so a test can
 //!   hold a client before its caches sync.
+//! - `GET /version`, as a Kubernetes 1.34 API server answers it.
+//! - POST of a SelfSubjectAccessReview, answered (never stored) with `status.allowed`: true,
+//!   unless a test took that access away with [`ApiServer::deny`]. Only the reviews are
+//!   authorized so: every request is served whatever they answer.
 //!
 //! Deliberately not: TLS, authentication and authorization, discovery (`/api`, `/apis`), PUT,
 //! JSON patch and server-side apply (415), `resourceVersionMatch` and
@@ -285,6 +289,16 @@ impl ApiServer {
         self.store
             .withheld
             .send_modify(|withheld| withheld.push(resource));
+    }
+
+    /// Makes access reviews (SelfSubjectAccessReview) answer that `verb` on `resource` of API
+    /// `group` (`""` for the core group) is not allowed, as RBAC without that rule would;
+    /// `resource` as RBAC names it, `pods/status` for a subresource. Everything else is allowed.
+    pub fn deny(&self, verb: &str, group: &str, resource: &str) {
+        self.store
+            .lock()
+            .denied
+            .insert((verb.to_owned(), group.to_owned(), resource.to_owned()));
     }
 
     /// Answers the withheld LISTs of `K`, and every later one.

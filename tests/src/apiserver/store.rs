@@ -1,7 +1,7 @@
 //! The stand-in's state: its objects, the one resourceVersion counter they share, the history of
 //! changes that watches resume from, the open watches, and the requests received.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -166,6 +166,8 @@ pub(super) struct Store {
     watchers: Vec<Watcher>,
     requests: Vec<ApiRequest>,
     pub paging: Paging,
+    /// (verb, API group, resource as RBAC names it) that access reviews answer as not allowed.
+    pub denied: BTreeSet<(String, String, String)>,
 }
 
 #[derive(PartialEq, Eq, PartialOrd, Ord)]

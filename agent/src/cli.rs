@@ -1,0 +1,454 @@
+//! `weir-agent`'s command line: its subcommands and flags (each with its environment variable),
+//! turned into the agent's configuration. Defined here, in the library, so that the tests and
+//! [`markdown`] (docs/configuration.md) read the same definition the binary parses.
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::Result;
+use clap::{Arg, ArgAction, Parser, Subcommand, ValueEnum};
+use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
+
+use crate::{
+    app::{AgentConfig, SourceConfig},
+    cluster::{repair::BrokenPodAction, ClusterConfig},
+    datapath::DatapathConfig,
+    inspect,
+    install::ServiceAccount,
+    logging::{LogFormat, BPF_LOG_FILTER, DEFAULT_FILTER},
+    policy::{
+        enablement::{default_selectors, parse_selectors, EnablementSelector},
+        OwnPods, PolicyConfig,
+    },
+};
+
+#[derive(Parser)]
+#[command(
+    name = "weir-agent",
+    version,
+    about = "weir: Istio ambient pod enrollment with eBPF instead of iptables"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub datapath: DatapathArgs,
+    /// How log lines are written to stderr: `plain` text (coloured only on a terminal), or
+    /// `json`, one object per line with the fields of the event and of the pod it concerns
+    /// (`namespace`, `name`, `uid`). The level is set by RUST_LOG.
+    #[arg(
+        long,
+        env = "LOG_FORMAT",
+        value_enum,
+        default_value_t = LogFormat::Plain,
+        global = true
+    )]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(clap::Args)]
+pub struct DatapathArgs {
+    /// bpffs directory for weir's pinned maps and links.
+    #[arg(
+        long,
+        env = "WEIR_PIN_ROOT",
+        default_value = "/sys/fs/bpf/weir",
+        global = true
+    )]
+    pub pin_root: PathBuf,
+    /// cgroup v2 directory to attach the socket programs to (default: the cgroup2 mount root).
+    #[arg(long, env = "WEIR_CGROUP", global = true)]
+    pub cgroup: Option<PathBuf>,
+    /// Do not give node-local TCP to enrolled pods (kubelet probes) the probe source address.
+    #[arg(long, env = "WEIR_NO_PROBE_BYPASS", global = true)]
+    pub no_probe_bypass: bool,
+    /// Log the eBPF programs' decisions (redirects, inbound assignments and drops, original
+    /// destinations, probe sources) at debug level, target `weir_ebpf`. Costs a record per
+    /// decision: for debugging, not for production.
+    #[arg(long, env = "WEIR_BPF_LOG", global = true)]
+    pub bpf_log: bool,
+}
+
+impl DatapathArgs {
+    pub fn config(&self) -> DatapathConfig {
+        DatapathConfig {
+            pin_root: self.pin_root.clone(),
+            cgroup: self.cgroup.clone(),
+            node_netns: None,
+            probe_bypass: !self.no_probe_bypass,
+            bpf_log: self.bpf_log,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// Ambient policy for a node without an API server: namespaces' and pods' labels and
+    /// annotations (JSON, see the README). Re-read on every pod event. Without it the agent
+    /// follows the cluster's API server.
+    #[arg(long, env = "WEIR_POLICY_FILE")]
+    pub policy_file: Option<PathBuf>,
+    /// kubeconfig for the API server (default: the in-cluster service account).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name: the agent follows the pods with this `spec.nodeName`. Required without
+    /// --policy-file.
+    #[arg(long, env = "WEIR_NODE_NAME")]
+    pub node_name: Option<String>,
+    /// This agent's pod (never enrolled; the reporting instance of its Events).
+    #[arg(long, env = "WEIR_POD_NAME")]
+    pub pod_name: Option<String>,
+    /// This agent's namespace, where weir's DaemonSet runs.
+    #[arg(long, env = "WEIR_POD_NAMESPACE", default_value = "istio-system")]
+    pub pod_namespace: String,
+    /// weir's DaemonSet: its pods are never enrolled, and on SIGTERM weir stays on the node
+    /// while it exists and still selects the node (an upgrade).
+    #[arg(long, env = "WEIR_DAEMONSET_NAME", default_value = "weir")]
+    pub daemonset_name: String,
+    /// Time between full reconcile passes over the node's pods, e.g. `60s`, `5m` (a bare number
+    /// is seconds). Changes are acted on as they come; the pass catches whatever was missed and
+    /// retries failed pods.
+    #[arg(long, env = "WEIR_RESYNC_INTERVAL", default_value = "60s", value_parser = interval)]
+    pub resync_interval: Duration,
+    /// What becomes of an ambient pod found running without weir's redirection (it started
+    /// while weir-cni was missing from the chain) when it cannot be enrolled in place: left to
+    /// the retries, deleted (its owner recreates it), or labelled cni.istio.io/uninitialized=true.
+    /// As istio-cni's repair controller (repairPods, deletePods, labelPods); none is istio's default.
+    #[arg(long, env = "WEIR_REPAIR_BROKEN_PODS", value_enum, default_value_t = BrokenPodAction::None)]
+    pub repair_broken_pods: BrokenPodAction,
+    /// Which pods are ambient: a list of {podSelector, namespaceSelector} label selectors, YAML
+    /// or JSON, as istio's AMBIENT_ENABLEMENT_SELECTOR (default: istio's rule on the
+    /// `istio.io/dataplane-mode` labels).
+    #[arg(long, env = "WEIR_AMBIENT_ENABLEMENT_SELECTOR", value_parser = selectors)]
+    pub ambient_enablement_selector: Option<Vec<EnablementSelector>>,
+    /// Namespaces never enrolled.
+    #[arg(
+        long,
+        env = "WEIR_EXCLUDE_NAMESPACES",
+        value_delimiter = ',',
+        default_value = "kube-system"
+    )]
+    pub exclude_namespaces: Vec<String>,
+    /// The Istio system namespace (ztunnel's own pods are never enrolled).
+    #[arg(long, env = "WEIR_SYSTEM_NAMESPACE", default_value = "istio-system")]
+    pub system_namespace: String,
+    /// Node default for DNS capture (`ambient.istio.io/dns-capture` overrides it per pod).
+    #[arg(long, env = "WEIR_DNS_CAPTURE", default_value_t = true, action = ArgAction::Set)]
+    pub dns_capture: bool,
+    /// Unix socket the CNI plugin talks to.
+    #[arg(long, env = "WEIR_CNI_SOCKET", default_value = DEFAULT_AGENT_SOCKET)]
+    pub cni_socket: PathBuf,
+    /// Where the plugin finds the last known ambient verdicts while the agent and the API server
+    /// are both away.
+    #[arg(long, env = "WEIR_VERDICT_CACHE", default_value = DEFAULT_VERDICT_CACHE)]
+    pub verdict_cache: PathBuf,
+    #[command(flatten)]
+    pub state: StateFileArg,
+    /// ZDS socket ztunnel connects to.
+    #[arg(
+        long,
+        env = "WEIR_ZDS_SOCKET",
+        default_value = "/var/run/ztunnel/ztunnel.sock"
+    )]
+    pub zds_socket: PathBuf,
+    #[command(flatten)]
+    pub cni_dirs: CniDirs,
+    /// The weir-cni binary to install (default: next to this executable).
+    #[arg(long, env = "WEIR_CNI_PLUGIN")]
+    pub cni_plugin: Option<PathBuf>,
+    /// Log file for the plugin on the host (default: its stderr, which the runtime logs).
+    #[arg(long, env = "WEIR_CNI_PLUGIN_LOG")]
+    pub cni_plugin_log: Option<PathBuf>,
+    /// Address for /healthz and /readyz.
+    #[arg(long, env = "WEIR_HEALTH_ADDR", default_value = "0.0.0.0:8000")]
+    pub health_addr: SocketAddr,
+    /// Address for /metrics.
+    #[arg(long, env = "WEIR_METRICS_ADDR", default_value = "0.0.0.0:15014")]
+    pub metrics_addr: SocketAddr,
+    /// On exit, remove weir from the node (plugin, config entry, datapath) instead of leaving it
+    /// in place for the next agent (an upgrade or restart).
+    #[arg(long, env = "WEIR_UNINSTALL_ON_EXIT")]
+    pub uninstall_on_exit: bool,
+    /// How often to look for enrolled pods whose DEL never came (no process and no mount holds
+    /// their netns any more) and unenroll them, e.g. `60s`, `5m` (a bare number is seconds).
+    #[arg(long, env = "WEIR_ORPHAN_SWEEP_INTERVAL", default_value = "60s", value_parser = interval)]
+    pub orphan_sweep_interval: Duration,
+}
+
+/// The agent's state file: `run` keeps it, `pods` reads it.
+#[derive(clap::Args)]
+pub struct StateFileArg {
+    /// Where the agent remembers enrolled pods for its next start (tmpfs: gone at reboot, as the
+    /// pods are).
+    #[arg(
+        long,
+        env = "WEIR_STATE_FILE",
+        default_value = "/var/run/weir/pods.json"
+    )]
+    pub state_file: PathBuf,
+}
+
+#[derive(clap::Args)]
+pub struct PodsArgs {
+    #[command(flatten)]
+    pub state: StateFileArg,
+    /// How the pods are printed.
+    #[arg(long, value_enum, default_value_t = Output::Text)]
+    pub output: Output,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum Output {
+    /// A table, one line per pod.
+    Text,
+    /// One JSON array of objects (fields below).
+    Json,
+}
+
+/// Where the node's CNI plugins and configuration live.
+#[derive(clap::Args)]
+pub struct CniDirs {
+    /// Host CNI binary directory.
+    #[arg(long, env = "WEIR_CNI_BIN_DIR", default_value = "/opt/cni/bin")]
+    pub cni_bin_dir: PathBuf,
+    /// Host CNI network configuration directory.
+    #[arg(long, env = "WEIR_CNI_NET_DIR", default_value = "/etc/cni/net.d")]
+    pub cni_net_dir: PathBuf,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Run the node agent until SIGTERM/SIGINT.
+    Run(Box<RunArgs>),
+    /// Remove weir from this node: weir-cni from the CNI config and bin dir, then the datapath
+    /// (every pod unenrolled, programs detached, pins removed).
+    Uninstall(CniDirs),
+    /// List the pods weir holds on this node, from the pinned maps (--pin-root) and the agent's
+    /// state file, sorted by namespace/name. Read-only: a running agent is not disturbed. Pods in
+    /// the maps without a record show with an unknown name; records with no map entry are
+    /// orphans (enrolled as far as the agent knows, but not redirected).
+    #[command(after_long_help = inspect::JSON_FIELDS)]
+    Pods(PodsArgs),
+    /// Check this node, and the cluster when given --node-name, for everything weir needs: one
+    /// line per requirement, `✓` with what was found, or `✗` with what was found and what to do.
+    /// Takes `run`'s flags: a `run` command line with `check` instead checks what that agent
+    /// needs (the agent itself runs the same checks at start). Exits with 1 when a requirement
+    /// is not met. Changes nothing.
+    Check(Box<RunArgs>),
+}
+
+impl RunArgs {
+    /// The agent's configuration from these flags and the datapath's.
+    pub fn config(self, datapath: DatapathConfig) -> Result<AgentConfig> {
+        // The plugin gets the agent's own credentials, as istio-cni's does: in a pod that
+        // follows the cluster with its service account.
+        let in_pod = self.policy_file.is_none() && self.kubeconfig.is_none();
+        let service_account = in_pod.then(ServiceAccount::in_cluster).flatten();
+        let source = match (self.policy_file, self.node_name) {
+            (Some(file), _) => SourceConfig::File(file),
+            (None, Some(node_name)) => SourceConfig::Cluster(ClusterConfig {
+                kubeconfig: self.kubeconfig,
+                node_name,
+                resync_interval: self.resync_interval,
+                broken_pods: self.repair_broken_pods,
+            }),
+            (None, None) => anyhow::bail!(
+                "--node-name (WEIR_NODE_NAME) is required without --policy-file: \
+                 the agent follows this node's pods"
+            ),
+        };
+        Ok(AgentConfig {
+            datapath,
+            policy: PolicyConfig {
+                exclude_namespaces: self.exclude_namespaces,
+                system_namespace: self.system_namespace,
+                dns_capture: self.dns_capture,
+                enablement: self
+                    .ambient_enablement_selector
+                    .unwrap_or_else(default_selectors),
+                own: OwnPods {
+                    namespace: self.pod_namespace,
+                    daemonset: self.daemonset_name,
+                    pod_name: self.pod_name,
+                },
+            },
+            source,
+            cni_socket: self.cni_socket,
+            verdict_cache: self.verdict_cache,
+            state_file: self.state.state_file,
+            zds_socket: self.zds_socket,
+            cni_bin_dir: self.cni_dirs.cni_bin_dir,
+            cni_net_dir: self.cni_dirs.cni_net_dir,
+            cni_plugin: match self.cni_plugin {
+                Some(path) => path,
+                None => std::env::current_exe()?.with_file_name("weir-cni"),
+            },
+            cni_plugin_log: self.cni_plugin_log,
+            service_account,
+            health_addr: self.health_addr,
+            metrics_addr: self.metrics_addr,
+            uninstall_on_exit: self.uninstall_on_exit,
+            orphan_sweep_interval: self.orphan_sweep_interval,
+        })
+    }
+}
+
+fn selectors(text: &str) -> Result<Vec<EnablementSelector>, String> {
+    parse_selectors(text).map_err(|error| format!("{error:#}"))
+}
+
+/// The one syntax of every interval flag: a humantime period (`60s`, `1m`, `500ms`), or a bare
+/// number of seconds. Zero is refused: it would be a busy loop.
+pub fn interval(text: &str) -> Result<Duration, String> {
+    let period = match text.parse::<u64>() {
+        Ok(seconds) => Duration::from_secs(seconds),
+        Err(_) => humantime::parse_duration(text).map_err(|error| error.to_string())?,
+    };
+    if period.is_zero() {
+        return Err("must be longer than zero".into());
+    }
+    Ok(period)
+}
+
+/// docs/configuration.md: every subcommand and flag of [`Cli`], with its environment variable,
+/// default and help, and the logging settings.
+pub fn markdown() -> String {
+    use clap::CommandFactory;
+    let mut command = Cli::command();
+    command.build();
+    let mut out = format!(
+        "# Configuration\n\n\
+         <!-- Generated from weir-agent's flag definitions (agent/src/cli.rs) by \
+         `weir_agent::cli::markdown()`. Do not edit: change the flags, then run \
+         `WEIR_BLESS=1 cargo test -p weir-tests --test configuration`. -->\n\n\
+         `weir-agent` takes every setting as a flag or from the flag's environment variable; a \
+         flag given on the command line wins over its variable. Interval flags take a period \
+         such as `500ms`, `60s` or `5m`; a bare number is seconds.\n\n\
+         ## Logs\n\n\
+         Log lines go to stderr.\n\n\
+         - `RUST_LOG` sets which lines are written, as a \
+         [tracing `EnvFilter`](https://docs.rs/tracing-subscriber/latest/tracing_subscriber/filter/struct.EnvFilter.html) \
+         (default `{DEFAULT_FILTER}`); `--bpf-log` adds `{BPF_LOG_FILTER}`.\n\
+         - `LOG_FORMAT` (or `--log-format`) sets their form: `plain` text, coloured only when \
+         stderr is a terminal, or `json`, one object per line with `timestamp`, `level`, \
+         `target`, `message` and the line's fields. A line about a pod carries the pod's \
+         `namespace`, `name` and `uid`; an error carries its whole chain of causes \
+         (`binding 0.0.0.0:8000: Address already in use (os error 98)`).\n",
+    );
+    out += "\n## Global flags\n\nGiven before or after the subcommand.\n\n";
+    out += &flag_table(command.get_arguments().filter(|arg| arg.is_global_set()));
+    for subcommand in command.get_subcommands() {
+        let name = subcommand.get_name();
+        if name == "help" {
+            continue;
+        }
+        out += &format!("\n## `weir-agent {name}`\n\n");
+        if let Some(about) = subcommand
+            .get_long_about()
+            .or_else(|| subcommand.get_about())
+        {
+            out += &format!("{}\n\n", sentence(&about.to_string()));
+        }
+        let own = subcommand
+            .get_arguments()
+            .filter(|arg| !arg.is_global_set() && !is_builtin(arg));
+        out += &flag_table(own);
+        if let Some(after) = subcommand.get_after_long_help() {
+            out += &format!("\n```text\n{after}\n```\n");
+        }
+    }
+    out
+}
+
+/// `--help` and `--version`: clap's own.
+fn is_builtin(arg: &Arg) -> bool {
+    matches!(
+        arg.get_action(),
+        ArgAction::Help | ArgAction::HelpLong | ArgAction::Version
+    )
+}
+
+/// One row per flag: flag and value, environment variable, default, help (with the values it
+/// accepts, where they are a list).
+fn flag_table<'a>(args: impl Iterator<Item = &'a Arg>) -> String {
+    let mut table =
+        String::from("| Flag | Environment | Default | Description |\n| --- | --- | --- | --- |\n");
+    for arg in args {
+        let long = arg.get_long().expect("every flag has a long name");
+        let flag = match (arg.get_action().takes_values(), arg.get_value_names()) {
+            (true, Some([value, ..])) => format!("`--{long} <{value}>`"),
+            _ => format!("`--{long}`"),
+        };
+        let env = arg
+            .get_env()
+            .map_or_else(String::new, |env| format!("`{}`", env.to_string_lossy()));
+        let defaults: Vec<String> = arg
+            .get_default_values()
+            .iter()
+            .map(|value| value.to_string_lossy().into_owned())
+            .collect();
+        let default = match defaults.join(",") {
+            joined if joined.is_empty() => String::new(),
+            joined => format!("`{joined}`"),
+        };
+        let help = arg
+            .get_long_help()
+            .or_else(|| arg.get_help())
+            .map_or_else(String::new, |help| sentence(&help.to_string()));
+        let mut description = cell(&help);
+        // A switch's values are true and false: nothing to list.
+        if arg.get_action().takes_values() && !is_bool(arg) {
+            for value in arg.get_possible_values() {
+                let meaning = value
+                    .get_help()
+                    .map_or_else(String::new, |help| sentence(&help.to_string()));
+                description += &format!("<br>`{}`: {}", value.get_name(), cell(&meaning));
+            }
+        }
+        table += &format!("| {flag} | {env} | {default} | {description} |\n");
+    }
+    table
+}
+
+/// A flag whose value is true or false (`--dns-capture false`).
+fn is_bool(arg: &Arg) -> bool {
+    let values = arg.get_possible_values();
+    let names: Vec<&str> = values.iter().map(|value| value.get_name()).collect();
+    names == ["true", "false"]
+}
+
+/// Help text ended as a sentence: clap drops the full stop of a one-paragraph help.
+fn sentence(text: &str) -> String {
+    match text.trim_end() {
+        text if text.is_empty() || text.ends_with(['.', '!', '?']) => text.to_owned(),
+        text => format!("{text}."),
+    }
+}
+
+/// Text fit for one table cell: one line, pipes escaped.
+fn cell(text: &str) -> String {
+    text.split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+        .replace('|', "\\|")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intervals_are_humantime_or_bare_seconds() {
+        assert_eq!(interval("60"), Ok(Duration::from_secs(60)));
+        assert_eq!(interval("60s"), Ok(Duration::from_secs(60)));
+        assert_eq!(interval("1m"), Ok(Duration::from_secs(60)));
+        assert_eq!(interval("500ms"), Ok(Duration::from_millis(500)));
+        assert!(interval("0").is_err());
+        assert!(interval("0s").is_err());
+        assert!(interval("soon").is_err());
+    }
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}
