@@ -37,6 +37,21 @@ fn weir_agent(args: &[&str], env: &[(&str, &str)], dir: &Path) -> (Output, Strin
     (output, std::fs::read_to_string(stderr_path).unwrap())
 }
 
+/// `weir-agent [global_args…] pods` with its pin root and state file in `dir`, as [`weir_agent`]
+/// runs it.
+fn weir_agent_pods(dir: &Path, global_args: &[&str], env: &[(&str, &str)]) -> (Output, String) {
+    let state_file = dir.join("pods.json");
+    let mut args = global_args.to_vec();
+    args.extend([
+        "pods",
+        "--pin-root",
+        dir.to_str().unwrap(),
+        "--state-file",
+        state_file.to_str().unwrap(),
+    ]);
+    weir_agent(&args, env, dir)
+}
+
 /// Every line of `text` as a JSON object; panics on a line that is not one.
 fn json_lines(text: &str) -> Vec<Value> {
     text.lines()
@@ -54,18 +69,7 @@ fn json_lines_are_one_object_each_and_an_error_carries_its_causes() {
     let dir = tempfile::tempdir().unwrap();
     let maps = dir.path().join(format!("abi-{}", weir_common::ABI_VERSION));
     std::fs::create_dir(&maps).unwrap();
-    let pin_root = dir.path().to_str().unwrap();
-    let state_file = dir.path().join("pods.json");
-    let args = [
-        "--log-format",
-        "json",
-        "pods",
-        "--pin-root",
-        pin_root,
-        "--state-file",
-        state_file.to_str().unwrap(),
-    ];
-    let (output, stderr) = weir_agent(&args, &[], dir.path());
+    let (output, stderr) = weir_agent_pods(dir.path(), &["--log-format", "json"], &[]);
     assert!(!output.status.success(), "{stderr}");
     let lines = json_lines(&stderr);
     let error = lines
@@ -88,15 +92,7 @@ fn json_lines_are_one_object_each_and_an_error_carries_its_causes() {
 fn log_format_is_read_from_the_environment() {
     let dir = tempfile::tempdir().unwrap();
     let pin_root = dir.path().to_str().unwrap();
-    let state_file = dir.path().join("pods.json");
-    let args = [
-        "pods",
-        "--pin-root",
-        pin_root,
-        "--state-file",
-        state_file.to_str().unwrap(),
-    ];
-    let (output, stderr) = weir_agent(&args, &[("LOG_FORMAT", "json")], dir.path());
+    let (output, stderr) = weir_agent_pods(dir.path(), &[], &[("LOG_FORMAT", "json")]);
     assert!(output.status.success(), "{stderr}");
     let lines = json_lines(&stderr);
     let warning = lines
@@ -114,16 +110,7 @@ fn log_format_is_read_from_the_environment() {
 #[test]
 fn plain_lines_written_to_a_file_have_no_colour_codes() {
     let dir = tempfile::tempdir().unwrap();
-    let pin_root = dir.path().to_str().unwrap();
-    let state_file = dir.path().join("pods.json");
-    let args = [
-        "pods",
-        "--pin-root",
-        pin_root,
-        "--state-file",
-        state_file.to_str().unwrap(),
-    ];
-    let (output, stderr) = weir_agent(&args, &[], dir.path());
+    let (output, stderr) = weir_agent_pods(dir.path(), &[], &[]);
     assert!(output.status.success(), "{stderr}");
     assert!(stderr.contains("no weir maps pinned there"), "{stderr}");
     assert!(
