@@ -35,7 +35,7 @@ pub fn run(quick: bool, args: &[String]) -> Result<()> {
 pub fn run_built(quick: bool, args: &[String]) -> Result<()> {
     let root = crate::workspace_root();
     let profile_dir = if quick { "debug" } else { "release" };
-    let mut bench = system::as_root(root.join("target").join(profile_dir).join("weir-bench"));
+    let mut bench = system::as_root(crate::target_dir()?.join(profile_dir).join("weir-bench"));
     // The quick run's figures mean nothing: they never replace a real run's.
     let out = if quick {
         "target/bench/quick"
@@ -46,5 +46,5 @@ pub fn run_built(quick: bool, args: &[String]) -> Result<()> {
     if quick {
         bench.arg("--quick");
     }
-    system::run(bench.args(args))
+    system::run_supervised(bench.args(args))
 }

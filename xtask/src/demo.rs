@@ -4,6 +4,10 @@ use anyhow::Result;
 
 use crate::{ebpf, step, sweep, system};
 
+/// What a throwaway node runs: the CNI plugins that wire its pods (loopback, bridge, host-local),
+/// `ip`, and bpftool, which shows what the datapath holds.
+pub const NODE_PACKAGES: &[&str] = &["containernetworking-plugins", "iproute2", "bpftool"];
+
 /// Builds the eBPF object and every binary of the workspace (weir-agent, weir-cni, the demo).
 pub fn build_binaries() -> Result<()> {
     let object = ebpf::build(false)?;
@@ -17,9 +21,11 @@ pub fn build_binaries() -> Result<()> {
 }
 
 pub fn run() -> Result<()> {
+    step("checking the system packages the demo node uses");
+    system::ensure_packages(NODE_PACKAGES, "the demo cannot wire its pods")?;
     build_binaries()?;
-    let demo = crate::workspace_root().join("target/debug/weir-demo");
-    let result = system::run(&mut system::as_root(demo));
+    let demo = crate::target_dir()?.join("debug/weir-demo");
+    let result = system::run_supervised(&mut system::as_root(demo));
     // The demo cleans up after itself; this catches what a killed run left.
     let swept = sweep::run_privileged();
     result.and(swept)

@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod ebpf;
+mod image;
 mod run;
 mod sweep;
 mod system;
@@ -33,8 +34,9 @@ enum Command {
         #[arg(long)]
         debug: bool,
     },
-    /// Run every test: eBPF build, fmt, clippy and `cargo test --workspace` (needs root), then
-    /// the kernel-facing tests on Debian's 5.10, 6.1 and 6.12 kernels (`test-kernels`).
+    /// Run every test: eBPF build, fmt, clippy, the image and `cargo test --workspace` (needs
+    /// root), then the kernel-facing tests on Debian's 5.10, 6.1 and 6.12 kernels
+    /// (`test-kernels`).
     Test {
         /// Only this machine's kernel: skip the other kernels' VMs (a quick local run).
         #[arg(long)]
@@ -79,6 +81,10 @@ enum Command {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Build weir's container image from the release binaries, with no base image and no
+    /// container engine, into target/image/weir-agent.tar: one archive for `docker load`,
+    /// `podman load` and `ctr images import`.
+    Image,
     /// Measure weir's datapath against istio's iptables rules, side by side; writes
     /// target/bench/{bench.md,bench.json,scale.svg}.
     Bench {
@@ -111,6 +117,7 @@ fn main() -> ExitCode {
         }
         Command::Demo => demo::run(),
         Command::Run { dir, args } => run::run(&dir, &args),
+        Command::Image => image::run(),
         Command::Bench { quick, args } => bench::run(quick, &args),
         Command::Sweep => sweep::run(),
     };
@@ -129,6 +136,26 @@ pub fn workspace_root() -> PathBuf {
         .parent()
         .expect("xtask lives inside the workspace")
         .to_path_buf()
+}
+
+/// Where cargo puts what it builds (`CARGO_TARGET_DIR`, a `build.target-dir` setting, or the
+/// workspace's `target/`), as `cargo metadata` reports it.
+pub fn target_dir() -> anyhow::Result<PathBuf> {
+    use anyhow::Context;
+    let out = system::cargo()
+        .current_dir(workspace_root())
+        .args(["metadata", "--format-version", "1", "--no-deps"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("cannot run cargo metadata")?;
+    if !out.status.success() {
+        anyhow::bail!("cargo metadata failed: {}", out.status);
+    }
+    let metadata: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    metadata["target_directory"]
+        .as_str()
+        .map(PathBuf::from)
+        .context("cargo metadata names no target directory")
 }
 
 /// Announce a step.

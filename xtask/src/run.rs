@@ -1,7 +1,8 @@
 //! `cargo xtask run`: weir-agent as a local node agent on this machine, for developing against a
 //! real kernel without a cluster. Its CNI directories, sockets and policy file live in a
 //! directory of your choice; the datapath attaches to this machine's root cgroup (it acts only
-//! on pods the policy makes ambient) and is removed again on Ctrl-C.
+//! on pods the policy makes ambient) and is removed again when the agent is stopped: Ctrl-C, or
+//! SIGTERM or SIGHUP to xtask, which passes them on.
 
 use std::path::Path;
 
@@ -25,7 +26,7 @@ pub fn run(dir: &Path, agent_args: &[String]) -> Result<()> {
          edit policy.json to make namespaces ambient; Ctrl-C stops and uninstalls)",
         dir.display()
     ));
-    let agent = crate::workspace_root().join("target/debug/weir-agent");
+    let agent = crate::target_dir()?.join("debug/weir-agent");
     let path = |name: &str| dir.join(name).into_os_string();
     let mut command = system::as_root(agent);
     command
@@ -58,5 +59,5 @@ pub fn run(dir: &Path, agent_args: &[String]) -> Result<()> {
             "127.0.0.1:15014",
         ])
         .args(agent_args);
-    system::run(&mut command)
+    system::run_supervised(&mut command)
 }

@@ -2,10 +2,15 @@
 
 use std::env;
 use std::ffi::OsString;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
+use nix::sys::signal::{kill, SigSet, SigmaskHow, Signal};
+use nix::sys::wait::{waitid, Id, WaitPidFlag};
+use nix::unistd::{getpid, getppid, Pid};
 
 use crate::step;
 
@@ -103,6 +108,29 @@ pub fn apt_install(packages: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// Installs the packages among `packages` that are missing when we can (root on Debian);
+/// otherwise says what is missing and that `without` happens.
+pub fn ensure_packages(packages: &[&str], without: &str) -> Result<()> {
+    if !is_debian() {
+        println!(
+            "    not a Debian system: make sure these are installed: {}",
+            packages.join(" ")
+        );
+        return Ok(());
+    }
+    if is_root() {
+        return apt_install(packages);
+    }
+    let missing = missing_packages(packages);
+    if !missing.is_empty() {
+        eprintln!(
+            "warning: missing packages ({without}): sudo apt-get install -y {}",
+            missing.join(" ")
+        );
+    }
+    Ok(())
+}
+
 /// A command for `program` that runs as root: directly when we are root, else under `sudo -E`.
 pub fn as_root(program: impl AsRef<std::ffi::OsStr>) -> Command {
     if is_root() {
@@ -119,6 +147,88 @@ pub fn run(cmd: &mut Command) -> Result<()> {
     let status = cmd
         .status()
         .with_context(|| format!("cannot run {}", describe(cmd)))?;
+    if !status.success() {
+        bail!("{} failed: {status}", describe(cmd));
+    }
+    Ok(())
+}
+
+/// Runs `cmd` (the agent, the demo, the bench: a child that changes the machine until it exits)
+/// to completion, and never leaves it behind. A SIGINT, SIGTERM or SIGHUP to xtask (Ctrl-C, a
+/// supervisor, a closed terminal) reaches it as SIGTERM, its cue to clean up and exit, and xtask
+/// waits until it has. Should xtask die without a chance to pass it on (SIGKILL), the kernel sends
+/// the child SIGTERM (parent-death signal).
+///
+/// Under sudo (not root) the kernel drops the parent-death signal when it executes the set-user-ID
+/// sudo, so only the passed-on signals remain there: sudo relays SIGINT, SIGTERM and SIGHUP to the
+/// command it runs. A SIGKILL of xtask then leaves the command running.
+pub fn run_supervised(cmd: &mut Command) -> Result<()> {
+    let mut stop_signals = SigSet::empty();
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        stop_signals.add(signal);
+    }
+    // Blocked before the forwarding thread exists, so that it inherits the mask and takes them
+    // with sigwait, and no other thread dies of them. The child unblocks them (below): a mask
+    // outlives exec, and one that blocks SIGTERM makes an agent deaf to it.
+    let previous_mask = stop_signals
+        .thread_swap_mask(SigmaskHow::SIG_BLOCK)
+        .context("blocking the stop signals")?;
+    let result = supervise(cmd, stop_signals);
+    previous_mask
+        .thread_set_mask()
+        .context("unblocking the stop signals")?;
+    result
+}
+
+fn supervise(cmd: &mut Command, stop_signals: SigSet) -> Result<()> {
+    let xtask = getpid();
+    // SAFETY: pthread_sigmask, prctl and getppid are async-signal-safe and touch no memory of the
+    // parent. The parent-death signal follows the thread that forks: this one, the main thread,
+    // which lives as long as xtask.
+    unsafe {
+        cmd.pre_exec(move || {
+            stop_signals.thread_unblock()?;
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // xtask died before the prctl: no signal would come.
+            if getppid() != xtask {
+                return Err(std::io::Error::other("xtask exited"));
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot run {}", describe(cmd)))?;
+    let pid = Pid::from_raw(child.id() as i32);
+    // Set once the child is reaped: its pid may then belong to another process.
+    let reaped = Arc::new(Mutex::new(false));
+    let forwarder_reaped = reaped.clone();
+    let name = Path::new(cmd.get_program())
+        .file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned();
+    std::thread::spawn(move || {
+        while let Ok(signal) = stop_signals.wait() {
+            let reaped = forwarder_reaped.lock().unwrap_or_else(|e| e.into_inner());
+            if *reaped {
+                return;
+            }
+            eprintln!("xtask: {signal}: stopping {name} (SIGTERM), waiting for it to exit");
+            let _ = kill(pid, Signal::SIGTERM);
+        }
+    });
+    // Waits without reaping: until `reaped` is set, the pid stays the child's (a zombie), so a
+    // signal passed on in the meantime cannot reach another process.
+    waitid(Id::Pid(pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT)
+        .with_context(|| format!("waiting for {}", describe(cmd)))?;
+    let status = {
+        let mut reaped = reaped.lock().unwrap_or_else(|e| e.into_inner());
+        *reaped = true;
+        child.wait()?
+    };
     if !status.success() {
         bail!("{} failed: {status}", describe(cmd));
     }

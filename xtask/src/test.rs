@@ -9,15 +9,11 @@ use serde_json::Value;
 
 use crate::system::{self, cargo};
 use crate::vm::{self, Kernel, Series, Vm};
-use crate::{bench, ebpf, step, sweep};
+use crate::{bench, demo, ebpf, image, step, sweep};
 
-/// What the privileged tests run: the CNI plugins that wire test pods, `ip`, iptables and bpftool.
-const TEST_PACKAGES: &[&str] = &[
-    "containernetworking-plugins",
-    "iproute2",
-    "iptables",
-    "bpftool",
-];
+/// What the privileged tests run besides a throwaway node's packages: istio's iptables rules, and
+/// containerd, which runs weir's image in the image test.
+const TEST_PACKAGES: &[&str] = &["iptables", "containerd"];
 
 /// The test targets that drive the kernel (program loading and attaching, packet paths, the
 /// kernel's answers to faults): what runs on the other kernels. `kernel_compat` is optional.
@@ -55,9 +51,12 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
 
     step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
     system::run(with_object(cargo(), &object).args(["build", "--workspace", "--bins"]))?;
+    // The image test runs the image as a node would.
+    let image = image::build(&object)?;
 
     let mut test = with_object(cargo(), &object);
-    test.args(["test", "--workspace"]);
+    test.args(["test", "--workspace"])
+        .env(image::ARCHIVE_ENV, &image);
     privileged_test_runner(&mut test)?;
     test.args(test_args);
 
@@ -109,27 +108,12 @@ fn ebpf_on_host() -> Command {
 }
 
 /// Install the test system packages when we can (root on Debian); otherwise say what is missing.
-/// Also the bench's: it wires pods and reads map memory the same way.
+/// Also the bench's: it wires pods, reads map memory and runs istio's rules the same way.
 pub fn ensure_test_packages() -> Result<()> {
-    if !system::is_debian() {
-        println!(
-            "    not a Debian system: make sure these are installed: {}",
-            TEST_PACKAGES.join(" ")
-        );
-        return Ok(());
-    }
-    if system::is_root() {
-        return system::apt_install(TEST_PACKAGES);
-    }
-    let missing = system::missing_packages(TEST_PACKAGES);
-    if !missing.is_empty() {
-        eprintln!(
-            "warning: missing test packages (privileged tests will fail or skip): \
-             sudo apt-get install -y {}",
-            missing.join(" ")
-        );
-    }
-    Ok(())
+    system::ensure_packages(
+        &[demo::NODE_PACKAGES, TEST_PACKAGES].concat(),
+        "the privileged tests will fail or skip",
+    )
 }
 
 /// The privileged tests need root: when we are not, run the test executables (only them; the
