@@ -51,6 +51,7 @@ fn enrolled_app_and_server(fixture: &Fixture) -> (Pod, Pod, EchoServer, ZtunnelS
 fn counters(datapath: &Datapath, pod: &Pod) -> PodCounters {
     datapath
         .counters(pod.uid())
+        .wait()
         .unwrap()
         .expect("pod is enrolled")
 }
@@ -98,7 +99,7 @@ fn outbound_tcp_lands_on_15001_with_the_original_destination() {
         assert!(client.ips().contains(&received.peer.ip()), "{received:?}");
     }
     assert_eq!(counters(&datapath, &client).outbound, 3);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -145,7 +146,7 @@ fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
         .wait_for(|s| s.listener == HBONE_PORT && s.local == hbone, WAIT)
         .is_some());
     assert_eq!(counters(&datapath, &server).inbound, 2);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -197,11 +198,12 @@ fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
             dns_capture: false,
             ..PodOptions::default()
         }))
+        .wait()
         .unwrap();
     let direct = pod.run(|| udp_request(resolver, "query")).unwrap();
     assert_eq!(direct.response, real_resolver.reply_to("query"));
     assert_eq!(direct.from, resolver);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// A pod whose CNI result names one family still has addresses of the other (IPv6 link-local
@@ -220,7 +222,7 @@ fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
         ips: vec![IpAddr::V4(client.ipv4())],
         ..client.workload(PodOptions::default())
     };
-    datapath.enroll(ipv4_only).expect("pod enrolled");
+    datapath.enroll(ipv4_only).wait().expect("pod enrolled");
 
     let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
     let refused = client
@@ -228,7 +230,7 @@ fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
         .expect_err("IPv6 TCP from an IPv4-only ambient pod must not connect");
     assert_eq!(refused.kind(), ErrorKind::PermissionDenied, "{refused}");
     assert!(echo.wait_for(|r| r.line == "around", WAIT).is_none());
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// weir makes the probe source address local on the node (the probes' replies come back to
@@ -264,7 +266,7 @@ fn the_probe_address_is_no_door_to_the_node() {
         );
     }
     assert!(node_listener.wait_for(|r| r.line == "door", WAIT).is_none());
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// HBONE goes to ztunnel's 15008 listener, as istio sends it: an app that holds the port while
@@ -291,7 +293,7 @@ fn hbone_reaches_only_ztunnels_listener() {
     assert!(impostor.wait_for(|r| r.line == "plaintext", WAIT).is_none());
     // Each SYN, retransmissions included.
     assert!(counters(&datapath, &pod).dropped >= 2);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -328,7 +330,7 @@ fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
         ztunnel.seen()
     );
     assert_eq!(counters(&datapath, &pod).outbound, 0);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -366,15 +368,15 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
         .is_some());
     // ...until it is unenrolled; a second unenroll is a no-op.
-    assert!(datapath.unenroll(pod.uid()).unwrap());
-    assert!(!datapath.unenroll(pod.uid()).unwrap());
+    assert!(datapath.unenroll(pod.uid()).wait().unwrap());
+    assert!(!datapath.unenroll(pod.uid()).wait().unwrap());
     let before = ztunnel.seen().len();
     let reply = pod.run(|| tcp_request(target, "direct")).unwrap();
     assert_eq!(reply.response, echo.reply_to("direct"));
     let received = echo.wait_for(|r| r.line == "direct", WAIT).unwrap();
     assert_eq!(received.peer.ip(), IpAddr::V4(pod.ipv4()));
     assert_eq!(ztunnel.seen().len(), before, "{:?}", ztunnel.seen());
-    assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
+    assert_eq!(datapath.counters(pod.uid()).wait().unwrap(), None);
     // Nothing of weir's is left in the pod: no qdisc, the sysctls back to the defaults.
     let in_pod = |command: &[&str]| {
         let mut args = vec!["netns", "exec", pod.netns().name()];
@@ -387,7 +389,7 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
         let value = in_pod(&["cat", &format!("/proc/sys/{sysctl}")]);
         assert_eq!(value.trim(), "0", "{sysctl}");
     }
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -424,7 +426,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
     assert!(ztunnel
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
         .is_some());
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// A pod with CAP_NET_ADMIN may put any address on its interfaces, the API server's among them:
@@ -468,8 +470,8 @@ fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
         IpAddr::V4(fixture.node().gateway_v4()),
         "the node's connection keeps its own source"
     );
-    assert!(datapath.is_redirected(pod.uid()).unwrap());
-    datapath.uninstall().unwrap();
+    assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
+    datapath.uninstall().wait().unwrap();
 }
 
 /// Every pod on the node shares the address index: one pod adding addresses by the hundred
@@ -515,13 +517,13 @@ fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
     thread::sleep(Duration::from_millis(300));
     // The pod's two CNI addresses and at most 16 others.
     assert!(indexed() <= 2 + 16, "{} addresses indexed", indexed());
-    assert!(datapath.is_redirected(pod.uid()).unwrap());
+    assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
     pod.run(|| tcp_request(target, "captured")).unwrap();
     assert!(ztunnel
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
         .is_some());
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -557,7 +559,7 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
         (counted.inbound, counted.bypassed, counted.outbound),
         (0, 1, 1)
     );
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// Hand-made SYNs from another pod, as an attacker with `CAP_NET_RAW` sends them: whatever their
@@ -656,7 +658,7 @@ fn no_packet_shape_reaches_the_pod_around_ztunnel() {
         expected.len() - steered - too_deep,
         "{counted:?}"
     );
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// A pod's link-local address is the pod's too, though no CNI result names it: a neighbour on the
@@ -689,7 +691,7 @@ fn link_local_connections_go_to_ztunnel_too() {
         echo.received()
     );
     assert_eq!(counters(&datapath, &pod).inbound, 1);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// A connection to a port nobody listens on in an ambient pod fails at once, as without the
@@ -726,7 +728,7 @@ fn a_closed_port_in_an_ambient_pod_refuses_at_once() {
             "ztunnel's dial to {target} was refused, not timed out: {why}"
         );
     }
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// What the inbound program must leave alone: large transfers through ztunnel, and fragmented
@@ -762,7 +764,7 @@ fn large_transfers_and_fragmented_udp_are_unaffected() {
         assert_eq!(reply.response, udp.reply_to(&datagram));
     }
     assert_eq!(counters(&datapath, &pod).dropped, 0);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// The getsockopt hook sees every getsockopt on the node: all calls it does not own must come
@@ -785,7 +787,7 @@ fn getsockopt_hook_leaves_other_calls_untouched() {
     let datapath = fixture.enrolled(&pod, PodOptions::default());
     let after = getsockopt_answers(&accepted, &client);
     assert_eq!(before, after);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// An answer larger than a page that weir does not own reaches the caller whole. Kernels from 5.8
@@ -832,7 +834,7 @@ fn getsockopt_answers_larger_than_a_page_are_untouched() {
     );
     let last = u32::from_ne_bytes(answer[answer.len() - 4..].try_into().unwrap());
     assert_eq!(last, GROUPS as u32);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// A TCP request from a socket marked like ztunnel's.
@@ -1068,9 +1070,10 @@ fn failed_enrollment_leaves_nothing_behind() {
     let datapath = fixture.start_datapath();
     datapath
         .enroll(pod.workload(PodOptions::default()))
+        .wait()
         .expect_err("enrollment fails");
-    assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
-    assert!(!datapath.is_redirected(pod.uid()).unwrap());
+    assert_eq!(datapath.counters(pod.uid()).wait().unwrap(), None);
+    assert!(!datapath.is_redirected(pod.uid()).wait().unwrap());
     // `ip netns exec` exits with tc's status: a tc that fails shows nothing, and must not pass.
     let filters = ip_output(&[
         "netns",
@@ -1094,9 +1097,10 @@ fn failed_enrollment_leaves_nothing_behind() {
     lo("up");
     datapath
         .enroll(pod.workload(PodOptions::default()))
+        .wait()
         .unwrap();
-    assert!(datapath.is_redirected(pod.uid()).unwrap());
-    datapath.uninstall().unwrap();
+    assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -1114,11 +1118,12 @@ fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
     };
     datapath
         .enroll(pod.workload(bypass))
+        .wait()
         .expect_err("re-enrollment fails");
     lo("up");
 
-    assert!(datapath.is_redirected(pod.uid()).unwrap());
-    assert!(datapath.audit().unwrap().is_empty());
+    assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
+    assert!(datapath.audit().wait().unwrap().is_empty());
     let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
     pod.run(|| tcp_request(target, "still captured")).unwrap();
     let seen = ztunnel
@@ -1131,7 +1136,7 @@ fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
     assert!(ztunnel
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
         .is_some());
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -1155,21 +1160,24 @@ fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
         echo.reply_to("uncaptured"),
         "capture is lost"
     );
-    assert!(!datapath.is_redirected(pod.uid()).unwrap());
+    assert!(!datapath.is_redirected(pod.uid()).wait().unwrap());
 
-    let found = datapath.audit().unwrap();
+    let found = datapath.audit().wait().unwrap();
     assert!(!found.is_empty());
     assert!(
         found.iter().all(|kind| *kind == "address_missing"),
         "{found:?}"
     );
-    assert!(datapath.is_redirected(pod.uid()).unwrap());
+    assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
     pod.run(|| tcp_request(target, "captured again")).unwrap();
     assert!(ztunnel
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
         .is_some());
-    assert!(datapath.audit().unwrap().is_empty(), "nothing left to find");
-    datapath.uninstall().unwrap();
+    assert!(
+        datapath.audit().wait().unwrap().is_empty(),
+        "nothing left to find"
+    );
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -1185,14 +1193,15 @@ fn the_nodes_own_netns_is_never_enrolled() {
     };
     let error = datapath
         .enroll(node)
+        .wait()
         .expect_err("the node's netns is refused");
     assert!(
         format!("{error:#}").contains("node's own network namespace"),
         "{error:#}"
     );
-    assert_eq!(datapath.counters(pod.uid()).unwrap(), None);
-    assert!(datapath.enrolled().unwrap().is_empty());
-    datapath.uninstall().unwrap();
+    assert_eq!(datapath.counters(pod.uid()).wait().unwrap(), None);
+    assert!(datapath.enrolled().wait().unwrap().is_empty());
+    datapath.uninstall().wait().unwrap();
 }
 
 /// With `--bpf-log` the programs carry their logging code, which the verifier must accept too,
@@ -1228,6 +1237,7 @@ fn bpf_log_reports_the_programs_decisions() {
     let datapath = Datapath::start(config).expect("datapath starts with logging on");
     datapath
         .enroll(server.workload(PodOptions::default()))
+        .wait()
         .expect("pod enrolled");
 
     let wait_for_record = |expected: String| {
@@ -1264,5 +1274,5 @@ fn bpf_log_reports_the_programs_decisions() {
         "to {}:{APP_PORT}: a first fragment no connection owns",
         server.ipv4()
     ));
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }

@@ -40,13 +40,14 @@ impl Node {
     fn find(&self, uid: &str, ips: &[IpAddr], hint: Option<PathBuf>) -> Option<PodNetns> {
         self.datapath
             .find_running_pod(uid, ips, hint)
+            .wait()
             .expect("find_running_pod")
     }
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
-        if let Err(error) = self.datapath.uninstall() {
+        if let Err(error) = self.datapath.uninstall().wait() {
             eprintln!("uninstalling the datapath: {error:#}");
         }
     }

@@ -442,7 +442,7 @@ fn an_unprivileged_app_cannot_take_ztunnels_mark_and_is_captured() {
         .wait_for(|s| s.listener == OUTBOUND_PORT && s.peer == client, WAIT)
         .expect("captured: reached 15001");
     assert_eq!(seen.original_dst, Some(target));
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// Sends `msg` in the SYN (`sendto` with `MSG_FASTOPEN`, no `connect`) and reads the answer;
@@ -538,7 +538,7 @@ fn fast_open_udp_and_v4_mapped_traffic_are_captured_as_istio_captures_them() {
         .filter(|s| s.listener == DNS_PROXY_PORT)
         .count();
     assert_eq!(at_dns_proxy, 2, "only the DNS queries reach the DNS proxy");
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// What an unprivileged process gets from connecting to `socket` (`SOCK_SEQPACKET` for ZDS)
@@ -663,5 +663,5 @@ fn ztunnel_down_running_pods_fail_closed() {
     assert!(inbound.is_err(), "inbound reached the app: {inbound:?}");
     assert_eq!(server_app.received(), []);
     assert_eq!(pod_app.received(), []);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }

@@ -144,6 +144,7 @@ fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() 
     // Re-enrolled with the annotation: as if the pod had opened the connections.
     datapath
         .enroll(host.workload(rerouting(&[vm.interface])))
+        .wait()
         .unwrap();
     for target in destinations {
         let reply = vm
@@ -180,13 +181,14 @@ fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() 
     // Re-enrolled without it again: back to plain routing.
     datapath
         .enroll(host.workload(PodOptions::default()))
+        .wait()
         .unwrap();
     let before = reached_15001(&vm);
     for target in destinations {
         let _ = vm.netns.run(|| tcp_request(target, "direct"));
     }
     assert_eq!(reached_15001(&vm), before);
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 /// Whether the pinned maps index `address` for `pod`, once the datapath has caught up with a
@@ -240,7 +242,7 @@ fn a_vm_cannot_overwrite_another_pods_original_destination() {
     });
 
     assert_eq!(original_destinations.get(&key, 0).ok(), Some(recorded));
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 fn indexed_eventually(node: &TestNode, pod: &Pod, address: IpAddr, indexed: bool) -> bool {
@@ -405,7 +407,7 @@ fn addresses_and_interfaces_added_after_enrollment_are_captured() {
         server.ipv4().into(),
         true
     ));
-    datapath.uninstall().unwrap();
+    datapath.uninstall().wait().unwrap();
 }
 
 #[test]
@@ -418,10 +420,11 @@ fn a_pod_taken_back_after_a_restart_is_followed_for_new_addresses() {
     fixture
         .enrolled(&server, PodOptions::default())
         .shutdown()
+        .wait()
         .unwrap();
     // The restarted agent takes the pod back from the pins and its record.
     let datapath = fixture.start_datapath();
-    let netns = datapath.adopt(server.uid(), Some(workload)).unwrap();
+    let netns = datapath.adopt(server.uid(), Some(workload)).wait().unwrap();
     assert!(netns.is_some(), "the pod's netns is found again");
 
     let [a, b, c, _] = server.ipv4().octets();

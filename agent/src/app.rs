@@ -216,13 +216,13 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     while tasks.join_next().await.is_some() {}
     if config.uninstall_on_exit || !policy.keep_node_on_exit().await {
         installer.uninstall().context("removing the CNI plugin")?;
-        datapath.uninstall()?;
+        datapath.uninstall().await?;
         info!("weir removed from this node");
     } else {
         if let Err(error) = enroller.save_state() {
             warn!("recording the enrolled pods: {error:#}");
         }
-        datapath.shutdown()?;
+        datapath.shutdown().await?;
         info!("stopped; redirection and the plugin stay in place for the next agent");
     }
     Ok(())

@@ -152,7 +152,7 @@ impl Enroller {
             self.recovery_failures.inc();
             warn!("recovery: unreadable pod state, recovered from the maps unnamed: {why}");
         }
-        let enrolled = self.datapath_call(|d| d.enrolled()).await?;
+        let enrolled = self.datapath.enrolled().await?;
         // Known to the state file but not to these maps: enrolled by an agent with another map
         // layout (an upgrade). They are enrolled again, into this one.
         let migrate = self
@@ -171,7 +171,7 @@ impl Enroller {
             .instrument(pod_span(&pod.namespace, &pod.name, &pod.uid))
             .await;
         }
-        if let Err(error) = self.datapath_call(|d| d.retire_other_layouts()).await {
+        if let Err(error) = self.datapath.retire_other_layouts().await {
             warn!("retiring older map layouts: {error:#}");
         }
         // A clean file for the next agent: without the migrated pods and what could not be read.
@@ -184,11 +184,7 @@ impl Enroller {
     /// Takes back one pod the pinned maps still redirect (see [`Self::recover`]).
     async fn recover_pod(&self, uid: &str) {
         let record = self.state.get(uid);
-        let (owned_record, owned_uid) = (record.clone(), uid.to_owned());
-        let netns = match self
-            .datapath_call(move |d| d.adopt(&owned_uid, owned_record))
-            .await
-        {
+        let netns = match self.datapath.adopt(uid, record.clone()).await {
             Ok(netns) => netns,
             Err(error) => {
                 self.recovery_failures.inc();
@@ -293,7 +289,7 @@ impl Enroller {
     }
 
     async fn sweep_orphans_once(&self) -> Result<()> {
-        let candidates = self.datapath_call(|d| d.orphaned(None)).await?;
+        let candidates = self.datapath.orphaned(None).await?;
         if let Some(unsure) = candidates.unsure {
             self.orphans_kept.inc_by(candidates.pods.len() as u64);
             if !candidates.pods.is_empty() {
@@ -333,8 +329,7 @@ impl Enroller {
     /// Whether nothing but weir and ztunnel holds the pod's netns, as far as every holder could
     /// be inspected; a pod that could be held where the agent cannot look counts as kept.
     async fn certainly_orphaned(&self, uid: &str) -> Result<bool> {
-        let owned = uid.to_owned();
-        let orphans = self.datapath_call(move |d| d.orphaned(Some(owned))).await?;
+        let orphans = self.datapath.orphaned(Some(uid.to_owned())).await?;
         let looks_orphaned = !orphans.pods.is_empty();
         if let (true, Some(unsure)) = (looks_orphaned, &orphans.unsure) {
             self.orphans_kept.inc();
@@ -487,9 +482,7 @@ impl Enroller {
         ips: &[IpAddr],
         hint: Option<PathBuf>,
     ) -> Result<Option<PodNetns>> {
-        let (uid, ips) = (uid.to_owned(), ips.to_vec());
-        self.datapath_call(move |d| d.find_running_pod(&uid, &ips, hint))
-            .await
+        self.datapath.find_running_pod(uid, ips, hint).await
     }
 
     /// Runs one step for a pod (keyed by its uid, or whatever names it) once every earlier step
@@ -521,11 +514,8 @@ impl Enroller {
 
     /// Where a pod is enrolled: redirection in place, then ztunnel's Ack, then enabled.
     pub async fn enroll_in(&self, pod: &Workload, netns: EnrollNetns) -> Result<Status> {
-        let owned = pod.clone();
         let started = std::time::Instant::now();
-        let netns = self
-            .datapath_call(move |d| d.enroll_in(owned, netns))
-            .await?;
+        let netns = self.datapath.enroll_in(pod.clone(), netns).await?;
         self.redirect_seconds
             .observe(started.elapsed().as_secs_f64());
         fail::fail_point!("enroll-redirected");
@@ -583,8 +573,7 @@ impl Enroller {
             warn!(%error, "ztunnel Del");
         }
         self.set_status(uid, None).await;
-        let owned = uid.to_owned();
-        let was = self.datapath_call(move |d| d.unenroll(&owned)).await?;
+        let was = self.datapath.unenroll(uid).await?;
         self.state.remove(uid)?;
         if was {
             info!("pod unenrolled");
@@ -607,19 +596,7 @@ impl Enroller {
 
     /// Whether the pod's redirection is in the kernel as enrolled.
     pub async fn is_redirected(&self, uid: &str) -> Result<bool> {
-        let owned = uid.to_owned();
-        self.datapath_call(move |d| d.is_redirected(&owned)).await
-    }
-
-    /// Runs a datapath call off the async workers, in the caller's span (the pod's): the
-    /// datapath answers from its own thread.
-    async fn datapath_call<T: Send + 'static>(
-        &self,
-        call: impl FnOnce(&Datapath) -> Result<T> + Send + 'static,
-    ) -> Result<T> {
-        let datapath = self.datapath.clone();
-        let span = Span::current();
-        tokio::task::spawn_blocking(move || span.in_scope(|| call(&datapath))).await?
+        self.datapath.is_redirected(uid).await
     }
 }
 

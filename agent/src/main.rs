@@ -47,7 +47,7 @@ fn run(cli: Cli) -> Result<()> {
                 service_account: None,
             })
             .uninstall()?;
-            Datapath::start(cli.datapath.config())?.uninstall()
+            Datapath::start(cli.datapath.config())?.uninstall().wait()
         }
         Command::Pods(args) => {
             let pods = inspect::pods(&cli.datapath.pin_root, &args.state.state_file)?;

@@ -179,7 +179,7 @@ pub(crate) fn remove_datapath(pin_root: &Path) {
         probe_bypass: false,
         bpf_log: false,
     };
-    if let Err(error) = Datapath::start(config).and_then(|datapath| datapath.uninstall()) {
+    if let Err(error) = Datapath::start(config).and_then(|datapath| datapath.uninstall().wait()) {
         eprintln!("removing the datapath at {}: {error:#}", pin_root.display());
     }
 }

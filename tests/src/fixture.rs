@@ -58,6 +58,7 @@ impl Fixture {
         let datapath = self.start_datapath();
         datapath
             .enroll(pod.workload(options))
+            .wait()
             .expect("pod enrolled");
         datapath
     }

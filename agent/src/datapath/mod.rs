@@ -30,16 +30,19 @@ pub use snapshot::{pinned_pods, PinnedPod};
 use std::{
     collections::HashMap as StdHashMap,
     fs::{self, File},
+    future::Future,
     net::IpAddr,
     os::{
         fd::{AsFd, OwnedFd},
         unix::fs::PermissionsExt,
     },
     path::{Path, PathBuf},
+    pin::Pin,
     sync::{
         atomic::{AtomicBool, Ordering},
         mpsc, Arc,
     },
+    task::Poll,
     thread,
     time::{Duration, Instant},
 };
@@ -50,6 +53,7 @@ use aya::{
     Ebpf,
 };
 use prometheus_client::registry::Registry;
+use tokio::sync::oneshot;
 use tracing::{info, warn};
 use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION};
 
@@ -87,7 +91,9 @@ impl Default for DatapathConfig {
     }
 }
 
-type Reply<T> = mpsc::SyncSender<Result<T>>;
+/// Where the owner answers a command: a oneshot, so an async caller awaits it on its own task
+/// while the owner, a plain thread, sends without a runtime.
+type Reply<T> = oneshot::Sender<Result<T>>;
 
 /// A command with the span it was given in: the owner thread's log lines about a pod carry the
 /// pod's fields, as the caller's do.
@@ -120,10 +126,11 @@ enum Command {
     },
 }
 
-/// Handle to the datapath owner thread.
+/// Handle to the datapath owner thread. Each call sends the owner a command and returns its
+/// [`Request`]: awaited in async code, [`Request::wait`]ed for on a plain thread.
 pub struct Datapath {
     commands: mpsc::Sender<Traced>,
-    thread: std::sync::Mutex<Option<thread::JoinHandle<()>>>,
+    thread: thread::JoinHandle<()>,
     enroll_steps: pods::EnrollSteps,
     mismatches: audit::Mismatches,
     /// Set while the pods' interface watch runs.
@@ -148,7 +155,13 @@ impl Datapath {
                 move || match Owner::open(&config, changes, steps, counted, watch_alive) {
                     Ok(mut owner) => {
                         let _ = ready_tx.send(Ok(()));
-                        owner.serve(inbox);
+                        let stopped = owner.serve(inbox);
+                        // Answered once the owner is dropped: whoever stopped it may load the
+                        // datapath again, and finds its programs and pins released.
+                        drop(owner);
+                        if let Some((reply, result)) = stopped {
+                            let _ = reply.send(result);
+                        }
                     }
                     Err(error) => {
                         let _ = ready_tx.send(Err(error));
@@ -161,7 +174,7 @@ impl Datapath {
             .map_err(|_| anyhow!("the datapath thread died while starting"))??;
         Ok(Self {
             commands,
-            thread: std::sync::Mutex::new(Some(thread)),
+            thread,
             enroll_steps,
             mismatches,
             watching,
@@ -172,8 +185,7 @@ impl Datapath {
     /// not. Either stopped leaves pods without what the agent promises (changes applied, new
     /// addresses captured), so the agent is then not live.
     pub fn health(&self) -> Result<(), String> {
-        let thread = self.thread.lock().unwrap();
-        if thread.as_ref().is_none_or(|thread| thread.is_finished()) {
+        if self.thread.is_finished() {
             return Err("the datapath thread has stopped".into());
         }
         if !self.watching.load(Ordering::Relaxed) {
@@ -187,41 +199,41 @@ impl Datapath {
         self.mismatches.register(registry);
     }
 
-    fn ask<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T> {
-        let (reply, answer) = mpsc::sync_channel(1);
-        self.commands
-            .send((tracing::Span::current(), command(reply)))
-            .map_err(|_| anyhow!("the datapath thread is gone"))?;
-        answer
-            .recv()
-            .map_err(|_| anyhow!("the datapath thread is gone"))?
+    /// Sends the owner a command, in the caller's span. A command the owner never takes (its
+    /// thread is gone) drops its reply with it, which the request reports.
+    fn ask<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Request<T> {
+        let (reply, answer) = oneshot::channel();
+        let _ = self
+            .commands
+            .send((tracing::Span::current(), command(reply)));
+        Request(answer)
     }
 
     /// Redirects the pod's traffic to ztunnel, in the netns at its path (as the runtime gives
     /// it). Idempotent: enrolling again applies new options. Returns a handle on the pod's netns
     /// (the one the datapath holds), for ztunnel.
-    pub fn enroll(&self, pod: Workload) -> Result<OwnedFd> {
+    pub fn enroll(&self, pod: Workload) -> Request<OwnedFd> {
         self.enroll_in(pod, EnrollNetns::Path)
     }
 
     /// [`Self::enroll`] in the given network namespace. A failed attempt undoes only what it
     /// wrote: a pod enrolled before stays redirected as it was. The node's own netns is refused.
-    pub fn enroll_in(&self, pod: Workload, netns: EnrollNetns) -> Result<OwnedFd> {
+    pub fn enroll_in(&self, pod: Workload, netns: EnrollNetns) -> Request<OwnedFd> {
         self.ask(|reply| Command::Enroll(pod, netns, reply))
     }
 
     /// Removes the pod's redirection; `Ok(false)` when it was not enrolled.
-    pub fn unenroll(&self, uid: &str) -> Result<bool> {
+    pub fn unenroll(&self, uid: &str) -> Request<bool> {
         self.ask(|reply| Command::Unenroll(uid.to_owned(), reply))
     }
 
     /// The pod's counters summed over CPUs, `None` when it is not enrolled.
-    pub fn counters(&self, uid: &str) -> Result<Option<PodCounters>> {
+    pub fn counters(&self, uid: &str) -> Request<Option<PodCounters>> {
         self.ask(|reply| Command::Counters(uid.to_owned(), reply))
     }
 
     /// Whether the pod's redirection is in the kernel as enrolled (its map entries are intact).
-    pub fn is_redirected(&self, uid: &str) -> Result<bool> {
+    pub fn is_redirected(&self, uid: &str) -> Request<bool> {
         self.ask(|reply| Command::IsRedirected(uid.to_owned(), reply))
     }
 
@@ -231,7 +243,7 @@ impl Datapath {
     /// no longer matches, the runtime's named namespaces (/var/run/netns) and every process's
     /// netns under /proc are checked. A match is by netns cookie, which is exact. With a
     /// record the pod's interface changes are followed again, as after its enrollment.
-    pub fn adopt(&self, uid: &str, record: Option<Workload>) -> Result<Option<OwnedFd>> {
+    pub fn adopt(&self, uid: &str, record: Option<Workload>) -> Request<Option<OwnedFd>> {
         self.ask(|reply| Command::Adopt(uid.to_owned(), record, reply))
     }
 
@@ -245,7 +257,7 @@ impl Datapath {
         uid: &str,
         ips: &[IpAddr],
         hint: Option<PathBuf>,
-    ) -> Result<Option<PodNetns>> {
+    ) -> Request<Option<PodNetns>> {
         self.ask(|reply| Command::FindRunningPod {
             uid: uid.to_owned(),
             ips: ips.to_vec(),
@@ -257,7 +269,7 @@ impl Datapath {
     /// After an upgrade across map layouts: removes every pod this datapath now holds from the
     /// other layouts' maps, and each other layout (its maps and links) once no pod is left in it.
     /// Until then its programs keep redirecting the pods only it knows: never a gap.
-    pub fn retire_other_layouts(&self) -> Result<()> {
+    pub fn retire_other_layouts(&self) -> Request<()> {
         self.ask(Command::RetireOtherLayouts)
     }
 
@@ -265,40 +277,67 @@ impl Datapath {
     /// more: no other process has it as its own and no nsfs mount, in any mount namespace, is of
     /// it. Their DEL never came; their traffic cannot either. `unsure` says what could not be
     /// inspected: then none of them is certainly orphaned.
-    pub fn orphaned(&self, only: Option<String>) -> Result<Orphans> {
+    pub fn orphaned(&self, only: Option<String>) -> Request<Orphans> {
         self.ask(|reply| Command::Orphaned(only, reply))
     }
 
     /// Compares the maps with the enrolled pods now (the owner also does every
     /// [`AUDIT_INTERVAL`]): writes back missing entries of enrolled pods, and returns the kind of
     /// each mismatch found (`weir_datapath_mismatches_total`).
-    pub fn audit(&self) -> Result<Vec<&'static str>> {
+    pub fn audit(&self) -> Request<Vec<&'static str>> {
         self.ask(Command::Audit)
     }
 
     /// Uids of the enrolled pods.
-    pub fn enrolled(&self) -> Result<Vec<String>> {
+    pub fn enrolled(&self) -> Request<Vec<String>> {
         self.ask(Command::Enrolled)
     }
 
     /// Stops the owner and leaves the datapath in place: pods stay redirected, and the next
     /// start takes over. This is what an agent restart or upgrade does.
-    pub fn shutdown(&self) -> Result<()> {
+    pub fn shutdown(&self) -> Request<()> {
         self.stop(false)
     }
 
     /// Unenrolls every pod, detaches every program and removes all pins.
-    pub fn uninstall(&self) -> Result<()> {
+    pub fn uninstall(&self) -> Request<()> {
         self.stop(true)
     }
 
-    fn stop(&self, uninstall: bool) -> Result<()> {
-        let result = self.ask(|reply| Command::Stop { uninstall, reply });
-        if let Some(thread) = self.thread.lock().unwrap().take() {
-            let _ = thread.join();
-        }
-        result
+    /// Answered once the owner is gone (see [`Datapath::start`]).
+    fn stop(&self, uninstall: bool) -> Request<()> {
+        self.ask(|reply| Command::Stop { uninstall, reply })
     }
+}
+
+/// A command the owner thread was sent, and its answer to come. `.await` it in async code: the
+/// task waits on the owner's reply itself, no blocking thread in between.
+#[must_use = "the command is sent either way; only its answer is in the request"]
+pub struct Request<T>(oneshot::Receiver<Result<T>>);
+
+impl<T> Request<T> {
+    /// Blocks the calling thread for the answer, for code outside any async runtime.
+    ///
+    /// # Panics
+    ///
+    /// Within an async runtime (blocking one of its threads); `.await` the request there.
+    pub fn wait(self) -> Result<T> {
+        self.0.blocking_recv().map_err(|_| owner_gone())?
+    }
+}
+
+impl<T> Future for Request<T> {
+    type Output = Result<T>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Result<T>> {
+        Pin::new(&mut self.0)
+            .poll(cx)
+            .map(|answer| answer.map_err(|_| owner_gone())?)
+    }
+}
+
+fn owner_gone() -> anyhow::Error {
+    anyhow!("the datapath thread is gone")
 }
 
 /// How often the owner compares the maps with the pods it enrolled.
@@ -446,7 +485,9 @@ impl Owner {
         })
     }
 
-    fn serve(&mut self, inbox: mpsc::Receiver<Traced>) {
+    /// Answers commands until it is stopped: then returns the stop's reply and result, to send
+    /// once the owner is dropped. `None` when every handle is gone.
+    fn serve(&mut self, inbox: mpsc::Receiver<Traced>) -> Option<(Reply<()>, Result<()>)> {
         let mut next_audit = Instant::now() + AUDIT_INTERVAL;
         loop {
             let (span, command) =
@@ -457,7 +498,7 @@ impl Owner {
                         next_audit = Instant::now() + AUDIT_INTERVAL;
                         continue;
                     }
-                    Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return None,
                 };
             let _caller = span.enter();
             match command {
@@ -502,8 +543,7 @@ impl Owner {
                 }
                 Command::Stop { uninstall, reply } => {
                     let result = if uninstall { self.uninstall() } else { Ok(()) };
-                    let _ = reply.send(result);
-                    return;
+                    return Some((reply, result));
                 }
             }
         }
@@ -525,5 +565,47 @@ impl Owner {
             .with_context(|| format!("removing {}", self.pin_root.display()))?;
         info!(pin_root = %self.pin_root.display(), "datapath uninstalled");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request<T>() -> (Reply<T>, Request<T>) {
+        let (reply, answer) = oneshot::channel();
+        (reply, Request(answer))
+    }
+
+    #[test]
+    fn a_plain_thread_answers_both_an_awaiting_task_and_a_waiting_thread() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (reply, awaited) = request();
+        let owner = thread::spawn(move || reply.send(Ok(7)));
+        assert_eq!(runtime.block_on(awaited).unwrap(), 7);
+        owner.join().unwrap().unwrap();
+
+        let (reply, waited) = request();
+        let owner = thread::spawn(move || reply.send(Ok(8)));
+        assert_eq!(waited.wait().unwrap(), 8);
+        owner.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_request_the_owner_never_answers_says_the_thread_is_gone() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (reply, awaited) = request::<()>();
+        drop(reply);
+        let error = runtime.block_on(awaited).unwrap_err();
+        assert_eq!(error.to_string(), "the datapath thread is gone");
+
+        let (reply, waited) = request::<()>();
+        thread::spawn(move || drop(reply)).join().unwrap();
+        let error = waited.wait().unwrap_err();
+        assert_eq!(error.to_string(), "the datapath thread is gone");
     }
 }

@@ -21,11 +21,14 @@ fn main() -> anyhow::Result<()> {
         let answer = match command {
             "enroll" => serde_json::from_str::<Workload>(argument)
                 .map_err(anyhow::Error::from)
-                .and_then(|pod| datapath.enroll(pod))
+                .and_then(|pod| datapath.enroll(pod).wait())
                 .map(|_netns| String::new()),
-            "unenroll" => datapath.unenroll(argument).map(|was| was.to_string()),
+            "unenroll" => datapath
+                .unenroll(argument)
+                .wait()
+                .map(|was| was.to_string()),
             "uninstall" => {
-                datapath.uninstall()?;
+                datapath.uninstall().wait()?;
                 writeln!(out, "ok")?;
                 return Ok(());
             }
@@ -36,5 +39,5 @@ fn main() -> anyhow::Result<()> {
             Err(error) => writeln!(out, "err {error:#}")?,
         }
     }
-    datapath.shutdown()
+    datapath.shutdown().wait()
 }

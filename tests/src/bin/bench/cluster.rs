@@ -110,7 +110,7 @@ fn on_node(
         Ok((memory.0, memory.1, Some(table)))
     })();
     // The agent stops as an upgrade does (its DaemonSet exists), leaving its datapath pinned.
-    let removed = Datapath::start(node.datapath_config()).and_then(|d| d.uninstall());
+    let removed = Datapath::start(node.datapath_config()).and_then(|d| d.uninstall().wait());
     let measured = measured?;
     removed.context("removing the agent's datapath")?;
     Ok(measured)

@@ -187,7 +187,7 @@ fn in_process(plan: &Plan, report: &mut Report) -> Result<()> {
     let mut metrics = Registry::default();
     datapath.register_metrics(&mut metrics);
     let measured = with_datapath(&datapath, &metrics, &node, &plain, app, bulk, plan, report);
-    datapath.uninstall()?;
+    datapath.uninstall().wait()?;
     measured
 }
 
@@ -206,9 +206,13 @@ fn with_datapath(
     let weir_pods = make_pods(node, "w", plan.enroll_pairs)?;
     let iptables_pods = make_pods(node, "i", plan.enroll_pairs)?;
     let floor_pods = make_pods(node, "f", plan.enroll_pairs)?;
-    let (enroll, weir_median) = enrollment(datapath, &weir_pods, &iptables_pods, &floor_pods)?;
+    // The agent's runtime, so the hand-off timed is the agent's: a task awaiting the owner.
+    let runtime = tokio::runtime::Runtime::new()?;
+    let (enroll, weir_median) =
+        enrollment(datapath, &runtime, &weir_pods, &iptables_pods, &floor_pods)?;
     report.push(enroll);
-    report.push(enrollment_steps(metrics, weir_median)?);
+    let handoff = handoff_round_trips(datapath, &runtime)?;
+    report.push(enrollment_steps(metrics, weir_median, &handoff)?);
 
     println!("connection path...");
     report.push(connection_path(
@@ -224,12 +228,13 @@ fn with_datapath(
     Ok(())
 }
 
-/// Enrollment: one pod's redirection put in place, weir's datapath (one long-lived process, as
-/// the agent) against istio's route (`iptables-restore` v4 and v6 plus policy routing in the
-/// pod) and against the kernel floor ([`floor::KernelFloor`]), a pod of each at a time, each
-/// variant going first in turn.
+/// Enrollment: one pod's redirection put in place, weir's datapath (one long-lived process,
+/// awaited on `runtime` as the agent does) against istio's route (`iptables-restore` v4 and v6
+/// plus policy routing in the pod) and against the kernel floor ([`floor::KernelFloor`]), a pod
+/// of each at a time, each variant going first in turn.
 fn enrollment(
     datapath: &Datapath,
+    runtime: &tokio::runtime::Runtime,
     weir_pods: &[Pod],
     iptables_pods: &[Pod],
     floor_pods: &[Pod],
@@ -243,7 +248,9 @@ fn enrollment(
         for turn in 0..3 {
             let variant = (i + turn) % 3;
             times[variant] = match variant {
-                0 => timed(|| datapath.enroll(weir_pod.workload(PodOptions::default())))?,
+                0 => timed(|| {
+                    runtime.block_on(datapath.enroll(weir_pod.workload(PodOptions::default())))
+                })?,
                 1 => timed(|| istio_iptables::apply(iptables_pod.netns()))?,
                 _ => timed(|| kernel_floor.enroll(floor_pod))?,
             };
@@ -257,7 +264,7 @@ fn enrollment(
     }
     let mut unenroll = Samples::new();
     for pod in &weir_pods[1..] {
-        unenroll.push(timed(|| datapath.unenroll(pod.uid()))?);
+        unenroll.push(timed(|| datapath.unenroll(pod.uid()).wait())?);
     }
     let mut table = Table::new(
         "Enrollment: one pod's redirection",
@@ -291,13 +298,13 @@ fn enrollment(
         "-".into(),
     ]);
     table.note(format!(
-        "{} pods each way. weir: `Datapath::enroll` in one long-lived process; kernel floor: the \
-         kernel work of a weir enrollment bare, from the bench's thread (entering the netns, an \
-         rtnetlink socket and the netns cookie, the reply-mark sysctls, the return path, the \
-         clsact qdisc and a cls_bpf filter on eth0), without weir's interface dumps, map \
-         entries, subscription, records and thread hand-off; iptables route: istio-cni's in-pod \
-         `iptables-restore` and `ip6tables-restore` plus its policy routing (`ip rule`/`ip \
-         route`, v4 and v6).",
+        "{} pods each way. weir: `Datapath::enroll` in one long-lived process, awaited on a \
+         tokio runtime as the agent does; kernel floor: the kernel work of a weir enrollment \
+         bare, from the bench's thread (entering the netns, an rtnetlink socket and the netns \
+         cookie, the reply-mark sysctls, the return path, the clsact qdisc and a cls_bpf filter \
+         on eth0), without weir's interface dumps, map entries, subscription, records and \
+         thread hand-off; iptables route: istio-cni's in-pod `iptables-restore` and \
+         `ip6tables-restore` plus its policy routing (`ip rule`/`ip route`, v4 and v6).",
         weir_pods.len()
     ));
     table.json = json!({
@@ -312,10 +319,21 @@ fn enrollment(
     Ok((table, weir.median()))
 }
 
+/// The hand-off alone, [`HANDOFF_ROUND_TRIPS`] times: a command with next to no work (the
+/// enrolled pods' uids) awaited on `runtime`, from the call to the datapath thread taking it and
+/// its answer waking the task.
+fn handoff_round_trips(datapath: &Datapath, runtime: &tokio::runtime::Runtime) -> Result<Samples> {
+    (0..HANDOFF_ROUND_TRIPS)
+        .map(|_| timed(|| runtime.block_on(datapath.enrolled())))
+        .collect()
+}
+
+const HANDOFF_ROUND_TRIPS: usize = 1000;
+
 /// The steps of one enrollment, as the datapath's own `weir_enroll_step_seconds` histograms
-/// timed them over the enrollment section: mean per pod, and what is left of weir's median
-/// (`total`) besides them (the hand-off to the datapath thread and back).
-fn enrollment_steps(metrics: &Registry, total: Duration) -> Result<Table> {
+/// timed them over the enrollment section: mean per pod, what is left of weir's median
+/// (`total`) besides them, and the hand-off timed alone (`handoff`).
+fn enrollment_steps(metrics: &Registry, total: Duration, handoff: &Samples) -> Result<Table> {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, metrics)?;
     let value = |series: &str, step: &str| {
@@ -337,25 +355,35 @@ fn enrollment_steps(metrics: &Registry, total: Duration) -> Result<Table> {
     }
     let stepped: Duration = steps.iter().map(|(_, mean)| *mean).sum();
     let total = total.max(stepped);
-    let rest = [("hand-off to the datapath thread", total - stepped)];
+    let rest = [("rest: weir's median less the steps", total - stepped)];
     let mut json_steps = Vec::new();
     for (step, mean) in steps.into_iter().chain(rest) {
         let share = mean.as_secs_f64() / total.as_secs_f64();
         table.row(&[step.into(), micros(mean), format!("{:.0}%", share * 100.0)]);
         json_steps.push(json!({"step": step, "mean_us": mean.as_secs_f64() * 1e6}));
     }
-    table.note(
-        "Means of the datapath's own step timers over the enrollment section; the hand-off is \
-         weir's median enroll less the steps. netns: opening and entering the pod's netns, its \
+    table.row(&[
+        "hand-off alone: an empty command, median (p99)".into(),
+        handoff.show(),
+        format!(
+            "{:.0}%",
+            handoff.median().as_secs_f64() / total.as_secs_f64() * 100.0
+        ),
+    ]);
+    table.note(format!(
+        "Means of the datapath's own step timers over the enrollment section; the rest is weir's \
+         median enroll less the steps (the hand-off and what no step times). The hand-off alone: \
+         {HANDOFF_ROUND_TRIPS} commands that do next to nothing (the enrolled uids), each \
+         awaited on a tokio runtime as the agent does: the command reaching the datapath thread \
+         and its answer waking the task. netns: opening and entering the pod's netns, its \
          rtnetlink socket, cookie and change subscription; interfaces: one link and one address \
          dump; sysctls: tcp_fwmark_accept and fwmark_reflect per family (kernel path walks in \
          /proc/sys); maps: counters, config and address entries; routing: the return path's \
          rules and routes, one round trip; tc: the clsact qdisc and cls_bpf filter per interface, \
          one round trip (a qdisc made on an interface that is up waits out an expedited RCU grace \
          period); finish: following the pod, recording it, leaving its netns."
-            .into(),
-    );
-    table.json = json!({ "steps": json_steps });
+    ));
+    table.json = json!({ "steps": json_steps, "handoff": handoff.json() });
     Ok(table)
 }
 
@@ -469,11 +497,13 @@ fn bulk_download(
     let pod = node.add_pod("bulk")?;
     let rounds = alternating_rounds(2, plan.rounds, |enrolled| {
         if enrolled == 0 {
-            datapath.enroll(pod.workload(PodOptions::default()))?;
+            datapath
+                .enroll(pod.workload(PodOptions::default()))
+                .wait()?;
         }
         let rate = pod.run(|| load::download(source)).context("download");
         if enrolled == 0 {
-            datapath.unenroll(pod.uid())?;
+            datapath.unenroll(pod.uid()).wait()?;
         }
         rate
     })?;
@@ -523,7 +553,7 @@ fn cost_to_others(
         }
         let datapath = Datapath::start(config.clone())?;
         let rates = measure();
-        datapath.uninstall()?;
+        datapath.uninstall().wait()?;
         rates
     })?;
     let mut table = Table::new(

@@ -50,7 +50,7 @@ pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
     })?;
     let measured = with_agent(&files, &node, plan, report);
     // The agent stops as an upgrade does, leaving its datapath pinned: removed here.
-    let datapath = Datapath::start(node.datapath_config()).and_then(|d| d.uninstall());
+    let datapath = Datapath::start(node.datapath_config()).and_then(|d| d.uninstall().wait());
     measured?;
     datapath.context("removing the agent's datapath")
 }
