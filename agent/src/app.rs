@@ -19,9 +19,11 @@ use crate::{
     enroll::Enroller,
     http,
     install::{InstallConfig, InstallStatus, Installer, ServiceAccount},
+    pod_metrics::PodMetrics,
     policy::{
         cluster::ClusterSource, local::LocalSource, PodName, PolicyConfig, PolicySource, Warning,
     },
+    trace,
     zds::{self, ZdsConfig},
 };
 
@@ -38,6 +40,8 @@ pub struct AgentConfig {
     pub verdict_cache: PathBuf,
     /// Enrolled pods' names and netns paths, for the next agent after a restart.
     pub state_file: PathBuf,
+    /// Where `weir-agent trace` reads decisions.
+    pub trace_socket: PathBuf,
     pub zds_socket: PathBuf,
     pub cni_bin_dir: PathBuf,
     pub cni_net_dir: PathBuf,
@@ -72,6 +76,10 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     // the first ADD the runtime sends can be answered.
     let datapath = Arc::new(Datapath::start(config.datapath.clone())?);
     datapath.register_metrics(&mut registry);
+    registry.register_collector(Box::new(PodMetrics {
+        pin_root: config.datapath.pin_root.clone(),
+        state_file: config.state_file.clone(),
+    }));
     let (zds, zds_serve) = zds::start(
         ZdsConfig {
             socket_path: config.zds_socket.clone(),
@@ -187,6 +195,18 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         let datapath = datapath.clone();
         Arc::new(move || datapath.health())
     };
+    {
+        let (socket, pin_root, state_file) = (
+            config.trace_socket.clone(),
+            config.datapath.pin_root.clone(),
+            config.state_file.clone(),
+        );
+        tasks.spawn(async move {
+            if let Err(error) = trace::serve(socket, pin_root, state_file).await {
+                warn!(error = format!("{error:#}"), "trace server stopped");
+            }
+        });
+    }
     for addr in [config.health_addr, config.metrics_addr] {
         let (ready, live, registry) = (ready.clone(), live.clone(), registry.clone());
         tasks.spawn(async move {
