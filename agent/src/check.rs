@@ -37,9 +37,9 @@ use kube::{
 use tracing::warn;
 
 use crate::{
-    app::{AgentConfig, SourceConfig},
     cli::RunArgs,
     cluster::{self, ClusterConfig},
+    config::{AgentConfig, SourceConfig},
     datapath::{
         cgroup2_root,
         kernel::{BpfType, Kernel, BPF_FEATURES, OLDEST, OLDEST_BECAUSE},

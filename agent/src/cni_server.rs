@@ -28,10 +28,11 @@ use weir_cni::{
 
 use crate::{
     datapath::Unenrollable,
-    enroll::{Enroller, Status},
+    enroll::Enroller,
     logging::pod_span,
-    policy::{report_problems, Labels, PodName, PolicyError, PolicySource, Warning},
-    workload::Workload,
+    policy::{Labels, Policy, PolicyError},
+    report::{report_problems, Reporter, Warning},
+    workload::{PodName, Status, Workload},
 };
 
 /// How long a plugin may take to send its request.
@@ -137,15 +138,21 @@ struct EventLabels {
 /// into CNI responses and error codes.
 pub struct CniHandler {
     enroller: Arc<Enroller>,
-    policy: Arc<dyn PolicySource>,
+    policy: Arc<dyn Policy>,
+    reporter: Arc<dyn Reporter>,
     events: Family<EventLabels, Counter>,
 }
 
 impl CniHandler {
-    pub fn new(enroller: Arc<Enroller>, policy: Arc<dyn PolicySource>) -> Arc<Self> {
+    pub fn new(
+        enroller: Arc<Enroller>,
+        policy: Arc<dyn Policy>,
+        reporter: Arc<dyn Reporter>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             enroller,
             policy,
+            reporter,
             events: Family::default(),
         })
     }
@@ -210,7 +217,7 @@ impl CniHandler {
         else {
             return Ok(None);
         };
-        report_problems(&*self.policy, &name, &ambient.problems).await;
+        report_problems(&*self.reporter, &name, &ambient.problems).await;
         let ips = request
             .ips
             .iter()
@@ -253,7 +260,7 @@ impl CniHandler {
             Err(error) => {
                 let name = PodName::new(&pod.namespace, &pod.name);
                 let warning = Warning::EnrollmentFailed(format!("{error:#}"));
-                self.policy.warn(&name, warning).await;
+                self.reporter.warn(&name, warning).await;
                 enrollment_failure(&name, &error)
             }
         }

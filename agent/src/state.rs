@@ -21,7 +21,7 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
-use crate::{enroll::Status, workload::Workload};
+use crate::workload::{Status, Workload};
 
 /// What the file holds for one pod.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
