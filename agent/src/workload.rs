@@ -69,6 +69,13 @@ pub struct Workload {
     pub attachment: Option<Attachment>,
 }
 
+impl Workload {
+    /// The name its status and warnings are published under.
+    pub fn pod_name(&self) -> PodName {
+        PodName::new(&self.namespace, &self.name)
+    }
+}
+
 /// How a pod's traffic is redirected, from its annotations.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]

@@ -153,7 +153,7 @@ impl CniHandler {
                 details: "the runtime retries; the pod completes when ztunnel connects".into(),
             },
             Err(error) => {
-                let name = PodName::new(&pod.namespace, &pod.name);
+                let name = pod.pod_name();
                 let warning = Warning::EnrollmentFailed(format!("{error:#}"));
                 self.reporter.warn(&name, warning).await;
                 enrollment_failure(&name, &error)

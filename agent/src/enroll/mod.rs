@@ -138,7 +138,7 @@ impl Enroller {
         let name = enrolled
             .or_else(|| {
                 let record = self.state.get(uid)?;
-                Some(PodName::new(&record.namespace, &record.name))
+                Some(record.pod_name())
             })
             .unwrap_or_default();
         pod_span(&name.namespace, &name.name, uid)
@@ -214,10 +214,10 @@ impl Enroller {
         };
         fail::fail_point!("enroll-acked");
         // The record first: it carries the status, so recording the status after it writes
-        // nothing more (the other way round, a re-enrolled pod cost two journal lines).
+        // nothing more (the other way round, a re-enrolled pod would cost two journal lines).
         let recorded = self.state.insert(pod, status);
-        let name = PodName::new(&pod.namespace, &pod.name);
-        self.set_status(&pod.uid, Some((status, name))).await;
+        self.set_status(&pod.uid, Some((status, pod.pod_name())))
+            .await;
         recorded?;
         info!(?status, "pod enrolled");
         Ok(status)

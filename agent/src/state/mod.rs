@@ -6,8 +6,8 @@
 //! Two files: the snapshot at the configured path (a JSON map of records by uid, the format
 //! older agents read) and a journal beside it (`<path>.journal`) that every change appends one
 //! line to. A pod's change costs one small append whatever the number of pods: rewriting the
-//! snapshot each time made every ADD O(pods), and at 5,000 pods that write was most of the
-//! agent's CPU. The journal is folded into the snapshot once it is as long as the snapshot, at
+//! snapshot each time would make every ADD O(pods), and at 5,000 pods that write would be most
+//! of the agent's CPU. The journal is folded into the snapshot once it is as long as the snapshot, at
 //! recovery and at a clean stop, so the cost per change stays constant.
 use std::{
     collections::BTreeMap,
