@@ -8,8 +8,8 @@ use clap::{Arg, ArgAction, Parser, Subcommand, ValueEnum};
 use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
 
 use crate::{
-    app::{AgentConfig, SourceConfig},
     cluster::{repair::BrokenPodAction, ClusterConfig},
+    config::{AgentConfig, SourceConfig},
     datapath::DatapathConfig,
     inspect,
     install::ServiceAccount,

@@ -12,8 +12,9 @@ use std::{
 use anyhow::{bail, Context, Result};
 use tempfile::TempDir;
 use weir_agent::{
-    app::{self, AgentConfig, SourceConfig},
+    app,
     cluster::ClusterConfig,
+    config::{AgentConfig, SourceConfig},
     datapath::{Datapath, DatapathConfig},
     policy::{local::LocalPolicy, PolicyConfig},
 };
