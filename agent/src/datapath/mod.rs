@@ -14,11 +14,14 @@
 //! [`pinned_pods`] is the one reader that needs no owner: it opens the pinned maps read-only, for
 //! an operator's `weir-agent pods` next to a running agent.
 mod audit;
+mod bpf_sys;
 mod discovery;
 mod handoff;
 pub(crate) mod kernel;
 mod layouts;
 pub(crate) mod mounts;
+pub mod netlink;
+pub mod netns;
 mod pods;
 mod programs;
 mod recovery;
@@ -57,7 +60,7 @@ use tokio::sync::oneshot;
 use tracing::{info, warn};
 use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters, ABI_VERSION};
 
-use crate::{netlink, netns, workload::Workload};
+use crate::workload::Workload;
 
 pub use discovery::PodNetns;
 pub use mounts::cgroup2_root;

@@ -25,11 +25,16 @@ use weir_common::{
     POD_SOCKET_LOOKUP_HANDOFF, POD_UID_LEN,
 };
 
-use super::{handoff::Handoff, programs, watch::Interfaces, EnrollNetns, Enrolled, Owner};
-use crate::{
-    logging::chain,
+use super::{
+    handoff::Handoff,
     netlink::{self, PodSetup, Rtnl},
     netns::{self, ReplyMarkSysctls},
+    programs,
+    watch::Interfaces,
+    EnrollNetns, Enrolled, Owner,
+};
+use crate::{
+    logging::chain,
     workload::{PodOptions, Workload},
 };
 

@@ -22,7 +22,7 @@ use tokio::io::{unix::AsyncFd, Interest};
 use tracing::info;
 use weir_common::{globals, maps, programs};
 
-use crate::{bpf_sys, netlink::TcProgram};
+use super::{bpf_sys, netlink::TcProgram};
 
 /// The compiled kernel side, embedded so the agent is one self-contained binary.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT"));

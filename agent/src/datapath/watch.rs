@@ -22,12 +22,11 @@ use netlink_sys::Socket;
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
-use super::{Command, EnrollNetns, Owner, Traced};
-use crate::{
-    logging::pod_span,
+use super::{
     netlink::{self, Rtnl},
-    workload::Workload,
+    Command, EnrollNetns, Owner, Traced,
 };
+use crate::{logging::pod_span, workload::Workload};
 
 /// Followed pods by the id of their netns in the node's: `(uid, netns cookie)`.
 type Followed = Arc<Mutex<HashMap<i32, (String, u64)>>>;
