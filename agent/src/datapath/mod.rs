@@ -14,6 +14,7 @@
 //! [`pinned_pods`] is the one reader that needs no owner: it opens the pinned maps read-only, for
 //! an operator's `weir-agent pods` next to a running agent.
 mod audit;
+mod bpf_log;
 mod bpf_sys;
 mod discovery;
 mod handoff;
@@ -26,6 +27,7 @@ mod pods;
 mod programs;
 mod recovery;
 mod snapshot;
+mod tasks;
 mod watch;
 
 pub use snapshot::{pinned_pods, PinnedPod};
@@ -152,10 +154,11 @@ impl Datapath {
         let counted = mismatches.clone();
         let watching = Arc::new(AtomicBool::new(false));
         let watch_alive = watching.clone();
+        let tasks = tasks::Tasks::of_caller()?;
         let thread = thread::Builder::new()
             .name("weir-datapath".into())
-            .spawn(
-                move || match Owner::open(&config, changes, steps, counted, watch_alive) {
+            .spawn(move || {
+                match Owner::open(&config, changes, steps, counted, watch_alive, tasks) {
                     Ok(mut owner) => {
                         let _ = ready_tx.send(Ok(()));
                         let stopped = owner.serve(inbox);
@@ -169,8 +172,8 @@ impl Datapath {
                     Err(error) => {
                         let _ = ready_tx.send(Err(error));
                     }
-                },
-            )
+                }
+            })
             .context("spawning the datapath thread")?;
         ready
             .recv()
@@ -378,8 +381,8 @@ struct Enrolled {
 struct Owner {
     /// Keeps the programs loaded (and the tc program attachable) for the owner's lifetime.
     ebpf: Ebpf,
-    /// Reads the programs' log records while logging is on; dropped with the owner.
-    _bpf_log: Option<tokio::runtime::Runtime>,
+    /// Reads the programs' log records while logging is on; stopped with the owner.
+    _bpf_log: Option<tasks::Task>,
     pods_map: HashMap<MapData, u64, PodConfig>,
     pod_ips: HashMap<MapData, IpKey, u64>,
     counters: PerCpuHashMap<MapData, u64, PodCounters>,
@@ -401,6 +404,8 @@ struct Owner {
     home: netns::Home,
     /// Its cookie: never enrolled as a pod's, whatever path or process claims it.
     node_netns_cookie: u64,
+    /// Where the watch and the log reader run; last, so their tasks stop before it goes.
+    _tasks: tasks::Tasks,
 }
 
 impl Owner {
@@ -410,6 +415,7 @@ impl Owner {
         enroll_steps: pods::EnrollSteps,
         mismatches: audit::Mismatches,
         watching: Arc<AtomicBool>,
+        tasks: tasks::Tasks,
     ) -> Result<Self> {
         if let Some(node) = &config.node_netns {
             let file = File::open(node).with_context(|| format!("opening {}", node.display()))?;
@@ -435,7 +441,7 @@ impl Owner {
         let mut ebpf = programs::load(&maps_dir, config.bpf_log)?;
         let bpf_log = config
             .bpf_log
-            .then(|| programs::read_bpf_log(&mut ebpf))
+            .then(|| bpf_log::read_bpf_log(&mut ebpf, &tasks))
             .transpose()?;
         let cgroup_path = match &config.cgroup {
             Some(path) => path.clone(),
@@ -475,7 +481,7 @@ impl Owner {
             counters,
             pods,
             watches: StdHashMap::new(),
-            watcher: watch::Watcher::start(changes, watching)?,
+            watcher: watch::Watcher::start(changes, watching, &tasks)?,
             pin_root: config.pin_root.clone(),
             probe_bypass: config.probe_bypass,
             handoff,
@@ -485,6 +491,7 @@ impl Owner {
             sysctls: netns::ReplyMarkSysctls::new(),
             home: netns::Home::current().context("the datapath thread's netns")?,
             node_netns_cookie,
+            _tasks: tasks,
         })
     }
 
