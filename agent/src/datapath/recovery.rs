@@ -13,7 +13,9 @@ use aya::maps::{HashMap, MapData};
 use tracing::debug;
 use weir_common::{IpKey, PodConfig};
 
-use super::{discovery, pods::prepare_pod_netns, snapshot, watch::Interfaces, Enrolled, Owner};
+use super::{
+    discovery, pod_netns::prepare_pod_netns, snapshot, watch::Interfaces, Enrolled, Owner,
+};
 use super::{netlink::Rtnl, netns};
 use crate::workload::Workload;
 

@@ -11,7 +11,7 @@ use weir_common::{maps, IpKey, PodConfig, PodCounters, POD_UID_LEN};
 use super::bpf_sys;
 use super::{
     maps_dir,
-    pods::{ip_addr, pod_options, sum_over_cpus},
+    pod_config::{ip_addr, pod_options, sum_over_cpus},
 };
 use crate::workload::PodOptions;
 
