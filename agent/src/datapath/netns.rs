@@ -36,7 +36,7 @@ pub struct NetnsGuard {
 }
 
 /// A thread's own network namespace, held open to come back to from [`Home::enter`]. Opening it
-/// anew for every switch (a procfs path walk) cost about 20 µs on a cold cache, a tenth of a
+/// anew for every switch (a procfs path walk) costs about 20 µs on a cold cache, a tenth of a
 /// pod's enrollment: a thread that switches for every pod keeps one.
 #[derive(Clone)]
 pub struct Home(Rc<OwnedFd>);
