@@ -385,7 +385,7 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
     };
     let qdiscs = in_pod(&["tc", "qdisc", "show", "dev", "eth0"]);
     assert!(!qdiscs.contains("clsact"), "{qdiscs}");
-    for sysctl in weir_agent::netns::REPLY_MARK_SYSCTLS {
+    for sysctl in weir_agent::datapath::netns::REPLY_MARK_SYSCTLS {
         let value = in_pod(&["cat", &format!("/proc/sys/{sysctl}")]);
         assert_eq!(value.trim(), "0", "{sysctl}");
     }

@@ -138,7 +138,7 @@ fn the_node_netns_is_never_returned() {
     let node_addresses = node
         .fixture
         .node()
-        .run(weir_agent::netns::non_loopback_addresses)
+        .run(weir_agent::datapath::netlink::non_loopback_addresses)
         .unwrap();
     assert!(
         node_addresses.contains(&gateway),

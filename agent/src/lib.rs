@@ -11,9 +11,8 @@
 //! - [`workload`]: a pod as the agent knows it: its name, what is enrolled, its options and
 //!   status.
 //! - [`state`]: the agent's record of enrolled pods, for the next agent after a restart.
-//! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
-//! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
-//! - [`bpf_sys`]: the bpf syscalls aya 0.14 lacks (updatable pinned cgroup links, other layouts' maps).
+//! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection, with
+//!   its per-pod network namespace work (`datapath::netns`, `datapath::netlink`) on its own thread.
 //! - [`check`]: what weir needs of the node and the cluster, one line per requirement
 //!   (`weir-agent check`, and the agent at start).
 //! - [`cli`]: `weir-agent`'s command line, and the configuration reference generated from it.
@@ -23,7 +22,6 @@
 //!   turned into enrollment steps and responses), ztunnel, the node's CNI configuration, health
 //!   and metrics.
 pub mod app;
-pub mod bpf_sys;
 pub mod check;
 pub mod cli;
 pub mod cluster;
@@ -35,8 +33,6 @@ pub mod http;
 pub mod inspect;
 pub mod install;
 pub mod logging;
-pub mod netlink;
-pub mod netns;
 pub mod pod_metrics;
 pub mod policy;
 pub mod report;

@@ -180,7 +180,7 @@ fn cookie_from_a_weir_datapath() -> io::Result<u64> {
         let Ok(answers) = SkStorage::try_from(Map::SkStorage(map)) else {
             continue;
         };
-        if let Ok(cookie) = weir_agent::netns::current_cookie(Some(&answers)) {
+        if let Ok(cookie) = weir_agent::datapath::netns::current_cookie(Some(&answers)) {
             return Ok(cookie);
         }
     }

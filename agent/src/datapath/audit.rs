@@ -3,7 +3,7 @@
 //! then a pod the agent, ztunnel and the pod's annotation call enabled would run uncaptured
 //! without anyone noticing. Every mismatch is counted and logged; entries of enrolled pods are
 //! written back, entries nobody enrolled are only reported.
-use super::{pods::ip_addr, snapshot, Owner};
+use super::{pod_config::ip_addr, snapshot, Owner};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family},

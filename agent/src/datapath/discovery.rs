@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use procfs::process::Process;
 use tracing::debug;
 
-use crate::netns;
+use super::{netlink, netns};
 
 /// A running pod's network namespace, held open, and where it was found: the hint, or a
 /// `/proc/<pid>/ns/net`.
@@ -139,7 +139,7 @@ pub(super) fn find_running_pod(
 /// Whether one of `ips` is on an interface inside `netns`.
 fn holds_any(netns: &File, ips: &[IpAddr]) -> Result<bool> {
     let _inside = netns::enter(netns.as_fd()).context("entering a candidate netns")?;
-    let addresses = netns::non_loopback_addresses().context("listing a candidate's addresses")?;
+    let addresses = netlink::non_loopback_addresses().context("listing a candidate's addresses")?;
     Ok(ips.iter().any(|ip| addresses.contains(ip)))
 }
 

@@ -7,8 +7,8 @@ use aya::maps::MapData;
 use tracing::{info, warn};
 use weir_common::{maps, ABI_VERSION};
 
+use super::bpf_sys;
 use super::Owner;
-use crate::bpf_sys;
 
 impl Owner {
     pub(super) fn retire_other_layouts(&self) -> Result<()> {

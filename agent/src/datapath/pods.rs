@@ -1,37 +1,26 @@
-//! A pod's redirection: per-pod setup inside its netns, then the map entries that switch it on;
+//! A pod's redirection: the map entries that switch it on and the setup inside its netns;
 //! unenrolling undoes both. `Owner::enroll` is the one place a pod's redirection is put in place.
 use std::{
     fs::File,
     io,
-    net::IpAddr,
     os::fd::{AsFd, OwnedFd},
-    path::PathBuf,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{Context, Result};
-use aya::{maps::PerCpuValues, Ebpf};
-use prometheus_client::{
-    encoding::EncodeLabelSet,
-    metrics::{
-        family::Family,
-        histogram::{exponential_buckets, Histogram},
-    },
-    registry::{Registry, Unit},
-};
 use tracing::{debug, warn};
-use weir_common::{
-    IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS,
-    POD_SOCKET_LOOKUP_HANDOFF, POD_UID_LEN,
-};
+use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6};
 
-use super::{handoff::Handoff, programs, watch::Interfaces, EnrollNetns, Enrolled, Owner};
-use crate::{
-    logging::chain,
-    netlink::{self, PodSetup, Rtnl},
-    netns::{self, ReplyMarkSysctls},
-    workload::{PodOptions, Workload},
+use super::{
+    enroll_steps::Stopwatch,
+    netlink::Rtnl,
+    netns,
+    pod_config::{ip_key, pod_config, sum_over_cpus, Unenrollable},
+    pod_netns::{set_up_pod_netns, undo_pod_netns},
+    watch::Interfaces,
+    EnrollNetns, Enrolled, Owner,
 };
+use crate::{logging::chain, workload::Workload};
 
 const BPF_NOEXIST: u64 = 1;
 
@@ -39,83 +28,6 @@ const BPF_NOEXIST: u64 = 1;
 /// takes an entry of `POD_IPS`, which every pod on the node shares: a pod with CAP_NET_ADMIN
 /// could otherwise add addresses until no other pod can be enrolled.
 const MAX_OTHER_ADDRESSES: usize = 16;
-
-/// Why a pod can never be enrolled as asked, however often it is tried again: the namespace
-/// named for it is not a pod's, or the pod cannot be told apart in the maps. Every other
-/// enrollment failure may pass (the kernel busy or short of memory, the agent's own trouble).
-#[derive(Debug, thiserror::Error)]
-pub enum Unenrollable {
-    /// Nothing at the netns path: the sandbox's namespace is gone, or never was.
-    #[error("pod netns {} does not exist", .0.display())]
-    NetnsMissing(PathBuf),
-    /// Something other than a network namespace at the path (a netns file left behind once
-    /// the namespace was unmounted, or another kind of namespace).
-    #[error("pod netns {} is not a network namespace", .0.display())]
-    NotANetns(PathBuf),
-    #[error("refusing to redirect the node's own network namespace as pod {uid}")]
-    NodeNetns { uid: String },
-    #[error("pod uid {0:?} must be 1 to {POD_UID_LEN} bytes")]
-    InvalidUid(String),
-    #[error("pod {uid} has no IP")]
-    NoIp { uid: String },
-}
-
-/// Where a pod's enrollment time goes, step by step (`weir_enroll_step_seconds{step}`): what an
-/// operator looks at when enrollment is slow on a node, and what the bench reports.
-#[derive(Clone)]
-pub(super) struct EnrollSteps(Family<Step, Histogram>);
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub(super) struct Step {
-    step: &'static str,
-}
-
-impl Default for EnrollSteps {
-    fn default() -> Self {
-        Self(Family::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(2e-6, 2.0, 14))
-        }))
-    }
-}
-
-impl EnrollSteps {
-    pub(super) fn register(&self, registry: &mut Registry) {
-        registry.register_with_unit(
-            "weir_enroll_step",
-            "Time of each step of a pod's enrollment in the datapath: netns (entering it, its \
-             rtnetlink socket and cookie), interfaces (link and address dumps), sysctls, maps, \
-             routing (the return path's rules and routes), tc (clsact qdiscs, filters and \
-             rerouting rules), finish",
-            Unit::Seconds,
-            self.0.clone(),
-        );
-    }
-
-    fn stopwatch(&self) -> Stopwatch<'_> {
-        Stopwatch {
-            steps: self,
-            since: Instant::now(),
-        }
-    }
-}
-
-/// Times consecutive steps.
-struct Stopwatch<'a> {
-    steps: &'a EnrollSteps,
-    since: Instant,
-}
-
-impl Stopwatch<'_> {
-    /// Ends `step` (begun when the previous one ended) now.
-    fn lap(&mut self, step: &'static str) {
-        let now = Instant::now();
-        self.steps
-            .0
-            .get_or_create(&Step { step })
-            .observe((now - self.since).as_secs_f64());
-        self.since = now;
-    }
-}
 
 impl Owner {
     /// Where a pod is enrolled.
@@ -127,7 +39,7 @@ impl Owner {
     /// runs before the maps name the pod. Nothing needs the return path before that: ztunnel
     /// dials the pod only once it has the pod, after enrollment, and a pod moving from another
     /// layout has it already. Any failure takes the pod out entirely: never half-redirected.
-    /// Each step is timed ([`EnrollSteps`]).
+    /// Each step is timed ([`super::enroll_steps::EnrollSteps`]).
     pub(super) fn enroll(&mut self, pod: &Workload, netns: EnrollNetns) -> Result<OwnedFd> {
         let steps = self.enroll_steps.clone();
         let mut stopwatch = steps.stopwatch();
@@ -464,66 +376,11 @@ impl Owner {
     }
 }
 
-/// Per-pod setup of a pod whose map entries are in place already (a recovered pod): the reply
-/// path, and this agent's programs in place of the previous ones, on the interfaces the pod's
-/// routing rules say are rerouted. The calling thread is in the pod's netns.
-pub(super) fn prepare_pod_netns(
-    rtnl: &mut Rtnl,
-    sysctls: &mut ReplyMarkSysctls,
-    ebpf: &Ebpf,
-    handoff: Option<(&Handoff, u64)>,
-    interfaces: &[(u32, String)],
-) -> Result<()> {
-    let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
-    // Its IPs are not known here: both families.
-    sysctls.set(true, true).context("reply-mark sysctls")?;
-    set_up_pod_netns(rtnl, ebpf, handoff, interfaces, &rerouted, |_| {})
-}
-
-/// The return path, the socket lookup hand-off where the kernel needs it (before the tc program
-/// can hand anything to it), then the tc programs and the rerouting rules (see
-/// [`Rtnl::set_up_return_path`] and [`Rtnl::attach_programs`]); `step_done` is told after each,
-/// as `routing` and `tc`.
-fn set_up_pod_netns(
-    rtnl: &mut Rtnl,
-    ebpf: &Ebpf,
-    handoff: Option<(&Handoff, u64)>,
-    interfaces: &[(u32, String)],
-    rerouted: &[String],
-    mut step_done: impl FnMut(&'static str),
-) -> Result<()> {
-    rtnl.set_up_return_path().context("return path")?;
-    step_done("routing");
-    if let Some((handoff, netns_cookie)) = handoff {
-        handoff.attach(ebpf, netns_cookie)?;
-    }
-    let setup = PodSetup {
-        interfaces,
-        rerouted,
-        inbound: programs::tc_program(ebpf, weir_common::programs::INBOUND)?,
-        reroute: programs::tc_program(ebpf, weir_common::programs::REROUTE)?,
-    };
-    rtnl.attach_programs(&setup)
-        .context("tc programs and rerouting rules")?;
-    step_done("tc");
-    Ok(())
-}
-
 /// A pod's enrollment as it stood before an attempt to enroll it again.
 struct Previous {
     netns_cookie: u64,
     ips: Vec<IpKey>,
     config: PodConfig,
-}
-
-/// Best effort: called on rollback and unenroll, where the pod may be half set up or gone.
-fn undo_pod_netns(rtnl: &mut Rtnl) {
-    let undone = rtnl
-        .non_loopback_interfaces()
-        .and_then(|interfaces| rtnl.tear_down_pod(&interfaces));
-    if let Err(error) = undone {
-        debug!(%error, "removing the pod's tc programs and routing");
-    }
 }
 
 /// Runs a map insert again while the kernel answers ENOMEM, a few times over about 50 ms. weir's
@@ -546,83 +403,5 @@ fn retrying_enomem(
             }
             other => return other,
         }
-    }
-}
-
-fn pod_config(pod: &Workload, handoff: bool) -> Result<PodConfig> {
-    if pod.uid.is_empty() || pod.uid.len() > POD_UID_LEN {
-        return Err(Unenrollable::InvalidUid(pod.uid.clone()).into());
-    }
-    if pod.ips.is_empty() {
-        return Err(Unenrollable::NoIp {
-            uid: pod.uid.clone(),
-        }
-        .into());
-    }
-    let mut config = PodConfig {
-        flags: 0,
-        ipv4: [0; 4],
-        ipv6: [0; 16],
-        uid: [0; POD_UID_LEN],
-    };
-    config.uid[..pod.uid.len()].copy_from_slice(pod.uid.as_bytes());
-    for ip in &pod.ips {
-        match ip {
-            IpAddr::V4(v4) if !config.has(POD_HAS_IPV4) => {
-                config.ipv4 = v4.octets();
-                config.flags |= POD_HAS_IPV4;
-            }
-            IpAddr::V6(v6) if !config.has(POD_HAS_IPV6) => {
-                config.ipv6 = v6.octets();
-                config.flags |= POD_HAS_IPV6;
-            }
-            _ => {}
-        }
-    }
-    if pod.options.inbound_bypass {
-        config.flags |= POD_INBOUND_BYPASS;
-    }
-    if pod.options.dns_capture {
-        config.flags |= POD_DNS_CAPTURE;
-    }
-    if handoff {
-        config.flags |= POD_SOCKET_LOOKUP_HANDOFF;
-    }
-    Ok(config)
-}
-
-/// A pod's options, as its `PodConfig` flags carry them.
-pub(super) fn pod_options(config: &PodConfig) -> PodOptions {
-    PodOptions {
-        inbound_bypass: config.has(POD_INBOUND_BYPASS),
-        dns_capture: config.has(POD_DNS_CAPTURE),
-        // Kept per interface, not in the pod's entry: not recovered from the maps.
-        reroute_interfaces: Vec::new(),
-    }
-}
-
-pub(super) fn sum_over_cpus(per_cpu: &PerCpuValues<PodCounters>) -> PodCounters {
-    per_cpu
-        .iter()
-        .fold(PodCounters::default(), |sum, c| PodCounters {
-            outbound: sum.outbound + c.outbound,
-            inbound: sum.inbound + c.inbound,
-            dns: sum.dns + c.dns,
-            bypassed: sum.bypassed + c.bypassed,
-            dropped: sum.dropped + c.dropped,
-        })
-}
-
-fn ip_key(ip: IpAddr) -> IpKey {
-    match ip {
-        IpAddr::V4(v4) => IpKey::from_v4(v4.octets()),
-        IpAddr::V6(v6) => IpKey::from_v6(v6.octets()),
-    }
-}
-
-pub(super) fn ip_addr(key: &IpKey) -> IpAddr {
-    match key.v4() {
-        Some(v4) => IpAddr::from(v4),
-        None => IpAddr::from(key.octets),
     }
 }

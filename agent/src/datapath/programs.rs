@@ -18,11 +18,9 @@ use aya_obj::generated::bpf_attach_type::{
     BPF_CGROUP_UDP4_RECVMSG, BPF_CGROUP_UDP4_SENDMSG, BPF_CGROUP_UDP6_RECVMSG,
     BPF_CGROUP_UDP6_SENDMSG,
 };
-use tokio::io::{unix::AsyncFd, Interest};
-use tracing::info;
 use weir_common::{globals, maps, programs};
 
-use crate::{bpf_sys, netlink::TcProgram};
+use super::{bpf_sys, netlink::TcProgram};
 
 /// The compiled kernel side, embedded so the agent is one self-contained binary.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT"));
@@ -118,33 +116,6 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut SchedClassif
         .program_mut(name)
         .ok_or_else(|| anyhow!("program {name} missing"))?
         .try_into()?)
-}
-
-/// Forwards the programs' aya-log records to the `log` crate, from a one-worker runtime of its
-/// own (this thread has none): a task waits for the log ring buffer to be readable and drains it.
-pub(super) fn read_bpf_log(ebpf: &mut Ebpf) -> Result<tokio::runtime::Runtime> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("weir-bpf-log")
-        .enable_io()
-        .build()
-        .context("starting the eBPF log reader")?;
-    let logger = aya_log::EbpfLogger::init(ebpf).context("reading the eBPF programs' logs")?;
-    let mut logger = {
-        let _entered = runtime.enter();
-        // SAFETY: the logger owns its ring buffer's fd, open and the same until it is dropped
-        // with the AsyncFd.
-        unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }
-            .map_err(|error| anyhow!("polling the eBPF logs: {error}"))?
-    };
-    runtime.spawn(async move {
-        while let Ok(mut ready) = logger.readable_mut().await {
-            ready.get_inner_mut().flush();
-            ready.clear_ready();
-        }
-    });
-    info!("eBPF diagnostics on (log target weir_ebpf)");
-    Ok(runtime)
 }
 
 /// A loaded tc program (inbound or reroute), as pod setup attaches it: a classic cls_bpf filter

@@ -13,8 +13,11 @@ use aya::maps::{HashMap, MapData};
 use tracing::debug;
 use weir_common::{IpKey, PodConfig};
 
-use super::{discovery, pods::prepare_pod_netns, snapshot, watch::Interfaces, Enrolled, Owner};
-use crate::{netlink::Rtnl, netns, workload::Workload};
+use super::{
+    discovery, pod_netns::prepare_pod_netns, snapshot, watch::Interfaces, Enrolled, Owner,
+};
+use super::{netlink::Rtnl, netns};
+use crate::workload::Workload;
 
 /// Rebuilds the owner's index from the pinned maps after a restart.
 pub(super) fn recover_pods(

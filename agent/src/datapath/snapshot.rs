@@ -8,11 +8,12 @@ use anyhow::{Context, Result};
 use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap};
 use weir_common::{maps, IpKey, PodConfig, PodCounters, POD_UID_LEN};
 
+use super::bpf_sys;
 use super::{
     maps_dir,
-    pods::{ip_addr, pod_options, sum_over_cpus},
+    pod_config::{ip_addr, pod_options, sum_over_cpus},
 };
-use crate::{bpf_sys, workload::PodOptions};
+use crate::workload::PodOptions;
 
 /// One pod as the pinned maps hold it.
 #[derive(Clone, Debug, PartialEq, Eq)]

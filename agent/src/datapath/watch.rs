@@ -22,19 +22,19 @@ use netlink_sys::Socket;
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
-use super::{Command, EnrollNetns, Owner, Traced};
-use crate::{
-    logging::pod_span,
+use super::{
     netlink::{self, Rtnl},
-    workload::Workload,
+    tasks::{Task, Tasks},
+    Command, EnrollNetns, Owner, Traced,
 };
+use crate::{logging::pod_span, workload::Workload};
 
 /// Followed pods by the id of their netns in the node's: `(uid, netns cookie)`.
 type Followed = Arc<Mutex<HashMap<i32, (String, u64)>>>;
 
-/// The one subscription to every pod's changes, served on its own worker thread.
+/// The one subscription to every pod's changes, read by a task that wakes the owner.
 pub(super) struct Watcher {
-    _runtime: tokio::runtime::Runtime,
+    _task: Task,
     /// An rtnetlink socket in the node's netns: it names pods' namespaces by their ids there.
     node: Rtnl,
     followed: Followed,
@@ -94,28 +94,25 @@ impl Interfaces {
 
 impl Watcher {
     /// Subscribes (the calling thread is in the node's netns) and reports changes to `owner`'s
-    /// command queue from now on.
-    pub(super) fn start(owner: mpsc::Sender<Traced>, alive: Arc<AtomicBool>) -> Result<Self> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("weir-pod-watch")
-            .enable_io()
-            .enable_time()
-            .build()
-            .context("starting the pod interface watcher")?;
+    /// command queue from now on, from a task on `tasks`.
+    pub(super) fn start(
+        owner: mpsc::Sender<Traced>,
+        alive: Arc<AtomicBool>,
+        tasks: &Tasks,
+    ) -> Result<Self> {
         let socket = netlink::subscribe_interface_changes()
             .context("subscribing to the pods' interface changes")?;
         let followed = Followed::default();
         let reported = followed.clone();
         alive.store(true, Ordering::Relaxed);
-        runtime.spawn(async move {
+        let task = tasks.spawn(async move {
             if let Err(error) = report_changes(socket, &owner, &reported).await {
                 warn!(%error, "pod interface changes are no longer followed");
                 alive.store(false, Ordering::Relaxed);
             }
         });
         Ok(Self {
-            _runtime: runtime,
+            _task: task,
             node: Rtnl::new().context("rtnetlink in the node netns")?,
             followed,
         })

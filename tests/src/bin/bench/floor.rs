@@ -9,7 +9,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use weir_agent::{
+use weir_agent::datapath::{
     netlink::{PodSetup, Rtnl, TcProgram},
     netns::{Home, ReplyMarkSysctls},
 };
@@ -38,7 +38,7 @@ impl KernelFloor {
         let netns = File::open(pod.netns_path())?;
         let _inside = self.home.enter(netns.as_fd())?;
         let mut rtnl = Rtnl::new()?;
-        weir_agent::netns::current_cookie(None)?;
+        weir_agent::datapath::netns::current_cookie(None)?;
         // The bench's pods have both families, as weir writes them for those pods.
         self.sysctls.set(true, true)?;
         rtnl.set_up_return_path()?;

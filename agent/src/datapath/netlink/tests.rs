@@ -2,9 +2,15 @@
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsFd;
 
+use std::io;
+
+use weir_common::{PROBE_SOURCE_V4, PROBE_SOURCE_V6};
+
+use super::errno::Op;
+use super::pod::return_path;
 use super::*;
-use crate::netns::enter;
-use crate::netns::testing::{ip, privileged, scratch_netns};
+use crate::datapath::netns::enter;
+use crate::datapath::netns::testing::{ip, privileged, scratch_netns};
 
 const FAMILIES: [&str; 2] = ["-4", "-6"];
 
@@ -143,4 +149,26 @@ fn empty_namespace_has_nothing_to_remove() {
     let _guard = enter(netns.as_fd()).unwrap();
     remove_return_path().unwrap();
     remove_probe_source().unwrap();
+}
+
+#[test]
+fn non_loopback_interfaces_are_this_namespaces() {
+    let Some(netns) = privileged(scratch_netns) else {
+        return;
+    };
+    let _guard = enter(netns.as_fd()).unwrap();
+    assert_eq!(non_loopback_interfaces().unwrap(), []);
+
+    ip(&[
+        "link", "add", "weir-t0", "type", "veth", "peer", "name", "weir-t1",
+    ]);
+    let index = |name: &str| -> u32 {
+        let line = ip(&["-o", "link", "show", "dev", name]);
+        line.split(':').next().unwrap().parse().unwrap()
+    };
+    let mut found = non_loopback_interfaces().unwrap();
+    let mut expected = ["weir-t0", "weir-t1"].map(|name| (index(name), name.to_owned()));
+    found.sort();
+    expected.sort();
+    assert_eq!(found, expected);
 }

@@ -2,11 +2,10 @@
 //!
 //! `setns(CLONE_NEWNET)` changes the namespace of the calling thread only. Everything here acts on
 //! the calling thread's current namespace, so the datapath thread enters a pod with [`enter`] and
-//! calls these (and [`crate::netlink`]) while the guard lives.
+//! calls these (and [`super::netlink`]) while the guard lives.
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::net::IpAddr;
 use std::net::SocketAddrV4;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::rc::Rc;
@@ -15,8 +14,6 @@ use aya::maps::{MapData, SkStorage};
 use weir_common::{NETNS_COOKIE_PORT, PROBE_SOURCE_V4};
 
 use nix::sched::{setns, CloneFlags};
-
-use crate::netlink::Rtnl;
 
 /// The calling thread's network namespace, as a path that resolves per thread (`/proc/self` would
 /// name the main thread's).
@@ -39,7 +36,7 @@ pub struct NetnsGuard {
 }
 
 /// A thread's own network namespace, held open to come back to from [`Home::enter`]. Opening it
-/// anew for every switch (a procfs path walk) cost about 20 µs on a cold cache, a tenth of a
+/// anew for every switch (a procfs path walk) costs about 20 µs on a cold cache, a tenth of a
 /// pod's enrollment: a thread that switches for every pod keeps one.
 #[derive(Clone)]
 pub struct Home(Rc<OwnedFd>);
@@ -274,16 +271,6 @@ fn private_procfs() -> io::Result<OwnedFd> {
     )?)
 }
 
-/// See [`Rtnl::non_loopback_addresses`], for the calling thread's network namespace.
-pub fn non_loopback_addresses() -> io::Result<Vec<IpAddr>> {
-    Rtnl::new()?.non_loopback_addresses()
-}
-
-/// See [`Rtnl::non_loopback_interfaces`], for the calling thread's network namespace.
-pub fn non_loopback_interfaces() -> io::Result<Vec<(u32, String)>> {
-    Rtnl::new()?.non_loopback_interfaces()
-}
-
 /// Throwaway namespaces for tests; the machine's own namespaces are never touched.
 #[cfg(test)]
 pub(crate) mod testing {
@@ -338,7 +325,7 @@ mod tests {
     use std::os::fd::AsFd;
     use std::os::unix::fs::MetadataExt;
 
-    use super::testing::{ip, privileged, scratch_netns};
+    use super::testing::{privileged, scratch_netns};
     use super::*;
 
     fn reply_mark_sysctls() -> Vec<String> {
@@ -419,27 +406,5 @@ mod tests {
             ["0", "0", "0"],
             "another namespace is untouched"
         );
-    }
-
-    #[test]
-    fn non_loopback_interfaces_are_this_namespaces() {
-        let Some(netns) = privileged(scratch_netns) else {
-            return;
-        };
-        let _guard = enter(netns.as_fd()).unwrap();
-        assert_eq!(non_loopback_interfaces().unwrap(), []);
-
-        ip(&[
-            "link", "add", "weir-t0", "type", "veth", "peer", "name", "weir-t1",
-        ]);
-        let index = |name: &str| -> u32 {
-            let line = ip(&["-o", "link", "show", "dev", name]);
-            line.split(':').next().unwrap().parse().unwrap()
-        };
-        let mut found = non_loopback_interfaces().unwrap();
-        let mut expected = ["weir-t0", "weir-t1"].map(|name| (index(name), name.to_owned()));
-        found.sort();
-        expected.sort();
-        assert_eq!(found, expected);
     }
 }

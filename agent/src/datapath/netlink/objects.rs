@@ -1,0 +1,229 @@
+//! The objects weir puts in a network namespace (rules, routes, an address, the clsact qdisc
+//! and its filter), each built as the netlink message that adds or deletes it.
+use std::fmt;
+use std::net::{IpAddr, Ipv6Addr};
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
+use netlink_packet_route::{
+    address::{AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, CacheInfo},
+    route::{RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType},
+    rule::{RuleAction, RuleAttribute, RuleMessage},
+    tc::{TcAttribute, TcBpfFlags, TcFilterBpf, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
+    AddressFamily, IpProtocol, RouteNetlinkMessage,
+};
+use weir_common::{RETURN_MARK, RETURN_ROUTE_TABLE};
+
+use super::errno::Op;
+
+/// Priority of the return-path rule. Anything between the `local` table's rule (0) and `main`'s
+/// (32766, whose routes would send the app's replies out of eth0 instead of back to ztunnel) works;
+/// 32764 is the slot istio-cni's in-pod mode uses for its equivalent rule, so `ip rule` in a pod
+/// looks the same under either, and a fixed priority is what lets `NLM_F_EXCL` see a duplicate.
+pub(super) const RETURN_RULE_PRIORITY: u32 = 32764;
+
+/// The loopback device is ifindex 1 in every network namespace (`LOOPBACK_IFINDEX` in the kernel),
+/// so no lookup is needed.
+pub(super) const LOOPBACK_IFINDEX: u32 = 1;
+
+pub(super) const RT_TABLE_LOCAL: u32 = 255;
+
+/// weir's tc filter's place on a pod interface's ingress: fixed, so enrolling again replaces the
+/// program in place (also another agent version's) and unenrolling removes exactly it.
+const TC_PRIORITY: u16 = 1;
+const TC_HANDLE: u32 = 0x5745;
+/// `ETH_P_ALL` in network order, as `tcm_info`'s protocol half wants it.
+const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
+
+/// A tc program weir attaches to pod interfaces, by its fd and name (the name `tc filter show`
+/// prints).
+#[derive(Clone, Copy)]
+pub struct TcProgram<'a> {
+    pub fd: BorrowedFd<'a>,
+    pub name: &'a str,
+}
+
+fn family_of(ip: IpAddr) -> AddressFamily {
+    match ip {
+        IpAddr::V4(_) => AddressFamily::Inet,
+        IpAddr::V6(_) => AddressFamily::Inet6,
+    }
+}
+
+/// The table number as the 8-bit header field wants it; larger ones live only in the attribute.
+fn header_table(table: u32) -> u8 {
+    u8::try_from(table).unwrap_or(RouteHeader::RT_TABLE_UNSPEC)
+}
+
+/// `fwmark RETURN_MARK/RETURN_MARK lookup RETURN_ROUTE_TABLE`, for the family of `any`.
+pub(super) fn return_rule(any: IpAddr) -> RuleMessage {
+    let mut rule = RuleMessage::default();
+    rule.header.family = family_of(any);
+    rule.header.table = header_table(RETURN_ROUTE_TABLE);
+    rule.header.action = RuleAction::ToTable;
+    rule.attributes = vec![
+        RuleAttribute::Priority(RETURN_RULE_PRIORITY),
+        RuleAttribute::FwMark(RETURN_MARK),
+        RuleAttribute::FwMask(RETURN_MARK),
+        RuleAttribute::Table(RETURN_ROUTE_TABLE),
+    ];
+    rule
+}
+
+/// `iif <interface> ipproto tcp lookup RETURN_ROUTE_TABLE priority 32764`, for the family of
+/// `any`: the TCP arriving on `interface` takes the `local` route of the return path's table, so
+/// it is delivered to ztunnel's outbound listener (the tc program assigns it) instead of being
+/// forwarded. A rule names its interface, so it applies as soon as an interface of that name
+/// appears.
+pub(super) fn reroute_rule(any: IpAddr, interface: &str) -> RuleMessage {
+    let mut rule = RuleMessage::default();
+    rule.header.family = family_of(any);
+    rule.header.table = header_table(RETURN_ROUTE_TABLE);
+    rule.header.action = RuleAction::ToTable;
+    rule.attributes = vec![
+        RuleAttribute::Iifname(interface.to_owned()),
+        RuleAttribute::Priority(RETURN_RULE_PRIORITY),
+        RuleAttribute::Table(RETURN_ROUTE_TABLE),
+        RuleAttribute::IpProtocol(IpProtocol::Tcp),
+    ];
+    rule
+}
+
+/// `local <destination>/<prefix_len> dev lo table <table> proto static`. The protocol also scopes
+/// deletes: a delete names it, so it never removes a kernel-made (`proto kernel`) local route for
+/// the same prefix.
+pub(super) fn local_route(destination: IpAddr, prefix_len: u8, table: u32) -> RouteMessage {
+    let mut route = RouteMessage::default();
+    route.header.address_family = family_of(destination);
+    route.header.destination_prefix_length = prefix_len;
+    route.header.table = header_table(table);
+    route.header.protocol = RouteProtocol::Static;
+    route.header.scope = RouteScope::Host;
+    route.header.kind = RouteType::Local;
+    route.attributes = vec![
+        RouteAttribute::Destination(destination.into()),
+        RouteAttribute::Table(table),
+        RouteAttribute::Oif(LOOPBACK_IFINDEX),
+    ];
+    route
+}
+
+/// `tc qdisc add dev <ifindex> clsact`.
+pub(super) fn clsact(ifindex: u32) -> TcMessage {
+    let mut qdisc = TcMessage::default();
+    qdisc.header.index = ifindex as i32;
+    qdisc.header.handle = TcHandle {
+        major: TcHandle::CLSACT.major,
+        minor: 0,
+    };
+    qdisc.header.parent = TcHandle::CLSACT;
+    qdisc.attributes = vec![TcAttribute::Kind("clsact".into())];
+    qdisc
+}
+
+/// weir's filter on `ifindex`'s ingress: `tc filter add dev <ifindex> ingress prio 1 handle
+/// 0x5745 bpf direct-action fd <program>`; without a program, the slot itself (to delete it).
+pub(super) fn tc_filter(ifindex: u32, program: Option<TcProgram>) -> TcMessage {
+    let mut filter = TcMessage::default();
+    filter.header.index = ifindex as i32;
+    filter.header.handle = TC_HANDLE.into();
+    filter.header.parent = TcHandle {
+        major: TcHandle::CLSACT.major,
+        minor: TcHandle::MIN_INGRESS,
+    };
+    filter.header.info = (u32::from(TC_PRIORITY) << 16) | u32::from(ETH_P_ALL_BE);
+    filter.attributes = vec![TcAttribute::Kind(TcFilterBpf::KIND.into())];
+    if let Some(program) = program {
+        filter.attributes.push(TcAttribute::Options(vec![
+            TcOption::Bpf(TcFilterBpfOption::ProgFd(program.fd.as_raw_fd() as u32)),
+            TcOption::Bpf(TcFilterBpfOption::ProgName(program.name.into())),
+            TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),
+        ]));
+    }
+    filter
+}
+
+/// `<address>/128 dev lo nodad preferred_lft 0`: no duplicate address detection (the address is
+/// never tentative, so binding to it works at once) and deprecated (see [`super::install_probe_source`]).
+pub(super) fn loopback_address(address: Ipv6Addr) -> AddressMessage {
+    let mut lifetime = CacheInfo::default();
+    lifetime.ifa_preferred = 0;
+    lifetime.ifa_valid = u32::MAX; // forever
+    let address = IpAddr::V6(address);
+    let mut message = AddressMessage::default();
+    message.header.family = AddressFamily::Inet6;
+    message.header.prefix_len = 128;
+    message.header.flags = AddressHeaderFlags::Nodad;
+    message.header.index = LOOPBACK_IFINDEX;
+    message.attributes = vec![
+        AddressAttribute::Local(address),
+        AddressAttribute::Address(address),
+        AddressAttribute::Flags(AddressFlags::Nodad),
+        AddressAttribute::CacheInfo(lifetime),
+    ];
+    message
+}
+
+pub(super) enum Object {
+    Rule(RuleMessage),
+    Route(RouteMessage),
+    Address(AddressMessage),
+    /// The clsact qdisc weir's filter hangs on.
+    Clsact(TcMessage),
+    /// weir's cls_bpf filter in its fixed slot.
+    Filter(TcMessage),
+}
+
+impl Object {
+    pub(super) fn message(&self, op: Op) -> RouteNetlinkMessage {
+        use RouteNetlinkMessage as M;
+        match (self, op) {
+            (Object::Rule(m), Op::Add) => M::NewRule(m.clone()),
+            (Object::Rule(m), Op::Delete) => M::DelRule(m.clone()),
+            (Object::Route(m), Op::Add) => M::NewRoute(m.clone()),
+            (Object::Route(m), Op::Delete) => M::DelRoute(m.clone()),
+            (Object::Address(m), Op::Add) => M::NewAddress(m.clone()),
+            (Object::Address(m), Op::Delete) => M::DelAddress(m.clone()),
+            (Object::Clsact(m), Op::Add) => M::NewQueueDiscipline(m.clone()),
+            (Object::Clsact(m), Op::Delete) => M::DelQueueDiscipline(m.clone()),
+            (Object::Filter(m), Op::Add) => M::NewTrafficFilter(m.clone()),
+            (Object::Filter(m), Op::Delete) => M::DelTrafficFilter(m.clone()),
+        }
+    }
+
+    pub(super) fn flags(&self, op: Op) -> u16 {
+        match (self, op) {
+            // Without NLM_F_EXCL a filter already in the slot (ours, an earlier agent's, or the
+            // other program's) has its program replaced in place: no moment without one.
+            (Object::Filter(_), Op::Add) => NLM_F_CREATE,
+            (_, Op::Add) => NLM_F_CREATE | NLM_F_EXCL,
+            (_, Op::Delete) => 0,
+        }
+    }
+
+    pub(super) fn family(&self) -> AddressFamily {
+        match self {
+            Object::Rule(m) => m.header.family,
+            Object::Route(m) => m.header.address_family,
+            Object::Address(m) => m.header.family,
+            Object::Clsact(_) | Object::Filter(_) => AddressFamily::Unspec,
+        }
+    }
+}
+
+impl fmt::Display for Object {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let family = if self.family() == AddressFamily::Inet6 {
+            "IPv6"
+        } else {
+            "IPv4"
+        };
+        match self {
+            Object::Rule(_) => write!(f, "{family} rule"),
+            Object::Route(_) => write!(f, "{family} route"),
+            Object::Address(_) => write!(f, "{family} address"),
+            Object::Clsact(m) => write!(f, "clsact qdisc on ifindex {}", m.header.index),
+            Object::Filter(m) => write!(f, "tc filter on ifindex {}", m.header.index),
+        }
+    }
+}

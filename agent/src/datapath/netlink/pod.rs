@@ -1,0 +1,261 @@
+//! A pod's namespace, through the socket made in it: its interfaces and addresses, the return
+//! path, weir's tc programs and rerouting rules, and their removal.
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use netlink_packet_route::{
+    address::{AddressAttribute, AddressMessage},
+    link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkMessage},
+    rule::{RuleAttribute, RuleMessage},
+    tc::{TcHandle, TcMessage},
+    AddressFamily, IpProtocol, RouteNetlinkMessage,
+};
+use weir_common::RETURN_ROUTE_TABLE;
+
+use super::errno::Op;
+use super::objects::{
+    clsact, local_route, reroute_rule, return_rule, tc_filter, Object, TcProgram, LOOPBACK_IFINDEX,
+    RETURN_RULE_PRIORITY,
+};
+use super::transport::Rtnl;
+
+/// weir's programs on a pod's interfaces, for [`Rtnl::attach_programs`].
+pub struct PodSetup<'a> {
+    /// The pod's interfaces but loopback, `(ifindex, name)`.
+    pub interfaces: &'a [(u32, String)],
+    /// Those whose TCP goes to ztunnel's outbound port (`istio.io/reroute-virtual-interfaces`).
+    pub rerouted: &'a [String],
+    /// The program for every other interface.
+    pub inbound: TcProgram<'a>,
+    /// The program for the rerouted interfaces.
+    pub reroute: TcProgram<'a>,
+}
+
+/// The interfaces whose rerouting rules ([`reroute_rule`]) are in the current netns, sorted.
+pub fn reroute_rules() -> io::Result<Vec<String>> {
+    let mut names: Vec<String> = installed_reroute_rules(&mut Rtnl::new()?)?
+        .iter()
+        .filter_map(reroute_interface)
+        .cloned()
+        .collect();
+    names.sort();
+    names.dedup();
+    Ok(names)
+}
+
+/// See [`Rtnl::non_loopback_addresses`], for the calling thread's network namespace.
+pub fn non_loopback_addresses() -> io::Result<Vec<IpAddr>> {
+    Rtnl::new()?.non_loopback_addresses()
+}
+
+/// See [`Rtnl::non_loopback_interfaces`], for the calling thread's network namespace.
+pub fn non_loopback_interfaces() -> io::Result<Vec<(u32, String)>> {
+    Rtnl::new()?.non_loopback_interfaces()
+}
+
+/// `op` on an interface's rerouting rules, IPv4 and IPv6.
+fn reroute_rules_of(op: Op, interface: &str) -> [(Op, Object); 2] {
+    [Ipv4Addr::UNSPECIFIED.into(), Ipv6Addr::UNSPECIFIED.into()]
+        .map(|any| (op, Object::Rule(reroute_rule(any, interface))))
+}
+
+/// The rerouted interfaces' rules in the current netns (by their shape, see [`reroute_rule`]).
+fn installed_reroute_rules(rtnl: &mut Rtnl) -> io::Result<Vec<RuleMessage>> {
+    let replies = rtnl.dump(RouteNetlinkMessage::GetRule(RuleMessage::default()))?;
+    Ok(replies
+        .into_iter()
+        .filter_map(|reply| match reply {
+            RouteNetlinkMessage::NewRule(rule) => Some(rule),
+            _ => None,
+        })
+        .filter_map(|rule| {
+            let has = |wanted: &RuleAttribute| rule.attributes.contains(wanted);
+            let ours = has(&RuleAttribute::Table(RETURN_ROUTE_TABLE))
+                && has(&RuleAttribute::Priority(RETURN_RULE_PRIORITY))
+                && has(&RuleAttribute::IpProtocol(IpProtocol::Tcp));
+            let any = match rule.header.family {
+                AddressFamily::Inet6 => Ipv6Addr::UNSPECIFIED.into(),
+                _ => Ipv4Addr::UNSPECIFIED.into(),
+            };
+            // Deleted as built, not as dumped: the dump carries attributes a delete must not
+            // name.
+            ours.then(|| reroute_interface(&rule).map(|name| reroute_rule(any, name)))?
+        })
+        .collect())
+}
+
+fn reroute_interface(rule: &RuleMessage) -> Option<&String> {
+    rule.attributes
+        .iter()
+        .find_map(|attribute| match attribute {
+            RuleAttribute::Iifname(name) => Some(name),
+            _ => None,
+        })
+}
+
+/// What makes `RETURN_MARK`-marked replies in a netns take the `local` route in table
+/// `RETURN_ROUTE_TABLE`, for IPv4 and IPv6, routes before rules (so a rule never points at an
+/// empty table): `ip route add local 0.0.0.0/0 dev lo table 100`,
+/// `ip -6 route add local ::/0 dev lo table 100` and
+/// `ip rule add fwmark 0x1000/0x1000 lookup 100 priority 32764`. Needs `lo` up, as it is in every
+/// pod. Where IPv6 is disabled (the namespace's `disable_ipv6` sysctl, or no IPv6 in the kernel)
+/// its half is skipped: there is no IPv6 traffic to return.
+pub(super) fn return_path() -> [Object; 4] {
+    let [v4, v6] = [Ipv4Addr::UNSPECIFIED.into(), Ipv6Addr::UNSPECIFIED.into()];
+    [
+        Object::Route(local_route(v4, 0, RETURN_ROUTE_TABLE)),
+        Object::Route(local_route(v6, 0, RETURN_ROUTE_TABLE)),
+        Object::Rule(return_rule(v4)),
+        Object::Rule(return_rule(v6)),
+    ]
+}
+
+impl Rtnl {
+    /// which shows the namespace `/sys` was mounted in).
+    pub fn non_loopback_interfaces(&mut self) -> io::Result<Vec<(u32, String)>> {
+        let mut request = LinkMessage::default();
+        // Without the interfaces' statistics: the kernel folds each one's per-CPU counters into
+        // the reply and the parser walks them, on every enrollment, for nothing read here.
+        request
+            .attributes
+            .push(LinkAttribute::ExtMask(vec![LinkExtentMask::SkipStats]));
+        let replies = self.dump(RouteNetlinkMessage::GetLink(request))?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|reply| match reply {
+                RouteNetlinkMessage::NewLink(link) => Some(link),
+                _ => None,
+            })
+            .filter(|link| !link.header.flags.contains(LinkFlags::Loopback))
+            .filter_map(|link| {
+                let name = link
+                    .attributes
+                    .into_iter()
+                    .find_map(|attribute| match attribute {
+                        LinkAttribute::IfName(name) => Some(name),
+                        _ => None,
+                    })?;
+                Some((link.header.index, name))
+            })
+            .collect())
+    }
+
+    /// Every address on the namespace's interfaces but loopback (`RTM_GETADDR` dump), tentative
+    /// ones included: the pod's CNI addresses, and also those no CNI result names, such as IPv6
+    /// link-local ones, through which a neighbour on the same segment reaches the pod's
+    /// listeners too.
+    pub fn non_loopback_addresses(&mut self) -> io::Result<Vec<IpAddr>> {
+        let replies = self.dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|reply| match reply {
+                RouteNetlinkMessage::NewAddress(address) => {
+                    // IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on a
+                    // point-to-point link, and the only one given otherwise.
+                    let find = |local: bool| {
+                        address
+                            .attributes
+                            .iter()
+                            .find_map(|attribute| match attribute {
+                                AddressAttribute::Local(ip) if local => Some(*ip),
+                                AddressAttribute::Address(ip) if !local => Some(*ip),
+                                _ => None,
+                            })
+                    };
+                    Some((address.header.index, find(true).or_else(|| find(false))?))
+                }
+                _ => None,
+            })
+            .filter(|(ifindex, ip)| *ifindex != LOOPBACK_IFINDEX && !ip.is_loopback())
+            .map(|(_, ip)| ip)
+            .collect())
+    }
+
+    /// The return path (see [`return_path`]), in one datagram. Idempotent.
+    pub fn set_up_return_path(&mut self) -> io::Result<()> {
+        self.apply(return_path().map(|object| (Op::Add, object)))
+    }
+
+    /// weir's programs on the pod's interfaces, in one datagram and in this order: on every
+    /// interface the clsact qdisc and weir's filter with the interface's program, replacing
+    /// whatever program held the slot; then the rerouted interfaces' rules (see
+    /// [`reroute_rule`]), last, since until the tc program assigns a rerouted SYN to ztunnel
+    /// local delivery would hand it to whatever listens on its port. The pod's other interfaces
+    /// lose any rerouting rule; one naming an interface the pod no longer has stays inert until
+    /// such an interface appears, which sets the pod up again. Idempotent.
+    ///
+    /// Apart from [`Self::set_up_return_path`] (one round trip more) so that a pod's enrollment
+    /// times them apart: a clsact qdisc made on an interface that is up costs an RCU grace
+    /// period (`qdisc_graft` deactivates the device), the largest single wait of an enrollment.
+    pub fn attach_programs(&mut self, pod: &PodSetup) -> io::Result<()> {
+        let tc = pod.interfaces.iter().flat_map(|(ifindex, name)| {
+            let program = match pod.rerouted.contains(name) {
+                true => pod.reroute,
+                false => pod.inbound,
+            };
+            [
+                (Op::Add, Object::Clsact(clsact(*ifindex))),
+                (Op::Add, Object::Filter(tc_filter(*ifindex, Some(program)))),
+            ]
+        });
+        let unrouted = pod
+            .interfaces
+            .iter()
+            .filter(|(_, name)| !pod.rerouted.contains(name))
+            .flat_map(|(_, name)| reroute_rules_of(Op::Delete, name));
+        let rerouted = pod
+            .rerouted
+            .iter()
+            .flat_map(|name| reroute_rules_of(Op::Add, name));
+        self.apply(tc.chain(unrouted).chain(rerouted))
+    }
+
+    /// Undoes [`Self::set_up_return_path`] and [`Self::attach_programs`] on `interfaces`, in one
+    /// datagram: weir's filters, every rerouting rule, the return path. Best effort: what is
+    /// already gone is success.
+    pub fn tear_down_pod(&mut self, interfaces: &[(u32, String)]) -> io::Result<()> {
+        let filters = interfaces
+            .iter()
+            .map(|(ifindex, _)| (Op::Delete, Object::Filter(tc_filter(*ifindex, None))));
+        let rules: Vec<(Op, Object)> = installed_reroute_rules(self)?
+            .into_iter()
+            .map(|rule| (Op::Delete, Object::Rule(rule)))
+            .collect();
+        let return_path = return_path()
+            .into_iter()
+            .rev()
+            .map(|object| (Op::Delete, object));
+        self.apply(filters.chain(rules).chain(return_path))?;
+        // The clsact qdisc goes too once no filter is left on it, weir's or another's: one that
+        // still holds another tool's filters stays.
+        let mut unused = Vec::new();
+        for (ifindex, _) in interfaces {
+            if self
+                .clsact_filters(*ifindex)
+                .is_ok_and(|filters| filters == 0)
+            {
+                unused.push((Op::Delete, Object::Clsact(clsact(*ifindex))));
+            }
+        }
+        self.apply(unused)
+    }
+
+    /// The filters on the interface's clsact qdisc, both directions.
+    fn clsact_filters(&mut self, ifindex: u32) -> io::Result<usize> {
+        let mut count = 0;
+        for minor in [TcHandle::MIN_INGRESS, TcHandle::MIN_EGRESS] {
+            let mut request = TcMessage::default();
+            request.header.index = ifindex as i32;
+            request.header.parent = TcHandle {
+                major: TcHandle::CLSACT.major,
+                minor,
+            };
+            count += self
+                .dump(RouteNetlinkMessage::GetTrafficFilter(request))?
+                .into_iter()
+                .filter(|reply| matches!(reply, RouteNetlinkMessage::NewTrafficFilter(_)))
+                .count();
+        }
+        Ok(count)
+    }
+}

@@ -1,0 +1,237 @@
+//! The owner thread's state: the loaded programs, the maps, the enrolled pods; how it starts
+//! (loading or taking over the datapath), answers commands, and uninstalls.
+use std::{
+    collections::HashMap as StdHashMap,
+    fs::{self, File},
+    os::{fd::AsFd, unix::fs::PermissionsExt},
+    path::PathBuf,
+    sync::{atomic::AtomicBool, mpsc, Arc},
+    time::Instant,
+};
+
+use anyhow::{Context, Result};
+use aya::{
+    maps::{Array, HashMap, MapData, PerCpuHashMap},
+    Ebpf,
+};
+use tracing::{info, warn};
+use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters};
+
+use super::{
+    audit, bpf_log, discovery, enroll_steps, handoff, kernel, maps_dir, mounts, netlink, netns,
+    programs, recovery, tasks, watch, Command, DatapathConfig, Reply, Traced, AUDIT_INTERVAL,
+};
+
+/// One enrolled pod as the owner tracks it.
+pub(super) struct Enrolled {
+    pub(super) netns_cookie: u64,
+    pub(super) ips: Vec<IpKey>,
+    /// Its `PODS` entry as written, to restore it when a later attempt fails.
+    pub(super) config: PodConfig,
+    /// Held so per-pod state can be undone while the pod lives; `None` for pods found in the
+    /// pinned maps after a restart.
+    pub(super) netns: Option<File>,
+}
+
+pub(super) struct Owner {
+    /// Keeps the programs loaded (and the tc program attachable) for the owner's lifetime.
+    pub(super) ebpf: Ebpf,
+    /// Reads the programs' log records while logging is on; stopped with the owner.
+    _bpf_log: Option<tasks::Task>,
+    pub(super) pods_map: HashMap<MapData, u64, PodConfig>,
+    pub(super) pod_ips: HashMap<MapData, IpKey, u64>,
+    pub(super) counters: PerCpuHashMap<MapData, u64, PodCounters>,
+    pub(super) pods: StdHashMap<String, Enrolled>,
+    /// Enrolled pods' interface subscriptions, by uid (pods recovered after a restart are
+    /// followed once enrolled again).
+    pub(super) watches: StdHashMap<String, watch::Watch>,
+    pub(super) watcher: watch::Watcher,
+    pub(super) pin_root: PathBuf,
+    probe_bypass: bool,
+    /// Where the kernel needs it (before 6.5): the per-pod socket lookup hand-off.
+    pub(super) handoff: Option<handoff::Handoff>,
+    /// How the netns cookie is learnt on kernels without `SO_NETNS_COOKIE` (before 5.14).
+    pub(super) cookie_answers: netns::CookieAnswers,
+    pub(super) enroll_steps: enroll_steps::EnrollSteps,
+    pub(super) mismatches: audit::Mismatches,
+    pub(super) sysctls: netns::ReplyMarkSysctls,
+    /// The thread's own netns (the node's), which enrolling and unenrolling come back to.
+    pub(super) home: netns::Home,
+    /// Its cookie: never enrolled as a pod's, whatever path or process claims it.
+    pub(super) node_netns_cookie: u64,
+    /// Where the watch and the log reader run; last, so their tasks stop before it goes.
+    _tasks: tasks::Tasks,
+}
+
+impl Owner {
+    pub(super) fn open(
+        config: &DatapathConfig,
+        changes: mpsc::Sender<Traced>,
+        enroll_steps: enroll_steps::EnrollSteps,
+        mismatches: audit::Mismatches,
+        watching: Arc<AtomicBool>,
+        tasks: tasks::Tasks,
+    ) -> Result<Self> {
+        if let Some(node) = &config.node_netns {
+            let file = File::open(node).with_context(|| format!("opening {}", node.display()))?;
+            // This thread lives in the node's netns from now on.
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .with_context(|| format!("entering {}", node.display()))?;
+        }
+        let kernel = kernel::Kernel::running()?;
+        mounts::ensure_bpffs(&config.pin_root)?;
+        let maps_dir = maps_dir(&config.pin_root);
+        // Links are versioned with the maps: an agent with another layout attaches its own set
+        // and never takes over programs that read maps it does not write.
+        let links_dir = maps_dir.join("links");
+        for dir in [&maps_dir, &links_dir] {
+            fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        // Root only: a pinned map or link opened by anyone else could switch a pod's
+        // redirection off.
+        for dir in [&config.pin_root, &maps_dir, &links_dir] {
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+                .with_context(|| format!("making {} root-only", dir.display()))?;
+        }
+        let mut ebpf = programs::load(&maps_dir, config.bpf_log)?;
+        let bpf_log = config
+            .bpf_log
+            .then(|| bpf_log::read_bpf_log(&mut ebpf, &tasks))
+            .transpose()?;
+        let cgroup_path = match &config.cgroup {
+            Some(path) => path.clone(),
+            None => mounts::cgroup2_root()?,
+        };
+        programs::attach(&mut ebpf, &cgroup_path, &links_dir)?;
+        let cookie_answers: netns::CookieAnswers =
+            programs::take_map(&mut ebpf, maps::NETNS_COOKIES)?;
+        let handoff = handoff::Handoff::for_kernel(&kernel, &links_dir)?;
+
+        let mut node_config: Array<MapData, NodeConfig> =
+            programs::take_map(&mut ebpf, maps::NODE_CONFIG)?;
+        let node_netns_cookie = netns::current_cookie(Some(&cookie_answers))?;
+        let host_netns_cookie = if config.probe_bypass {
+            netlink::install_probe_source().context("making the probe source address local")?;
+            node_netns_cookie
+        } else {
+            0
+        };
+        node_config.set(0, NodeConfig { host_netns_cookie }, 0)?;
+
+        let pods_map: HashMap<MapData, u64, PodConfig> = programs::take_map(&mut ebpf, maps::PODS)?;
+        let pod_ips: HashMap<MapData, IpKey, u64> = programs::take_map(&mut ebpf, maps::POD_IPS)?;
+        let counters = programs::take_map(&mut ebpf, maps::POD_COUNTERS)?;
+        let pods = recovery::recover_pods(&pods_map, &pod_ips);
+        info!(
+            pin_root = %config.pin_root.display(),
+            cgroup = %cgroup_path.display(),
+            recovered = pods.len(),
+            "datapath ready"
+        );
+        Ok(Self {
+            ebpf,
+            _bpf_log: bpf_log,
+            pods_map,
+            pod_ips,
+            counters,
+            pods,
+            watches: StdHashMap::new(),
+            watcher: watch::Watcher::start(changes, watching, &tasks)?,
+            pin_root: config.pin_root.clone(),
+            probe_bypass: config.probe_bypass,
+            handoff,
+            cookie_answers,
+            enroll_steps,
+            mismatches,
+            sysctls: netns::ReplyMarkSysctls::new(),
+            home: netns::Home::current().context("the datapath thread's netns")?,
+            node_netns_cookie,
+            _tasks: tasks,
+        })
+    }
+
+    /// Answers commands until it is stopped: then returns the stop's reply and result, to send
+    /// once the owner is dropped. `None` when every handle is gone.
+    pub(super) fn serve(
+        &mut self,
+        inbox: mpsc::Receiver<Traced>,
+    ) -> Option<(Reply<()>, Result<()>)> {
+        let mut next_audit = Instant::now() + AUDIT_INTERVAL;
+        loop {
+            let (span, command) =
+                match inbox.recv_timeout(next_audit.saturating_duration_since(Instant::now())) {
+                    Ok(traced) => traced,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        self.audit();
+                        next_audit = Instant::now() + AUDIT_INTERVAL;
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+                };
+            let _caller = span.enter();
+            match command {
+                Command::Enroll(pod, netns, reply) => {
+                    let _ = reply.send(self.enroll(&pod, netns));
+                }
+                Command::Unenroll(uid, reply) => {
+                    let _ = reply.send(self.unenroll(&uid));
+                }
+                Command::Counters(uid, reply) => {
+                    let _ = reply.send(self.pod_counters(&uid));
+                }
+                Command::Adopt(uid, record, reply) => {
+                    let _ = reply.send(self.adopt(&uid, record.as_ref()));
+                }
+                Command::FindRunningPod {
+                    uid,
+                    ips,
+                    hint,
+                    reply,
+                } => {
+                    let found = discovery::find_running_pod(&uid, &ips, hint.as_deref());
+                    let _ = reply.send(found);
+                }
+                Command::InterfacesChanged { uid, netns_cookie } => {
+                    self.interfaces_changed(&uid, netns_cookie);
+                }
+                Command::RetireOtherLayouts(reply) => {
+                    let _ = reply.send(self.retire_other_layouts());
+                }
+                Command::IsRedirected(uid, reply) => {
+                    let _ = reply.send(Ok(self.is_redirected(&uid)));
+                }
+                Command::Orphaned(only, reply) => {
+                    let _ = reply.send(Ok(self.orphaned(only.as_deref())));
+                }
+                Command::Audit(reply) => {
+                    let _ = reply.send(Ok(self.audit()));
+                }
+                Command::Enrolled(reply) => {
+                    let _ = reply.send(Ok(self.pods.keys().cloned().collect()));
+                }
+                Command::Stop { uninstall, reply } => {
+                    let result = if uninstall { self.uninstall() } else { Ok(()) };
+                    return Some((reply, result));
+                }
+            }
+        }
+    }
+
+    fn uninstall(&mut self) -> Result<()> {
+        let uids: Vec<String> = self.pods.keys().cloned().collect();
+        for uid in uids {
+            self.unenroll(&uid)?;
+        }
+        if self.probe_bypass {
+            if let Err(error) = netlink::remove_probe_source() {
+                warn!(%error, "removing the probe source address");
+            }
+        }
+        // Unpinning the links detaches the programs once no fd holds them; maps go with
+        // their pins once the programs are gone.
+        fs::remove_dir_all(&self.pin_root)
+            .with_context(|| format!("removing {}", self.pin_root.display()))?;
+        info!(pin_root = %self.pin_root.display(), "datapath uninstalled");
+        Ok(())
+    }
+}
