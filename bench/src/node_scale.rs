@@ -23,8 +23,9 @@ use weir_tests::node::{NodeOptions, PODS_PER_BRIDGE};
 use weir_tests::ApiServer;
 use weir_tests::{Pod, PodSpec, TestNode, ZdsEvent, ZdsZtunnel};
 
+use crate::pods::{parallel, remove_pods, POD_WORKERS};
 use crate::report::{self, micros, ratio, Report, Samples, Table};
-use crate::{parallel, timed, Plan, ScalePoint, POD_WORKERS};
+use crate::{timed, Plan, ScalePoint};
 
 /// Attempts at one pod's weir-cni ADD in the storm, as kubelet retries a failed sandbox: under
 /// a saturated machine an ADD can outlast weir-cni's 5 s deadline. Retries are reported.
@@ -78,7 +79,7 @@ fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Repo
         )?);
         Ok(())
     })();
-    crate::remove_pods(pods);
+    remove_pods(pods);
     measured
 }
 
@@ -266,7 +267,7 @@ fn agent_away(node: &TestNode, files: &NodeFiles, weir: &WeirCni, plan: &Plan) -
     if asked != 2 * plan.enroll_samples {
         bail!("weir-cni asked the API server {asked} times, not twice per ADD");
     }
-    crate::remove_pods(pods);
+    remove_pods(pods);
     let mut table = Table::new(
         "weir-cni when the agent is away: a pod that is not ambient",
         &[
@@ -404,7 +405,7 @@ fn scale(
         ));
     }
     table.json = json!({ "sizes": json_sizes });
-    crate::remove_pods(probes);
+    remove_pods(probes);
     Ok((table, curve))
 }
 
