@@ -49,8 +49,8 @@ struct Args {
     sizes: Vec<usize>,
     /// Which sections to run: all of them, or (to look into one side) only those measured in
     /// the bench's process (enrollment, connections, bulk, cost), only those on a running
-    /// agent (scale, pod start, reboot storm), or only the agent following a cluster (memory,
-    /// API requests).
+    /// agent (pod start, the agent away, scale, reboot storm), only pod start, or only the
+    /// agent following a cluster (memory, API requests).
     #[arg(long, env = "WEIR_BENCH_SECTIONS", value_enum, default_value_t = Sections::All)]
     sections: Sections,
     /// Directory for bench.md, bench.json and scale.svg.
@@ -63,6 +63,7 @@ enum Sections {
     All,
     InProcess,
     Agent,
+    PodStart,
     Cluster,
 }
 
@@ -142,8 +143,11 @@ fn main() -> Result<()> {
     if matches!(args.sections, Sections::All | Sections::InProcess) {
         in_process::measure(&plan, &mut report)?;
     }
-    if matches!(args.sections, Sections::All | Sections::Agent) {
-        node_scale::measure(&plan, &mut report)?;
+    if matches!(
+        args.sections,
+        Sections::All | Sections::Agent | Sections::PodStart
+    ) {
+        node_scale::measure(&plan, args.sections, &mut report)?;
     }
     if matches!(args.sections, Sections::All | Sections::Cluster) {
         println!("the agent following a cluster: memory, API requests...");

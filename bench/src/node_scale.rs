@@ -25,14 +25,15 @@ use weir_tests::{Pod, PodSpec, TestNode, ZdsEvent, ZdsZtunnel};
 
 use crate::pods::{parallel, remove_pods, POD_WORKERS};
 use crate::report::{self, micros, ratio, Report, Samples, Table};
-use crate::{timed, Plan, ScalePoint};
+use crate::{timed, Plan, ScalePoint, Sections};
 
 /// Attempts at one pod's weir-cni ADD in the storm, as kubelet retries a failed sandbox: under
 /// a saturated machine an ADD can outlast weir-cni's 5 s deadline. Retries are reported.
 const STORM_ATTEMPTS: usize = 3;
 
-/// Runs the agent sections on a node of their own and adds their tables to `report`.
-pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
+/// Runs the agent sections on a node of their own (only pod start for
+/// [`Sections::PodStart`]) and adds their tables to `report`.
+pub fn measure(plan: &Plan, sections: Sections, report: &mut Report) -> Result<()> {
     let files = NodeFiles::new()?;
     files.write_policy(&ambient_policy())?;
     let most_pods = plan
@@ -49,14 +50,20 @@ pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
         extra_bridges: most_pods.div_ceil(PODS_PER_BRIDGE) - 1,
         ..files.node_options()
     })?;
-    let measured = with_agent(&files, &node, plan, report);
+    let measured = with_agent(&files, &node, plan, sections, report);
     // The agent stops as an upgrade does, leaving its datapath pinned: removed here.
     let datapath = Datapath::start(node.datapath_config()).and_then(|d| d.uninstall().wait());
     measured?;
     datapath.context("removing the agent's datapath")
 }
 
-fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Report) -> Result<()> {
+fn with_agent(
+    files: &NodeFiles,
+    node: &TestNode,
+    plan: &Plan,
+    sections: Sections,
+    report: &mut Report,
+) -> Result<()> {
     let agent = AgentProcess::start(files, node.netns(), AgentBinary::Run { env: &[] })?;
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).context("ztunnel connects")?;
     ztunnel.ack_without_proxies();
@@ -67,6 +74,9 @@ fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Repo
     let measured = (|| {
         println!("whole CNI ADD with and without weir-cni...");
         report.push(cni_add(node, plan)?);
+        if sections == Sections::PodStart {
+            return Ok(());
+        }
         println!("weir-cni with the agent away: the API server, the verdict cache...");
         report.push(agent_away(node, files, &weir, plan)?);
         println!("scale, through the agent...");
