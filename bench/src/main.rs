@@ -20,6 +20,7 @@ mod load;
 mod node_scale;
 mod pods;
 mod report;
+mod runtime;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -3,7 +3,8 @@
 //! every Add over ZDS, and pods' ADDs executing weir-cni as the runtime does. The node has as many
 //! bridges as its pods need (one takes at most [`PODS_PER_BRIDGE`]); one agent serves them all.
 //!
-//! Sections: the whole CNI ADD with and without weir-cni; weir-cni's decision when the agent is
+//! Sections: pod start, the whole CNI ADD with and without weir-cni, every plugin exec'd as a
+//! runtime execs it ([`crate::runtime`]); weir-cni's decision when the agent is
 //! away (the API server's, the verdict cache's) against the agent's; scale (enroll latency, agent
 //! RSS, map memory and removal time at each size); the node reboot storm.
 
@@ -25,6 +26,7 @@ use weir_tests::{Pod, PodSpec, TestNode, ZdsEvent, ZdsZtunnel};
 
 use crate::pods::{parallel, remove_pods, POD_WORKERS};
 use crate::report::{self, micros, ratio, Report, Samples, Table};
+use crate::runtime::Sandbox;
 use crate::{timed, Plan, ScalePoint, Sections};
 
 /// Attempts at one pod's weir-cni ADD in the storm, as kubelet retries a failed sandbox: under
@@ -72,8 +74,8 @@ fn with_agent(
     // while the agent still answers.
     let mut pods: Vec<Pod> = Vec::new();
     let measured = (|| {
-        println!("whole CNI ADD with and without weir-cni...");
-        report.push(cni_add(node, plan)?);
+        println!("pod start: the whole CNI ADD with and without weir-cni...");
+        report.push(pod_start(node, &agent, &weir, plan)?);
         if sections == Sections::PodStart {
             return Ok(());
         }
@@ -158,26 +160,39 @@ fn primary_pods(node: &TestNode, prefix: &str, first: usize, count: usize) -> Re
     })
 }
 
-/// The whole CNI ADD of an ambient pod as the runtime runs it, loopback + bridge + weir-cni
-/// against loopback + bridge, pod pair by pod pair, alternating which goes first.
-fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
-    let (mut with, mut without) = (Samples::new(), Samples::new());
+/// Pod start: the whole CNI ADD of an ambient pod as a runtime runs it ([`Sandbox::add`]),
+/// loopback + bridge + weir-cni against loopback + bridge, pod pair by pod pair, alternating
+/// which goes first; with weir-cni's exec alone within it, and the agent's own part of that
+/// (its `weir_redirect_seconds` over the section).
+fn pod_start(node: &TestNode, agent: &AgentProcess, weir: &WeirCni, plan: &Plan) -> Result<Table> {
+    let with_weir = weir.list.clone();
+    let mut primary = weir.list.clone();
+    primary.plugins.truncate(1);
+    let (mut with, mut without, mut weir_exec) = (Samples::new(), Samples::new(), Samples::new());
     let (mut ratios, mut added) = (Vec::new(), Vec::new());
+    let redirect_before = redirect_seconds(node, agent)?;
     for i in 0..plan.chain_pairs {
-        let with_weir = || node.add_pod_with(ambient(format!("cw{i}")));
-        let without_weir = || node.add_pod_primary(ambient(format!("cp{i}")));
-        let (w, o) = if i % 2 == 0 {
-            (with_weir()?, without_weir()?)
+        let add =
+            |chain: &NetworkConfigList, name: String| Sandbox::add(node, chain.clone(), &name);
+        // Both sandboxes stay until the pair is timed, each on its own port of cni0.
+        let ((_w, w), (_o, o)) = if i % 2 == 0 {
+            let w = add(&with_weir, format!("cw{i}"))?;
+            (w, add(&primary, format!("cp{i}"))?)
         } else {
-            let o = without_weir()?;
-            (with_weir()?, o)
+            let o = add(&primary, format!("cp{i}"))?;
+            (add(&with_weir, format!("cw{i}"))?, o)
         };
-        let (w, o) = (w.cni_add_duration(), o.cni_add_duration());
-        ratios.push(w.as_secs_f64() / o.as_secs_f64());
-        added.push(w.as_secs_f64() - o.as_secs_f64());
-        with.push(w);
-        without.push(o);
+        let weir_cni = *w.plugins.last().context("no plugin ran")?;
+        ratios.push(w.whole.as_secs_f64() / o.whole.as_secs_f64());
+        added.push(w.whole.as_secs_f64() - o.whole.as_secs_f64());
+        with.push(w.whole);
+        without.push(o.whole);
+        weir_exec.push(weir_cni);
     }
+    let redirect = redirect_seconds(node, agent)?;
+    let datapath_part = Duration::from_secs_f64(
+        (redirect.0 - redirect_before.0) / (redirect.1 - redirect_before.1).max(1.0),
+    );
     let mut table = Table::new(
         "Pod start: the whole CNI ADD with and without weir-cni",
         &[
@@ -196,12 +211,31 @@ fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
         micros(Duration::from_secs_f64(added_median.max(0.0))),
         ratio(&ratios),
     ]);
+    table.row(&[
+        "weir-cni's exec within it, median (p99)".into(),
+        weir_exec.show(),
+        "-".into(),
+        "-".into(),
+        "-".into(),
+    ]);
+    table.row(&[
+        "the agent's datapath part of that, mean".into(),
+        micros(datapath_part),
+        "-".into(),
+        "-".into(),
+        "-".into(),
+    ]);
     table.note(format!(
-        "{} pairs of ambient pods, each ADD run as the runtime runs it (loopback, then the \
-         conflist; every plugin executed through `ip netns exec` into the node, the harness' \
-         runtime): bridge + host-local against the same + weir-cni, which returns once the agent \
-         (its binary, in its own process) has enrolled the pod and the ztunnel stand-in \
-         acked its Add. The namespace's creation is not in it.",
+        "{} pairs of ambient pods, each ADD run as a container runtime runs it: every plugin \
+         binary exec'd straight from the node's network namespace with the CNI_* environment \
+         and its configuration on stdin (loopback as a network of its own, then the conflist, \
+         each plugin getting the one before's result): bridge + host-local against the same + \
+         weir-cni, which returns once the agent (its binary, in its own process) has enrolled \
+         the pod and the ztunnel stand-in acked its Add. weir-cni's exec: from its spawn to its \
+         exit within the ADD with it. The agent's datapath part: its own \
+         `weir_redirect_seconds` over those ADDs (maps, tc, routing, in the pod's netns); the \
+         rest of weir-cni's exec is the process start, the agent's socket, its policy and the \
+         ZDS round trip. The namespace's creation is not in it.",
         plan.chain_pairs
     ));
     table.json = json!({
@@ -210,6 +244,8 @@ fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
         "without": without.json(),
         "added_by_weir_cni_median_us": added_median * 1e6,
         "with_over_without": report::median(&ratios),
+        "weir_cni_exec": weir_exec.json(),
+        "datapath_part_mean_s": datapath_part.as_secs_f64(),
     });
     Ok(table)
 }
