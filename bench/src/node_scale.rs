@@ -190,9 +190,7 @@ fn pod_start(node: &TestNode, agent: &AgentProcess, weir: &WeirCni, plan: &Plan)
         weir_exec.push(weir_cni);
     }
     let redirect = redirect_seconds(node, agent)?;
-    let datapath_part = Duration::from_secs_f64(
-        (redirect.0 - redirect_before.0) / (redirect.1 - redirect_before.1).max(1.0),
-    );
+    let datapath_part = mean_redirect(redirect_before, redirect);
     let mut table = Table::new(
         "Pod start: the whole CNI ADD with and without weir-cni",
         &[
@@ -391,9 +389,7 @@ fn scale(
             })?;
         }
         let redirect = redirect_seconds(node, agent)?;
-        let datapath_part = Duration::from_secs_f64(
-            (redirect.0 - redirect_before.0) / (redirect.1 - redirect_before.1).max(1.0),
-        );
+        let datapath_part = mean_redirect(redirect_before, redirect);
         let rss = agent.rss_bytes()?;
         let memory = report::map_memory(&maps)?;
         let del_all = timed(|| {
@@ -453,6 +449,11 @@ fn scale(
     table.json = json!({ "sizes": json_sizes });
     remove_pods(probes);
     Ok((table, curve))
+}
+
+/// The mean of the agent's `weir_redirect_seconds` between two readings of [`redirect_seconds`].
+fn mean_redirect(before: (f64, f64), after: (f64, f64)) -> Duration {
+    Duration::from_secs_f64((after.0 - before.0) / (after.1 - before.1).max(1.0))
 }
 
 /// The agent's `weir_redirect_seconds` histogram: (sum, count). It serves in the node's netns.
