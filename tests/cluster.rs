@@ -17,12 +17,13 @@ use k8s_openapi::api::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 use weir_agent::{
-    app::{AgentConfig, SourceConfig},
     cluster::{repair::BrokenPodAction, ClusterConfig},
+    config::{AgentConfig, SourceConfig},
     policy::{
         DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION,
-        SIDECAR_STATUS_ANNOTATION, UNINITIALIZED_LABEL,
+        SIDECAR_STATUS_ANNOTATION,
     },
+    report::UNINITIALIZED_LABEL,
 };
 use weir_common::{DNS_PORT, OUTBOUND_PORT};
 use weir_tests::{

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::json;
 use weir_agent::{
-    app::AgentConfig,
+    config::AgentConfig,
     install::ServiceAccount,
     policy::{
         local::ObjectMeta as PolicyMeta, BYPASS_INBOUND_ANNOTATION, DATAPLANE_MODE_LABEL,

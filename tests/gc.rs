@@ -3,7 +3,7 @@
 //! recover costs only itself. Through the real chain and the real agent, as tests/cni.rs.
 use std::{collections::BTreeSet, path::Path, process::Command as Process, time::Duration};
 
-use weir_agent::{app::AgentConfig, datapath::pinned_pods, state};
+use weir_agent::{config::AgentConfig, datapath::pinned_pods, state};
 use weir_tests::{
     agent::Agent,
     cgroup::{CgroupDriver, PodProcess},

@@ -1,10 +1,7 @@
 //! The agent as a whole: every part started in the right order, stopped on request.
 use std::{
     future::Future,
-    net::SocketAddr,
-    path::PathBuf,
     sync::{Arc, Mutex},
-    time::Duration,
 };
 
 use anyhow::{Context, Result};
@@ -13,53 +10,30 @@ use tracing::{info, warn};
 
 use crate::{
     check::{self, CheckConfig},
-    cluster::{reconcile::Reconciler, repair::Repair, ClusterConfig},
+    cluster::{
+        self,
+        policy::ClusterSource,
+        reconcile::Reconciler,
+        repair::{BrokenPodAction, Repair},
+        report::ApiReporter,
+        shutdown,
+    },
     cni_server::{CniHandler, CniServer},
-    datapath::{Datapath, DatapathConfig},
+    config::{AgentConfig, SourceConfig},
+    datapath::Datapath,
     enroll::Enroller,
     http,
-    install::{InstallConfig, InstallStatus, Installer, ServiceAccount},
-    policy::{
-        cluster::ClusterSource, local::LocalSource, PodName, PolicyConfig, PolicySource, Warning,
-    },
+    install::{InstallConfig, InstallStatus, Installer},
+    pod_metrics::PodMetrics,
+    policy::{local::LocalSource, Policy},
+    report::{NoReporter, Reporter, Warning},
+    trace,
+    workload::PodName,
     zds::{self, ZdsConfig},
 };
 
 /// The plugin's binary name in the CNI bin dir, and its `type` in the conflist.
 pub const PLUGIN_NAME: &str = "weir-cni";
-
-/// Everything the agent is told; `weir-agent run` fills it from flags and environment.
-#[derive(Clone, Debug)]
-pub struct AgentConfig {
-    pub datapath: DatapathConfig,
-    pub policy: PolicyConfig,
-    pub source: SourceConfig,
-    pub cni_socket: PathBuf,
-    pub verdict_cache: PathBuf,
-    /// Enrolled pods' names and netns paths, for the next agent after a restart.
-    pub state_file: PathBuf,
-    pub zds_socket: PathBuf,
-    pub cni_bin_dir: PathBuf,
-    pub cni_net_dir: PathBuf,
-    pub cni_plugin: PathBuf,
-    pub cni_plugin_log: Option<PathBuf>,
-    /// What the plugin reads the API server with while the agent is away (its kubeconfig);
-    /// `None` writes none, and the plugin falls back to the verdict cache alone.
-    pub service_account: Option<ServiceAccount>,
-    pub health_addr: SocketAddr,
-    pub metrics_addr: SocketAddr,
-    pub uninstall_on_exit: bool,
-    /// How often enrolled pods whose DEL never came are looked for.
-    pub orphan_sweep_interval: Duration,
-}
-
-/// Where ambient policy comes from.
-#[derive(Clone, Debug)]
-pub enum SourceConfig {
-    /// A local policy file: a node without an API server.
-    File(PathBuf),
-    Cluster(ClusterConfig),
-}
 
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
@@ -72,6 +46,10 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     // the first ADD the runtime sends can be answered.
     let datapath = Arc::new(Datapath::start(config.datapath.clone())?);
     datapath.register_metrics(&mut registry);
+    registry.register_collector(Box::new(PodMetrics {
+        pin_root: config.datapath.pin_root.clone(),
+        state_file: config.state_file.clone(),
+    }));
     let (zds, zds_serve) = zds::start(
         ZdsConfig {
             socket_path: config.zds_socket.clone(),
@@ -84,33 +62,50 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     zds.hold_snapshots();
     let snapshots = zds.clone();
     // In a cluster, the reflectors feed a reconcile loop besides the enrollment path.
-    let (policy, reflectors): (Arc<dyn PolicySource>, _) = match &config.source {
-        SourceConfig::File(file) => (
-            Arc::new(LocalSource::new(
-                config.policy.clone(),
-                file.clone(),
-                config.verdict_cache.clone(),
-            )?),
-            None,
-        ),
-        SourceConfig::Cluster(cluster) => {
-            let source =
-                ClusterSource::start(config.policy.clone(), cluster, config.verdict_cache.clone())
+    let (policy, reporter, in_cluster): (Arc<dyn Policy>, Arc<dyn Reporter>, _) =
+        match &config.source {
+            SourceConfig::File(file) => {
+                let policy = LocalSource::new(
+                    config.policy.clone(),
+                    file.clone(),
+                    config.verdict_cache.clone(),
+                )?;
+                (Arc::new(policy), Arc::new(NoReporter), None)
+            }
+            SourceConfig::Cluster(cluster) => {
+                let client = cluster::connect(cluster)
                     .await
                     .context("following the cluster")?;
-            source.register_metrics(&mut registry);
-            let repair = Repair::new(source.client().clone(), cluster.broken_pods);
-            let reflectors = (source.reflectors().clone(), cluster.resync_interval, repair);
-            (source, Some(reflectors))
-        }
-    };
+                let source = ClusterSource::start(
+                    config.policy.clone(),
+                    &client,
+                    &cluster.node_name,
+                    config.verdict_cache.clone(),
+                );
+                let reflectors = source.reflectors().clone();
+                let reporter = ApiReporter::new(
+                    client.clone(),
+                    config.policy.own.pod_name.clone(),
+                    reflectors.clone(),
+                );
+                reporter.register_metrics(&mut registry);
+                let in_cluster = InCluster {
+                    client,
+                    broken_pods: cluster.broken_pods,
+                    node_name: cluster.node_name.clone(),
+                    reflectors,
+                    resync_interval: cluster.resync_interval,
+                };
+                (source, Arc::new(reporter), Some(in_cluster))
+            }
+        };
     let enroller = Enroller::new(
         datapath.clone(),
         zds,
-        policy.clone(),
+        reporter.clone(),
         config.state_file.clone(),
     );
-    let cni_handler = CniHandler::new(enroller.clone(), policy.clone());
+    let cni_handler = CniHandler::new(enroller.clone(), policy.clone(), reporter.clone());
     cni_handler.register_metrics(&mut registry);
     enroller.register_metrics(&mut registry);
     enroller
@@ -119,15 +114,15 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         .context("recovering enrolled pods")?;
     // Not ready before one full reconcile pass (where there is one): until then pods may be
     // enrolled that should not be, or missing.
-    let (first_pass_tx, mut first_pass) = tokio::sync::watch::channel(reflectors.is_none());
-    let reconciler = reflectors.map(|(reflectors, resync_interval, repair)| {
+    let (first_pass_tx, mut first_pass) = tokio::sync::watch::channel(in_cluster.is_none());
+    let reconciler = in_cluster.as_ref().map(|in_cluster| {
         let reconciler = Reconciler::new(
             enroller.clone(),
-            reflectors,
+            in_cluster.reflectors.clone(),
             config.policy.clone(),
-            policy.clone(),
-            resync_interval,
-            repair,
+            reporter.clone(),
+            in_cluster.resync_interval,
+            Repair::new(in_cluster.client.clone(), in_cluster.broken_pods),
         );
         reconciler.register_metrics(&mut registry);
         reconciler
@@ -163,7 +158,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     if let Some(own_pod) = &config.policy.own.pod_name {
         let own_pod = PodName::new(&config.policy.own.namespace, own_pod);
         tasks.spawn(report_config_rewrites(
-            policy.clone(),
+            reporter.clone(),
             own_pod,
             installer.status(),
         ));
@@ -187,6 +182,18 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         let datapath = datapath.clone();
         Arc::new(move || datapath.health())
     };
+    {
+        let (socket, pin_root, state_file) = (
+            config.trace_socket.clone(),
+            config.datapath.pin_root.clone(),
+            config.state_file.clone(),
+        );
+        tasks.spawn(async move {
+            if let Err(error) = trace::serve(socket, pin_root, state_file).await {
+                warn!(error = format!("{error:#}"), "trace server stopped");
+            }
+        });
+    }
     for addr in [config.health_addr, config.metrics_addr] {
         let (ready, live, registry) = (ready.clone(), live.clone(), registry.clone());
         tasks.spawn(async move {
@@ -214,7 +221,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     }
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
-    if config.uninstall_on_exit || !policy.keep_node_on_exit().await {
+    if config.uninstall_on_exit || !keep_node_on_exit(in_cluster.as_ref()).await {
         installer.uninstall().context("removing the CNI plugin")?;
         datapath.uninstall().await?;
         info!("weir removed from this node");
@@ -228,10 +235,31 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     Ok(())
 }
 
+/// What the agent follows the cluster with, where there is one.
+struct InCluster {
+    client: kube::Client,
+    node_name: String,
+    reflectors: cluster::Reflectors,
+    resync_interval: std::time::Duration,
+    broken_pods: BrokenPodAction,
+}
+
+/// On SIGTERM: whether to leave weir in place for the next agent. Without a cluster nothing
+/// says an upgrade is under way: `--uninstall-on-exit` decides.
+async fn keep_node_on_exit(in_cluster: Option<&InCluster>) -> bool {
+    match in_cluster {
+        Some(cluster) => {
+            shutdown::keep_node_on_exit(&cluster.client, &cluster.node_name, &cluster.reflectors)
+                .await
+        }
+        None => true,
+    }
+}
+
 /// Tells the agent's own pod each time another component rewrote the CNI config and weir put
 /// its entry back (a Warning Event in a cluster, rate-limited as the others).
 async fn report_config_rewrites(
-    policy: Arc<dyn PolicySource>,
+    reporter: Arc<dyn Reporter>,
     own_pod: PodName,
     mut status: tokio::sync::watch::Receiver<InstallStatus>,
 ) {
@@ -245,7 +273,7 @@ async fn report_config_rewrites(
         if rewrites > reported {
             reported = rewrites;
             let file = file.map_or_else(String::new, |file| file.display().to_string());
-            policy
+            reporter
                 .warn(&own_pod, Warning::CniConfigRewritten { file })
                 .await;
         }

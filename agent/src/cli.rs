@@ -8,8 +8,8 @@ use clap::{Arg, ArgAction, Parser, Subcommand, ValueEnum};
 use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
 
 use crate::{
-    app::{AgentConfig, SourceConfig},
     cluster::{repair::BrokenPodAction, ClusterConfig},
+    config::{AgentConfig, SourceConfig},
     datapath::DatapathConfig,
     inspect,
     install::ServiceAccount,
@@ -18,6 +18,7 @@ use crate::{
         enablement::{default_selectors, parse_selectors, EnablementSelector},
         OwnPods, PolicyConfig,
     },
+    trace::{self, TraceArgs, TraceSocketArg},
 };
 
 #[derive(Parser)]
@@ -142,6 +143,8 @@ pub struct RunArgs {
     pub verdict_cache: PathBuf,
     #[command(flatten)]
     pub state: StateFileArg,
+    #[command(flatten)]
+    pub trace: TraceSocketArg,
     /// ZDS socket ztunnel connects to.
     #[arg(
         long,
@@ -233,6 +236,12 @@ pub enum Command {
     /// needs (the agent itself runs the same checks at start). Exits with 1 when a requirement
     /// is not met. Changes nothing.
     Check(Box<RunArgs>),
+    /// Stream the programs' redirect decisions live from the agent on this node: each
+    /// connection sent to ztunnel, let through, refused or dropped, with its pod, tuple and
+    /// verdict. Safe next to a running agent; several readers may trace at once, and tracing
+    /// costs the datapath nothing once the last one leaves. Stops on Ctrl-C.
+    #[command(after_long_help = trace::verdicts_help())]
+    Trace(TraceArgs),
 }
 
 impl RunArgs {
@@ -274,6 +283,7 @@ impl RunArgs {
             cni_socket: self.cni_socket,
             verdict_cache: self.verdict_cache,
             state_file: self.state.state_file,
+            trace_socket: self.trace.trace_socket,
             zds_socket: self.zds_socket,
             cni_bin_dir: self.cni_dirs.cni_bin_dir,
             cni_net_dir: self.cni_dirs.cni_net_dir,

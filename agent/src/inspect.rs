@@ -19,9 +19,8 @@ use weir_common::PodCounters;
 
 use crate::{
     datapath::{self, PinnedPod},
-    enroll::Status,
     state::{self, Record},
-    workload::PodOptions,
+    workload::{PodOptions, Status},
 };
 
 /// The JSON output's fields, for `--help`.

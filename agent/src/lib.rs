@@ -1,12 +1,15 @@
 //! weir's node agent: enrolls Istio ambient pods into ztunnel with eBPF instead of iptables.
 //!
-//! - [`app`]: the agent as a whole, its parts started in order.
-//! - [`enroll`]: the one path a pod takes into the mesh and out (`Enroller::enroll`).
-//! - [`policy`]: which pods are ambient, with which options (istio's rules), from a local file or
-//!   the cluster.
-//! - [`cluster`]: the Kubernetes side: reflectors, the status annotation and Events, the
-//!   SIGTERM rule.
-//! - [`workload`]: a pod as the agent knows it, from the CNI request to its map entries.
+//! - [`app`]: the agent as a whole, its parts started in order; [`config`]: what it is told.
+//! - [`enroll`]: the one path a pod takes into the mesh and out (`Enroller::enroll`), recovery
+//!   at start, CNI GC and the orphan sweep.
+//! - [`policy`]: which pods are ambient, with which options (istio's rules), from a local file;
+//!   the verdict cache the plugin falls back on.
+//! - [`report`]: where pods' statuses and warnings go (`Reporter`), and the warnings themselves.
+//! - [`cluster`]: the Kubernetes side: reflectors, the policy decided from them, the status
+//!   annotation and Events, the reconcile loop and pod repair, the SIGTERM rule.
+//! - [`workload`]: a pod as the agent knows it: its name, what is enrolled, its options and
+//!   status.
 //! - [`state`]: the agent's record of enrolled pods, for the next agent after a restart.
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection.
 //! - [`netns`], [`netlink`]: per-pod network namespace work, done on the datapath's own thread.
@@ -25,6 +28,7 @@ pub mod check;
 pub mod cli;
 pub mod cluster;
 pub mod cni_server;
+pub mod config;
 pub mod datapath;
 pub mod enroll;
 pub mod http;
@@ -33,7 +37,10 @@ pub mod install;
 pub mod logging;
 pub mod netlink;
 pub mod netns;
+pub mod pod_metrics;
 pub mod policy;
+pub mod report;
 pub mod state;
+pub mod trace;
 pub mod workload;
 pub mod zds;

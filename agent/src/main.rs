@@ -12,7 +12,7 @@ use weir_agent::{
     datapath::Datapath,
     inspect,
     install::{InstallConfig, Installer},
-    logging,
+    logging, trace,
 };
 
 fn main() -> ExitCode {
@@ -62,6 +62,7 @@ fn run(cli: Cli) -> Result<()> {
             let config = CheckConfig::for_run(*args, cli.datapath.config())?;
             tokio::runtime::Runtime::new()?.block_on(check::print(&config))
         }
+        Command::Trace(args) => tokio::runtime::Runtime::new()?.block_on(trace::run(args)),
     }
 }
 

@@ -1,10 +1,54 @@
-//! A pod as the agent knows it, from the CNI request that names it to its map entries; also what
-//! the state file remembers of it across agent restarts.
-use std::{net::IpAddr, path::PathBuf};
+//! A pod as the agent knows it: its name, the [`Workload`] the enrollment path hands the datapath
+//! and ztunnel (also what the state file remembers of it across agent restarts), its redirection
+//! options and its enrollment [`Status`].
+use std::{fmt, net::IpAddr, path::PathBuf};
 
 use serde::{Deserialize, Serialize};
 use weir_cni::protocol::Attachment;
 
+/// A pod by namespace and name, as the runtime and the API server both name it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PodName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl PodName {
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for PodName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Where an enrolled pod stands, as istio's `ambient.istio.io/redirection` annotation says it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Redirected, waiting for ztunnel's Ack (istio's `ambient.istio.io/redirection=pending`).
+    Pending,
+    /// Redirected and acked by ztunnel (`enabled`).
+    Enabled,
+}
+
+impl Status {
+    /// The annotation's value, and the metrics' label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pending => "pending",
+            Status::Enabled => "enabled",
+        }
+    }
+}
+
+/// A pod the agent enrolls.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Workload {
     /// metadata.uid
@@ -23,6 +67,13 @@ pub struct Workload {
     /// what CNI GC names. `None` for pods enrolled otherwise, and in older state files.
     #[serde(default)]
     pub attachment: Option<Attachment>,
+}
+
+impl Workload {
+    /// The name its status and warnings are published under.
+    pub fn pod_name(&self) -> PodName {
+        PodName::new(&self.namespace, &self.name)
+    }
 }
 
 /// How a pod's traffic is redirected, from its annotations.

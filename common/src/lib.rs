@@ -152,6 +152,129 @@ pub struct NodeConfig {
     pub host_netns_cookie: u64,
 }
 
+/// One redirect decision, written to the `TRACE_EVENTS` ring buffer while tracing is on.
+///
+/// Addresses as the program saw them: for outbound, `destination` is the original destination
+/// the app asked for and `target` where the call was sent; for inbound, `target` is ztunnel's
+/// listener the connection was handed to. `target` is zero when the verdict sends nothing
+/// anywhere (a pass or a drop).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TraceRecord {
+    /// The enrolled pod's netns cookie; zero when the program cannot tell the pod (a rerouted
+    /// interface, a frame dropped before its addresses were read).
+    pub netns_cookie: u64,
+    pub source: Endpoint,
+    pub destination: Endpoint,
+    pub target: Endpoint,
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
+    pub protocol: u8,
+    /// A [`TraceHook`].
+    pub hook: u8,
+    /// A [`TraceVerdict`].
+    pub verdict: u8,
+    pub _pad: u8,
+}
+
+/// Where a decision was made (`TraceRecord::hook`).
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceHook {
+    Connect = 1,
+    Sendmsg = 2,
+    TcIngress = 3,
+    Reroute = 4,
+    Getsockopt = 5,
+}
+
+/// What was decided (`TraceRecord::verdict`).
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceVerdict {
+    /// Sent to ztunnel's outbound listener (15001).
+    Outbound = 1,
+    /// Handed to ztunnel's inbound listener (15006).
+    Inbound = 2,
+    /// Sent to ztunnel's DNS proxy (15053).
+    Dns = 3,
+    /// A kubelet probe from the node: bound to, or let in from, the probe source address.
+    ProbeBypass = 4,
+    /// Inbound let through: the pod's `ambient.istio.io/bypass-inbound-capture`.
+    PassInboundBypass = 5,
+    /// ztunnel's own socket.
+    PassZtunnel = 6,
+    /// To loopback or to the pod's own address.
+    PassLocal = 7,
+    /// HBONE (15008) to ztunnel's own listener.
+    PassHbone = 8,
+    /// Not captured: UDP other than DNS.
+    PassUncaptured = 9,
+    /// Dropped: a first fragment of a new connection, which ztunnel could never receive whole.
+    DropFragment = 10,
+    /// Dropped: headers the program cannot read or walk.
+    DropUnparsable = 11,
+    /// Dropped: more VLAN tags than the program walks.
+    DropVlan = 12,
+    /// Dropped: 15008 to a listener that is not ztunnel's.
+    DropHboneNotZtunnel = 13,
+    /// Dropped: ztunnel is not listening in the pod.
+    DropNoZtunnel = 14,
+    /// Dropped: a rerouted SYN whose tuple another connection holds.
+    DropTupleTaken = 15,
+    /// Refused: a connection to the probe source address.
+    RefuseProbeAddress = 16,
+    /// Refused: the pod has no CNI address of the destination's family.
+    RefuseNoAddress = 17,
+    /// Refused: no room on the socket to record its original destination.
+    RefuseNoRoom = 18,
+    /// `SO_ORIGINAL_DST` answered with `destination`.
+    OriginalDst = 19,
+}
+
+impl TraceHook {
+    pub const ALL: [Self; 5] = [
+        Self::Connect,
+        Self::Sendmsg,
+        Self::TcIngress,
+        Self::Reroute,
+        Self::Getsockopt,
+    ];
+
+    pub fn from_u8(value: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|hook| *hook as u8 == value)
+    }
+}
+
+impl TraceVerdict {
+    pub const ALL: [Self; 19] = [
+        Self::Outbound,
+        Self::Inbound,
+        Self::Dns,
+        Self::ProbeBypass,
+        Self::PassInboundBypass,
+        Self::PassZtunnel,
+        Self::PassLocal,
+        Self::PassHbone,
+        Self::PassUncaptured,
+        Self::DropFragment,
+        Self::DropUnparsable,
+        Self::DropVlan,
+        Self::DropHboneNotZtunnel,
+        Self::DropNoZtunnel,
+        Self::DropTupleTaken,
+        Self::RefuseProbeAddress,
+        Self::RefuseNoAddress,
+        Self::RefuseNoRoom,
+        Self::OriginalDst,
+    ];
+
+    pub fn from_u8(value: u8) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|verdict| *verdict as u8 == value)
+    }
+}
+
 /// Map names, as pinned under `<pin root>/abi-<ABI_VERSION>/`.
 pub mod maps {
     /// Keyed by the pod's netns cookie (`u64`) in every layout version, whatever its value: a
@@ -166,8 +289,14 @@ pub mod maps {
     pub const HANDOFF: &str = "HANDOFF";
     /// The netns cookie the connect hook answered on a socket (`NETNS_COOKIE_PORT`).
     pub const NETNS_COOKIES: &str = "NETNS_COOKIES";
+    /// `u32` at index 0: non-zero while a reader is tracing (`weir-agent trace`).
+    pub const TRACE_ON: &str = "TRACE_ON";
+    /// Ring buffer of [`super::TraceRecord`]s.
+    pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
+    /// Per-CPU `u64` at index 0: records the ring buffer had no room for.
+    pub const TRACE_LOST: &str = "TRACE_LOST";
     /// Every map, each pinned under its name.
-    pub const ALL: [&str; 8] = [
+    pub const ALL: [&str; 11] = [
         PODS,
         POD_IPS,
         POD_COUNTERS,
@@ -176,6 +305,9 @@ pub mod maps {
         NODE_CONFIG,
         HANDOFF,
         NETNS_COOKIES,
+        TRACE_ON,
+        TRACE_EVENTS,
+        TRACE_LOST,
     ];
 }
 
@@ -213,6 +345,7 @@ mod user {
     unsafe impl aya::Pod for super::PodConfig {}
     unsafe impl aya::Pod for super::PodCounters {}
     unsafe impl aya::Pod for super::NodeConfig {}
+    unsafe impl aya::Pod for super::TraceRecord {}
 }
 
 #[cfg(test)]
@@ -227,6 +360,7 @@ mod tests {
         assert_eq!(size_of::<ConnectionKey>(), 40);
         assert_eq!(size_of::<PodConfig>(), 4 + 4 + 16 + POD_UID_LEN);
         assert_eq!(size_of::<PodCounters>(), 40);
+        assert_eq!(size_of::<TraceRecord>(), 8 + 3 * 20 + 4);
     }
 
     #[test]

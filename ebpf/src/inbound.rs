@@ -39,9 +39,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use weir_common::{
-    ConnectionKey, Endpoint, IpKey, PodCounters, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
-    POD_INBOUND_BYPASS, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4, PROBE_SOURCE_V6, ZTUNNEL_MARK,
-    ZTUNNEL_MARK_MASK,
+    ConnectionKey, Endpoint, IpKey, PodCounters, TraceHook, TraceVerdict, HBONE_PORT, INBOUND_PORT,
+    OUTBOUND_PORT, POD_INBOUND_BYPASS, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
+    ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
@@ -49,6 +49,7 @@ use crate::{
     handoff,
     maps::{count, original_destination, pod, pod_with_ip, CONN_ORIG_DST},
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
+    trace::{trace, NOWHERE, TCP},
 };
 
 const ETH_HLEN: usize = 14;
@@ -99,7 +100,7 @@ pub fn weir_inbound(ctx: TcContext) -> i32 {
         Payload::Ip(packet) => packet,
         // Not IP, or an IP header too short to hold the addresses: the kernel drops the latter.
         Payload::Other => return PASS,
-        Payload::TooManyTags => return DROP,
+        Payload::TooManyTags => return drop_vlan(TraceHook::TcIngress),
     };
     let Some(netns) = pod_with_ip(&packet.destination) else {
         return PASS;
@@ -115,9 +116,33 @@ pub fn weir_inbound(ctx: TcContext) -> i32 {
                 ip(&packet.source),
                 ip(&packet.destination)
             );
+            trace!(
+                TraceHook::TcIngress,
+                TraceVerdict::DropUnparsable,
+                netns,
+                0,
+                (&packet.source, 0),
+                (&packet.destination, 0),
+                NOWHERE
+            );
             drop_counted(netns)
         }
     }
+}
+
+/// Drops a frame behind more VLAN tags than walked; its pod is unknown.
+#[inline(always)]
+fn drop_vlan(hook: TraceHook) -> i32 {
+    trace!(
+        hook,
+        TraceVerdict::DropVlan,
+        0,
+        0,
+        NOWHERE,
+        NOWHERE,
+        NOWHERE
+    );
+    DROP
 }
 
 /// Whether a packet is a fragment, as far as this program can act on it.
@@ -300,6 +325,15 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
             ip(&packet.source),
             ip(&packet.destination)
         );
+        trace!(
+            TraceHook::TcIngress,
+            TraceVerdict::DropHboneNotZtunnel,
+            netns,
+            TCP,
+            (&packet.source, u16::from_be(sport)),
+            (&packet.destination, HBONE_PORT),
+            NOWHERE
+        );
         return Ok(drop_counted(netns));
     }
     // The node's probes and bypassing pods: whole packets and fragments alike, as istio's ACCEPT.
@@ -313,13 +347,16 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
     let owner = socket_state(ctx, &mut tuple, tuple_len);
     let connected = matches!(owner, Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT);
 
-    let refused = if transport.fragment == Fragment::First {
+    let (verdict, refused) = if transport.fragment == Fragment::First {
         // Reassembly happens after this program; only a connection's own socket can be trusted
         // to receive the whole segment (the kernel drops overlapping fragments).
         if bypass || (connected && owner != Some(TCP_NEW_SYN_RECV)) {
             return Ok(PASS);
         }
-        "a first fragment no connection owns"
+        (
+            TraceVerdict::DropFragment,
+            "a first fragment no connection owns",
+        )
     } else {
         let flags: u8 = ctx
             .load(transport.offset + TCP_FLAGS_OFFSET)
@@ -328,6 +365,19 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         if bypass {
             if opens {
                 count(netns, |c: &mut PodCounters| &mut c.bypassed);
+                trace!(
+                    TraceHook::TcIngress,
+                    if from_node_probe {
+                        TraceVerdict::ProbeBypass
+                    } else {
+                        TraceVerdict::PassInboundBypass
+                    },
+                    netns,
+                    TCP,
+                    (&packet.source, u16::from_be(sport)),
+                    (&packet.destination, u16::from_be(dport)),
+                    NOWHERE
+                );
             }
             return Ok(PASS);
         }
@@ -357,10 +407,22 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
                 u16::from_be(dport)
             );
             count(netns, |c: &mut PodCounters| &mut c.inbound);
+            trace!(
+                TraceHook::TcIngress,
+                TraceVerdict::Inbound,
+                netns,
+                TCP,
+                (&packet.source, u16::from_be(sport)),
+                (&packet.destination, u16::from_be(dport)),
+                (&packet.destination, INBOUND_PORT)
+            );
             return Ok(PASS);
         }
         // ztunnel is not listening in this pod (yet): refuse to deliver around it.
-        "ztunnel's 15006 listener not found"
+        (
+            TraceVerdict::DropNoZtunnel,
+            "ztunnel's 15006 listener not found",
+        )
     };
     diag!(
         by_ref warn,
@@ -372,6 +434,15 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         u16::from_be(dport),
         refused
     );
+    trace!(
+        TraceHook::TcIngress,
+        verdict,
+        netns,
+        TCP,
+        (&packet.source, u16::from_be(sport)),
+        (&packet.destination, u16::from_be(dport)),
+        NOWHERE
+    );
     Ok(drop_counted(netns))
 }
 
@@ -380,7 +451,7 @@ pub fn weir_reroute(ctx: TcContext) -> i32 {
     let packet = match network_header(&ctx) {
         Payload::Ip(packet) => packet,
         Payload::Other => return PASS,
-        Payload::TooManyTags => return DROP,
+        Payload::TooManyTags => return drop_vlan(TraceHook::Reroute),
     };
     reroute(&ctx, &packet).unwrap_or_else(|()| {
         diag!(
@@ -389,6 +460,15 @@ pub fn weir_reroute(ctx: TcContext) -> i32 {
             "rerouted interface: drop {:i} to {:i}: headers not readable",
             ip_fixed(&packet.source),
             ip_fixed(&packet.destination)
+        );
+        trace!(
+            TraceHook::Reroute,
+            TraceVerdict::DropUnparsable,
+            0,
+            0,
+            (&packet.source, 0),
+            (&packet.destination, 0),
+            NOWHERE
         );
         DROP
     })
@@ -411,11 +491,19 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
     // ztunnel's accepted socket for an earlier SYN, which the routing rule delivers to.
     let connected = matches!(owner, Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT);
     if transport.fragment == Fragment::First {
-        return Ok(if connected && owner != Some(TCP_NEW_SYN_RECV) {
-            PASS
-        } else {
-            DROP
-        });
+        if connected && owner != Some(TCP_NEW_SYN_RECV) {
+            return Ok(PASS);
+        }
+        trace!(
+            TraceHook::Reroute,
+            TraceVerdict::DropFragment,
+            0,
+            TCP,
+            (&packet.source, u16::from_be(sport)),
+            (&packet.destination, u16::from_be(dport)),
+            NOWHERE
+        );
+        return Ok(DROP);
     }
     let flags: u8 = ctx
         .load(transport.offset + TCP_FLAGS_OFFSET)
@@ -434,9 +522,9 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
     // chooses the source, so the key may be another pod's connection: an entry is never
     // overwritten or removed here, only written where there is none (or the same, for a
     // retransmitted SYN).
-    let refused = match CONN_ORIG_DST.insert(connection, original, BPF_NOEXIST.into()) {
+    let (verdict, refused) = match CONN_ORIG_DST.insert(connection, original, BPF_NOEXIST.into()) {
         Err(_) if original_destination(&connection) != Some(original) => {
-            "the connection is another's"
+            (TraceVerdict::DropTupleTaken, "the connection is another's")
         }
         inserted => {
             // The agent attaches the hand-off program to every pod's netns where the kernel
@@ -450,12 +538,24 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
                     ip_fixed(&packet.destination),
                     u16::from_be(dport)
                 );
+                trace!(
+                    TraceHook::Reroute,
+                    TraceVerdict::Outbound,
+                    0,
+                    TCP,
+                    (&packet.source, u16::from_be(sport)),
+                    (&packet.destination, u16::from_be(dport)),
+                    (&packet.destination, OUTBOUND_PORT)
+                );
                 return Ok(PASS);
             }
             if inserted.is_ok() {
                 let _ = CONN_ORIG_DST.remove(connection);
             }
-            "ztunnel's 15001 listener not found"
+            (
+                TraceVerdict::DropNoZtunnel,
+                "ztunnel's 15001 listener not found",
+            )
         }
     };
     diag!(
@@ -466,6 +566,15 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
         ip_fixed(&packet.destination),
         u16::from_be(dport),
         refused
+    );
+    trace!(
+        TraceHook::Reroute,
+        verdict,
+        0,
+        TCP,
+        (&packet.source, u16::from_be(sport)),
+        (&packet.destination, u16::from_be(dport)),
+        NOWHERE
     );
     Ok(DROP)
 }

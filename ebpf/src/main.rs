@@ -19,6 +19,7 @@
 mod diag;
 mod maps;
 mod net;
+mod trace;
 
 mod handoff;
 mod inbound;

@@ -6,12 +6,13 @@ use aya_ebpf::{
     macros::{cgroup_sockopt, sock_ops},
     programs::{SockOpsContext, SockoptContext},
 };
-use weir_common::{ConnectionKey, Endpoint};
+use weir_common::{ConnectionKey, Endpoint, TraceHook, TraceVerdict};
 
 use crate::{
     diag::{diag, ip},
-    maps::{original_destination, CONN_ORIG_DST, SOCKET_ORIG_DST},
+    maps::{original_destination, pod_with_ip, CONN_ORIG_DST, SOCKET_ORIG_DST},
     net::{ctx_read, is_v4_mapped, socket_addresses, SockaddrIn, SockaddrIn6, ALLOW, IPPROTO_TCP},
+    trace::{trace, TCP},
 };
 
 const SOL_IP: i32 = 0;
@@ -120,6 +121,16 @@ unsafe fn answer_original_dst(opt: *mut bpf_sockopt) -> bool {
     if answered {
         // Asked once per accepted connection: the entry has served its purpose.
         let _ = CONN_ORIG_DST.remove(key);
+        // ztunnel asks on its socket in the pod: the listener's address is the pod's.
+        trace!(
+            TraceHook::Getsockopt,
+            TraceVerdict::OriginalDst,
+            pod_with_ip(&key.listener.ip).unwrap_or(0),
+            TCP,
+            (&key.client.ip, key.client.port),
+            (&original.ip, original.port),
+            (&key.listener.ip, key.listener.port)
+        );
         diag!(
             debug,
             opt,

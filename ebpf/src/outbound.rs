@@ -8,9 +8,9 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use weir_common::{
-    Endpoint, IpKey, PodConfig, DNS_PORT, DNS_PROXY_PORT, NETNS_COOKIE_PORT, OUTBOUND_PORT,
-    POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK,
-    ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    Endpoint, IpKey, PodConfig, TraceHook, TraceVerdict, DNS_PORT, DNS_PROXY_PORT,
+    NETNS_COOKIE_PORT, OUTBOUND_PORT, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, PROBE_SOURCE_V4,
+    PROBE_SOURCE_V6, RETURN_MARK, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
@@ -20,6 +20,7 @@ use crate::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, SockaddrIn, SockaddrIn6,
         ALLOW, DENY, SOCK_DGRAM, SOCK_STREAM,
     },
+    trace::{trace, Side, NOWHERE, TCP, UDP},
 };
 
 const SOL_SOCKET: i32 = 1;
@@ -31,6 +32,25 @@ enum Hook {
     Connect,
     /// sendmsg() with an address: unconnected UDP.
     Send,
+}
+
+impl Hook {
+    #[inline(always)]
+    fn traced(self) -> TraceHook {
+        match self {
+            Hook::Connect => TraceHook::Connect,
+            Hook::Send => TraceHook::Sendmsg,
+        }
+    }
+}
+
+/// Which peer a getpeername or recvmsg call is shown.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shown {
+    /// getpeername: a connection redirected to the outbound listener or the DNS proxy.
+    Peer,
+    /// recvmsg: a datagram, which only ztunnel's DNS proxy answers in a redirected pod.
+    Datagram,
 }
 
 #[cgroup_sock_addr(connect4)]
@@ -55,26 +75,35 @@ pub fn weir_sendmsg6(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn weir_getpeername4(ctx: SockAddrContext) -> i32 {
-    show_original_peer(SockAddr::v4(&ctx))
+    show_original_peer(SockAddr::v4(&ctx), Shown::Peer)
 }
 
 #[cgroup_sock_addr(getpeername6)]
 pub fn weir_getpeername6(ctx: SockAddrContext) -> i32 {
-    show_original_peer(SockAddr::v6(&ctx))
+    show_original_peer(SockAddr::v6(&ctx), Shown::Peer)
 }
 
 #[cgroup_sock_addr(recvmsg4)]
 pub fn weir_recvmsg4(ctx: SockAddrContext) -> i32 {
-    show_original_peer(SockAddr::v4(&ctx))
+    show_original_peer(SockAddr::v4(&ctx), Shown::Datagram)
 }
 
 #[cgroup_sock_addr(recvmsg6)]
 pub fn weir_recvmsg6(ctx: SockAddrContext) -> i32 {
-    show_original_peer(SockAddr::v6(&ctx))
+    show_original_peer(SockAddr::v6(&ctx), Shown::Datagram)
 }
 
 #[inline(always)]
 fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
+    // These hooks run for every socket on the node. An unconnected datagram can only be
+    // redirected to the DNS proxy or refused toward the probe source: anything else leaves
+    // before the netns cookie and the map lookups, as it would with no programs.
+    if hook == Hook::Send {
+        let dst = sa.user_endpoint();
+        if dst.port != DNS_PORT && !is_probe_source(&dst.ip) {
+            return ALLOW;
+        }
+    }
     // SAFETY: helper valid in sock_addr programs.
     let netns = unsafe { bpf_get_netns_cookie(sa.ctx as *mut c_void) };
     if hook == Hook::Connect && is_netns_cookie_question(&sa) {
@@ -109,6 +138,15 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
                 );
             }
         }
+        trace_outbound(
+            sa,
+            netns,
+            pod,
+            hook,
+            &dst,
+            TraceVerdict::PassZtunnel,
+            NOWHERE,
+        );
         return ALLOW;
     }
     if is_probe_source(&dst.ip) {
@@ -122,9 +160,19 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
             ip(&dst.ip),
             dst.port
         );
+        trace_outbound(
+            sa,
+            netns,
+            pod,
+            hook,
+            &dst,
+            TraceVerdict::RefuseProbeAddress,
+            NOWHERE,
+        );
         return DENY;
     }
     if is_loopback(&dst.ip) || pod_owns(netns, &dst.ip) {
+        trace_outbound(sa, netns, pod, hook, &dst, TraceVerdict::PassLocal, NOWHERE);
         return ALLOW;
     }
     let is_dns = dst.port == DNS_PORT && pod.has(POD_DNS_CAPTURE);
@@ -147,10 +195,28 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
                     ip(&dst.ip),
                     dst.port
                 );
+                trace_outbound(
+                    sa,
+                    netns,
+                    pod,
+                    hook,
+                    &dst,
+                    TraceVerdict::RefuseNoAddress,
+                    NOWHERE,
+                );
                 return DENY;
             }
         }
     } else {
+        trace_outbound(
+            sa,
+            netns,
+            pod,
+            hook,
+            &dst,
+            TraceVerdict::PassUncaptured,
+            NOWHERE,
+        );
         return ALLOW;
     };
     if !SOCKET_ORIG_DST.set(sa.sk(), &dst) {
@@ -165,6 +231,15 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
             ip(&dst.ip),
             dst.port
         );
+        trace_outbound(
+            sa,
+            netns,
+            pod,
+            hook,
+            &dst,
+            TraceVerdict::RefuseNoRoom,
+            NOWHERE,
+        );
         return DENY;
     }
     sa.set_user_endpoint(&target);
@@ -178,12 +253,50 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
         ip(&target.ip),
         target.port
     );
-    if is_dns {
+    let verdict = if is_dns {
         count(netns, |c| &mut c.dns);
+        TraceVerdict::Dns
     } else {
         count(netns, |c| &mut c.outbound);
-    }
+        TraceVerdict::Outbound
+    };
+    trace_outbound(
+        sa,
+        netns,
+        pod,
+        hook,
+        &dst,
+        verdict,
+        (&target.ip, target.port),
+    );
     ALLOW
+}
+
+/// Traces an in-pod decision. The source is the pod's address of the destination's family;
+/// its port is not chosen yet at connect.
+#[inline(always)]
+fn trace_outbound(
+    sa: &SockAddr,
+    netns: u64,
+    pod: &PodConfig,
+    hook: Hook,
+    dst: &Endpoint,
+    verdict: TraceVerdict,
+    target: Side,
+) {
+    trace!(
+        hook.traced(),
+        verdict,
+        netns,
+        if sa.sock_type() == SOCK_STREAM {
+            TCP
+        } else {
+            UDP
+        },
+        (&pod_address_like(pod, &dst.ip).unwrap_or_default(), 0),
+        (&dst.ip, dst.port),
+        target
+    );
 }
 
 /// Node side: TCP from the node's own netns to an enrolled pod (kubelet probes) is bound to the
@@ -224,6 +337,20 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
         };
         bind(sa, &mut SockaddrIn6::new(&source, 0))
     };
+    let probe_source = if is_v4_mapped(&dst.ip) {
+        IpKey::from_v4(PROBE_SOURCE_V4)
+    } else {
+        IpKey::from_v6(PROBE_SOURCE_V6)
+    };
+    trace!(
+        TraceHook::Connect,
+        TraceVerdict::ProbeBypass,
+        pod_with_ip(&dst.ip).unwrap_or(0),
+        TCP,
+        (&probe_source, 0),
+        (&dst.ip, dst.port),
+        NOWHERE
+    );
     diag!(
         debug,
         sa.ctx,
@@ -270,9 +397,13 @@ fn answer_netns_cookie(sa: &SockAddr, netns: u64) -> i32 {
 
 /// getpeername and recvmsg: show the app the address it asked for, not ztunnel's listener.
 #[inline(always)]
-fn show_original_peer(sa: SockAddr) -> i32 {
+fn show_original_peer(sa: SockAddr, shown_as: Shown) -> i32 {
     let shown = sa.user_endpoint();
-    if shown.port != OUTBOUND_PORT && shown.port != DNS_PROXY_PORT {
+    let redirected = match shown_as {
+        Shown::Peer => shown.port == OUTBOUND_PORT || shown.port == DNS_PROXY_PORT,
+        Shown::Datagram => shown.port == DNS_PROXY_PORT,
+    };
+    if !redirected {
         return ALLOW;
     }
     if let Some(original) = SOCKET_ORIG_DST.of(sa.sk()) {

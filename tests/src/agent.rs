@@ -12,8 +12,9 @@ use std::{
 use anyhow::{bail, Context, Result};
 use tempfile::TempDir;
 use weir_agent::{
-    app::{self, AgentConfig, SourceConfig},
+    app,
     cluster::ClusterConfig,
+    config::{AgentConfig, SourceConfig},
     datapath::{Datapath, DatapathConfig},
     policy::{local::LocalPolicy, PolicyConfig},
 };
@@ -110,6 +111,7 @@ pub fn agent_config_at(
         cni_socket: run.join("cni.sock"),
         verdict_cache: run.join("verdicts.json"),
         state_file: run.join("pods.json"),
+        trace_socket: run.join("trace.sock"),
         zds_socket: run.join("ztunnel.sock"),
         cni_bin_dir: dir.join("bin"),
         cni_net_dir: dir.join("net.d"),
@@ -324,6 +326,8 @@ fn run_command(config: &AgentConfig) -> std::process::Command {
         .arg(&config.verdict_cache)
         .arg("--state-file")
         .arg(&config.state_file)
+        .arg("--trace-socket")
+        .arg(&config.trace_socket)
         .arg("--zds-socket")
         .arg(&config.zds_socket)
         .arg("--cni-bin-dir")

@@ -17,7 +17,14 @@ const TEST_PACKAGES: &[&str] = &["iptables", "containerd"];
 
 /// The test targets that drive the kernel (program loading and attaching, packet paths, the
 /// kernel's answers to faults): what runs on the other kernels. `kernel_compat` is optional.
-const KERNEL_FACING: &[&str] = &["datapath", "interfaces", "fuzz", "faults", "kernel_compat"];
+const KERNEL_FACING: &[&str] = &[
+    "datapath",
+    "interfaces",
+    "fuzz",
+    "faults",
+    "trace",
+    "kernel_compat",
+];
 /// The guests have 2 vCPUs (emulated, under TCG).
 const GUEST_TEST_THREADS: u32 = 2;
 /// A test executable that hangs in a guest fails its target after this, and the next one runs.

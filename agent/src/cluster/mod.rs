@@ -1,9 +1,9 @@
 //! The Kubernetes side of the agent, as istio-cni's node agent follows the cluster: reflectors
 //! over the pods on this node, all namespaces and weir's own DaemonSet ([`Reflectors`]), the
-//! status annotation and Events on pods ([`report`]), the reconcile loop ([`reconcile`]) with
-//! pod repair ([`repair`]), and the SIGTERM rule ([`shutdown`]). The caches keep only what the
-//! agent reads of each object ([`prune`]).
-//! The policy source (`policy::cluster`) decides from these caches.
+//! policy that decides from these caches ([`policy`]), the status annotation and Events on pods
+//! ([`report`]), the reconcile loop ([`reconcile`]) with pod repair ([`repair`]), and the SIGTERM
+//! rule ([`shutdown`]). The caches keep only what the agent reads of each object ([`prune`]).
+pub mod policy;
 mod prune;
 pub mod reconcile;
 pub mod repair;
@@ -34,7 +34,10 @@ use tokio::{
 };
 use tracing::warn;
 
-use crate::policy::{Labels, PodFacts, PodName};
+use crate::{
+    policy::{Labels, PodFacts},
+    workload::PodName,
+};
 
 /// How the agent finds the API server and itself in it.
 #[derive(Clone, Debug)]

@@ -34,11 +34,9 @@ use crate::{
     datapath::EnrollNetns,
     enroll::Enroller,
     logging::pod_span,
-    policy::{
-        report_problems, AmbientPod, AnnotationProblem, PodName, PolicyConfig, PolicySource,
-        Warning,
-    },
-    workload::Workload,
+    policy::{AmbientPod, AnnotationProblem, PolicyConfig},
+    report::{report_problems, Reporter, Warning},
+    workload::{PodName, Workload},
 };
 
 /// A failing pod is retried after this, doubling up to [`MAX_BACKOFF`].
@@ -49,7 +47,7 @@ pub struct Reconciler {
     enroller: Arc<Enroller>,
     reflectors: Reflectors,
     policy: PolicyConfig,
-    source: Arc<dyn PolicySource>,
+    reporter: Arc<dyn Reporter>,
     resync_interval: Duration,
     repair: Repair,
     /// Failing pods by uid: how long they wait now, and until when.
@@ -80,7 +78,7 @@ impl Reconciler {
         enroller: Arc<Enroller>,
         reflectors: Reflectors,
         policy: PolicyConfig,
-        source: Arc<dyn PolicySource>,
+        reporter: Arc<dyn Reporter>,
         resync_interval: Duration,
         repair: Repair,
     ) -> Arc<Self> {
@@ -88,7 +86,7 @@ impl Reconciler {
             enroller,
             reflectors,
             policy,
-            source,
+            reporter,
             resync_interval,
             repair,
             backoff: Mutex::new(HashMap::new()),
@@ -281,7 +279,7 @@ impl Reconciler {
                     self.failures.inc();
                     let wait = self.back_off(uid);
                     warn!(retry_in = ?wait, "reconciling the pod: {error:#}");
-                    self.source
+                    self.reporter
                         .warn(name, Warning::EnrollmentFailed(format!("{error:#}")))
                         .await;
                 }
@@ -358,7 +356,7 @@ impl Reconciler {
             .filter(|problem| !known.contains(problem))
             .cloned()
             .collect();
-        report_problems(&*self.source, name, &new).await;
+        report_problems(&*self.reporter, name, &new).await;
     }
 
     /// Enrolls a running pod in place: its netns found from the agent's record or /proc.
@@ -401,12 +399,12 @@ impl Reconciler {
         self.repair.repaired_in_place(enrolled.is_ok());
         let Err(error) = enrolled else {
             warn!("the pod ran without weir's redirection: repaired in place");
-            self.source.warn(name, Warning::RepairedPod).await;
+            self.reporter.warn(name, Warning::RepairedPod).await;
             return Ok(());
         };
         let acted = self.repair.act_on(object, format!("{error:#}")).await;
         if let Some(warning) = acted.warning {
-            self.source.warn(name, warning).await;
+            self.reporter.warn(name, warning).await;
         }
         if acted.pod_gone {
             Ok(())

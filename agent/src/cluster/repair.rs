@@ -18,7 +18,7 @@ use prometheus_client::{
 use serde_json::json;
 use tracing::{info, warn};
 
-use crate::policy::{Warning, UNINITIALIZED_LABEL};
+use crate::report::{Warning, UNINITIALIZED_LABEL};
 
 /// A delete or label must not hold the pod's turn for long; it is retried with the pod.
 const API_TIMEOUT: Duration = Duration::from_secs(5);

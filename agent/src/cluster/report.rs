@@ -1,8 +1,9 @@
-//! What the agent tells the API server about pods: istio's status annotation
-//! (`ambient.istio.io/redirection`, a JSON merge patch on `pods/status`), and Warning Events for
-//! what a pod's owner should fix or know, deduplicated and rate-limited per pod so a pod that
-//! the runtime retries every second does not flood its namespace with Events. Events about pod
-//! repair come from istio's repair component ([`REPAIR_CONTROLLER`]), the others from weir's.
+//! What the agent tells the API server about pods ([`ApiReporter`], the cluster's
+//! [`Reporter`]): istio's status annotation (`ambient.istio.io/redirection`, a JSON merge patch on
+//! `pods/status`), and Warning Events for what a pod's owner should fix or know, deduplicated and
+//! rate-limited per pod so a pod that the runtime retries every second does not flood its
+//! namespace with Events. Events about pod repair come from istio's repair component
+//! ([`REPAIR_CONTROLLER`]), the others from weir's.
 use std::{
     collections::HashMap,
     sync::Mutex,
@@ -10,11 +11,12 @@ use std::{
 };
 
 use anyhow::Result;
+use futures::{future::BoxFuture, FutureExt};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::{
     api::{Api, Patch, PatchParams},
     runtime::events::{Event, EventType, Recorder, Reporter as EventReporter},
-    Client,
+    Client, ResourceExt,
 };
 use prometheus_client::{
     encoding::EncodeLabelSet,
@@ -22,10 +24,13 @@ use prometheus_client::{
     registry::Registry,
 };
 use serde_json::json;
+use tracing::{debug, warn};
 
+use super::Reflectors;
 use crate::{
-    enroll::Status,
-    policy::{PodName, Warning, REDIRECTION_ANNOTATION},
+    policy::REDIRECTION_ANNOTATION,
+    report::{Reporter, Warning},
+    workload::{PodName, Status},
 };
 
 /// The reporting controller on weir's Events.
@@ -36,9 +41,13 @@ pub const REPAIR_CONTROLLER: &str = "cni-repair";
 /// whatever its note says (a failed enrollment's names the netns, which changes with every
 /// sandbox the runtime tries).
 pub const EVENT_WINDOW: Duration = Duration::from_secs(60);
+/// A status patch or Event must not hold a pod's CNI ADD for long.
+const API_TIMEOUT: Duration = Duration::from_secs(2);
 
-pub struct Reporter {
+pub struct ApiReporter {
     client: Client,
+    /// Where the uid of the pod an Event regards is looked up.
+    reflectors: Reflectors,
     recorder: Recorder,
     repair_recorder: Recorder,
     /// When each (pod, reason) was last published.
@@ -52,9 +61,9 @@ struct Reason {
     reason: &'static str,
 }
 
-impl Reporter {
+impl ApiReporter {
     /// `instance` is this agent's pod name, when it knows it.
-    pub fn new(client: Client, instance: Option<String>) -> Self {
+    pub fn new(client: Client, instance: Option<String>, reflectors: Reflectors) -> Self {
         let recorder = |controller: &str| {
             let reporter = EventReporter {
                 controller: controller.into(),
@@ -66,6 +75,7 @@ impl Reporter {
             recorder: recorder(CONTROLLER),
             repair_recorder: recorder(REPAIR_CONTROLLER),
             client,
+            reflectors,
             published: Mutex::new(HashMap::new()),
             suppressed: Family::default(),
         }
@@ -81,11 +91,8 @@ impl Reporter {
     }
 
     /// Sets the pod's `ambient.istio.io/redirection` to `enabled` or `pending`, or removes it.
-    pub async fn set_redirection(&self, pod: &PodName, status: Option<Status>) -> Result<()> {
-        let value = status.map(|status| match status {
-            Status::Pending => "pending",
-            Status::Enabled => "enabled",
-        });
+    async fn set_redirection(&self, pod: &PodName, status: Option<Status>) -> Result<()> {
+        let value = status.map(Status::as_str);
         let patch = json!({"metadata": {"annotations": {REDIRECTION_ANNOTATION: value}}});
         Api::<Pod>::namespaced(self.client.clone(), &pod.namespace)
             .patch_status(&pod.name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -95,7 +102,7 @@ impl Reporter {
 
     /// Publishes `warning` as a Warning Event on the pod, unless the same one was published
     /// within [`EVENT_WINDOW`]. Returns whether it was published.
-    pub async fn warn(
+    async fn publish_warning(
         &self,
         pod: &PodName,
         uid: Option<String>,
@@ -146,6 +153,34 @@ impl Reporter {
     }
 }
 
+impl Reporter for ApiReporter {
+    fn report_status<'a>(&'a self, pod: &'a PodName, status: Option<Status>) -> BoxFuture<'a, ()> {
+        async move {
+            match tokio::time::timeout(API_TIMEOUT, self.set_redirection(pod, status)).await {
+                Ok(Ok(())) => debug!(%pod, ?status, "redirection annotation set"),
+                Ok(Err(error)) => {
+                    warn!(%pod, ?status, "setting the redirection annotation: {error:#}")
+                }
+                Err(_) => warn!(%pod, ?status, "setting the redirection annotation timed out"),
+            }
+        }
+        .boxed()
+    }
+
+    fn warn<'a>(&'a self, pod: &'a PodName, warning: Warning) -> BoxFuture<'a, ()> {
+        async move {
+            let uid = self.reflectors.pod(pod).and_then(|p| p.uid());
+            let publish = self.publish_warning(pod, uid, &warning);
+            match tokio::time::timeout(API_TIMEOUT, publish).await {
+                Ok(Ok(published)) => debug!(%pod, reason = warning.reason(), published, "event"),
+                Ok(Err(error)) => warn!(%pod, "publishing an event: {error:#}"),
+                Err(_) => warn!(%pod, "publishing an event timed out"),
+            }
+        }
+        .boxed()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,18 +190,27 @@ mod tests {
     #[tokio::test]
     async fn one_event_per_pod_and_reason_per_window_whatever_the_note() {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-        let reporter = Reporter::new(Client::try_from(config).unwrap(), None);
+        let client = Client::try_from(config).unwrap();
+        let mut watches = tokio::task::JoinSet::new();
+        let reflectors = Reflectors::start(&client, "node", "ns", "weir", &mut watches);
+        let reporter = ApiReporter::new(client, None, reflectors);
         let failed = |netns: &str| Warning::EnrollmentFailed(format!("opening pod netns {netns}"));
         let pod = PodName::new("ns", "a");
         // Published (the API server is unreachable here, so publishing fails: still counted
         // as the window's one Event).
-        assert!(reporter.warn(&pod, None, &failed("cni-1")).await.is_err());
+        assert!(reporter
+            .publish_warning(&pod, None, &failed("cni-1"))
+            .await
+            .is_err());
         for netns in ["cni-2", "cni-3"] {
-            assert!(!reporter.warn(&pod, None, &failed(netns)).await.unwrap());
+            assert!(!reporter
+                .publish_warning(&pod, None, &failed(netns))
+                .await
+                .unwrap());
         }
         let other_pod = PodName::new("ns", "b");
         assert!(reporter
-            .warn(&other_pod, None, &failed("cni-4"))
+            .publish_warning(&other_pod, None, &failed("cni-4"))
             .await
             .is_err());
         let mut registry = Registry::default();

@@ -2,12 +2,42 @@
 //! being upgraded leaves the CNI config, the plugin and the datapath for the next agent; one
 //! stopping because weir is leaving the node (the DaemonSet deleted, or no longer scheduled
 //! here) removes them, as `--uninstall-on-exit` does.
+use std::time::Duration;
+
 use k8s_openapi::api::{
     apps::v1::DaemonSet,
-    core::v1::{NodeSelectorRequirement, NodeSelectorTerm},
+    core::v1::{Node, NodeSelectorRequirement, NodeSelectorTerm},
 };
+use kube::{api::Api, Client, ResourceExt};
+use tracing::warn;
 
+use super::Reflectors;
 use crate::policy::{enablement::requirement_holds, Labels};
+
+/// Reading the node must not hold the agent's stop for long.
+const API_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// On SIGTERM: whether to leave weir in place on `node_name` for the next agent (an upgrade),
+/// rather than removing it ([`keep_node`] over the cached DaemonSet and the node's labels).
+pub async fn keep_node_on_exit(client: &Client, node_name: &str, reflectors: &Reflectors) -> bool {
+    let daemonset = reflectors.daemonsets.state().into_iter().next();
+    let node = Api::<Node>::all(client.clone());
+    let node_labels = match tokio::time::timeout(API_TIMEOUT, node.get(node_name)).await {
+        Ok(Ok(node)) => node.labels().clone(),
+        // Without the node's labels an upgrade cannot be told from a removal: keeping weir in
+        // place never leaves an ambient pod unredirected.
+        Ok(Err(error)) => {
+            let error = anyhow::Error::from(error);
+            warn!("reading node {node_name}: {error:#}; keeping weir in place");
+            return true;
+        }
+        Err(_) => {
+            warn!("reading node {node_name} timed out; keeping weir in place");
+            return true;
+        }
+    };
+    keep_node(daemonset.as_deref(), &node_labels)
+}
 
 /// Whether weir stays on the node: its DaemonSet exists, is not being deleted, and its pod
 /// template would still be scheduled on a node with `node_labels` (nodeSelector, and the required

@@ -23,9 +23,11 @@ mod pods;
 mod programs;
 mod recovery;
 mod snapshot;
+mod trace_maps;
 mod watch;
 
 pub use snapshot::{pinned_pods, PinnedPod};
+pub use trace_maps::TraceMaps;
 
 use std::{
     collections::HashMap as StdHashMap,

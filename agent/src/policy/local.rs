@@ -1,7 +1,6 @@
-//! The policy source for a node without an API server (the demo, `cargo xtask run`, tests): a
-//! JSON file of namespaces' and pods' labels and annotations, read anew on every decision so
-//! edits apply to the next pod. There is nobody to report to: statuses and warnings are only
-//! logged by the enrollment path.
+//! The policy of a node without an API server (the demo, `cargo xtask run`, tests): a JSON file
+//! of namespaces' and pods' labels and annotations, read anew on every decision so edits apply
+//! to the next pod.
 use std::{collections::BTreeMap, path::Path, path::PathBuf};
 
 use anyhow::{Context, Result};
@@ -9,10 +8,9 @@ use futures::{future::BoxFuture, FutureExt};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    AmbientPod, Labels, PodFacts, PodName, PolicyConfig, PolicyError, PolicySource, VerdictWriter,
-    Warning,
+    verdicts::VerdictWriter, AmbientPod, Labels, PodFacts, Policy, PolicyConfig, PolicyError,
 };
-use crate::enroll::Status;
+use crate::workload::PodName;
 
 /// `{"namespaces": {"<ns>": {"labels": {..}}}, "pods": {"<ns>/<name>": {"labels": {..},
 /// "annotations": {..}}}}`; a pod's `weir.dev/service-account` annotation names its service
@@ -79,7 +77,7 @@ impl LocalPolicy {
     }
 }
 
-/// The local file as a [`PolicySource`]; the verdict cache is kept in step with the file.
+/// The local file as a [`Policy`]; the verdict cache is kept in step with the file.
 pub struct LocalSource {
     config: PolicyConfig,
     file: PathBuf,
@@ -110,7 +108,7 @@ impl LocalSource {
     }
 }
 
-impl PolicySource for LocalSource {
+impl Policy for LocalSource {
     fn decide<'a>(
         &'a self,
         pod: &'a PodName,
@@ -123,21 +121,8 @@ impl PolicySource for LocalSource {
         futures::future::ready(decision.map_err(PolicyError::from)).boxed()
     }
 
-    fn report_status<'a>(&'a self, _: &'a PodName, _: Option<Status>) -> BoxFuture<'a, ()> {
-        futures::future::ready(()).boxed()
-    }
-
-    fn warn<'a>(&'a self, _: &'a PodName, _: Warning) -> BoxFuture<'a, ()> {
-        futures::future::ready(()).boxed()
-    }
-
     fn synced(&self) -> BoxFuture<'_, ()> {
         futures::future::ready(()).boxed()
-    }
-
-    /// Without a cluster nothing says an upgrade is under way: `--uninstall-on-exit` decides.
-    fn keep_node_on_exit(&self) -> BoxFuture<'_, bool> {
-        futures::future::ready(true).boxed()
     }
 }
 

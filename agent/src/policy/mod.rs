@@ -1,24 +1,17 @@
 //! Which pods are ambient, and with which options: istio's rules, in one place, over labels and
-//! annotations, whatever their source. [`PolicySource`] is what the enrollment path asks; it has
-//! two implementations: [`local::LocalSource`], a policy file for a node without an API server
-//! (the demo, `cargo xtask run`), and [`cluster::ClusterSource`], the Kubernetes API through
-//! reflectors. The rule itself is in [`enablement`].
-pub mod cluster;
+//! annotations, whatever their source. [`Policy`] is what the enrollment path asks; it has two
+//! implementations: [`local::LocalSource`], a policy file for a node without an API server (the
+//! demo, `cargo xtask run`), and `cluster::policy::ClusterSource`, the Kubernetes API through
+//! reflectors. The rule itself is in [`enablement`]; the verdict cache the plugin falls back on
+//! is written by [`verdicts`].
 pub mod enablement;
 pub mod local;
+pub mod verdicts;
 
-use std::{
-    fmt,
-    path::{Path, PathBuf},
-    sync::Mutex,
-};
-
-use anyhow::{Context, Result};
 use futures::future::BoxFuture;
-use tracing::warn;
 use weir_cni::protocol::VerdictCache;
 
-use crate::{enroll::Status, workload::PodOptions};
+use crate::workload::{PodName, PodOptions};
 use enablement::EnablementSelector;
 
 pub use weir_cni::ambient::{
@@ -31,28 +24,6 @@ pub const REROUTE_VIRTUAL_INTERFACES_ANNOTATION: &str = "istio.io/reroute-virtua
 /// The pod's enrollment status (`enabled`, `pending`) as istio-cni sets it, for ztunnel's
 /// peers and operators to read.
 pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
-
-/// A pod by namespace and name, as the runtime and the API server both name it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PodName {
-    pub namespace: String,
-    pub name: String,
-}
-
-impl PodName {
-    pub fn new(namespace: &str, name: &str) -> Self {
-        Self {
-            namespace: namespace.to_owned(),
-            name: name.to_owned(),
-        }
-    }
-}
-
-impl fmt::Display for PodName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
-    }
-}
 
 /// Node-wide settings of the rules.
 #[derive(Clone, Debug, PartialEq)]
@@ -206,106 +177,9 @@ pub enum PolicyError {
     Failed(#[from] anyhow::Error),
 }
 
-/// Something about a pod its owner should hear (a Warning Event on the pod in a cluster).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Warning {
-    EnrollmentFailed(String),
-    InvalidAnnotation(AnnotationProblem),
-    /// An ambient pod ran without weir's redirection and was enrolled live.
-    RepairedPod,
-    /// A pod running without redirection that could not be repaired in place (`why`) was
-    /// deleted, or deleting it failed (`failed`).
-    DeleteBrokenPod {
-        why: String,
-        failed: Option<String>,
-    },
-    /// The same, labelled [`UNINITIALIZED_LABEL`]`=true` instead.
-    LabelBrokenPod {
-        why: String,
-        failed: Option<String>,
-    },
-    /// Another component rewrote the node's CNI config (on the agent's own pod).
-    CniConfigRewritten {
-        file: String,
-    },
-}
-
-/// What istio's repair controller labels a broken pod with, for its owner to act on.
-pub const UNINITIALIZED_LABEL: &str = "cni.istio.io/uninitialized";
-
-impl Warning {
-    pub fn reason(&self) -> &'static str {
-        match self {
-            Warning::EnrollmentFailed(_) => "AmbientEnrollmentFailed",
-            Warning::InvalidAnnotation(_) => "InvalidAmbientAnnotation",
-            Warning::RepairedPod => "RepairedPod",
-            Warning::DeleteBrokenPod { .. } => "DeleteBrokenPod",
-            Warning::LabelBrokenPod { .. } => "LabelBrokenPod",
-            Warning::CniConfigRewritten { .. } => "CniConfigRewritten",
-        }
-    }
-
-    /// Whether it reports an act of pod repair: istio's repair controller (`cni-repair`)
-    /// reports those, so tools that follow its Events find weir's.
-    pub fn is_repair(&self) -> bool {
-        matches!(
-            self,
-            Warning::RepairedPod | Warning::DeleteBrokenPod { .. } | Warning::LabelBrokenPod { .. }
-        )
-    }
-
-    /// The Event's action: what the agent was doing.
-    pub fn action(&self) -> &'static str {
-        match self {
-            Warning::EnrollmentFailed(_) | Warning::InvalidAnnotation(_) => "Enroll",
-            Warning::RepairedPod
-            | Warning::DeleteBrokenPod { .. }
-            | Warning::LabelBrokenPod { .. } => "Repair",
-            Warning::CniConfigRewritten { .. } => "Install",
-        }
-    }
-
-    pub fn note(&self) -> String {
-        let broken = |why: &str, outcome: String| {
-            format!(
-                "pod detected as broken: it runs without weir's redirection and cannot be \
-                 repaired in place ({why}); {outcome}"
-            )
-        };
-        let act = |done: &str, doing: &str, failed: &Option<String>| match failed {
-            None => done.to_owned(),
-            Some(error) => format!("{doing} failed: {error}"),
-        };
-        match self {
-            Warning::EnrollmentFailed(error) => format!("ambient enrollment failed: {error}"),
-            Warning::InvalidAnnotation(problem) => format!(
-                "annotation {}={:?} is not true or false; using {}",
-                problem.annotation, problem.value, problem.used
-            ),
-            Warning::RepairedPod => "the pod started without weir's redirection (weir-cni was \
-                 missing from the node's CNI chain when its sandbox was created) and was \
-                 enrolled live"
-                .into(),
-            Warning::DeleteBrokenPod { why, failed } => {
-                broken(why, act("deleted", "deleting it", failed))
-            }
-            Warning::LabelBrokenPod { why, failed } => {
-                let label = format!("{UNINITIALIZED_LABEL}=true");
-                let (done, doing) = (format!("labelled {label}"), format!("labelling it {label}"));
-                broken(why, act(&done, &doing, failed))
-            }
-            Warning::CniConfigRewritten { file } => format!(
-                "another component rewrote the CNI config {file} without weir-cni; weir put it \
-                 back at the end of the chain. Pods that started meanwhile ran without \
-                 redirection until weir enrolled them live"
-            ),
-        }
-    }
-}
-
-/// Where the enrollment path learns which pods are ambient, and where it reports back. The
-/// enrollment path holds an `Arc<dyn PolicySource>` and never knows which source it is.
-pub trait PolicySource: Send + Sync {
+/// Where the enrollment path learns which pods are ambient. The enrollment path holds an
+/// `Arc<dyn Policy>` and never knows which source it is.
+pub trait Policy: Send + Sync {
     /// The decision for one pod (`None`: not ambient). `uid` is the one the container runtime
     /// gave (empty when it gave none): a source that knows pods by uid decides only from that
     /// pod, never from a namesake. `runtime_annotations` are the ones the runtime passed with
@@ -317,52 +191,8 @@ pub trait PolicySource: Send + Sync {
         runtime_annotations: &'a Labels,
     ) -> BoxFuture<'a, Result<Option<AmbientPod>, PolicyError>>;
 
-    /// Publishes a pod's redirection status (`None`: no longer enrolled).
-    fn report_status<'a>(&'a self, pod: &'a PodName, status: Option<Status>) -> BoxFuture<'a, ()>;
-
-    /// Tells the pod's owner something went wrong with it.
-    fn warn<'a>(&'a self, pod: &'a PodName, warning: Warning) -> BoxFuture<'a, ()>;
-
     /// Resolves once the source can answer for every pod (its caches have synced).
     fn synced(&self) -> BoxFuture<'_, ()>;
-
-    /// On SIGTERM: whether to leave weir in place on this node for the next agent (an upgrade),
-    /// rather than removing it.
-    fn keep_node_on_exit(&self) -> BoxFuture<'_, bool>;
-}
-
-/// The verdict cache the plugin falls back on, rewritten only on change, one writer at a time.
-pub struct VerdictWriter {
-    path: PathBuf,
-    written: Mutex<Option<VerdictCache>>,
-}
-
-impl VerdictWriter {
-    pub fn new(path: PathBuf) -> Self {
-        Self {
-            path,
-            written: Mutex::new(None),
-        }
-    }
-
-    pub fn write(&self, verdicts: VerdictCache) -> Result<()> {
-        let mut written = self.written.lock().unwrap();
-        if written.as_ref() != Some(&verdicts) {
-            write_verdict_cache(&self.path, &verdicts)?;
-            *written = Some(verdicts);
-        }
-        Ok(())
-    }
-}
-
-/// Writes the verdict cache atomically (temp file + rename): the plugin may read it any time.
-pub fn write_verdict_cache(path: &Path, cache: &VerdictCache) -> Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let temp = path.with_extension("tmp");
-    std::fs::write(&temp, serde_json::to_vec_pretty(cache)?)?;
-    std::fs::rename(&temp, path).with_context(|| format!("writing {}", path.display()))
 }
 
 /// The names of a comma-separated list, as istio splits it (blanks around names and empty items
@@ -393,26 +223,6 @@ fn interface_names(list: &str) -> Option<Vec<String>> {
     names.sort();
     names.dedup();
     Some(names)
-}
-
-/// Logs a pod's annotation problems; the source turns them into Events where it can.
-pub async fn report_problems(
-    source: &dyn PolicySource,
-    pod: &PodName,
-    problems: &[AnnotationProblem],
-) {
-    for problem in problems {
-        warn!(
-            %pod,
-            annotation = problem.annotation,
-            value = problem.value,
-            used = problem.used,
-            "invalid annotation value, using the default"
-        );
-        source
-            .warn(pod, Warning::InvalidAnnotation(problem.clone()))
-            .await;
-    }
 }
 
 /// Labels from pairs, for the rules' tests.

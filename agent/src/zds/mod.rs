@@ -25,6 +25,7 @@
 //! [`Ack`]: proto::Ack
 
 mod connection;
+mod metrics;
 pub mod proto;
 mod seqpacket;
 
@@ -36,15 +37,14 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::{counter::Counter, family::Family, gauge::Gauge};
-use prometheus_client::registry::{Metric, Registry};
+use prometheus_client::registry::Registry;
 use prost::Message;
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, error, info, warn};
 
 pub use connection::{decode_answer, decode_hello};
+use metrics::{message_name, Metrics};
 use proto::workload_request::Payload;
 use proto::{AddWorkload, DelWorkload, WorkloadRequest};
 pub use proto::{WorkloadInfo, ZdsHello};
@@ -421,83 +421,5 @@ async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
             // E.g. EMFILE; the pace keeps a persistent failure from spinning.
             Err(err) => warn!(%err, "ZDS accept failed"),
         }
-    }
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct MessageLabels {
-    message: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ErrorLabels {
-    message: &'static str,
-    reason: &'static str,
-}
-
-struct Metrics {
-    connected: Gauge,
-    requests: Family<MessageLabels, Counter>,
-    acks: Family<MessageLabels, Counter>,
-    errors: Family<ErrorLabels, Counter>,
-}
-
-impl Metrics {
-    fn register(registry: &mut Registry) -> Self {
-        Self {
-            connected: registered(
-                registry,
-                "ztunnel_connected",
-                "Number of connections to ztunnel",
-            ),
-            requests: registered(
-                registry,
-                "weir_zds_requests",
-                "ZDS requests sent to ztunnel, by message",
-            ),
-            acks: registered(
-                registry,
-                "weir_zds_acks",
-                "ZDS requests ztunnel acked without error, by message",
-            ),
-            errors: registered(
-                registry,
-                "weir_zds_errors",
-                "ZDS failures, by message (or hello, unsolicited) and reason",
-            ),
-        }
-    }
-
-    fn request(&self, message: &'static str) {
-        self.requests
-            .get_or_create(&MessageLabels { message })
-            .inc();
-    }
-
-    fn ack(&self, message: &'static str) {
-        self.acks.get_or_create(&MessageLabels { message }).inc();
-    }
-
-    fn error(&self, message: &'static str, reason: &'static str) {
-        self.errors
-            .get_or_create(&ErrorLabels { message, reason })
-            .inc();
-    }
-}
-
-/// A new metric, registered as `name`.
-fn registered<M: Metric + Clone + Default>(registry: &mut Registry, name: &str, help: &str) -> M {
-    let metric = M::default();
-    registry.register(name, help, metric.clone());
-    metric
-}
-
-/// The `message` label of a request.
-fn message_name(payload: &Payload) -> &'static str {
-    match payload {
-        Payload::Add(_) => "add",
-        Payload::Keep(_) => "keep",
-        Payload::Del(_) => "del",
-        Payload::SnapshotSent(_) => "snapshot_sent",
     }
 }

@@ -1,0 +1,187 @@
+//! What the node itself must have: the kernel release and the BPF features weir's object uses,
+//! cgroup v2, bpffs at the pin root, the primary CNI config, and the directory of ztunnel's
+//! socket.
+use std::{io, path::Path};
+
+use super::{CheckConfig, Finding};
+use crate::{
+    datapath::{
+        cgroup2_root,
+        kernel::{BpfType, Kernel, BPF_FEATURES, OLDEST, OLDEST_BECAUSE},
+        mounts::{self, PinRootFs, DEFAULT_BPF_FS},
+    },
+    install::{self, NoNetworkConfig},
+};
+
+/// Everything the node itself must have.
+pub(super) fn findings(config: &CheckConfig) -> Vec<Finding> {
+    let mut findings = vec![kernel_release()];
+    findings.extend(bpf_features());
+    findings.push(cgroup(config.cgroup.as_deref()));
+    findings.push(bpffs(&config.pin_root));
+    findings.push(cni_config(&config.cni_net_dir));
+    findings.push(zds_socket_dir(&config.zds_socket));
+    findings
+}
+
+fn kernel_release() -> Finding {
+    let requirement = format!("Linux {}.{} or later", OLDEST.0, OLDEST.1);
+    let upgrade = format!("boot the node with {requirement}, for {OLDEST_BECAUSE}");
+    match Kernel::read() {
+        Ok(kernel) if kernel.is_supported() => Finding::met(requirement, kernel.release),
+        Ok(kernel) => Finding::unmet(requirement, kernel.release, upgrade),
+        Err(error) => Finding::unmet(requirement, format!("{error:#}"), upgrade),
+    }
+}
+
+/// Whether bpf() may be used, then one line per program and map type (none when it may not:
+/// every probe would only say the same).
+fn bpf_features() -> Vec<Finding> {
+    let requirement = "bpf() allowed";
+    let probed: Vec<_> = BPF_FEATURES
+        .iter()
+        .map(|feature| (feature, feature.probe()))
+        .collect();
+    let refused = probed.iter().find_map(|(_, probe)| match probe {
+        Err(error) if error.raw_os_error() == Some(libc::EPERM) => Some(error),
+        _ => None,
+    });
+    if let Some(error) = refused {
+        let found = format!("refused: {error}");
+        let remedy = "run the agent as root, in a privileged container (or with CAP_BPF, \
+                      CAP_NET_ADMIN and CAP_SYS_ADMIN)";
+        return vec![Finding::unmet(requirement, found, remedy)];
+    }
+    let mut findings = vec![Finding::met(
+        requirement,
+        "test programs load and test maps are created",
+    )];
+    for (feature, probe) in probed {
+        let kind = match feature.kind {
+            BpfType::Program(_) => "program",
+            BpfType::Map(_) => "map",
+        };
+        let requirement = format!("BPF {kind} type {} ({})", feature.name, feature.used_for);
+        let remedy = format!("boot the node with a kernel built with {}", feature.kconfig);
+        findings.push(match probe {
+            Ok(true) => Finding::met(requirement, "supported"),
+            Ok(false) => Finding::unmet(requirement, "not supported by this kernel", remedy),
+            Err(error) => Finding::unmet(requirement, format!("probing failed: {error}"), remedy),
+        });
+    }
+    findings
+}
+
+fn cgroup(configured: Option<&Path>) -> Finding {
+    let requirement = "cgroup v2";
+    let unified = "boot the node with the unified cgroup hierarchy \
+                   (systemd.unified_cgroup_hierarchy=1), or mount cgroup2";
+    let root = cgroup2_root();
+    match (configured, root) {
+        (None, Ok(root)) => Finding::met(requirement, format!("mounted at {}", root.display())),
+        (None, Err(error)) => Finding::unmet(requirement, format!("{error:#}"), unified),
+        (Some(path), _) if mounts::is_cgroup2(path) => Finding::met(
+            requirement,
+            format!("--cgroup {} is a cgroup2 directory", path.display()),
+        ),
+        (Some(path), root) => {
+            let found = format!("--cgroup {} is not a cgroup2 directory", path.display());
+            match root {
+                Ok(root) => Finding::unmet(
+                    requirement,
+                    found,
+                    format!(
+                        "give --cgroup (WEIR_CGROUP) a directory under {}",
+                        root.display()
+                    ),
+                ),
+                Err(_) => Finding::unmet(requirement, found, unified),
+            }
+        }
+    }
+}
+
+fn bpffs(pin_root: &Path) -> Finding {
+    let requirement = format!("bpffs at the pin root {}", pin_root.display());
+    match mounts::pin_root_fs(pin_root) {
+        PinRootFs::Bpffs(existing) => {
+            Finding::met(requirement, format!("{} is on a bpffs", existing.display()))
+        }
+        PinRootFs::Unmounted if Path::new(DEFAULT_BPF_FS).is_dir() => Finding::met(
+            requirement,
+            format!("{DEFAULT_BPF_FS} is no bpffs yet; the agent mounts one there"),
+        ),
+        PinRootFs::Unmounted => Finding::unmet(
+            requirement,
+            format!("{DEFAULT_BPF_FS} does not exist"),
+            "boot the node with a kernel built with CONFIG_BPF_SYSCALL, and sysfs at /sys",
+        ),
+        PinRootFs::Other(existing) => Finding::unmet(
+            requirement,
+            format!("{} is not on a bpffs", existing.display()),
+            format!(
+                "give --pin-root (WEIR_PIN_ROOT) a directory under {DEFAULT_BPF_FS}, mounted \
+                 from the host's in a pod"
+            ),
+        ),
+    }
+}
+
+fn cni_config(net_dir: &Path) -> Finding {
+    let requirement = "primary CNI network config";
+    match install::active_config(net_dir) {
+        Ok((file, _)) => Finding::met(requirement, file.display().to_string()),
+        Err(error) if error.is::<NoNetworkConfig>() => Finding::pending(
+            requirement,
+            match net_dir.is_dir() {
+                true => format!("none in {}", net_dir.display()),
+                false => format!("{} does not exist", net_dir.display()),
+            },
+            "install the cluster's CNI (Calico, Cilium, flannel, ...): it writes one; or give \
+             --cni-net-dir (WEIR_CNI_NET_DIR) the directory the runtime reads",
+        ),
+        Err(error) => Finding::unmet(
+            requirement,
+            format!("{error:#}"),
+            "give --cni-net-dir (WEIR_CNI_NET_DIR) the directory the runtime reads",
+        ),
+    }
+}
+
+/// ztunnel connects to the socket the agent serves, which the agent binds (creating its
+/// directory): the directory must be there or be creatable.
+fn zds_socket_dir(socket: &Path) -> Finding {
+    let requirement = format!("directory of the ZDS socket {}", socket.display());
+    let dir = socket.parent().unwrap_or(Path::new("/"));
+    let existing = dir.ancestors().find(|path| path.exists()).unwrap_or(dir);
+    let writable = |path: &Path| nix::unistd::access(path, nix::unistd::AccessFlags::W_OK);
+    let remedy = "give --zds-socket (WEIR_ZDS_SOCKET) the socket ztunnel connects to, in a \
+                  writable directory (in a pod, ztunnel's directory mounted from the host)";
+    if !existing.is_dir() {
+        return Finding::unmet(
+            requirement,
+            format!("{} is not a directory", existing.display()),
+            remedy,
+        );
+    }
+    match writable(existing) {
+        Ok(()) if existing == dir => Finding::met(requirement, format!("{} exists", dir.display())),
+        Ok(()) => Finding::met(
+            requirement,
+            format!(
+                "the agent creates {} (in {})",
+                dir.display(),
+                existing.display()
+            ),
+        ),
+        Err(errno) => Finding::unmet(
+            requirement,
+            format!(
+                "{} is not writable: {}",
+                existing.display(),
+                io::Error::from(errno)
+            ),
+            remedy,
+        ),
+    }
+}

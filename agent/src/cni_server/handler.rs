@@ -1,0 +1,204 @@
+//! Plugin requests decided from policy and turned into enrollment steps.
+use std::{net::IpAddr, path::PathBuf, sync::Arc};
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family},
+    registry::Registry,
+};
+use tracing::Instrument;
+use weir_cni::{
+    code::{PLUGIN_SPECIFIC, TRY_AGAIN_LATER},
+    protocol::{Attachment, Command, Request, Response},
+};
+
+use super::responses::{
+    decision_error, enrollment_failure, error_response, incomplete_add, pod_ip,
+};
+use crate::{
+    enroll::Enroller,
+    logging::pod_span,
+    policy::{Labels, Policy},
+    report::{report_problems, Reporter, Warning},
+    workload::{PodName, Status, Workload},
+};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventLabels {
+    event: &'static str,
+    result: &'static str,
+}
+
+/// Plugin requests decided from policy and turned into enrollment steps, and the steps' outcomes
+/// into CNI responses and error codes.
+pub struct CniHandler {
+    enroller: Arc<Enroller>,
+    policy: Arc<dyn Policy>,
+    reporter: Arc<dyn Reporter>,
+    events: Family<EventLabels, Counter>,
+}
+
+impl CniHandler {
+    pub fn new(
+        enroller: Arc<Enroller>,
+        policy: Arc<dyn Policy>,
+        reporter: Arc<dyn Reporter>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            enroller,
+            policy,
+            reporter,
+            events: Family::default(),
+        })
+    }
+
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        registry.register(
+            "nodeagent_reconcile_events",
+            "Pod events handled by the node agent, by event and result",
+            self.events.clone(),
+        );
+    }
+
+    /// Serves one plugin request, in turn with every other step for the same pod.
+    pub async fn handle(&self, request: &Request) -> Response {
+        let key = if request.pod.uid.is_empty() {
+            &request.container_id
+        } else {
+            &request.pod.uid
+        };
+        let step = async {
+            match request.command {
+                Command::Add => ("add", self.add(request).await),
+                Command::Del => ("del", self.del(request).await),
+                Command::Check => ("check", self.check(request).await),
+                Command::Gc => ("gc", self.gc(&request.valid_attachments).await),
+            }
+        };
+        // GC names no pod: it takes each stale pod's turn on its own.
+        let (event, result) = if request.command == Command::Gc {
+            step.await
+        } else {
+            let pod = &request.pod;
+            self.enroller
+                .in_turn(key, step)
+                .instrument(pod_span(&pod.namespace, &pod.name, &pod.uid))
+                .await
+        };
+        let outcome = if matches!(result, Response::Ok { .. }) {
+            "ok"
+        } else {
+            "error"
+        };
+        self.events
+            .get_or_create(&EventLabels {
+                event,
+                result: outcome,
+            })
+            .inc();
+        result
+    }
+
+    /// Decides from policy; returns the pod to enroll, or `None` when it is not ambient. `Err`
+    /// is the response: the decision failed, or the request cannot name an ambient pod.
+    async fn ambient_workload(&self, request: &Request) -> Result<Option<Workload>, Response> {
+        let name = PodName::new(&request.pod.namespace, &request.pod.name);
+        let annotations: Labels = request.annotations.clone().into_iter().collect();
+        let Some(ambient) = self
+            .policy
+            .decide(&name, &request.pod.uid, &annotations)
+            .await
+            .map_err(|error| decision_error(&name, error))?
+        else {
+            return Ok(None);
+        };
+        report_problems(&*self.reporter, &name, &ambient.problems).await;
+        let ips = request
+            .ips
+            .iter()
+            .map(|ip| pod_ip(&name, ip))
+            .collect::<Result<Vec<IpAddr>, Response>>()?;
+        Ok(Some(Workload {
+            uid: request.pod.uid.clone(),
+            name: request.pod.name.clone(),
+            namespace: request.pod.namespace.clone(),
+            netns: PathBuf::from(&request.netns),
+            ips,
+            options: ambient.options,
+            service_account: Some(ambient.service_account),
+            attachment: Some(Attachment {
+                container_id: request.container_id.clone(),
+                ifname: request.ifname.clone(),
+            }),
+        }))
+    }
+
+    async fn add(&self, request: &Request) -> Response {
+        let pod = match self.ambient_workload(request).await {
+            Ok(Some(pod)) => pod,
+            Ok(None) => return Response::Ok { enrolled: false },
+            Err(response) => return response,
+        };
+        if let Some(incomplete) = incomplete_add(&pod) {
+            return incomplete;
+        }
+        match self.enroller.enroll(&pod).await {
+            Ok(Status::Enabled) => Response::Ok { enrolled: true },
+            Ok(Status::Pending) => Response::Error {
+                code: TRY_AGAIN_LATER,
+                msg: format!(
+                    "ztunnel has not acknowledged pod {}/{}: redirection is in place and pending",
+                    pod.namespace, pod.name
+                ),
+                details: "the runtime retries; the pod completes when ztunnel connects".into(),
+            },
+            Err(error) => {
+                let name = pod.pod_name();
+                let warning = Warning::EnrollmentFailed(format!("{error:#}"));
+                self.reporter.warn(&name, warning).await;
+                enrollment_failure(&name, &error)
+            }
+        }
+    }
+
+    async fn del(&self, request: &Request) -> Response {
+        if request.pod.uid.is_empty() {
+            // Nothing names the pod: its maps entries go when its netns does.
+            return Response::Ok { enrolled: false };
+        }
+        let unenrolled = self
+            .enroller
+            .unenroll_sandbox(&request.pod.uid, &request.container_id)
+            .await;
+        match unenrolled {
+            Ok(was) => Response::Ok { enrolled: was },
+            Err(error) => error_response(PLUGIN_SPECIFIC, "unenroll failed", &error),
+        }
+    }
+
+    async fn gc(&self, valid: &[Attachment]) -> Response {
+        match self.enroller.collect_garbage(valid).await {
+            Ok(_) => Response::Ok { enrolled: false },
+            Err(error) => error_response(PLUGIN_SPECIFIC, "GC left stale pods", &error),
+        }
+    }
+
+    async fn check(&self, request: &Request) -> Response {
+        match self.ambient_workload(request).await {
+            Ok(None) => Response::Ok { enrolled: false },
+            Ok(Some(pod)) => match self.enroller.is_redirected(&pod.uid).await {
+                Ok(true) => Response::Ok { enrolled: true },
+                Ok(false) => Response::Error {
+                    code: PLUGIN_SPECIFIC,
+                    msg: format!(
+                        "ambient pod {}/{} has no redirection",
+                        request.pod.namespace, request.pod.name
+                    ),
+                    details: String::new(),
+                },
+                Err(error) => error_response(PLUGIN_SPECIFIC, "check failed", &error),
+            },
+            Err(response) => response,
+        }
+    }
+}

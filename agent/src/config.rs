@@ -1,0 +1,42 @@
+//! What the agent is told to do: `weir-agent run` fills it from flags and environment, the
+//! checks read it, and `app::run` runs it.
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use crate::{
+    cluster::ClusterConfig, datapath::DatapathConfig, install::ServiceAccount, policy::PolicyConfig,
+};
+
+/// Everything the agent is told; `weir-agent run` fills it from flags and environment.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub datapath: DatapathConfig,
+    pub policy: PolicyConfig,
+    pub source: SourceConfig,
+    pub cni_socket: PathBuf,
+    pub verdict_cache: PathBuf,
+    /// Enrolled pods' names and netns paths, for the next agent after a restart.
+    pub state_file: PathBuf,
+    /// Where `weir-agent trace` reads decisions.
+    pub trace_socket: PathBuf,
+    pub zds_socket: PathBuf,
+    pub cni_bin_dir: PathBuf,
+    pub cni_net_dir: PathBuf,
+    pub cni_plugin: PathBuf,
+    pub cni_plugin_log: Option<PathBuf>,
+    /// What the plugin reads the API server with while the agent is away (its kubeconfig);
+    /// `None` writes none, and the plugin falls back to the verdict cache alone.
+    pub service_account: Option<ServiceAccount>,
+    pub health_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub uninstall_on_exit: bool,
+    /// How often enrolled pods whose DEL never came are looked for.
+    pub orphan_sweep_interval: Duration,
+}
+
+/// Where ambient policy comes from.
+#[derive(Clone, Debug)]
+pub enum SourceConfig {
+    /// A local policy file: a node without an API server.
+    File(PathBuf),
+    Cluster(ClusterConfig),
+}

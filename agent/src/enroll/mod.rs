@@ -1,0 +1,290 @@
+//! Enrollment: the one path every pod takes into the mesh and out of it.
+//!
+//! [`Enroller::enroll`] is where a pod is enrolled, whatever asked for it (a CNI ADD, the
+//! reconcile loop, recovery at start): redirection first, then ztunnel's Ack, then the pod is
+//! reported enabled. [`Enroller::unenroll`] undoes it. Both are idempotent, and the steps for one
+//! pod never interleave ([`Enroller::in_turn`]), while different pods proceed in parallel.
+//!
+//! Beside that path: recovery after a restart ([`recovery`]), CNI GC and the orphan sweep
+//! ([`orphans`]), and the pods' statuses, published through the [`Reporter`] (in a cluster, the
+//! pod's `ambient.istio.io/redirection` annotation) ([`status`]).
+mod orphans;
+mod recovery;
+mod status;
+
+use std::{
+    collections::{HashMap, HashSet},
+    future::Future,
+    net::IpAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+
+use anyhow::Result;
+use prometheus_client::{
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::Registry,
+};
+use tracing::{info, warn, Span};
+
+use crate::{
+    datapath::{Datapath, EnrollNetns, PodNetns},
+    logging::pod_span,
+    report::Reporter,
+    state::StateFile,
+    workload::{PodName, Status, Workload},
+    zds::{WorkloadInfo, ZdsError, ZdsHandle},
+};
+use status::StatusLabels;
+
+pub struct Enroller {
+    datapath: Arc<Datapath>,
+    zds: ZdsHandle,
+    /// Enrolled pods by uid, with the name their status is published under.
+    status: Mutex<HashMap<String, (Status, PodName)>>,
+    /// Where statuses are published (the pod's annotation in a cluster).
+    reporter: Arc<dyn Reporter>,
+    /// Enrolled pods, for the next agent.
+    state: StateFile,
+    /// One async lock per pod: the steps for one pod are ordered.
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Enrolled pods by status (istio's `ambient.istio.io/redirection` values).
+    pods: Family<StatusLabels, Gauge>,
+    /// Time to put one pod's redirection in place (the datapath's part of enrollment).
+    redirect_seconds: Histogram,
+    /// Pods (or state records) a restart could not fully recover.
+    recovery_failures: Counter,
+    /// Pods unenrolled because nothing but weir and ztunnel held their netns any more.
+    orphans_removed: Counter,
+    /// Pods that looked orphaned (to the sweep or GC) but were kept: their netns could be held
+    /// where the agent could not look.
+    orphans_kept: Counter,
+    /// Pods whose sandbox the runtime removed (a DEL) and that no ADD enrolled since: between
+    /// sandboxes, or going away, never broken.
+    removed_sandboxes: Mutex<HashSet<String>>,
+}
+
+impl Enroller {
+    pub fn new(
+        datapath: Arc<Datapath>,
+        zds: ZdsHandle,
+        reporter: Arc<dyn Reporter>,
+        state_file: PathBuf,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            datapath,
+            zds,
+            status: Mutex::new(HashMap::new()),
+            reporter,
+            state: StateFile::open(state_file),
+            locks: Mutex::new(HashMap::new()),
+            pods: Family::default(),
+            // 50 µs .. ~100 ms: weir's enrollment is sub-millisecond; istio's iptables ~10 ms.
+            redirect_seconds: Histogram::new(exponential_buckets(50e-6, 2.0, 12)),
+            recovery_failures: Counter::default(),
+            orphans_removed: Counter::default(),
+            orphans_kept: Counter::default(),
+            removed_sandboxes: Mutex::default(),
+        })
+    }
+
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        // Both series from the start, at 0: they are counted by change from here.
+        for status in [Status::Pending, Status::Enabled] {
+            self.pods_with(status);
+        }
+        registry.register(
+            "weir_redirect_seconds",
+            "Time to put one pod's redirection in place (maps, tc, routing)",
+            self.redirect_seconds.clone(),
+        );
+        registry.register(
+            "weir_enrolled_pods",
+            "Enrolled pods by status: pending (redirected, ztunnel has not acked) or enabled",
+            self.pods.clone(),
+        );
+        registry.register(
+            "weir_recovery_failures",
+            "Pods or state records an agent start could not recover (the agent serves the rest)",
+            self.recovery_failures.clone(),
+        );
+        registry.register(
+            "weir_orphans_removed",
+            "Enrolled pods unenrolled because no process and no mount held their netns any more",
+            self.orphans_removed.clone(),
+        );
+        registry.register(
+            "weir_orphans_kept",
+            "Enrolled pods that looked orphaned (to the orphan sweep or CNI GC) but were kept: \
+             their netns could be held where the agent could not look",
+            self.orphans_kept.clone(),
+        );
+    }
+
+    /// [`pod_span`] for the pod with this uid, named as the agent knows it (enrolled, or in its
+    /// record).
+    fn pod_span(&self, uid: &str) -> Span {
+        let enrolled = self
+            .status
+            .lock()
+            .unwrap()
+            .get(uid)
+            .map(|(_, pod)| pod.clone());
+        let name = enrolled
+            .or_else(|| {
+                let record = self.state.get(uid)?;
+                Some(record.pod_name())
+            })
+            .unwrap_or_default();
+        pod_span(&name.namespace, &name.name, uid)
+    }
+
+    /// What the agent recorded of an enrolled pod (its netns path, addresses and options).
+    pub fn record(&self, uid: &str) -> Option<Workload> {
+        self.state.get(uid)
+    }
+
+    /// Folds the state file's journal into its snapshot, at a clean stop: the next agent reads
+    /// one file.
+    pub fn save_state(&self) -> Result<()> {
+        self.state.save()
+    }
+
+    /// A running pod's netns, to enroll it live (see [`Datapath::find_running_pod`]).
+    pub async fn find_running_pod(
+        &self,
+        uid: &str,
+        ips: &[IpAddr],
+        hint: Option<PathBuf>,
+    ) -> Result<Option<PodNetns>> {
+        self.datapath.find_running_pod(uid, ips, hint).await
+    }
+
+    /// Runs one step for a pod (keyed by its uid, or whatever names it) once every earlier step
+    /// for it has finished: the steps for one pod never interleave.
+    pub async fn in_turn<T>(&self, key: &str, step: impl Future<Output = T>) -> T {
+        let lock = self
+            .locks
+            .lock()
+            .unwrap()
+            .entry(key.to_owned())
+            .or_default()
+            .clone();
+        let result = {
+            let _turn = lock.lock().await;
+            step.await
+        };
+        let mut locks = self.locks.lock().unwrap();
+        // Held by the map and this step only: no step for the pod is waiting, so the lock goes.
+        if Arc::strong_count(&lock) == 2 {
+            locks.remove(key);
+        }
+        result
+    }
+
+    /// Enrolls a pod in the netns at its path, as the runtime gives it.
+    pub async fn enroll(&self, pod: &Workload) -> Result<Status> {
+        self.enroll_in(pod, EnrollNetns::Path).await
+    }
+
+    /// Where a pod is enrolled: redirection in place, then ztunnel's Ack, then enabled.
+    pub async fn enroll_in(&self, pod: &Workload, netns: EnrollNetns) -> Result<Status> {
+        let started = std::time::Instant::now();
+        let netns = self.datapath.enroll_in(pod.clone(), netns).await?;
+        self.redirect_seconds
+            .observe(started.elapsed().as_secs_f64());
+        fail::fail_point!("enroll-redirected");
+        self.removed_sandboxes.lock().unwrap().remove(&pod.uid);
+        let status = match self
+            .zds
+            .add(&pod.uid, zds_info(pod), Some(Arc::new(netns)))
+            .await
+        {
+            Ok(()) => Status::Enabled,
+            Err(ZdsError::NotConnected) => Status::Pending,
+            Err(error) => {
+                warn!(%error, "ztunnel did not accept the pod");
+                Status::Pending
+            }
+        };
+        fail::fail_point!("enroll-acked");
+        // The record first: it carries the status, so recording the status after it writes
+        // nothing more (the other way round, a re-enrolled pod would cost two journal lines).
+        let recorded = self.state.insert(pod, status);
+        self.set_status(&pod.uid, Some((status, pod.pod_name())))
+            .await;
+        recorded?;
+        info!(?status, "pod enrolled");
+        Ok(status)
+    }
+
+    /// The runtime's DEL of one of a pod's sandboxes (`container_id`): unenrolls the pod unless
+    /// its record names another sandbox. When kubelet gives a pod a new sandbox it removes the old
+    /// one after the new one's ADD, and that DEL must not take the live sandbox's redirection
+    /// away. Returns whether the pod was unenrolled.
+    pub async fn unenroll_sandbox(&self, uid: &str, container_id: &str) -> Result<bool> {
+        let current = self.state.get(uid).and_then(|pod| pod.attachment);
+        if let Some(current) = current {
+            if !container_id.is_empty() && current.container_id != container_id {
+                info!(
+                    deleted = container_id,
+                    live = current.container_id,
+                    "CNI DEL for a sandbox the pod has left: the live one stays redirected"
+                );
+                return Ok(false);
+            }
+        }
+        self.removed_sandboxes
+            .lock()
+            .unwrap()
+            .insert(uid.to_owned());
+        self.unenroll(uid).await
+    }
+
+    /// Takes a pod out: ztunnel first (so it stops proxying), then redirection. Returns whether
+    /// the pod was enrolled.
+    pub async fn unenroll(&self, uid: &str) -> Result<bool> {
+        if let Err(error) = self.zds.del(uid).await {
+            warn!(%error, "ztunnel Del");
+        }
+        self.set_status(uid, None).await;
+        let was = self.datapath.unenroll(uid).await?;
+        self.state.remove(uid)?;
+        if was {
+            info!("pod unenrolled");
+        }
+        Ok(was)
+    }
+
+    /// Whether the runtime removed the pod's sandbox and no ADD enrolled it since.
+    pub fn sandbox_removed(&self, uid: &str) -> bool {
+        self.removed_sandboxes.lock().unwrap().contains(uid)
+    }
+
+    /// Forgets the removed sandboxes of pods `keep` does not keep (gone from the cluster).
+    pub fn forget_removed_sandboxes(&self, keep: impl Fn(&str) -> bool) {
+        self.removed_sandboxes
+            .lock()
+            .unwrap()
+            .retain(|uid| keep(uid));
+    }
+
+    /// Whether the pod's redirection is in the kernel as enrolled.
+    pub async fn is_redirected(&self, uid: &str) -> Result<bool> {
+        self.datapath.is_redirected(uid).await
+    }
+}
+
+/// What ztunnel is told about a pod.
+fn zds_info(pod: &Workload) -> WorkloadInfo {
+    WorkloadInfo {
+        name: pod.name.clone(),
+        namespace: pod.namespace.clone(),
+        service_account: pod.service_account.clone().unwrap_or_default(),
+    }
+}

@@ -1,0 +1,86 @@
+//! The ZDS server's metrics: ztunnel connections, and requests, acks and failures by message.
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
+    registry::{Metric, Registry},
+};
+
+use super::proto::workload_request::Payload;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MessageLabels {
+    message: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    message: &'static str,
+    reason: &'static str,
+}
+
+pub(super) struct Metrics {
+    pub(super) connected: Gauge,
+    requests: Family<MessageLabels, Counter>,
+    acks: Family<MessageLabels, Counter>,
+    errors: Family<ErrorLabels, Counter>,
+}
+
+impl Metrics {
+    pub(super) fn register(registry: &mut Registry) -> Self {
+        Self {
+            connected: registered(
+                registry,
+                "ztunnel_connected",
+                "Number of connections to ztunnel",
+            ),
+            requests: registered(
+                registry,
+                "weir_zds_requests",
+                "ZDS requests sent to ztunnel, by message",
+            ),
+            acks: registered(
+                registry,
+                "weir_zds_acks",
+                "ZDS requests ztunnel acked without error, by message",
+            ),
+            errors: registered(
+                registry,
+                "weir_zds_errors",
+                "ZDS failures, by message (or hello, unsolicited) and reason",
+            ),
+        }
+    }
+
+    pub(super) fn request(&self, message: &'static str) {
+        self.requests
+            .get_or_create(&MessageLabels { message })
+            .inc();
+    }
+
+    pub(super) fn ack(&self, message: &'static str) {
+        self.acks.get_or_create(&MessageLabels { message }).inc();
+    }
+
+    pub(super) fn error(&self, message: &'static str, reason: &'static str) {
+        self.errors
+            .get_or_create(&ErrorLabels { message, reason })
+            .inc();
+    }
+}
+
+/// A new metric, registered as `name`.
+fn registered<M: Metric + Clone + Default>(registry: &mut Registry, name: &str, help: &str) -> M {
+    let metric = M::default();
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// The `message` label of a request.
+pub(super) fn message_name(payload: &Payload) -> &'static str {
+    match payload {
+        Payload::Add(_) => "add",
+        Payload::Keep(_) => "keep",
+        Payload::Del(_) => "del",
+        Payload::SnapshotSent(_) => "snapshot_sent",
+    }
+}

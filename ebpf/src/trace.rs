@@ -1,0 +1,93 @@
+//! Decision records for `weir-agent trace`: one per verdict, into a ring buffer the agent
+//! reads, only while a reader is attached.
+//!
+//! With tracing off a decision costs one array lookup (which the verifier inlines) and a
+//! branch. A record is written in place in the ring buffer, never built on the stack: the tc
+//! programs have little stack to spare. A full ring buffer loses the record and counts it; the
+//! datapath never waits for a reader.
+use aya_ebpf::{
+    btf_maps::{Array, PerCpuArray, RingBuf},
+    macros::btf_map,
+};
+use weir_common::{Endpoint, IpKey, TraceHook, TraceRecord, TraceVerdict};
+
+/// A few thousand records: room for a burst while the agent is scheduled out.
+const RING_BYTES: usize = 256 * 1024;
+
+#[btf_map]
+static TRACE_ON: Array<u32, 1> = Array::new();
+
+#[btf_map]
+static TRACE_EVENTS: RingBuf<TraceRecord, RING_BYTES> = RingBuf::new();
+
+#[btf_map]
+static TRACE_LOST: PerCpuArray<u64, 1> = PerCpuArray::new();
+
+/// Whether a reader is tracing.
+#[inline(always)]
+pub fn on() -> bool {
+    TRACE_ON.get(0).is_some_and(|flag| *flag != 0)
+}
+
+/// `TraceRecord::protocol` values.
+pub const TCP: u8 = 6;
+pub const UDP: u8 = 17;
+
+/// One side of a traced tuple: an address and a port (host order).
+pub type Side<'a> = (&'a IpKey, u16);
+
+/// The address a verdict sends nothing to.
+pub const NOWHERE: Side<'static> = (&IpKey { octets: [0; 16] }, 0);
+
+/// Records a decision; `netns` is the pod's netns cookie (0: unknown). Called through
+/// [`trace!`], which tests [`on`] first.
+#[inline(always)]
+pub fn record(
+    hook: TraceHook,
+    verdict: TraceVerdict,
+    netns: u64,
+    protocol: u8,
+    source: Side,
+    destination: Side,
+    target: Side,
+) {
+    let Some(mut entry) = TRACE_EVENTS.reserve(0) else {
+        if let Some(lost) = TRACE_LOST.get_ptr_mut(0) {
+            // SAFETY: per-CPU value, only this CPU writes it while this program runs.
+            unsafe { *lost += 1 };
+        }
+        return;
+    };
+    let slot = entry.as_mut_ptr();
+    // SAFETY: `slot` is the reserved record, written field by field before it is submitted.
+    unsafe {
+        (*slot).netns_cookie = netns;
+        write_side(&raw mut (*slot).source, source);
+        write_side(&raw mut (*slot).destination, destination);
+        write_side(&raw mut (*slot).target, target);
+        (*slot).protocol = protocol;
+        (*slot).hook = hook as u8;
+        (*slot).verdict = verdict as u8;
+        (*slot)._pad = 0;
+    }
+    entry.submit(0);
+}
+
+#[inline(always)]
+unsafe fn write_side(slot: *mut Endpoint, (ip, port): Side) {
+    (*slot).ip = *ip;
+    (*slot).port = port;
+    (*slot)._pad = 0;
+}
+
+/// `trace!(hook, verdict, netns, protocol, source, destination, target)`: a record when tracing
+/// is on. The arguments are evaluated only then, so a path that traces costs nothing more with
+/// tracing off.
+macro_rules! trace {
+    ($($arg:expr),+ $(,)?) => {
+        if $crate::trace::on() {
+            $crate::trace::record($($arg),+);
+        }
+    };
+}
+pub(crate) use trace;

@@ -1,0 +1,291 @@
+//! `weir-agent trace` as an operator runs it next to a live agent: every kind of decision the
+//! programs make for an enrolled pod shows up once, with the pod's name, the tuple and the
+//! verdict; several readers trace at once, each with its filters; tracing is off again once the
+//! last reader leaves. And the per-pod series on `/metrics`, gone with the pod.
+//!
+//! Needs privileges and the built `weir-agent` (`cargo build -p weir-agent`).
+use std::{
+    io::{BufRead, BufReader},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    thread,
+    time::{Duration, Instant},
+};
+
+use aya::maps::{Array, Map};
+use nix::{
+    sys::signal::{kill, Signal},
+    unistd::Pid,
+};
+use serde_json::{json, Value};
+use weir_common::{maps, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::{
+    agent::{http_get, workspace_binary, Agent},
+    chain::{ChainNode, MESH, WAIT},
+    raw, tcp_request, udp_request, EchoServer, APP_PORT,
+};
+
+/// A `weir-agent trace` process and the lines it printed so far.
+struct Reader {
+    child: Child,
+    lines: Arc<Mutex<Vec<Value>>>,
+}
+
+impl Reader {
+    fn start(agent: &Agent, filters: &[&str]) -> Self {
+        let mut child = Command::new(workspace_binary("weir-agent"))
+            .arg("trace")
+            .arg("--trace-socket")
+            .arg(&agent.config.trace_socket)
+            .args(["--output", "json"])
+            .args(filters)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("running weir-agent trace");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stdout = child.stdout.take().unwrap();
+        let collected = lines.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let line = line.unwrap();
+                let value = serde_json::from_str(&line)
+                    .unwrap_or_else(|_| panic!("not one JSON object: {line:?}"));
+                collected.lock().unwrap().push(value);
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// The first decision that matches every field of `wanted`, within [`WAIT`].
+    fn wait_for(&self, wanted: &Value) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let lines = self.lines.lock().unwrap().clone();
+            if let Some(found) = lines.iter().find(|line| matches(line, wanted)) {
+                return found.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no decision matching {wanted} in:\n{}",
+                lines
+                    .iter()
+                    .map(Value::to_string)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn lines(&self) -> Vec<Value> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Ctrl-C, as an operator stops it: a clean exit.
+    fn interrupt(mut self) {
+        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGINT).unwrap();
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "weir-agent trace exited with {status}");
+    }
+}
+
+fn matches(line: &Value, wanted: &Value) -> bool {
+    wanted
+        .as_object()
+        .unwrap()
+        .iter()
+        .all(|(key, value)| &line[key] == value)
+}
+
+/// Whether the programs write records (`TRACE_ON`, as bpftool shows it).
+fn tracing_on(node: &ChainNode) -> bool {
+    let map = node.fixture.node().pinned_map(maps::TRACE_ON).unwrap();
+    let flag: Array<_, u32> = Array::try_from(Map::Array(map)).unwrap();
+    flag.get(&0, 0).unwrap() != 0
+}
+
+fn wait_until_tracing(node: &ChainNode, on: bool) {
+    let deadline = Instant::now() + WAIT;
+    while tracing_on(node) != on {
+        assert!(Instant::now() < deadline, "tracing never turned {on}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn at(ip: Ipv4Addr, port: u16) -> String {
+    SocketAddr::new(IpAddr::V4(ip), port).to_string()
+}
+
+#[test]
+fn each_decision_is_traced_with_its_pod_tuple_and_verdict() {
+    let Some(node) = ChainNode::privileged() else {
+        return;
+    };
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let (server, _echo, client, _stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
+    let _client_app = EchoServer::app(&client).unwrap();
+    assert!(!tracing_on(&node), "tracing is off with no reader");
+
+    let everything = Reader::start(&agent, &[]);
+    let inbound_only = Reader::start(&agent, &["--pod", "mesh/client", "--verdict", "inbound"]);
+    wait_until_tracing(&node, true);
+    // Both readers are connected once each has a record: the switch turns on at the first.
+    let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let to_client = SocketAddr::new(IpAddr::V4(client.ipv4()), APP_PORT);
+    let deadline = Instant::now() + WAIT;
+    while everything.lines().is_empty() || inbound_only.lines().is_empty() {
+        assert!(Instant::now() < deadline, "the readers got nothing");
+        server.run(|| tcp_request(to_client, "in")).unwrap();
+        thread::sleep(Duration::from_millis(50));
+    }
+
+    client.run(|| tcp_request(to_server, "out")).unwrap();
+    let resolver = SocketAddr::new(IpAddr::V4(node.fixture.node().gateway_v4()), DNS_PORT);
+    client.run(|| udp_request(resolver, "query")).unwrap();
+    let probe = node.fixture.node().run(|| tcp_request(to_client, "probe"));
+    assert!(probe.is_ok(), "the node's probe is answered: {probe:?}");
+    let fragmented_syn = raw::Syn {
+        source: SocketAddr::new(IpAddr::V4(server.ipv4()), 41001),
+        destination: to_client,
+        shape: raw::Fragmented(8),
+    };
+    server
+        .run(|| raw::probe(&[fragmented_syn], Duration::from_millis(300)))
+        .unwrap();
+
+    let pod = json!({"namespace": MESH, "pod": "client"});
+    let with_pod = |fields: Value| {
+        let mut wanted = pod.clone();
+        wanted
+            .as_object_mut()
+            .unwrap()
+            .extend(fields.as_object().unwrap().clone());
+        wanted
+    };
+    let outbound = everything.wait_for(&with_pod(json!({
+        "verdict": "outbound", "hook": "connect", "protocol": "tcp",
+        "destination": to_server.to_string(),
+    })));
+    assert_eq!(outbound["source"], at(client.ipv4(), 0), "{outbound}");
+    assert_eq!(
+        outbound["target"],
+        at(client.ipv4(), OUTBOUND_PORT),
+        "{outbound}"
+    );
+    let dns = everything.wait_for(&with_pod(json!({
+        "verdict": "dns", "hook": "sendmsg", "protocol": "udp",
+        "destination": resolver.to_string(),
+    })));
+    assert_eq!(
+        dns["target"],
+        at(Ipv4Addr::LOCALHOST, DNS_PROXY_PORT),
+        "{dns}"
+    );
+    let inbound = everything.wait_for(&with_pod(json!({
+        "verdict": "inbound", "hook": "tc-ingress", "protocol": "tcp",
+        "destination": to_client.to_string(),
+    })));
+    assert_eq!(
+        inbound["source"]
+            .as_str()
+            .unwrap()
+            .rsplit_once(':')
+            .unwrap()
+            .0,
+        server.ipv4().to_string()
+    );
+    assert_eq!(
+        inbound["target"],
+        at(client.ipv4(), INBOUND_PORT),
+        "{inbound}"
+    );
+    // ztunnel's SO_ORIGINAL_DST question for the outbound connection, answered.
+    everything.wait_for(&with_pod(json!({
+        "verdict": "original-dst", "hook": "getsockopt", "destination": to_server.to_string(),
+    })));
+    // The probe: bound to the probe source on the node, let in at the pod.
+    for hook in ["connect", "tc-ingress"] {
+        let probe = everything.wait_for(&with_pod(json!({
+            "verdict": "probe-bypass", "hook": hook, "destination": to_client.to_string(),
+        })));
+        assert!(
+            probe["source"]
+                .as_str()
+                .unwrap()
+                .starts_with("169.254.7.127:"),
+            "{probe}"
+        );
+    }
+    let dropped = everything.wait_for(&with_pod(json!({
+        "verdict": "drop-fragment", "hook": "tc-ingress",
+        "source": at(server.ipv4(), 41001), "destination": to_client.to_string(),
+    })));
+    assert_eq!(dropped["target"], Value::Null, "{dropped}");
+
+    // The filtered reader saw only what it asked for, the same decisions as the other.
+    let filtered = inbound_only.lines();
+    assert!(
+        filtered.iter().any(|line| line == &inbound),
+        "{inbound} in {filtered:?}"
+    );
+    for line in &filtered {
+        assert!(
+            matches(line, &with_pod(json!({"verdict": "inbound"}))),
+            "{line}"
+        );
+    }
+
+    everything.interrupt();
+    assert!(tracing_on(&node), "one reader is still tracing");
+    inbound_only.interrupt();
+    wait_until_tracing(&node, false);
+    agent.stop().unwrap();
+}
+
+#[test]
+fn each_enrolled_pod_has_its_series_until_it_leaves() {
+    let Some(node) = ChainNode::privileged() else {
+        return;
+    };
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let (server, _echo, client, _stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
+    let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    client.run(|| tcp_request(to_server, "out")).unwrap();
+
+    let series = |metrics: &str| -> Vec<String> {
+        metrics
+            .lines()
+            .filter(|line| line.starts_with("weir_pod_"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
+    let labels = format!("namespace=\"{MESH}\",pod=\"client\"");
+    assert_eq!(
+        series(&metrics),
+        [
+            format!("weir_pod_redirected_total{{{labels},direction=\"outbound\"}} 1"),
+            format!("weir_pod_redirected_total{{{labels},direction=\"inbound\"}} 0"),
+            format!("weir_pod_redirected_total{{{labels},direction=\"dns\"}} 0"),
+            format!("weir_pod_bypassed_total{{{labels}}} 0"),
+            format!("weir_pod_dropped_total{{{labels}}} 0"),
+        ],
+        "one series per pod and direction, the plain server has none:\n{metrics}"
+    );
+
+    drop(client);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
+        if series(&metrics).is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the deleted pod's series stay:\n{metrics}"
+        );
+        thread::sleep(Duration::from_millis(50));
+    }
+    agent.stop().unwrap();
+}
