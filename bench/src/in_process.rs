@@ -14,6 +14,7 @@ use weir_tests::{Pod, TestNode};
 use crate::enrollment::{enrollment, enrollment_steps, handoff_round_trips};
 use crate::pods::make_pods;
 use crate::report::{self, micros, ratio, Report, Samples, Table};
+use crate::trace_reader::TraceServer;
 use crate::{alternating_rounds, load, Plan};
 
 const APP_PORT: u16 = 8080;
@@ -67,27 +68,31 @@ fn with_datapath(
     let handoff = handoff_round_trips(datapath, &runtime)?;
     report.push(enrollment_steps(metrics, weir_median, &handoff)?);
 
+    let trace = TraceServer::start(&runtime, node)?;
     println!("connection path...");
     report.push(connection_path(
         &weir_pods[0],
         &iptables_pods[0],
         plain,
         app,
+        &trace,
         plan,
     )?);
 
     println!("bulk download...");
-    report.push(bulk_download(datapath, node, bulk, plan)?);
+    report.push(bulk_download(datapath, node, bulk, &trace, plan)?);
     Ok(())
 }
 
 /// The connection path: short connections at `plan.concurrency` from an app to the server,
-/// through the minimal relay in the app's pod, four ways, each round in another order.
+/// through the minimal relay in the app's pod, five ways (weir with tracing off and on), each
+/// round in another order.
 fn connection_path(
     weir_pod: &Pod,
     iptables_pod: &Pod,
     plain: &Pod,
     app: SocketAddr,
+    trace: &TraceServer,
     plan: &Plan,
 ) -> Result<Table> {
     for pod in [weir_pod, iptables_pod, plain] {
@@ -100,16 +105,26 @@ fn connection_path(
         .into_iter()
         .collect::<Result<Vec<_>, _>>()?;
     let straight = SocketAddr::new(plain.ipv4().into(), weir_common::OUTBOUND_PORT);
-    let variants: [(&str, &Pod, SocketAddr); 4] = [
+    const TRACED: usize = 4;
+    let variants: [(&str, &Pod, SocketAddr); 5] = [
         ("weir redirect", weir_pod, app),
         ("iptables REDIRECT", iptables_pod, app),
         ("straight to the relay", plain, straight),
         ("no proxy", plain, app),
+        ("weir redirect, tracing on", weir_pod, app),
     ];
+    let mut traced = (0, 0);
     let rounds = alternating_rounds(variants.len(), plan.rounds, |variant| {
         let (_, pod, target) = variants[variant];
-        pod.run(|| load::connections(target, plan.concurrency, plan.turn))
-            .with_context(|| format!("connections: {}", variants[variant].0))
+        let reader = (variant == TRACED).then(|| trace.reader()).transpose()?;
+        let run = pod
+            .run(|| load::connections(target, plan.concurrency, plan.turn))
+            .with_context(|| format!("connections: {}", variants[variant].0))?;
+        if let Some(reader) = reader {
+            traced.0 += run.latencies.len();
+            traced.1 += reader.records();
+        }
+        Ok(run)
     })?;
     let mut table = Table::new(
         &format!(
@@ -145,6 +160,7 @@ fn connection_path(
         ("weir / straight to the relay", pair(0, 2)),
         ("weir / iptables", pair(0, 1)),
         ("iptables / straight to the relay", pair(1, 2)),
+        ("weir tracing on / off", pair(TRACED, 0)),
     ];
     for (name, ratios) in &pairs {
         table.row(&[
@@ -157,8 +173,10 @@ fn connection_path(
     table.note(format!(
         "{} rounds of {:?} per variant, order rotated each round. The relay (in the app's pod, \
          on 15001, as ztunnel listens) reads SO_ORIGINAL_DST and dials from a marked socket; \
-         'straight to the relay' connects to podIP:15001 (the limit of any redirect).",
-        plan.rounds, plan.turn
+         'straight to the relay' connects to podIP:15001 (the limit of any redirect). \
+         Tracing on: one `weir-agent trace` reader on the agent's trace server; it received \
+         {} records for {} connections.",
+        plan.rounds, plan.turn, traced.1, traced.0
     ));
     table.json = json!({
         "concurrency": plan.concurrency,
@@ -169,35 +187,45 @@ fn connection_path(
     Ok(table)
 }
 
-/// Bulk download into a pod, enrolled (weir's tc program sees every packet) against the same
-/// pod unenrolled, alternating.
+/// Bulk download into a pod, enrolled (weir's tc program sees every packet) with tracing off
+/// and on, against the same pod unenrolled, alternating.
 fn bulk_download(
     datapath: &Datapath,
     node: &TestNode,
     source: SocketAddr,
+    trace: &TraceServer,
     plan: &Plan,
 ) -> Result<Table> {
+    const ENROLLED: usize = 0;
+    const TRACED: usize = 1;
     let pod = node.add_pod("bulk")?;
-    let rounds = alternating_rounds(2, plan.rounds, |enrolled| {
-        if enrolled == 0 {
+    let rounds = alternating_rounds(3, plan.rounds, |variant| {
+        let enrolled = variant == ENROLLED || variant == TRACED;
+        if enrolled {
             datapath
                 .enroll(pod.workload(PodOptions::default()))
                 .wait()?;
         }
+        let reader = (variant == TRACED).then(|| trace.reader()).transpose()?;
         let rate = pod.run(|| load::download(source)).context("download");
-        if enrolled == 0 {
+        drop(reader);
+        if enrolled {
             datapath.unenroll(pod.uid()).wait()?;
         }
         rate
     })?;
-    let with: Vec<f64> = rounds.iter().map(|r| r[0]).collect();
-    let without: Vec<f64> = rounds.iter().map(|r| r[1]).collect();
-    let ratios: Vec<f64> = rounds.iter().map(|r| r[0] / r[1]).collect();
+    let with: Vec<f64> = rounds.iter().map(|r| r[ENROLLED]).collect();
+    let traced: Vec<f64> = rounds.iter().map(|r| r[TRACED]).collect();
+    let without: Vec<f64> = rounds.iter().map(|r| r[2]).collect();
+    let ratios: Vec<f64> = rounds.iter().map(|r| r[ENROLLED] / r[2]).collect();
+    let traced_ratios: Vec<f64> = rounds.iter().map(|r| r[TRACED] / r[ENROLLED]).collect();
     let mut table = Table::new("Bulk download into a pod", &["", "MiB/s"]);
     let mib = |rates: &[f64]| format!("{:.0}", report::median(rates) / 1048576.0);
     table.row(&["enrolled (weir's programs)".into(), mib(&with)]);
+    table.row(&["enrolled, tracing on".into(), mib(&traced)]);
     table.row(&["not enrolled".into(), mib(&without)]);
     table.row(&["enrolled / not (rounds)".into(), ratio(&ratios)]);
+    table.row(&["tracing on / off (rounds)".into(), ratio(&traced_ratios)]);
     table.note(format!(
         "{} MiB per download over one connection (marked, as ztunnel's dials), {} rounds.",
         plan.bulk_bytes >> 20,
@@ -208,6 +236,8 @@ fn bulk_download(
         "enrolled_bytes_per_s": report::median(&with),
         "not_enrolled_bytes_per_s": report::median(&without),
         "enrolled_over_not": report::median(&ratios),
+        "tracing_on_bytes_per_s": report::median(&traced),
+        "tracing_on_over_off": report::median(&traced_ratios),
     });
     Ok(table)
 }

@@ -21,6 +21,7 @@ mod node_scale;
 mod pods;
 mod report;
 mod runtime;
+mod trace_reader;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
