@@ -1,4 +1,4 @@
-//! `cargo xtask bench`: weir's datapath side by side with istio-cni's iptables rules, in one run
+//! `cargo xtask bench`: weir-bench (the `bench/` crate), weir's datapath side by side with istio-cni's iptables rules, in one run
 //! on a throwaway node (release build; medians and pair-by-pair ratios), written to
 //! `target/bench/`. `--quick` (into `target/bench/quick/`) runs tiny sizes from the dev build the
 //! tests use, so the bench cannot rot; its figures mean nothing. The agent sections run the
@@ -23,9 +23,10 @@ pub fn run(quick: bool, args: &[String]) -> Result<()> {
                 .env("WEIR_EBPF_OBJECT", &object),
         )
     };
-    build(&["-p", "weir-tests", "--bin", "weir-bench"])?;
-    // A build of its own: built with weir-tests, weir-agent would get the fault-injection points
-    // weir-tests enables (cargo unifies features), and the bench measures the agent as shipped.
+    build(&["-p", "weir-bench"])?;
+    // A build of its own: built with the bench, weir-agent would get the fault-injection points
+    // its harness, weir-tests, enables (cargo unifies features), and the bench measures the
+    // agent as shipped.
     build(&["-p", "weir-agent", "-p", "weir-cni", "--bins"])?;
     step("running it: a throwaway node, weir and iptables side by side");
     run_built(quick, args)

@@ -1,4 +1,4 @@
-//! `cargo xtask demo`: weir's main job on a throwaway demo node.
+//! `cargo xtask demo`: weir-demo (the `demo/` crate), weir's main job on a throwaway demo node.
 
 use anyhow::Result;
 

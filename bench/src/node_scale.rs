@@ -3,7 +3,8 @@
 //! every Add over ZDS, and pods' ADDs executing weir-cni as the runtime does. The node has as many
 //! bridges as its pods need (one takes at most [`PODS_PER_BRIDGE`]); one agent serves them all.
 //!
-//! Sections: the whole CNI ADD with and without weir-cni; weir-cni's decision when the agent is
+//! Sections: pod start, the whole CNI ADD with and without weir-cni, every plugin exec'd as a
+//! runtime execs it ([`crate::runtime`]); weir-cni's decision when the agent is
 //! away (the API server's, the verdict cache's) against the agent's; scale (enroll latency, agent
 //! RSS, map memory and removal time at each size); the node reboot storm.
 
@@ -23,15 +24,18 @@ use weir_tests::node::{NodeOptions, PODS_PER_BRIDGE};
 use weir_tests::ApiServer;
 use weir_tests::{Pod, PodSpec, TestNode, ZdsEvent, ZdsZtunnel};
 
+use crate::pods::{parallel, remove_pods, POD_WORKERS};
 use crate::report::{self, micros, ratio, Report, Samples, Table};
-use crate::{parallel, timed, Plan, ScalePoint, POD_WORKERS};
+use crate::runtime::Sandbox;
+use crate::{timed, Plan, ScalePoint, Sections};
 
 /// Attempts at one pod's weir-cni ADD in the storm, as kubelet retries a failed sandbox: under
 /// a saturated machine an ADD can outlast weir-cni's 5 s deadline. Retries are reported.
 const STORM_ATTEMPTS: usize = 3;
 
-/// Runs the agent sections on a node of their own and adds their tables to `report`.
-pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
+/// Runs the agent sections on a node of their own (only pod start for
+/// [`Sections::PodStart`]) and adds their tables to `report`.
+pub fn measure(plan: &Plan, sections: Sections, report: &mut Report) -> Result<()> {
     let files = NodeFiles::new()?;
     files.write_policy(&ambient_policy())?;
     let most_pods = plan
@@ -48,14 +52,20 @@ pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
         extra_bridges: most_pods.div_ceil(PODS_PER_BRIDGE) - 1,
         ..files.node_options()
     })?;
-    let measured = with_agent(&files, &node, plan, report);
+    let measured = with_agent(&files, &node, plan, sections, report);
     // The agent stops as an upgrade does, leaving its datapath pinned: removed here.
     let datapath = Datapath::start(node.datapath_config()).and_then(|d| d.uninstall().wait());
     measured?;
     datapath.context("removing the agent's datapath")
 }
 
-fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Report) -> Result<()> {
+fn with_agent(
+    files: &NodeFiles,
+    node: &TestNode,
+    plan: &Plan,
+    sections: Sections,
+    report: &mut Report,
+) -> Result<()> {
     let agent = AgentProcess::start(files, node.netns(), AgentBinary::Run { env: &[] })?;
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).context("ztunnel connects")?;
     ztunnel.ack_without_proxies();
@@ -64,8 +74,11 @@ fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Repo
     // while the agent still answers.
     let mut pods: Vec<Pod> = Vec::new();
     let measured = (|| {
-        println!("whole CNI ADD with and without weir-cni...");
-        report.push(cni_add(node, plan)?);
+        println!("pod start: the whole CNI ADD with and without weir-cni...");
+        report.push(pod_start(node, &agent, &weir, plan)?);
+        if sections == Sections::PodStart {
+            return Ok(());
+        }
         println!("weir-cni with the agent away: the API server, the verdict cache...");
         report.push(agent_away(node, files, &weir, plan)?);
         println!("scale, through the agent...");
@@ -78,7 +91,7 @@ fn with_agent(files: &NodeFiles, node: &TestNode, plan: &Plan, report: &mut Repo
         )?);
         Ok(())
     })();
-    crate::remove_pods(pods);
+    remove_pods(pods);
     measured
 }
 
@@ -147,26 +160,37 @@ fn primary_pods(node: &TestNode, prefix: &str, first: usize, count: usize) -> Re
     })
 }
 
-/// The whole CNI ADD of an ambient pod as the runtime runs it, loopback + bridge + weir-cni
-/// against loopback + bridge, pod pair by pod pair, alternating which goes first.
-fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
-    let (mut with, mut without) = (Samples::new(), Samples::new());
+/// Pod start: the whole CNI ADD of an ambient pod as a runtime runs it ([`Sandbox::add`]),
+/// loopback + bridge + weir-cni against loopback + bridge, pod pair by pod pair, alternating
+/// which goes first; with weir-cni's exec alone within it, and the agent's own part of that
+/// (its `weir_redirect_seconds` over the section).
+fn pod_start(node: &TestNode, agent: &AgentProcess, weir: &WeirCni, plan: &Plan) -> Result<Table> {
+    let with_weir = weir.list.clone();
+    let mut primary = weir.list.clone();
+    primary.plugins.truncate(1);
+    let (mut with, mut without, mut weir_exec) = (Samples::new(), Samples::new(), Samples::new());
     let (mut ratios, mut added) = (Vec::new(), Vec::new());
+    let redirect_before = redirect_seconds(node, agent)?;
     for i in 0..plan.chain_pairs {
-        let with_weir = || node.add_pod_with(ambient(format!("cw{i}")));
-        let without_weir = || node.add_pod_primary(ambient(format!("cp{i}")));
-        let (w, o) = if i % 2 == 0 {
-            (with_weir()?, without_weir()?)
+        let add =
+            |chain: &NetworkConfigList, name: String| Sandbox::add(node, chain.clone(), &name);
+        // Both sandboxes stay until the pair is timed, each on its own port of cni0.
+        let ((_w, w), (_o, o)) = if i % 2 == 0 {
+            let w = add(&with_weir, format!("cw{i}"))?;
+            (w, add(&primary, format!("cp{i}"))?)
         } else {
-            let o = without_weir()?;
-            (with_weir()?, o)
+            let o = add(&primary, format!("cp{i}"))?;
+            (add(&with_weir, format!("cw{i}"))?, o)
         };
-        let (w, o) = (w.cni_add_duration(), o.cni_add_duration());
-        ratios.push(w.as_secs_f64() / o.as_secs_f64());
-        added.push(w.as_secs_f64() - o.as_secs_f64());
-        with.push(w);
-        without.push(o);
+        let weir_cni = *w.plugins.last().context("no plugin ran")?;
+        ratios.push(w.whole.as_secs_f64() / o.whole.as_secs_f64());
+        added.push(w.whole.as_secs_f64() - o.whole.as_secs_f64());
+        with.push(w.whole);
+        without.push(o.whole);
+        weir_exec.push(weir_cni);
     }
+    let redirect = redirect_seconds(node, agent)?;
+    let datapath_part = mean_redirect(redirect_before, redirect);
     let mut table = Table::new(
         "Pod start: the whole CNI ADD with and without weir-cni",
         &[
@@ -185,12 +209,31 @@ fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
         micros(Duration::from_secs_f64(added_median.max(0.0))),
         ratio(&ratios),
     ]);
+    table.row(&[
+        "weir-cni's exec within it, median (p99)".into(),
+        weir_exec.show(),
+        "-".into(),
+        "-".into(),
+        "-".into(),
+    ]);
+    table.row(&[
+        "the agent's datapath part of that, mean".into(),
+        micros(datapath_part),
+        "-".into(),
+        "-".into(),
+        "-".into(),
+    ]);
     table.note(format!(
-        "{} pairs of ambient pods, each ADD run as the runtime runs it (loopback, then the \
-         conflist; every plugin executed through `ip netns exec` into the node, the harness' \
-         runtime): bridge + host-local against the same + weir-cni, which returns once the agent \
-         (its binary, in its own process) has enrolled the pod and the ztunnel stand-in \
-         acked its Add. The namespace's creation is not in it.",
+        "{} pairs of ambient pods, each ADD run as a container runtime runs it: every plugin \
+         binary exec'd straight from the node's network namespace with the CNI_* environment \
+         and its configuration on stdin (loopback as a network of its own, then the conflist, \
+         each plugin getting the one before's result): bridge + host-local against the same + \
+         weir-cni, which returns once the agent (its binary, in its own process) has enrolled \
+         the pod and the ztunnel stand-in acked its Add. weir-cni's exec: from its spawn to its \
+         exit within the ADD with it. The agent's datapath part: its own \
+         `weir_redirect_seconds` over those ADDs (maps, tc, routing, in the pod's netns); the \
+         rest of weir-cni's exec is the process start, the agent's socket, its policy and the \
+         ZDS round trip. The namespace's creation is not in it.",
         plan.chain_pairs
     ));
     table.json = json!({
@@ -199,6 +242,8 @@ fn cni_add(node: &TestNode, plan: &Plan) -> Result<Table> {
         "without": without.json(),
         "added_by_weir_cni_median_us": added_median * 1e6,
         "with_over_without": report::median(&ratios),
+        "weir_cni_exec": weir_exec.json(),
+        "datapath_part_mean_s": datapath_part.as_secs_f64(),
     });
     Ok(table)
 }
@@ -266,7 +311,7 @@ fn agent_away(node: &TestNode, files: &NodeFiles, weir: &WeirCni, plan: &Plan) -
     if asked != 2 * plan.enroll_samples {
         bail!("weir-cni asked the API server {asked} times, not twice per ADD");
     }
-    crate::remove_pods(pods);
+    remove_pods(pods);
     let mut table = Table::new(
         "weir-cni when the agent is away: a pod that is not ambient",
         &[
@@ -344,9 +389,7 @@ fn scale(
             })?;
         }
         let redirect = redirect_seconds(node, agent)?;
-        let datapath_part = Duration::from_secs_f64(
-            (redirect.0 - redirect_before.0) / (redirect.1 - redirect_before.1).max(1.0),
-        );
+        let datapath_part = mean_redirect(redirect_before, redirect);
         let rss = agent.rss_bytes()?;
         let memory = report::map_memory(&maps)?;
         let del_all = timed(|| {
@@ -404,8 +447,13 @@ fn scale(
         ));
     }
     table.json = json!({ "sizes": json_sizes });
-    crate::remove_pods(probes);
+    remove_pods(probes);
     Ok((table, curve))
+}
+
+/// The mean of the agent's `weir_redirect_seconds` between two readings of [`redirect_seconds`].
+fn mean_redirect(before: (f64, f64), after: (f64, f64)) -> Duration {
+    Duration::from_secs_f64((after.0 - before.0) / (after.1 - before.1).max(1.0))
 }
 
 /// The agent's `weir_redirect_seconds` histogram: (sum, count). It serves in the node's netns.

@@ -1,0 +1,306 @@
+//! The sections measured with weir's datapath in this process, as the agent runs it: cost to
+//! pods and host processes that are not enrolled, enrollment ([`crate::enrollment`]), the
+//! connection path and bulk download.
+
+use std::net::SocketAddr;
+
+use anyhow::{Context, Result};
+use prometheus_client::registry::Registry;
+use serde_json::json;
+use weir_agent::datapath::Datapath;
+use weir_agent::workload::PodOptions;
+use weir_tests::{Pod, TestNode};
+
+use crate::enrollment::{enrollment, enrollment_steps, handoff_round_trips};
+use crate::pods::make_pods;
+use crate::report::{self, micros, ratio, Report, Samples, Table};
+use crate::trace_reader::TraceServer;
+use crate::{alternating_rounds, load, Plan};
+
+const APP_PORT: u16 = 8080;
+const BULK_PORT: u16 = 8081;
+const UDP_PORT: u16 = 8082;
+
+/// The sections measured with weir's datapath in this process (as the agent runs it), on a node
+/// of their own.
+pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
+    let node = TestNode::new()?;
+    let server = node.add_pod("server")?;
+    let app = SocketAddr::new(server.ipv4().into(), APP_PORT);
+    let _server = load::server(server.netns(), app)?;
+    let bulk = SocketAddr::new(server.ipv4().into(), BULK_PORT);
+    let _bulk = load::bulk_source(server.netns(), bulk, plan.bulk_bytes)?;
+    let udp = SocketAddr::new(server.ipv4().into(), UDP_PORT);
+    let _udp = load::udp_sink(server.netns(), udp)?;
+    let plain = node.add_pod("plain")?;
+
+    println!("cost to pods and host processes weir does not enroll...");
+    report.push(cost_to_others(&node, &plain, app, udp, plan)?);
+
+    let datapath = Datapath::start(node.datapath_config())?;
+    let mut metrics = Registry::default();
+    datapath.register_metrics(&mut metrics);
+    let measured = with_datapath(&datapath, &metrics, &node, &plain, app, bulk, plan, report);
+    datapath.uninstall().wait()?;
+    measured
+}
+
+#[allow(clippy::too_many_arguments)]
+fn with_datapath(
+    datapath: &Datapath,
+    metrics: &Registry,
+    node: &TestNode,
+    plain: &Pod,
+    app: SocketAddr,
+    bulk: SocketAddr,
+    plan: &Plan,
+    report: &mut Report,
+) -> Result<()> {
+    println!("enrollment, weir against istio's iptables route...");
+    let weir_pods = make_pods(node, "w", plan.enroll_pairs)?;
+    let iptables_pods = make_pods(node, "i", plan.enroll_pairs)?;
+    let floor_pods = make_pods(node, "f", plan.enroll_pairs)?;
+    // The agent's runtime, so the hand-off timed is the agent's: a task awaiting the owner.
+    let runtime = tokio::runtime::Runtime::new()?;
+    let (enroll, weir_median) =
+        enrollment(datapath, &runtime, &weir_pods, &iptables_pods, &floor_pods)?;
+    report.push(enroll);
+    let handoff = handoff_round_trips(datapath, &runtime)?;
+    report.push(enrollment_steps(metrics, weir_median, &handoff)?);
+
+    let trace = TraceServer::start(&runtime, node)?;
+    println!("connection path...");
+    report.push(connection_path(
+        &weir_pods[0],
+        &iptables_pods[0],
+        plain,
+        app,
+        &trace,
+        plan,
+    )?);
+
+    println!("bulk download...");
+    report.push(bulk_download(datapath, node, bulk, &trace, plan)?);
+    Ok(())
+}
+
+/// The connection path: short connections at `plan.concurrency` from an app to the server,
+/// through the minimal relay in the app's pod, five ways (weir with tracing off and on), each
+/// round in another order.
+fn connection_path(
+    weir_pod: &Pod,
+    iptables_pod: &Pod,
+    plain: &Pod,
+    app: SocketAddr,
+    trace: &TraceServer,
+    plan: &Plan,
+) -> Result<Table> {
+    for pod in [weir_pod, iptables_pod, plain] {
+        // The relay closes first toward the app, so TIME_WAITs pile up on podIP:15001; reuse
+        // keeps the app's port search short in every variant alike.
+        pod.netns().sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    }
+    let _relays = [weir_pod, iptables_pod, plain]
+        .map(|pod| load::relay(pod.netns(), app))
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    let straight = SocketAddr::new(plain.ipv4().into(), weir_common::OUTBOUND_PORT);
+    const TRACED: usize = 4;
+    let variants: [(&str, &Pod, SocketAddr); 5] = [
+        ("weir redirect", weir_pod, app),
+        ("iptables REDIRECT", iptables_pod, app),
+        ("straight to the relay", plain, straight),
+        ("no proxy", plain, app),
+        ("weir redirect, tracing on", weir_pod, app),
+    ];
+    let mut traced = (0, 0);
+    let rounds = alternating_rounds(variants.len(), plan.rounds, |variant| {
+        let (_, pod, target) = variants[variant];
+        let reader = (variant == TRACED).then(|| trace.reader()).transpose()?;
+        let run = pod
+            .run(|| load::connections(target, plan.concurrency, plan.turn))
+            .with_context(|| format!("connections: {}", variants[variant].0))?;
+        if let Some(reader) = reader {
+            traced.0 += run.latencies.len();
+            traced.1 += reader.records();
+        }
+        Ok(run)
+    })?;
+    let mut table = Table::new(
+        &format!(
+            "Connection path: short TCP connections at concurrency {}",
+            plan.concurrency
+        ),
+        &["variant", "connections/s", "latency p50", "latency p99"],
+    );
+    let mut json_variants = Vec::new();
+    for (variant, (name, _, _)) in variants.iter().enumerate() {
+        let runs: Vec<&load::Run> = rounds.iter().map(|round| &round[variant]).collect();
+        let rates: Vec<f64> = runs.iter().map(|run| run.rate).collect();
+        let latencies = Samples::from(runs.iter().flat_map(|run| run.latencies.clone()));
+        table.row(&[
+            (*name).into(),
+            format!("{:.0}", report::median(&rates)),
+            micros(latencies.median()),
+            micros(latencies.p99()),
+        ]);
+        json_variants.push(json!({
+            "variant": name,
+            "connections_per_s": report::median(&rates),
+            "latency": latencies.json(),
+        }));
+    }
+    let pair = |a: usize, b: usize| -> Vec<f64> {
+        rounds
+            .iter()
+            .map(|round| round[a].rate / round[b].rate)
+            .collect()
+    };
+    let pairs = [
+        ("weir / straight to the relay", pair(0, 2)),
+        ("weir / iptables", pair(0, 1)),
+        ("iptables / straight to the relay", pair(1, 2)),
+        ("weir tracing on / off", pair(TRACED, 0)),
+    ];
+    for (name, ratios) in &pairs {
+        table.row(&[
+            format!("rate {name} (rounds)"),
+            ratio(ratios),
+            "".into(),
+            "".into(),
+        ]);
+    }
+    table.note(format!(
+        "{} rounds of {:?} per variant, order rotated each round. The relay (in the app's pod, \
+         on 15001, as ztunnel listens) reads SO_ORIGINAL_DST and dials from a marked socket; \
+         'straight to the relay' connects to podIP:15001 (the limit of any redirect). \
+         Tracing on: one `weir-agent trace` reader on the agent's trace server; it received \
+         {} records for {} connections.",
+        plan.rounds, plan.turn, traced.1, traced.0
+    ));
+    table.json = json!({
+        "concurrency": plan.concurrency,
+        "rounds": plan.rounds,
+        "variants": json_variants,
+        "ratios": pairs.iter().map(|(name, r)| json!({"pair": name, "median": report::median(r)})).collect::<Vec<_>>(),
+    });
+    Ok(table)
+}
+
+/// Bulk download into a pod, enrolled (weir's tc program sees every packet) with tracing off
+/// and on, against the same pod unenrolled, alternating.
+fn bulk_download(
+    datapath: &Datapath,
+    node: &TestNode,
+    source: SocketAddr,
+    trace: &TraceServer,
+    plan: &Plan,
+) -> Result<Table> {
+    const ENROLLED: usize = 0;
+    const TRACED: usize = 1;
+    let pod = node.add_pod("bulk")?;
+    let rounds = alternating_rounds(3, plan.rounds, |variant| {
+        let enrolled = variant == ENROLLED || variant == TRACED;
+        if enrolled {
+            datapath
+                .enroll(pod.workload(PodOptions::default()))
+                .wait()?;
+        }
+        let reader = (variant == TRACED).then(|| trace.reader()).transpose()?;
+        let rate = pod.run(|| load::download(source)).context("download");
+        drop(reader);
+        if enrolled {
+            datapath.unenroll(pod.uid()).wait()?;
+        }
+        rate
+    })?;
+    let with: Vec<f64> = rounds.iter().map(|r| r[ENROLLED]).collect();
+    let traced: Vec<f64> = rounds.iter().map(|r| r[TRACED]).collect();
+    let without: Vec<f64> = rounds.iter().map(|r| r[2]).collect();
+    let ratios: Vec<f64> = rounds.iter().map(|r| r[ENROLLED] / r[2]).collect();
+    let traced_ratios: Vec<f64> = rounds.iter().map(|r| r[TRACED] / r[ENROLLED]).collect();
+    let mut table = Table::new("Bulk download into a pod", &["", "MiB/s"]);
+    let mib = |rates: &[f64]| format!("{:.0}", report::median(rates) / 1048576.0);
+    table.row(&["enrolled (weir's programs)".into(), mib(&with)]);
+    table.row(&["enrolled, tracing on".into(), mib(&traced)]);
+    table.row(&["not enrolled".into(), mib(&without)]);
+    table.row(&["enrolled / not (rounds)".into(), ratio(&ratios)]);
+    table.row(&["tracing on / off (rounds)".into(), ratio(&traced_ratios)]);
+    table.note(format!(
+        "{} MiB per download over one connection (marked, as ztunnel's dials), {} rounds.",
+        plan.bulk_bytes >> 20,
+        plan.rounds
+    ));
+    table.json = json!({
+        "bytes": plan.bulk_bytes,
+        "enrolled_bytes_per_s": report::median(&with),
+        "not_enrolled_bytes_per_s": report::median(&without),
+        "enrolled_over_not": report::median(&ratios),
+        "tracing_on_bytes_per_s": report::median(&traced),
+        "tracing_on_over_off": report::median(&traced_ratios),
+    });
+    Ok(table)
+}
+
+/// What weir's root-cgroup programs cost everyone else: connection and UDP send rates of a pod
+/// that is not enrolled and of a host process, with the programs loaded against none,
+/// alternating (the datapath is started and uninstalled for each loaded turn).
+fn cost_to_others(
+    node: &TestNode,
+    plain: &Pod,
+    app: SocketAddr,
+    udp: SocketAddr,
+    plan: &Plan,
+) -> Result<Table> {
+    let config = node.datapath_config();
+    let measure = || -> Result<[f64; 4]> {
+        let pod_tcp = plain.run(|| load::connections(app, plan.concurrency, plan.turn))?;
+        let pod_udp = plain.run(|| load::datagrams(udp, plan.turn))?;
+        let host_tcp = node.run(|| load::connections(app, plan.concurrency, plan.turn))?;
+        let host_udp = node.run(|| load::datagrams(udp, plan.turn))?;
+        Ok([pod_tcp.rate, pod_udp.rate, host_tcp.rate, host_udp.rate])
+    };
+    let rounds = alternating_rounds(2, plan.rounds, |loaded| {
+        if loaded == 1 {
+            return measure();
+        }
+        let datapath = Datapath::start(config.clone())?;
+        let rates = measure();
+        datapath.uninstall().wait()?;
+        rates
+    })?;
+    let mut table = Table::new(
+        "Cost to pods and host processes weir does not enroll",
+        &["", "programs loaded", "no programs", "loaded/none (rounds)"],
+    );
+    let names = [
+        "pod: connections/s",
+        "pod: UDP datagrams/s",
+        "host process: connections/s",
+        "host process: UDP datagrams/s",
+    ];
+    let mut json_rows = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let loaded: Vec<f64> = rounds.iter().map(|r| r[0][i]).collect();
+        let none: Vec<f64> = rounds.iter().map(|r| r[1][i]).collect();
+        let ratios: Vec<f64> = rounds.iter().map(|r| r[0][i] / r[1][i]).collect();
+        table.row(&[
+            (*name).into(),
+            format!("{:.0}", report::median(&loaded)),
+            format!("{:.0}", report::median(&none)),
+            ratio(&ratios),
+        ]);
+        json_rows.push(json!({
+            "what": name,
+            "loaded": report::median(&loaded),
+            "none": report::median(&none),
+            "loaded_over_none": report::median(&ratios),
+        }));
+    }
+    table.note(format!(
+        "{} rounds; connections at concurrency {} to a pod, unconnected `sendto` from one socket.",
+        plan.rounds, plan.concurrency
+    ));
+    table.json = json!({ "rows": json_rows });
+    Ok(table)
+}
