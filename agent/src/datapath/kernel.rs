@@ -108,7 +108,7 @@ const fn map(
 }
 
 /// Every program and map type of weir's object (the unit test below holds the object to it).
-pub(crate) const BPF_FEATURES: [BpfFeature; 12] = [
+pub(crate) const BPF_FEATURES: [BpfFeature; 13] = [
     program(
         ProgramType::CgroupSockAddr,
         "cgroup_sock_addr",
@@ -160,7 +160,13 @@ pub(crate) const BPF_FEATURES: [BpfFeature; 12] = [
     map(
         MapType::Array,
         "array",
-        "the node's settings",
+        "the node's settings, the trace switch",
+        "CONFIG_BPF_SYSCALL",
+    ),
+    map(
+        MapType::PerCpuArray,
+        "percpu_array",
+        "trace records lost",
         "CONFIG_BPF_SYSCALL",
     ),
     map(
@@ -178,7 +184,7 @@ pub(crate) const BPF_FEATURES: [BpfFeature; 12] = [
     map(
         MapType::RingBuf,
         "ringbuf",
-        "the programs' log records",
+        "decision records for `weir-agent trace`, the programs' log records",
         "CONFIG_BPF_SYSCALL",
     ),
 ];
