@@ -124,9 +124,7 @@ fn line<'a>(lines: &'a [String], requirement: &str) -> &'a str {
 
 #[test]
 fn every_requirement_is_met_on_this_machine() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     let output = setup.check(&[]);
     let lines = lines(&output);
@@ -170,9 +168,7 @@ fn every_requirement_is_met_on_this_machine() {
 
 #[test]
 fn an_empty_cni_config_dir_is_a_failed_line_with_what_to_do() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     std::fs::remove_file(setup.files.net_dir().join("10-bridge.conflist")).unwrap();
     let output = setup.check(&[]);
@@ -192,9 +188,7 @@ fn an_empty_cni_config_dir_is_a_failed_line_with_what_to_do() {
 
 #[test]
 fn a_denied_permission_is_a_failed_line_with_what_to_do() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     setup.api.deny("patch", "", "pods/status");
     let output = setup.check(&[]);
@@ -296,9 +290,7 @@ fn run_agent(setup: &Setup, global: &[&str], extra: &[&str]) -> (Output, String)
 
 #[test]
 fn the_agent_refuses_to_start_in_a_cgroup_that_is_not_cgroup_v2() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     let not_a_cgroup = tempfile::tempdir().unwrap();
     let cgroup = not_a_cgroup.path().to_str().unwrap();
@@ -320,9 +312,7 @@ fn the_agent_refuses_to_start_in_a_cgroup_that_is_not_cgroup_v2() {
 
 #[test]
 fn the_agent_refuses_to_start_without_an_access_it_needs() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     setup.api.deny("watch", "", "namespaces");
     let cgroup = TestCgroup::new();

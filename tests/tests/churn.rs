@@ -17,9 +17,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use weir_tests::privileged;
 use weir_tests::{
     agent::{AgentBinary, AgentProcess},
-    chain::{ChainNode, MESH},
+    chain::{CniChainNode, MESH},
     ZdsEvent, ZdsZtunnel,
 };
 
@@ -52,7 +53,7 @@ const THREADS_SETTLE: Duration = Duration::from_secs(30);
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// The production agent, with the memory allocator set up for comparing the memory it uses.
-fn start_agent(node: &ChainNode) -> AgentProcess {
+fn start_agent(node: &CniChainNode) -> AgentProcess {
     // One malloc arena: with glibc's default of one per thread (up to 8 per core), the memory of
     // a burst of blocking threads stays in their arenas after they end, and RSS rose by ~40 MiB,
     // the same after 600 cycles as after 2,000, on a loaded machine. The test compares memory in
@@ -103,7 +104,7 @@ fn wait_for_threads(agent: &AgentProcess, idle: u64) {
 
 /// Runs `cycles` pod ADD/DEL cycles, `CONCURRENCY` at a time, through the node's CNI chain;
 /// returns the uids of the pods created.
-fn churn(node: &ChainNode, first: usize, cycles: usize) -> Vec<String> {
+fn churn(node: &CniChainNode, first: usize, cycles: usize) -> Vec<String> {
     let next = AtomicUsize::new(first);
     let uids = Mutex::new(Vec::with_capacity(cycles));
     std::thread::scope(|scope| {
@@ -179,9 +180,7 @@ fn settles(mut settled: impl FnMut() -> bool) -> bool {
 
 #[test]
 fn pod_churn_leaves_nothing_behind() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let cycles = std::env::var("WEIR_CHURN_CYCLES")
         .map(|value| value.parse().expect("WEIR_CHURN_CYCLES is a number"))
         .unwrap_or(DEFAULT_CYCLES);
@@ -316,9 +315,7 @@ fn garbage(len: usize) -> Vec<u8> {
 
 #[test]
 fn hostile_cni_clients_do_not_delay_pods() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
     let agent = start_agent(&node);
     let config = &agent.config;

@@ -25,19 +25,22 @@ use weir_agent::{
     },
 };
 use weir_common::{DNS_PORT, OUTBOUND_PORT};
+use weir_tests::privileged;
 use weir_tests::{
-    agent::{http_get, http_status, Agent, NodeFiles},
+    agent::{http_status, Agent},
     cgroup::{CgroupDriver, PodProcess},
-    chain::wait_for_metric,
-    cni::{Command, NetworkConfigList},
+    chain::{wait_for_metric, weir_conflist, CniChainNode},
+    cni::Command,
     tcp_request, udp_request,
     ztunnel::DNS_REPLY_PREFIX,
-    ApiServer, EchoServer, Fixture, PodSpec, ZdsEvent, ZdsZtunnel, APP_PORT,
+    ApiServer, EchoServer, PodSpec, ZdsEvent, ZdsZtunnel, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(5);
 const NODE_NAME: &str = "node-a";
 const MESH: &str = "mesh";
+/// istio-cni's count of the broken pods the agent repaired, by `type` and `result`.
+const REPAIRED: &str = "istio_cni_repair_pods_repaired_total";
 
 fn map(pairs: &[(&str, &str)]) -> Option<BTreeMap<String, String>> {
     Some(
@@ -71,22 +74,20 @@ fn meta(namespace: Option<&str>, name: &str, labels: &[(&str, &str)]) -> ObjectM
 }
 
 /// A node of a cluster: the stand-in with the namespaces `mesh` (ambient), `default` and
-/// `istio-system`, the Node object, and the node's files and network.
+/// `istio-system`, the Node object, and the node, where the agent follows the stand-in.
 struct Cluster {
     api: ApiServer,
-    files: NodeFiles,
     /// The node; its datapath is removed when dropped.
-    node: Fixture,
+    chain: CniChainNode,
     // Dropped last: the stand-in serves on it.
     _runtime: tokio::runtime::Runtime,
 }
 
 impl Cluster {
-    fn privileged() -> Option<Self> {
-        let files = NodeFiles::new().unwrap();
-        let node = Fixture::privileged_with(files.node_options())?;
-        let runtime = tokio::runtime::Runtime::new().unwrap();
-        let api = runtime.block_on(ApiServer::start()).unwrap();
+    fn new() -> anyhow::Result<Self> {
+        let chain = CniChainNode::new()?;
+        let runtime = tokio::runtime::Runtime::new()?;
+        let api = runtime.block_on(ApiServer::start())?;
         api.create(&Namespace {
             metadata: meta(None, MESH, &[(DATAPLANE_MODE_LABEL, "ambient")]),
             ..Namespace::default()
@@ -101,10 +102,9 @@ impl Cluster {
             metadata: meta(None, NODE_NAME, &[("weir", "yes")]),
             ..NodeObject::default()
         });
-        Some(Self {
+        Ok(Self {
             api,
-            files,
-            node,
+            chain,
             _runtime: runtime,
         })
     }
@@ -121,8 +121,9 @@ impl Cluster {
     }
 
     fn agent_config(&self) -> AgentConfig {
-        self.files
-            .cluster_agent_config(self.node.node().netns(), &self.api, NODE_NAME)
+        self.chain
+            .files
+            .cluster_agent_config(self.chain.test_node().netns(), &self.api, NODE_NAME)
             .unwrap()
     }
 
@@ -144,7 +145,7 @@ impl Cluster {
     /// A sandbox for the pod, under the uid of its object when the API server has one.
     fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<weir_tests::Pod> {
         let object: Option<PodObject> = self.api.get(namespace, name);
-        self.node.node().add_pod_with(PodSpec {
+        self.chain.test_node().add_pod_with(PodSpec {
             namespace: namespace.into(),
             uid: object.and_then(|object| object.metadata.uid),
             ..PodSpec::new(name)
@@ -158,8 +159,8 @@ impl Cluster {
         let object: PodObject = self.api.get(namespace, name).unwrap();
         let uid = object.metadata.uid.unwrap();
         let pod = self
-            .node
-            .node()
+            .chain
+            .test_node()
             .add_pod_with(PodSpec {
                 namespace: namespace.into(),
                 uid: Some(uid.clone()),
@@ -207,18 +208,9 @@ impl Cluster {
         });
     }
 
-    fn conflist(&self) -> NetworkConfigList {
-        let conflist: Value = serde_json::from_slice(
-            &std::fs::read(self.files.net_dir().join("10-weir-test.conflist")).unwrap(),
-        )
-        .unwrap();
-        NetworkConfigList::from_json(&conflist).unwrap()
-    }
-
     fn plugin_installed(&self) -> bool {
-        self.files.bin_dir().join("weir-cni").exists()
-            && self
-                .conflist()
+        self.chain.files.bin_dir().join("weir-cni").exists()
+            && weir_conflist(&self.chain)
                 .plugins
                 .iter()
                 .any(|p| p["type"] == "weir-cni")
@@ -261,24 +253,13 @@ fn cluster_config(config: &mut AgentConfig) -> &mut ClusterConfig {
     }
 }
 
-/// A counter's value in the agent's /metrics, `series` being its name and labels.
-fn metric(agent: &Agent, series: &str) -> Option<u64> {
-    let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
-    metrics.lines().find_map(|line| {
-        let value = line.strip_prefix(series)?.strip_prefix(' ')?;
-        value.parse().ok()
-    })
-}
-
 fn ips_of(pod: &weir_tests::Pod) -> [String; 2] {
     [pod.ipv4().to_string(), pod.ipv6().to_string()]
 }
 
 #[test]
 fn add_decides_from_the_cluster_cache() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "app", |_| {});
     cluster.pod_object(MESH, "opted-out", |pod| {
         pod.metadata.labels = map(&[(DATAPLANE_MODE_LABEL, "none")]);
@@ -342,13 +323,11 @@ fn add_decides_from_the_cluster_cache() {
 /// cache, the cached namesake's labels never decide for it.
 #[test]
 fn add_never_decides_from_a_namesake_with_another_uid() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "app", |_| {});
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
-    let namesake = cluster.node.node().add_pod_with(PodSpec {
+    let namesake = cluster.chain.test_node().add_pod_with(PodSpec {
         namespace: MESH.into(),
         uid: Some("00000000-0000-0000-0000-00000000beef".into()),
         ..PodSpec::new("app")
@@ -364,9 +343,7 @@ fn add_never_decides_from_a_namesake_with_another_uid() {
 
 #[test]
 fn redirection_annotation_follows_enrollment() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "app", |_| {});
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
@@ -388,9 +365,7 @@ fn redirection_annotation_follows_enrollment() {
 
 #[test]
 fn invalid_annotation_is_one_warning_event_per_window() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "odd", |pod| {
         pod.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "yes")]);
     });
@@ -412,7 +387,7 @@ fn invalid_annotation_is_one_warning_event_per_window() {
 
     // The runtime's CHECK decides again and meets the same annotation: no second Event.
     let runtime = pod.runtime_conf();
-    let list = cluster.conflist();
+    let list = weir_conflist(&cluster.chain);
     let weir = list.plugins.last().unwrap();
     let config = list.plugin_config(weir, runtime, Some(pod.prev_result()));
     let binary = weir_tests::cni::find_plugin(weir, &runtime.path).unwrap();
@@ -421,7 +396,7 @@ fn invalid_annotation_is_one_warning_event_per_window() {
         Command::Check,
         runtime,
         &config,
-        cluster.node.node().netns(),
+        cluster.chain.test_node().netns(),
     )
     .expect("CHECK passes");
     // kube-rs's Recorder would fold a repeat into the same Event as a series (a PATCH); weir
@@ -439,9 +414,7 @@ fn invalid_annotation_is_one_warning_event_per_window() {
 
 #[test]
 fn sigterm_keeps_weir_only_while_its_daemonset_selects_the_node() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.daemonset();
     cluster.start_agent().stop().unwrap();
     assert!(cluster.plugin_installed(), "an upgrade keeps the plugin");
@@ -457,9 +430,7 @@ fn sigterm_keeps_weir_only_while_its_daemonset_selects_the_node() {
 
 #[test]
 fn namespace_label_enrolls_and_removes_a_running_pod() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // Wired before the agent installs weir-cni: only live enrollment can redirect it.
     let pod = cluster.pod("default", "live").unwrap();
     let ips = [pod.ipv4().to_string(), pod.ipv6().to_string()];
@@ -496,16 +467,14 @@ fn namespace_label_enrolls_and_removes_a_running_pod() {
     cluster.wait_for_redirection("default", "live", None);
     // Seen out of the mesh before: flipped in by its namespace's label, not a repair.
     assert_eq!(cluster.warnings("RepairedPod"), Vec::<Value>::new());
-    let repairs = r#"istio_cni_repair_pods_repaired_total{type="repair",result="success"}"#;
-    assert_eq!(metric(&agent, repairs), None);
+    let repairs = [("type", "repair"), ("result", "success")];
+    assert_eq!(agent.metrics().value(REPAIRED, &repairs), None);
     agent.stop().unwrap();
 }
 
 #[test]
 fn opt_out_deletion_and_completion_remove_running_pods_live() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let names = ["opting-out", "deleted", "completed"];
@@ -560,9 +529,7 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
 /// its successor's ADD. Neither is a broken pod: nothing is repaired or reported.
 #[test]
 fn a_pod_whose_sandbox_is_gone_is_neither_repaired_nor_reported() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let mut sandboxes = Vec::new();
@@ -591,10 +558,9 @@ fn a_pod_whose_sandbox_is_gone_is_neither_repaired_nor_reported() {
     std::thread::sleep(Duration::from_secs(2));
     assert!(cluster.warnings("AmbientEnrollmentFailed").is_empty());
     assert_eq!(
-        metric(
-            &agent,
-            r#"istio_cni_repair_pods_repaired_total{type="repair",result="fail"}"#
-        ),
+        agent
+            .metrics()
+            .value(REPAIRED, &[("type", "repair"), ("result", "fail")]),
         None
     );
     agent.stop().unwrap();
@@ -602,9 +568,7 @@ fn a_pod_whose_sandbox_is_gone_is_neither_repaired_nor_reported() {
 
 #[test]
 fn changes_made_while_the_watches_are_down_are_not_lost() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // A namespace listed after the mesh's, so that the relist brings the change before its end.
     cluster.api.create(&Namespace {
         metadata: meta(None, "observability", &[]),
@@ -657,9 +621,7 @@ fn changes_made_while_the_watches_are_down_are_not_lost() {
 
 #[test]
 fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // With its DaemonSet selecting the node, a stopping agent leaves weir in place (an upgrade).
     cluster.daemonset();
     let agent = cluster.start_agent();
@@ -704,9 +666,7 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
 /// and are handed back to ztunnel, so `enabled` never flaps to `pending` and back.
 #[test]
 fn a_restart_writes_no_annotation_for_pods_that_stay_enabled() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.daemonset();
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
@@ -736,9 +696,7 @@ fn a_restart_writes_no_annotation_for_pods_that_stay_enabled() {
 
 #[test]
 fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let running = |ips: &[String]| {
         let status = running_at(ips);
         move |object: &mut PodObject| object.status = Some(status)
@@ -777,15 +735,13 @@ fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
 
 #[test]
 fn an_annotation_change_applies_to_a_running_pod() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let (_, pod) = cluster.pod_with_object(MESH, "app");
     ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
     let resolver = std::net::SocketAddr::new(
-        cluster.node.node().gateway_v4().into(),
+        cluster.chain.test_node().gateway_v4().into(),
         weir_common::DNS_PORT,
     );
     let answer = pod
@@ -826,9 +782,7 @@ fn an_annotation_change_applies_to_a_running_pod() {
 /// the default.
 #[test]
 fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
@@ -853,14 +807,14 @@ fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(cluster.warnings("InvalidAmbientAnnotation").len(), 1);
     assert_eq!(
-        metric(
-            &agent,
-            r#"weir_events_suppressed_total{reason="InvalidAmbientAnnotation"}"#
+        agent.metrics().value(
+            "weir_events_suppressed_total",
+            &[("reason", "InvalidAmbientAnnotation")]
         ),
         None
     );
     // DNS capture stays on, the default.
-    let resolver = SocketAddr::new(cluster.node.node().gateway_v4().into(), DNS_PORT);
+    let resolver = SocketAddr::new(cluster.chain.test_node().gateway_v4().into(), DNS_PORT);
     let answer = pod.run(|| udp_request(resolver, "query")).unwrap();
     assert!(answer.response.starts_with(DNS_REPLY_PREFIX));
     agent.stop().unwrap();
@@ -868,9 +822,7 @@ fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
 
 #[test]
 fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // Bound to the node, and wired while weir-cni is missing from the node's chain (the agent
     // has not put it there yet): the real bridge plugin only.
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
@@ -908,7 +860,9 @@ fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
     );
     wait_for_metric(
         &agent,
-        r#"istio_cni_repair_pods_repaired_total{type="repair",result="success"} 1"#,
+        REPAIRED,
+        &[("type", "repair"), ("result", "success")],
+        1.0,
     );
     agent.stop().unwrap();
 }
@@ -918,9 +872,7 @@ fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
 /// among them): changes to the pod apply to the namespace the agent holds, never to a path.
 #[test]
 fn a_live_enrolled_pod_keeps_its_netns_when_the_process_it_was_found_by_exits() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
     let process = PodProcess::start(pod.netns(), &uid, CgroupDriver::Cgroupfs).unwrap();
     let agent = cluster.start_agent();
@@ -930,7 +882,7 @@ fn a_live_enrolled_pod_keeps_its_netns_when_the_process_it_was_found_by_exits() 
     cluster.wait_for_redirection(MESH, "app", Some("enabled"));
     drop(process);
 
-    let resolver = SocketAddr::new(cluster.node.node().gateway_v4().into(), DNS_PORT);
+    let resolver = SocketAddr::new(cluster.chain.test_node().gateway_v4().into(), DNS_PORT);
     let captured = |answer: &weir_tests::UdpReply| answer.response.starts_with(DNS_REPLY_PREFIX);
     let answer = pod.run(|| udp_request(resolver, "query")).unwrap();
     assert!(captured(&answer), "DNS capture is on by default");
@@ -954,10 +906,8 @@ fn a_live_enrolled_pod_keeps_its_netns_when_the_process_it_was_found_by_exits() 
 
 #[test]
 fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
-    let failed_repairs = r#"istio_cni_repair_pods_repaired_total{type="repair",result="fail"}"#;
+    let cluster = privileged!(Cluster::new());
+    let failed_repairs = [("type", "repair"), ("result", "fail")];
     // Running by the API, at an address no network namespace on the node holds.
     cluster.pod_object(MESH, "lost", |pod| {
         pod.status = Some(running_at(&["10.255.0.7".into()]));
@@ -982,9 +932,11 @@ fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
     );
     wait_for_metric(
         &agent,
-        r#"istio_cni_repair_pods_repaired_total{type="label",result="success"} 1"#,
+        REPAIRED,
+        &[("type", "label"), ("result", "success")],
+        1.0,
     );
-    assert!(metric(&agent, failed_repairs) >= Some(1));
+    assert!(agent.metrics().value(REPAIRED, &failed_repairs) >= Some(1.0));
     assert_eq!(cluster.redirection(MESH, "lost"), None);
     agent.stop().unwrap();
 
@@ -1011,7 +963,9 @@ fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
     );
     wait_for_metric(
         &agent,
-        r#"istio_cni_repair_pods_repaired_total{type="delete",result="success"} 1"#,
+        REPAIRED,
+        &[("type", "delete"), ("result", "success")],
+        1.0,
     );
     // Tried again before its cache saw the pod go, the agent finds it gone: no second Event.
     assert_eq!(cluster.warnings("DeleteBrokenPod").len(), 1);
@@ -1020,9 +974,7 @@ fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
 
 #[test]
 fn a_failing_pod_is_retried_when_its_backoff_expires() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // Running by the API, but no process of the pod holds its network namespace yet: the
     // agent cannot find it.
     let (uid, pod) = cluster.pod_with_object(MESH, "late");
@@ -1046,9 +998,7 @@ fn a_failing_pod_is_retried_when_its_backoff_expires() {
 
 #[test]
 fn ztunnel_gets_its_snapshot_only_once_the_startup_pass_is_done() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // A pod the startup pass enrolls (it started while weir-cni was missing).
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
     cluster.set_running(MESH, "app", &ips_of(&pod));
@@ -1097,14 +1047,12 @@ fn ztunnel_gets_its_snapshot_only_once_the_startup_pass_is_done() {
 
 #[test]
 fn a_rewritten_cni_config_is_an_event_on_the_agents_pod() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent_with(|config| {
         config.policy.own.pod_name = Some("weir-x1".into());
     });
     // Another component writes the conflist again, without weir-cni.
-    let file = cluster.files.net_dir().join("10-weir-test.conflist");
+    let file = cluster.chain.files.net_dir().join("10-weir-test.conflist");
     let mut conflist: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     conflist["plugins"]
         .as_array_mut()
@@ -1123,7 +1071,7 @@ fn a_rewritten_cni_config_is_an_event_on_the_agents_pod() {
     assert_eq!(event["regarding"]["name"], "weir-x1");
     let note = event["note"].as_str().unwrap();
     assert!(note.contains(&file.display().to_string()), "{note}");
-    wait_for_metric(&agent, "weir_cni_config_rewrites_total 1");
+    wait_for_metric(&agent, "weir_cni_config_rewrites_total", &[], 1.0);
     agent.stop().unwrap();
 }
 
@@ -1131,15 +1079,13 @@ fn a_rewritten_cni_config_is_an_event_on_the_agents_pod() {
 /// weir-cni back, and says so as when it runs.
 #[test]
 fn a_config_rewritten_while_the_agent_was_away_is_an_event_too() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // With its DaemonSet selecting the node, a stopping agent leaves weir in place.
     cluster.daemonset();
     let own_pod = |config: &mut AgentConfig| config.policy.own.pod_name = Some("weir-x1".into());
     cluster.start_agent_with(own_pod).stop().unwrap();
     assert!(cluster.warnings("CniConfigRewritten").is_empty());
-    let file = cluster.files.net_dir().join("10-weir-test.conflist");
+    let file = cluster.chain.files.net_dir().join("10-weir-test.conflist");
     let mut conflist: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     conflist["plugins"]
         .as_array_mut()
@@ -1151,6 +1097,6 @@ fn a_config_rewritten_while_the_agent_was_away_is_an_event_too() {
     assert!(cluster.plugin_installed(), "weir-cni is back in the chain");
     let rewritten = cluster.wait_for_warnings("CniConfigRewritten");
     assert_eq!(rewritten.len(), 1, "{rewritten:#?}");
-    wait_for_metric(&agent, "weir_cni_config_rewrites_total 1");
+    wait_for_metric(&agent, "weir_cni_config_rewrites_total", &[], 1.0);
     agent.stop().unwrap();
 }

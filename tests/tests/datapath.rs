@@ -23,12 +23,13 @@ use weir_common::{
     PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
     PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
+use weir_tests::privileged;
 use weir_tests::{
     netns::{ip, ip_output},
     raw::{self, Answer},
     sockopt, tcp_request, udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
-    EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn, APP_PORT,
+    DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
@@ -40,7 +41,9 @@ fn v4_mapped(ip: Ipv4Addr) -> IpAddr {
 }
 
 /// An enrolled pod `app` with its ztunnel, and a pod `server` (not enrolled) running the echo app.
-fn enrolled_app_and_server(fixture: &Fixture) -> (Pod, Pod, EchoServer, ZtunnelStandIn, Datapath) {
+fn enrolled_app_and_server(
+    fixture: &DatapathNode,
+) -> (Pod, Pod, EchoServer, ZtunnelStandIn, Datapath) {
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -58,9 +61,7 @@ fn counters(datapath: &Datapath, pod: &Pod) -> PodCounters {
 
 #[test]
 fn outbound_tcp_lands_on_15001_with_the_original_destination() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&client).unwrap();
@@ -104,9 +105,7 @@ fn outbound_tcp_lands_on_15001_with_the_original_destination() {
 
 #[test]
 fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&server).unwrap();
@@ -151,9 +150,7 @@ fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
 
 #[test]
 fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let resolver = SocketAddr::new(IpAddr::V4(fixture.node().gateway_v4()), DNS_PORT);
@@ -211,9 +208,7 @@ fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
 /// go to ztunnel from, and must not leave around it either.
 #[test]
 fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let _ztunnel = ZtunnelStandIn::start(&client).unwrap();
@@ -237,9 +232,7 @@ fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
 /// it): an ambient pod must not reach the node's wildcard listeners through it, around ztunnel.
 #[test]
 fn the_probe_address_is_no_door_to_the_node() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let node_listener = EchoServer::start(
         fixture.node().netns(),
@@ -273,9 +266,7 @@ fn the_probe_address_is_no_door_to_the_node() {
 /// ztunnel is away must not be handed plaintext from outside.
 #[test]
 fn hbone_reaches_only_ztunnels_listener() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let impostor = EchoServer::start(
         pod.netns(),
@@ -298,9 +289,7 @@ fn hbone_reaches_only_ztunnels_listener() {
 
 #[test]
 fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let own = EchoServer::app(&pod).unwrap();
@@ -335,9 +324,7 @@ fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
 
 #[test]
 fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, plain, server) = (
         fixture.pod("app"),
         fixture.pod("plain"),
@@ -394,9 +381,7 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
 
 #[test]
 fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = EchoServer::app(&pod).unwrap();
@@ -434,9 +419,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
 /// runtime gave the pod, which kubelet probes, get the probe source.
 #[test]
 fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server, echo, _ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // The pod claims the server's address; the interface watch indexes it for the pod.
     let claimed = server.ipv4();
@@ -478,9 +461,7 @@ fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
 /// gets a bounded share of it, and stays redirected.
 #[test]
 fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server, _echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
     let pod_ips = fixture.node().pinned_pod_ips().unwrap();
     let indexed = || pod_ips.keys().count();
@@ -528,9 +509,7 @@ fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
 
 #[test]
 fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = EchoServer::app(&pod).unwrap();
@@ -568,9 +547,7 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
 /// all); the app's listener and the kernel's RST for a closed port never answer.
 #[test]
 fn no_packet_shape_reaches_the_pod_around_ztunnel() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (attacker, pod) = (fixture.pod("attacker"), fixture.pod("app"));
     let _echo = EchoServer::app(&pod).unwrap();
     let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -666,9 +643,7 @@ fn no_packet_shape_reaches_the_pod_around_ztunnel() {
 /// workload address, as under istio. The app never sees the connection.
 #[test]
 fn link_local_connections_go_to_ztunnel_too() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (neighbour, pod) = (fixture.pod("neighbour"), fixture.pod("app"));
     let echo = EchoServer::app(&pod).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -700,9 +675,7 @@ fn link_local_connections_go_to_ztunnel_too() {
 /// than waiting out its connect deadline, and closes the client's connection.
 #[test]
 fn a_closed_port_in_an_ambient_pod_refuses_at_once() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
@@ -735,9 +708,7 @@ fn a_closed_port_in_an_ambient_pod_refuses_at_once() {
 /// datagrams of protocols weir does not capture.
 #[test]
 fn large_transfers_and_fragmented_udp_are_unaffected() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let echo = EchoServer::app(&pod).unwrap();
     let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -771,9 +742,7 @@ fn large_transfers_and_fragmented_udp_are_unaffected() {
 /// back exactly as the kernel answers them.
 #[test]
 fn getsockopt_hook_leaves_other_calls_untouched() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let listener = pod
         .run(|| TcpListener::bind((Ipv6Addr::UNSPECIFIED, 0)))
@@ -795,9 +764,7 @@ fn getsockopt_hook_leaves_other_calls_untouched() {
 /// for every process on the node, since the hook is at the root cgroup.
 #[test]
 fn getsockopt_answers_larger_than_a_page_are_untouched() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let datapath = fixture.enrolled(&pod, PodOptions::default());
     const GROUPS: usize = 2_000;
@@ -965,9 +932,7 @@ fn redirection_survives_owner_restart_without_a_gap() {
     /// Connections that must complete in each phase: with the first owner, with none, with the
     /// second.
     const PER_PHASE: usize = 10;
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = EchoServer::app(&server).unwrap();
@@ -1057,9 +1022,7 @@ fn redirection_survives_owner_restart_without_a_gap() {
 /// A fault while enrolling leaves nothing behind: no map entry, no tc filter, no redirection.
 #[test]
 fn failed_enrollment_leaves_nothing_behind() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -1105,9 +1068,7 @@ fn failed_enrollment_leaves_nothing_behind() {
 
 #[test]
 fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server, _echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // With `lo` down the return path cannot be set up again: the new options fail midway.
     let lo = |state| ip(&["-n", pod.netns().name(), "link", "set", "lo", state]).unwrap();
@@ -1141,9 +1102,7 @@ fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
 
 #[test]
 fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server, echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // As an operator's `bpftool map delete` would.
     let mut pod_ips = fixture.node().pinned_pod_ips().unwrap();
@@ -1182,9 +1141,7 @@ fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
 
 #[test]
 fn the_nodes_own_netns_is_never_enrolled() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let datapath = fixture.start_datapath();
     let node = Workload {
@@ -1208,9 +1165,7 @@ fn the_nodes_own_netns_is_never_enrolled() {
 /// and the agent forwards their records to the `log` crate.
 #[test]
 fn bpf_log_reports_the_programs_decisions() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     static RECORDS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     struct Collect;
     impl log::Log for Collect {

@@ -21,15 +21,16 @@ use weir_agent::workload::PodOptions;
 use weir_common::{
     ABI_VERSION, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK,
 };
+use weir_tests::privileged;
 use weir_tests::{
     agent::{AgentBinary, AgentProcess},
-    chain::{listed_pods, ChainNode, MESH, WAIT},
+    chain::{listed_pods, CniChainNode, MESH, WAIT},
     sockopt::canonical,
     tcp_request,
     traffic::{read_line, set_timeouts, write_line},
     udp_request, udp_request_connected,
     ztunnel::DNS_REPLY_PREFIX,
-    EchoServer, Fixture, NetNs, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn,
+    DatapathNode, EchoServer, NetNs, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn,
     APP_PORT, IO_TIMEOUT,
 };
 
@@ -118,9 +119,7 @@ fn bypassing<'a>(
 fn upgrade_across_map_layouts_under_traffic_lets_no_connection_bypass_ztunnel() {
     /// Connections each loop makes before the upgrade and after it.
     const PER_PHASE: usize = 20;
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, server_app, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     let pod_app = EchoServer::app(&pod).unwrap();
@@ -234,9 +233,7 @@ enum KilledAt {
 /// 15006) or untouched; the runtime tears it down and retries, the retry completes the pod, and
 /// then the pinned maps and the agent's state name that pod once, and nothing else.
 fn killed_mid_enroll(killed_at: KilledAt) {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let server = node.pod("default", "server").unwrap();
     let server_app = EchoServer::app(&server).unwrap();
     let pause_at = match killed_at {
@@ -260,7 +257,7 @@ fn killed_mid_enroll(killed_at: KilledAt) {
     };
     let uid = spec.uid.clone().unwrap();
     let failed = thread::scope(|scope| {
-        let adding = scope.spawn(|| node.fixture.node().try_add_pod(spec.clone()));
+        let adding = scope.spawn(|| node.test_node().try_add_pod(spec.clone()));
         match killed_at {
             KilledAt::Point(_) => agent.wait_until_paused(WAIT).unwrap(),
             KilledAt::AddSentNotAcked => {
@@ -337,8 +334,7 @@ fn killed_mid_enroll(killed_at: KilledAt) {
     drop(sandbox_app);
     drop(sandbox);
     let pod = node
-        .fixture
-        .node()
+        .test_node()
         .add_pod_with(spec)
         .expect("the runtime's retry completes the pod");
     let stand_in = ztunnel.pod(&uid).expect("ztunnel acked the retried pod");
@@ -416,9 +412,7 @@ fn become_nobody() {
 /// never redirects): the kernel refuses it, and its connection is captured as any other.
 #[test]
 fn an_unprivileged_app_cannot_take_ztunnels_mark_and_is_captured() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let server_app = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -469,9 +463,7 @@ fn fast_open_request(target: SocketAddr, msg: &str) -> io::Result<(SocketAddr, S
 fn fast_open_udp_and_v4_mapped_traffic_are_captured_as_istio_captures_them() {
     /// A UDP port that is not DNS.
     const UDP_PORT: u16 = 9053;
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let server_app = EchoServer::app(&server).unwrap();
     let udp_apps = [IpAddr::V4(server.ipv4()), IpAddr::V6(server.ipv6())].map(|ip| {
@@ -568,9 +560,7 @@ fn unprivileged_request(socket: &Path, kind: Type, request: &[u8]) -> io::Result
 /// permissions loosened, the agent still refuses a peer that is not root (peer credentials).
 #[test]
 fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let agent = node.start_agent();
     let (cni_socket, zds_socket) = (&agent.config.cni_socket, &agent.config.zds_socket);
     let pin_root = &agent.config.datapath.pin_root;
@@ -645,9 +635,7 @@ fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
 /// rather than go around it, outbound and inbound.
 #[test]
 fn ztunnel_down_running_pods_fail_closed() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let server_app = EchoServer::app(&server).unwrap();
     let pod_app = EchoServer::app(&pod).unwrap();

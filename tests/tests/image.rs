@@ -30,10 +30,10 @@ use serde::Deserialize;
 use tempfile::TempDir;
 use weir_tests::{
     agent::{http_status, NodeFiles},
-    chain::{ambient_policy, assert_through_ztunnel, ChainNode},
+    chain::{ambient_policy, assert_through_ztunnel, CniChainNode},
     ids,
     zds_client::ZdsZtunnel,
-    Fixture, NodeOptions,
+    DatapathNode, NodeOptions,
 };
 
 /// Where `cargo xtask test` says the archive is.
@@ -62,9 +62,7 @@ const CONTAINERD_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[test]
 fn the_image_runs_as_the_daemonset_and_enrolls_a_pod_made_through_the_cni_chain() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let Some(archive) = image_archive() else {
         return;
     };
@@ -108,7 +106,7 @@ fn the_image_runs_as_the_daemonset_and_enrolls_a_pod_made_through_the_cni_chain(
         installed == agent.file_next_to_agent("weir-cni"),
         "the installed weir-cni is the image's"
     );
-    let chain = node.chain.fixture.node().runtime_network().unwrap();
+    let chain = node.chain.test_node().runtime_network().unwrap();
     assert_eq!(chain.plugins[0]["type"], "bridge", "the primary CNI first");
     assert_eq!(chain.plugins.last().unwrap()["type"], "weir-cni");
 
@@ -213,11 +211,11 @@ fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
     }
 }
 
-/// A test node (a [`ChainNode`], with the ambient policy) whose host directories are under a
+/// A test node (a [`CniChainNode`], with the ambient policy) whose host directories are under a
 /// directory of its own: the runtime reads its CNI config and plugins from there, as the agent
 /// writes them there.
 struct TestNodeWithHostPaths {
-    chain: ChainNode,
+    chain: CniChainNode,
 }
 
 impl TestNodeWithHostPaths {
@@ -229,14 +227,14 @@ impl TestNodeWithHostPaths {
         for dir in [&net_dir, &bin_dir] {
             std::fs::create_dir_all(dir).unwrap();
         }
-        let fixture = Fixture::privileged_with(NodeOptions {
+        let node = DatapathNode::with_options(NodeOptions {
             plugin_dirs: vec![bin_dir],
             conflist_dir: Some(net_dir),
             ..NodeOptions::default()
         })
-        .expect("privileged");
+        .expect("the test node");
         Self {
-            chain: ChainNode { files, fixture },
+            chain: CniChainNode { files, node },
         }
     }
 
@@ -463,7 +461,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
         assert_eq!(container.command, None, "the image's entrypoint runs");
         ctr.args(self.entrypoint(image)?);
         ctr.args(container.args.iter().flatten());
-        let pin_root = node.chain.fixture.node().datapath_config().pin_root;
+        let pin_root = node.chain.test_node().datapath_config().pin_root;
         ctr.arg("--pin-root").arg(pin_root);
         ctr.arg("--policy-file").arg(&policy);
         for (flag, default) in HOST_PATH_FLAGS {

@@ -13,9 +13,10 @@ use weir_agent::{
     workload::PodOptions,
 };
 use weir_common::{maps, ConnectionKey, Endpoint, IpKey, INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::privileged;
 use weir_tests::{
     netns::{ip, NetNs},
-    tcp_request, EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn, APP_PORT,
+    tcp_request, DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
@@ -110,9 +111,7 @@ fn rerouting(interfaces: &[&str]) -> PodOptions {
 
 #[test]
 fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (host, server, client) = (
         fixture.pod("vmhost"),
         fixture.pod("server"),
@@ -198,9 +197,7 @@ fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() 
 /// must neither overwrite that entry nor remove it.
 #[test]
 fn a_vm_cannot_overwrite_another_pods_original_destination() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (host, other, server) = (
         fixture.pod("host"),
         fixture.pod("other"),
@@ -299,9 +296,7 @@ fn inbound_through_ztunnel(
 
 #[test]
 fn addresses_and_interfaces_added_after_enrollment_are_captured() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (server, client) = (fixture.pod("server"), fixture.pod("client"));
     // An address in the pod network's subnet, which host-local has not handed out.
     let [a, b, c, _] = server.ipv4().octets();
@@ -412,9 +407,7 @@ fn addresses_and_interfaces_added_after_enrollment_are_captured() {
 
 #[test]
 fn a_pod_taken_back_after_a_restart_is_followed_for_new_addresses() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let server = fixture.pod("server");
     let workload = server.workload(PodOptions::default());
     fixture
