@@ -20,7 +20,8 @@ use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
-use tokio::time::{sleep, timeout, Instant};
+use tokio::time::timeout;
+use weir_tests::wait_until_async;
 use weir_tests::ApiServer;
 
 /// The longest any one step may take before the test fails instead of hanging.
@@ -48,12 +49,8 @@ fn pod(name: &str, node: &str, labels: &[(&str, &str)]) -> Pod {
     }
 }
 
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        sleep(Duration::from_millis(10)).await;
-    }
+async fn eventually(what: &str, done: impl FnMut() -> bool) {
+    wait_until_async(WAIT, what, done).await;
 }
 
 fn sorted_names<'a, K: ResourceExt + 'a>(objects: impl IntoIterator<Item = &'a K>) -> Vec<String> {

@@ -8,7 +8,7 @@
 use std::{
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use k8s_openapi::api::{
@@ -22,6 +22,7 @@ use weir_agent::{
     check::{Access, AccessScope, REQUIRED_ACCESS},
     datapath::cgroup2_root,
 };
+use weir_tests::try_wait_until;
 use weir_tests::{
     agent::{workspace_binary, NodeFiles},
     ids, ApiServer,
@@ -271,16 +272,15 @@ fn run_agent(setup: &Setup, global: &[&str], extra: &[&str]) -> (Output, String)
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting weir-agent run");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            // Unpinning the links detaches the programs, now that no process holds them.
-            let _ = std::fs::remove_dir_all(&setup.pin_root);
-            panic!("the agent started");
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let exited = try_wait_until(Duration::from_secs(60), || {
+        child.try_wait().unwrap().is_some()
+    });
+    if exited.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        // Unpinning the links detaches the programs, now that no process holds them.
+        let _ = std::fs::remove_dir_all(&setup.pin_root);
+        panic!("the agent started");
     }
     let output = child.wait_with_output().unwrap();
     let _ = std::fs::remove_dir_all(&setup.pin_root);

@@ -18,6 +18,7 @@ use std::{
 };
 
 use weir_tests::privileged;
+use weir_tests::try_wait_until;
 use weir_tests::{
     agent::{AgentBinary, AgentProcess},
     chain::{CniChainNode, MESH},
@@ -91,14 +92,11 @@ fn status(agent: &AgentProcess, field: &str) -> u64 {
 /// Waits until the agent is back to `idle` threads; panics if it is not within
 /// [`THREADS_SETTLE`] (a thread left behind).
 fn wait_for_threads(agent: &AgentProcess, idle: u64) {
-    let deadline = Instant::now() + THREADS_SETTLE;
-    while status(agent, "Threads") > idle {
-        assert!(
-            Instant::now() < deadline,
+    if try_wait_until(THREADS_SETTLE, || status(agent, "Threads") <= idle).is_none() {
+        panic!(
             "the agent has {} threads, {idle} when idle",
             status(agent, "Threads")
         );
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
@@ -166,16 +164,9 @@ fn zds_counts(ztunnel: &ZdsZtunnel) -> HashMap<String, (usize, usize)> {
     counts
 }
 
-/// Polls `settled` until it holds or [`SETTLE`] passes; returns whether it held.
-fn settles(mut settled: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + SETTLE;
-    while !settled() {
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    true
+/// Whether `settled` holds before [`SETTLE`] passes.
+fn settles(settled: impl FnMut() -> bool) -> bool {
+    try_wait_until(SETTLE, settled).is_some()
 }
 
 #[test]

@@ -35,6 +35,7 @@ use weir_tests::{
     ztunnel::DNS_REPLY_PREFIX,
     ApiServer, EchoServer, PodSpec, ZdsEvent, ZdsZtunnel, APP_PORT,
 };
+use weir_tests::{try_wait_until, wait_until};
 
 const WAIT: Duration = Duration::from_secs(5);
 const NODE_NAME: &str = "node-a";
@@ -179,14 +180,12 @@ impl Cluster {
     }
 
     fn wait_for_redirection(&self, namespace: &str, name: &str, wanted: Option<&str>) {
-        let deadline = std::time::Instant::now() + WAIT;
-        while self.redirection(namespace, name).as_deref() != wanted {
-            assert!(
-                std::time::Instant::now() < deadline,
+        let done = || self.redirection(namespace, name).as_deref() == wanted;
+        if try_wait_until(WAIT, done).is_none() {
+            panic!(
                 "{namespace}/{name}: redirection {:?}, wanted {wanted:?}",
                 self.redirection(namespace, name)
             );
-            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -226,15 +225,10 @@ impl Cluster {
 
     /// The Events with `reason`, once there is one.
     fn wait_for_warnings(&self, reason: &str) -> Vec<Value> {
-        let deadline = std::time::Instant::now() + WAIT;
-        loop {
+        wait_until(WAIT, &format!("a {reason} Event"), || {
             let warnings = self.warnings(reason);
-            if !warnings.is_empty() {
-                return warnings;
-            }
-            assert!(std::time::Instant::now() < deadline, "no {reason} Event");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+            (!warnings.is_empty()).then_some(warnings)
+        })
     }
 
     /// Marks the pod running at `ips`, as kubelet reports it.
@@ -512,14 +506,9 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
             "{name}: ztunnel gets the Del"
         );
     }
-    let deadline = std::time::Instant::now() + WAIT;
-    while running.iter().any(|(uid, _)| recorded(uid)) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the state file still records a removed pod"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until(WAIT, "the state file to forget the removed pods", || {
+        !running.iter().any(|(uid, _)| recorded(uid))
+    });
     cluster.wait_for_redirection(MESH, "opting-out", None);
     agent.stop().unwrap();
 }
@@ -756,24 +745,19 @@ fn an_annotation_change_applies_to_a_running_pod() {
     let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
     object.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "false")]);
     cluster.api.update(&object);
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        // Nothing answers DNS on the node's gateway: once capture is off, the query goes there.
-        match pod.run(|| weir_tests::udp_request(resolver, "query")) {
-            Ok(answer)
-                if answer
-                    .response
-                    .starts_with(weir_tests::ztunnel::DNS_REPLY_PREFIX) =>
-            {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "DNS still captured after the annotation turned it off"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            _ => break,
-        }
-    }
+    // Nothing answers DNS on the node's gateway: once capture is off, the query goes there.
+    wait_until(
+        WAIT,
+        "DNS no longer captured after the annotation turned it off",
+        || {
+            !pod.run(|| weir_tests::udp_request(resolver, "query"))
+                .is_ok_and(|answer| {
+                    answer
+                        .response
+                        .starts_with(weir_tests::ztunnel::DNS_REPLY_PREFIX)
+                })
+        },
+    );
     assert!(ztunnel.pod(pod.uid()).is_some(), "the pod stays enrolled");
     agent.stop().unwrap();
 }
@@ -889,17 +873,10 @@ fn a_live_enrolled_pod_keeps_its_netns_when_the_process_it_was_found_by_exits() 
     let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
     object.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "false")]);
     cluster.api.update(&object);
-    let deadline = std::time::Instant::now() + WAIT;
-    while pod
-        .run(|| udp_request(resolver, "query"))
-        .is_ok_and(|answer| captured(&answer))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the annotation did not reach the pod's netns"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(WAIT, "the annotation to reach the pod's netns", || {
+        !pod.run(|| udp_request(resolver, "query"))
+            .is_ok_and(|answer| captured(&answer))
+    });
     assert!(ztunnel.pod(&uid).is_some(), "the pod stays enrolled");
     agent.stop().unwrap();
 }
@@ -1006,17 +983,9 @@ fn ztunnel_gets_its_snapshot_only_once_the_startup_pass_is_done() {
     // Without the namespaces the caches cannot sync, so the pass cannot run.
     cluster.api.withhold_lists::<Namespace>();
     let agent = Agent::spawn(cluster.agent_config()).unwrap();
-    let deadline = std::time::Instant::now() + WAIT;
-    let ztunnel = loop {
-        match ZdsZtunnel::connect(&agent.config.zds_socket) {
-            Ok(ztunnel) => break ztunnel,
-            Err(error) => assert!(
-                std::time::Instant::now() < deadline,
-                "the agent's ZDS socket: {error}"
-            ),
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let ztunnel = wait_until(WAIT, "the agent's ZDS socket", || {
+        ZdsZtunnel::connect(&agent.config.zds_socket).ok()
+    });
 
     // Time for a snapshot that must not come: it would name no pod, and ztunnel would drop
     // every pod it runs.

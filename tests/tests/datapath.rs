@@ -31,6 +31,7 @@ use weir_tests::{
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
     DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
+use weir_tests::{try_wait_until, wait_until};
 
 const WAIT: Duration = Duration::from_secs(2);
 /// A port nothing in the test pods listens on.
@@ -435,11 +436,9 @@ fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
     .unwrap();
     let pod_ips = fixture.node().pinned_pod_ips().unwrap();
     let key = weir_common::IpKey::from_v4(claimed.octets());
-    let deadline = Instant::now() + WAIT;
-    while pod_ips.get(&key, 0).is_err() {
-        assert!(Instant::now() < deadline, "the claimed address is indexed");
-        thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(WAIT, "the claimed address to be indexed", || {
+        pod_ips.get(&key, 0).is_ok()
+    });
 
     let target = SocketAddr::new(IpAddr::V4(claimed), APP_PORT);
     let reply = fixture
@@ -490,11 +489,9 @@ fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
     assert!(ip_batch.wait().unwrap().success());
 
     // Re-enrolled after the change: some of the new addresses are indexed.
-    let deadline = Instant::now() + WAIT;
-    while indexed() == before {
-        assert!(Instant::now() < deadline, "the new addresses are followed");
-        thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(WAIT, "the new addresses to be followed", || {
+        indexed() != before
+    });
     thread::sleep(Duration::from_millis(300));
     // The pod's two CNI addresses and at most 16 others.
     assert!(indexed() <= 2 + 16, "{} addresses indexed", indexed());
@@ -1196,19 +1193,15 @@ fn bpf_log_reports_the_programs_decisions() {
         .expect("pod enrolled");
 
     let wait_for_record = |expected: String| {
-        let deadline = std::time::Instant::now() + WAIT;
-        while !RECORDS
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|r| r.contains(&expected))
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no record with {expected:?}: {:?}",
-                RECORDS.lock().unwrap()
-            );
-            thread::sleep(Duration::from_millis(20));
+        let recorded = || {
+            RECORDS
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|r| r.contains(&expected))
+        };
+        if try_wait_until(WAIT, recorded).is_none() {
+            panic!("no record with {expected:?}: {:?}", RECORDS.lock().unwrap());
         }
     };
 

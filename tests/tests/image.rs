@@ -21,13 +21,14 @@ use std::fs::File;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Container, PodSpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize;
 use tempfile::TempDir;
+use weir_tests::try_wait_until;
 use weir_tests::{
     agent::{http_status, NodeFiles},
     chain::{ambient_policy, assert_through_ztunnel, CniChainNode},
@@ -89,14 +90,17 @@ fn the_image_runs_as_the_daemonset_and_enrolls_a_pod_made_through_the_cni_chain(
         .run_agent(&node, &daemonset, pod_spec, container)
         .expect("the agent's container starts");
     let readiness = readiness_probe(container);
-    let ready = wait_until(READY_TIMEOUT, || {
+    let ready = try_wait_until(READY_TIMEOUT, || {
         agent.assert_running();
         node.chain
             .netns()
             .run(|| http_status(readiness.0, &readiness.1).ok())
             == Some(200)
     });
-    assert!(ready, "not ready on {readiness:?} within {READY_TIMEOUT:?}");
+    assert!(
+        ready.is_some(),
+        "not ready on {readiness:?} within {READY_TIMEOUT:?}"
+    );
 
     // The plugin it installed is the one the image carries next to the agent, chained after the
     // node's primary CNI.
@@ -197,20 +201,6 @@ fn readiness_probe(container: &Container) -> (SocketAddr, String) {
     (addr, get.path.clone().unwrap_or_else(|| "/".to_owned()))
 }
 
-/// Whether `condition` holds before `timeout`, checked every 50 ms.
-fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if condition() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// A test node (a [`CniChainNode`], with the ambient policy) whose host directories are under a
 /// directory of its own: the runtime reads its CNI config and plugins from there, as the agent
 /// writes them there.
@@ -296,14 +286,14 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
             namespace: ids::unique_name("image"),
             process,
         };
-        let serving = wait_until(CONTAINERD_TIMEOUT, || {
+        let serving = try_wait_until(CONTAINERD_TIMEOUT, || {
             containerd
                 .ctr()
                 .arg("version")
                 .output()
                 .is_ok_and(|out| out.status.success())
         });
-        if !serving {
+        if serving.is_none() {
             anyhow::bail!(
                 "containerd did not serve within {CONTAINERD_TIMEOUT:?}:\n{}",
                 containerd.log()
@@ -547,18 +537,13 @@ impl AgentContainer<'_> {
     }
 
     fn wait(&mut self) -> anyhow::Result<ExitStatus> {
-        let deadline = Instant::now() + CONTAINERD_TIMEOUT;
-        loop {
-            if let Some(status) = self.process.try_wait()? {
-                return Ok(status);
-            }
-            if Instant::now() > deadline {
-                anyhow::bail!(
-                    "the agent did not exit within {CONTAINERD_TIMEOUT:?}:\n{}",
-                    self.log()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        let exited = try_wait_until(CONTAINERD_TIMEOUT, || self.process.try_wait().transpose());
+        match exited {
+            Some(status) => Ok(status?),
+            None => anyhow::bail!(
+                "the agent did not exit within {CONTAINERD_TIMEOUT:?}:\n{}",
+                self.log()
+            ),
         }
     }
 }

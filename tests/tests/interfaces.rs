@@ -3,8 +3,7 @@
 //! addresses that appear (or go) after enrollment.
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use socket2::{Domain, Socket, Type};
@@ -14,6 +13,7 @@ use weir_agent::{
 };
 use weir_common::{maps, ConnectionKey, Endpoint, IpKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::privileged;
+use weir_tests::try_wait_until;
 use weir_tests::{
     netns::{ip, NetNs},
     tcp_request, DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
@@ -243,18 +243,16 @@ fn a_vm_cannot_overwrite_another_pods_original_destination() {
 }
 
 fn indexed_eventually(node: &TestNode, pod: &Pod, address: IpAddr, indexed: bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    let is_indexed = || {
         let pods = pinned_pods(&node.datapath_config().pin_root)
             .unwrap()
             .unwrap_or_default();
-        let now = pods
-            .iter()
-            .any(|p| p.uid == pod.uid() && p.ips.contains(&address));
-        if now == indexed || Instant::now() > deadline {
-            return now;
-        }
-        thread::sleep(Duration::from_millis(20));
+        pods.iter()
+            .any(|p| p.uid == pod.uid() && p.ips.contains(&address))
+    };
+    match try_wait_until(Duration::from_secs(5), || is_indexed() == indexed) {
+        Some(()) => indexed,
+        None => !indexed,
     }
 }
 
