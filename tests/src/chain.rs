@@ -1,13 +1,7 @@
 //! A node as kubelet's runtime drives it, for the tests that go through the whole CNI chain:
 //! the node's conflist with weir-cni chained by weir's installer, the ambient policy, the real
 //! agent, and calls to weir-cni alone as the runtime makes them.
-use std::{
-    collections::BTreeMap,
-    net::{IpAddr, SocketAddr},
-    path::Path,
-    sync::Arc,
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::IpAddr, path::Path, sync::Arc, time::Duration};
 
 use weir_agent::policy::{
     local::{LocalPolicy, ObjectMeta},
@@ -20,7 +14,7 @@ use crate::{
     cni::{Command, RuntimeConf},
     tcp_request,
     zds_client::ZdsZtunnel,
-    DatapathNode, EchoServer, Metrics, NetNs, Pod, PodSpec, TestNode, ZtunnelStandIn, APP_PORT,
+    DatapathNode, EchoServer, Metrics, NetNs, Pod, PodSpec, TestNode, ZtunnelStandIn,
 };
 
 /// How long a test waits for something the agent does on its own: a deadline, not a pause (a
@@ -124,7 +118,7 @@ pub fn assert_through_ztunnel(
     echo: &EchoServer,
     msg: &str,
 ) {
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = client.run(|| tcp_request(target, msg)).unwrap();
     assert_eq!(reply.response, echo.reply_to(msg));
     assert!(
@@ -142,7 +136,7 @@ pub fn assert_through_ztunnel(
 /// Sends `msg` from `client` to `server`'s app (`echo`): the app answers, and got the connection
 /// straight from the client's address.
 pub fn assert_direct(client: &Pod, server: &Pod, echo: &EchoServer, msg: &str) {
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = client.run(|| tcp_request(target, msg)).unwrap();
     assert_eq!(reply.response, echo.reply_to(msg));
     let received = echo.wait_for(|r| r.line == msg, WAIT).unwrap();

@@ -7,7 +7,7 @@
 //! of pods has more bridges (`cni1`, ...), each with address ranges of its own.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -462,6 +462,16 @@ impl Pod {
 
     pub fn ipv6(&self) -> Ipv6Addr {
         self.ipv6
+    }
+
+    /// Where the pod's app listens ([`crate::APP_PORT`]) on its IPv4 address.
+    pub fn app_v4(&self) -> SocketAddr {
+        SocketAddr::new(IpAddr::V4(self.ipv4), crate::APP_PORT)
+    }
+
+    /// Where the pod's app listens ([`crate::APP_PORT`]) on its IPv6 address.
+    pub fn app_v6(&self) -> SocketAddr {
+        SocketAddr::new(IpAddr::V6(self.ipv6), crate::APP_PORT)
     }
 
     /// `eth0`'s IPv6 link-local address, once duplicate address detection has let it be used

@@ -2,11 +2,7 @@
 //! DaemonSet and the node; the agent reads them through its reflectors (kube-rs, via a
 //! kubeconfig file), and pods are made by the node's real CNI chain with the real datapath and
 //! the ztunnel stand-in, as in `cni.rs`.
-use std::{
-    collections::BTreeMap,
-    net::{IpAddr, SocketAddr},
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use k8s_openapi::api::{
     apps::v1::{DaemonSet, DaemonSetSpec},
@@ -33,7 +29,7 @@ use weir_tests::{
     cni::Command,
     tcp_request, udp_request,
     ztunnel::DNS_REPLY_PREFIX,
-    ApiServer, EchoServer, PodSpec, ZdsEvent, ZdsZtunnel, APP_PORT,
+    ApiServer, EchoServer, PodSpec, ZdsEvent, ZdsZtunnel,
 };
 use weir_tests::{try_wait_until, wait_until};
 
@@ -822,7 +818,7 @@ fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
         .wait_for_pod(&uid, WAIT)
         .expect("ztunnel gets the Add");
     cluster.wait_for_redirection(MESH, "app", Some("enabled"));
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = pod.run(|| tcp_request(target, "repaired")).unwrap();
     assert_eq!(reply.response, echo.reply_to("repaired"));
     let seen = stand_in

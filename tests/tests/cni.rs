@@ -31,7 +31,7 @@ use weir_tests::{
     cni::{Command, RuntimeConf},
     raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    ApiServer, EchoServer, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
+    ApiServer, EchoServer, Pod, PodSpec, ZtunnelStandIn,
 };
 
 #[test]
@@ -568,7 +568,7 @@ fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
     let (server, stand_in) = node.ambient_pod(&ztunnel, "server");
     let echo = EchoServer::app(&server).unwrap();
     let client = node.pod("default", "client").unwrap();
-    let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
+    let target = server.app_v6();
     let reply = client.run(|| tcp_request(target, "in")).unwrap();
     assert_eq!(reply.response, echo.reply_to("in"));
     assert!(stand_in
@@ -609,7 +609,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
     assert_through_ztunnel(&pod, &stand_in, &server, &echo, "after restart");
     // Inbound too, through the tc program the new agent put in place of the old one's.
     let pod_app = EchoServer::app(&pod).unwrap();
-    let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let inbound = pod.app_v4();
     let reply = server.run(|| tcp_request(inbound, "in")).unwrap();
     assert_eq!(reply.response, pod_app.reply_to("in"));
     assert!(stand_in
@@ -646,7 +646,7 @@ fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
     let current = pin_root.join(format!("abi-{}", weir_common::ABI_VERSION));
     let older = pin_root.join("abi-0");
     std::fs::rename(&current, &older).unwrap();
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let stand_in = ZtunnelStandIn::start(&pod).unwrap();
     // A loaded machine may reset the first connection to a stand-in just started: that is not
     // a way around ztunnel (one would reach the app), so it is tried again.
@@ -700,15 +700,15 @@ fn pods_command_lists_what_the_node_holds() {
     );
 
     // One of each counted event.
-    let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let to_server = server.app_v4();
     client.run(|| tcp_request(to_server, "out")).unwrap();
     quiet.run(|| tcp_request(to_server, "out")).unwrap();
     let resolver = SocketAddr::new(IpAddr::V4(node.test_node().gateway_v4()), DNS_PORT);
     client.run(|| udp_request(resolver, "query")).unwrap();
-    let to_client = SocketAddr::new(IpAddr::V4(client.ipv4()), APP_PORT);
+    let to_client = client.app_v4();
     let reply = server.run(|| tcp_request(to_client, "in")).unwrap();
     assert_eq!(reply.response, client_app.reply_to("in"));
-    let to_quiet = SocketAddr::new(IpAddr::V4(quiet.ipv4()), APP_PORT);
+    let to_quiet = quiet.app_v4();
     let reply = server.run(|| tcp_request(to_quiet, "bypassed")).unwrap();
     assert_eq!(reply.response, quiet_app.reply_to("bypassed"));
     let fragmented_syn = raw::Syn {

@@ -6,11 +6,6 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener},
     os::fd::AsRawFd,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        mpsc::{self, Receiver},
-        Arc,
-    },
     thread,
     time::{Duration, Instant},
 };
@@ -27,7 +22,9 @@ use weir_tests::privileged;
 use weir_tests::{
     netns::{ip, ip_output},
     raw::{self, Answer},
-    sockopt, tcp_request, udp_request, udp_request_connected,
+    sockopt, tcp_request,
+    traffic_loop::{wait_for_connections, Connection, TrafficLoop},
+    udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
     DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
@@ -220,7 +217,7 @@ fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
     };
     datapath.enroll(ipv4_only).wait().expect("pod enrolled");
 
-    let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
+    let target = server.app_v6();
     let refused = client
         .run(|| tcp_request(target, "around"))
         .expect_err("IPv6 TCP from an IPv4-only ambient pod must not connect");
@@ -301,14 +298,14 @@ fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
     for target in [
         SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), APP_PORT),
         SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), APP_PORT),
-        SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT),
-        SocketAddr::new(IpAddr::V6(pod.ipv6()), APP_PORT),
+        pod.app_v4(),
+        pod.app_v6(),
     ] {
         let reply = pod.run(|| tcp_request(target, "local")).unwrap();
         assert_eq!(reply.response, own.reply_to("local"), "to {target}");
     }
     // A socket marked like ztunnel's goes where it was sent.
-    let target = SocketAddr::new(IpAddr::V4(other.ipv4()), APP_PORT);
+    let target = other.app_v4();
     let reply = pod.run(|| marked_tcp_request(target, "marked")).unwrap();
     assert_eq!(reply, other_app.reply_to("marked"));
     assert!(
@@ -338,10 +335,10 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     // A pod that is not enrolled talks directly, both ways.
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = plain.run(|| tcp_request(target, "plain")).unwrap();
     assert_eq!(reply.response, echo.reply_to("plain"));
-    let to_plain = SocketAddr::new(IpAddr::V6(plain.ipv6()), APP_PORT);
+    let to_plain = plain.app_v6();
     let reply = server.run(|| tcp_request(to_plain, "in")).unwrap();
     assert_eq!(reply.response, plain_app.reply_to("in"));
     assert!(
@@ -407,7 +404,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
     assert_eq!(counters(&datapath, &pod).bypassed, 2);
 
     // Another pod's traffic is still captured.
-    let target = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let target = pod.app_v4();
     other.run(|| tcp_request(target, "pod")).unwrap();
     assert!(ztunnel
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
@@ -496,7 +493,7 @@ fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
     // The pod's two CNI addresses and at most 16 others.
     assert!(indexed() <= 2 + 16, "{} addresses indexed", indexed());
     assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     pod.run(|| tcp_request(target, "captured")).unwrap();
     assert!(ztunnel
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
@@ -517,13 +514,13 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
     };
     let datapath = fixture.enrolled(&pod, options);
 
-    let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let inbound = pod.app_v4();
     let reply = other.run(|| tcp_request(inbound, "in")).unwrap();
     assert_eq!(reply.response, echo.reply_to("in"));
     let received = echo.wait_for(|r| r.line == "in", WAIT).unwrap();
     assert_eq!(received.peer.ip(), IpAddr::V4(other.ipv4()));
 
-    let outbound = SocketAddr::new(IpAddr::V4(other.ipv4()), APP_PORT);
+    let outbound = other.app_v4();
     let reply = pod.run(|| tcp_request(outbound, "out")).unwrap();
     assert_eq!(reply.response, other_app.reply_to("out"));
     assert!(ztunnel
@@ -895,32 +892,6 @@ impl Owner {
     }
 }
 
-/// One request of the restart test's traffic, as its client made it.
-struct Connection {
-    started: Instant,
-    finished: Instant,
-    /// The client's address, as ztunnel sees it as the peer.
-    client: SocketAddr,
-}
-
-/// Takes the traffic's connections off `made` into `log` until `count` more of them started
-/// after `since`; fails the test when the traffic stops first (a request failed).
-fn wait_for_connections(
-    made: &Receiver<Connection>,
-    log: &mut Vec<Connection>,
-    since: Instant,
-    count: usize,
-) {
-    let mut after = 0;
-    while after < count {
-        let connection = made
-            .recv_timeout(WAIT)
-            .unwrap_or_else(|error| panic!("{after} of {count} connections were made: {error}"));
-        after += usize::from(connection.started > since);
-        log.push(connection);
-    }
-}
-
 /// The owner process crashes and another takes over; the datapath keeps redirecting in between,
 /// with no owner process at all: connections made after the first owner was reaped and before
 /// the second was ready all reached ztunnel.
@@ -933,49 +904,29 @@ fn redirection_survives_owner_restart_without_a_gap() {
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = EchoServer::app(&server).unwrap();
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
 
     let mut first = Owner::spawn(fixture.node());
     let pod_spec = serde_json::to_string(&pod.workload(PodOptions::default())).unwrap();
     assert_eq!(first.send(&format!("enroll {pod_spec}")), "ok");
     let enrolled = Instant::now();
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let (made_tx, made) = mpsc::channel();
-    let traffic = {
-        let stop = stop.clone();
-        let pod_netns = pod.netns().open().unwrap();
-        let expected = echo.reply_to("loop");
-        thread::spawn(move || {
-            weir_tests::netns::run_in(std::os::fd::AsFd::as_fd(&pod_netns), || {
-                while !stop.load(Ordering::Relaxed) {
-                    let started = Instant::now();
-                    let reply = tcp_request(target, "loop").expect("connection during restart");
-                    let finished = Instant::now();
-                    assert_eq!(reply.response, expected);
-                    assert_eq!(reply.peer_seen_by_client, target);
-                    let client = sockopt::canonical(reply.local);
-                    // The receiver hangs up only when the test is failing anyway.
-                    let _ = made_tx.send(Connection {
-                        started,
-                        finished,
-                        client,
-                    });
-                }
-            })
-        })
-    };
-    let mut log = Vec::new();
-    wait_for_connections(&made, &mut log, enrolled, PER_PHASE);
+    let traffic = TrafficLoop::start(pod.netns(), target, echo.reply_to("loop"));
+    wait_for_connections(&[&traffic], enrolled, PER_PHASE);
     let no_owner_since = first.kill();
     // The second owner starts only once connections went through with no owner process at all.
-    wait_for_connections(&made, &mut log, no_owner_since, PER_PHASE);
+    wait_for_connections(&[&traffic], no_owner_since, PER_PHASE);
     let mut second = Owner::spawn(fixture.node());
     let owner_again = Instant::now();
-    wait_for_connections(&made, &mut log, owner_again, PER_PHASE);
-    stop.store(true, Ordering::Relaxed);
-    traffic.join().expect("traffic thread");
-    log.extend(made.try_iter());
+    wait_for_connections(&[&traffic], owner_again, PER_PHASE);
+    let log = traffic.stop();
+    for connection in &log {
+        assert!(
+            connection.outcome.is_ok(),
+            "connection during restart: {:?}",
+            connection.outcome
+        );
+    }
 
     let seen = ztunnel.seen();
     let without_owner: Vec<&Connection> = log
@@ -989,10 +940,10 @@ fn redirection_survives_owner_restart_without_a_gap() {
     for connection in &without_owner {
         assert!(
             seen.iter().any(|s| s.listener == OUTBOUND_PORT
-                && s.peer == connection.client
+                && Ok(s.peer) == connection.outcome
                 && s.original_dst == Some(target)),
-            "the connection from {} made while no owner ran never reached 15001",
-            connection.client
+            "the connection from {:?} made while no owner ran never reached 15001",
+            connection.outcome
         );
     }
     let made = log.len();
@@ -1048,7 +999,7 @@ fn failed_enrollment_leaves_nothing_behind() {
     ])
     .expect("tc filter show");
     assert!(filters.is_empty(), "{filters}");
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = pod.run(|| tcp_request(target, "direct")).unwrap();
     assert_eq!(reply.response, echo.reply_to("direct"));
     assert!(ztunnel.seen().is_empty());
@@ -1082,14 +1033,14 @@ fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
 
     assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
     assert!(datapath.audit().wait().unwrap().is_empty());
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     pod.run(|| tcp_request(target, "still captured")).unwrap();
     let seen = ztunnel
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
         .expect("outbound still goes to ztunnel");
     assert_eq!(seen.original_dst, Some(target));
     // Inbound too: the options of the failed attempt did not apply.
-    let to_pod = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let to_pod = pod.app_v4();
     let _ = server.run(|| tcp_request(to_pod, "inbound"));
     assert!(ztunnel
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
@@ -1109,7 +1060,7 @@ fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
         pod_ips.remove(key).unwrap();
     }
 
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = pod.run(|| tcp_request(target, "uncaptured")).unwrap();
     assert_eq!(
         reply.response,
@@ -1205,7 +1156,7 @@ fn bpf_log_reports_the_programs_decisions() {
         }
     };
 
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = client.run(|| tcp_request(target, "logged")).unwrap();
     assert_eq!(reply.response, echo.reply_to("logged"));
     wait_for_record(format!("to {}:{APP_PORT} assigned to 15006", server.ipv4()));
