@@ -164,11 +164,6 @@ fn zds_counts(ztunnel: &ZdsZtunnel) -> HashMap<String, (usize, usize)> {
     counts
 }
 
-/// Whether `settled` holds before [`SETTLE`] passes.
-fn settles(settled: impl FnMut() -> bool) -> bool {
-    try_wait_until(SETTLE, settled).is_some()
-}
-
 #[test]
 fn pod_churn_leaves_nothing_behind() {
     let node = privileged!(CniChainNode::new());
@@ -184,12 +179,13 @@ fn pod_churn_leaves_nothing_behind() {
     let warm_up = churn(&node, 0, WARM_UP_CYCLES);
     // The baseline: what the agent holds with ztunnel connected and no pod.
     assert!(
-        settles(|| {
+        try_wait_until(SETTLE, || {
             let counts = zds_counts(&ztunnel);
             warm_up
                 .iter()
                 .all(|uid| counts.get(uid).is_some_and(|c| c.1 == 1))
-        }),
+        })
+        .is_some(),
         "ztunnel was told to drop every warm-up pod"
     );
     wait_for_threads(&agent, idle_threads);
@@ -207,7 +203,7 @@ fn pod_churn_leaves_nothing_behind() {
     // ztunnel was given each pod once, and told once to drop it.
     let mut counts = BTreeMap::new();
     assert!(
-        settles(|| {
+        try_wait_until(SETTLE, || {
             let all = zds_counts(&ztunnel);
             counts = uids
                 .iter()
@@ -217,7 +213,8 @@ fn pod_churn_leaves_nothing_behind() {
                 })
                 .collect();
             counts.is_empty()
-        }),
+        })
+        .is_some(),
         "pods whose (Adds, Dels) over ZDS are not (1, 1): {counts:?}"
     );
     // Nothing of any pod is left in the maps or in the state file.
@@ -233,10 +230,11 @@ fn pod_churn_leaves_nothing_behind() {
 
     // The agent holds exactly the fds it held before the churn.
     let mut fds = BTreeMap::new();
-    let same_fds = settles(|| {
+    let same_fds = try_wait_until(SETTLE, || {
         fds = open_fds(&agent);
         fds.len() == baseline_fds.len()
-    });
+    })
+    .is_some();
     assert!(
         same_fds,
         "the agent's fds went from {} to {}; new ones: {:?}",
