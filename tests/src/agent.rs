@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use tempfile::TempDir;
 use weir_agent::{
     app,
@@ -19,7 +19,7 @@ use weir_agent::{
     policy::{local::LocalPolicy, PolicyConfig},
 };
 
-use crate::{netns::NETNS_DIR, ApiServer, NetNs, NodeOptions};
+use crate::{netns::NETNS_DIR, wait::try_wait_until, ApiServer, Metrics, NetNs, NodeOptions};
 
 /// A built binary of this workspace (`weir-cni`, `weir-agent`), next to the test executable's
 /// directory. `cargo xtask test` builds them before the tests run.
@@ -192,7 +192,7 @@ fn free_port() -> Result<SocketAddr> {
 
 /// How long an agent may take to become ready: it loads and verifies the programs first, which
 /// takes seconds on an emulated CPU (the kernel VMs) and a loaded CI machine.
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
+const READY_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// A running agent; stopped (SIGTERM-like: leaves the datapath in place) by [`Agent::stop`].
 pub struct Agent {
@@ -229,19 +229,18 @@ impl Agent {
 
     /// Waits until the agent reports ready on /readyz.
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        loop {
+        try_wait_until(timeout, || {
             if self.thread.as_ref().is_some_and(|t| t.is_finished()) {
-                bail!("the agent exited while starting");
+                return Some(Err(anyhow!("the agent exited while starting")));
             }
-            if http_status(self.config.health_addr, "/readyz").ok() == Some(200) {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("the agent was not ready within {timeout:?}");
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
+            (http_status(self.config.health_addr, "/readyz").ok() == Some(200)).then_some(Ok(()))
+        })
+        .unwrap_or_else(|| bail!("the agent was not ready within {timeout:?}"))
+    }
+
+    /// What its /metrics serves now.
+    pub fn metrics(&self) -> Metrics {
+        Metrics::scrape(self.config.metrics_addr).expect("the agent's /metrics")
     }
 
     /// Stops the agent as SIGTERM does and returns its result.
@@ -421,16 +420,18 @@ impl AgentProcess {
             child,
             lines,
         };
-        let deadline = Instant::now() + READY_TIMEOUT;
-        while node.run(|| http_status(agent.config.health_addr, "/readyz").ok()) != Some(200) {
-            if let Some(status) = agent.child.try_wait()? {
-                bail!("the agent exited while starting: {status}");
+        try_wait_until(READY_TIMEOUT, || {
+            match agent.child.try_wait() {
+                Ok(Some(status)) => {
+                    return Some(Err(anyhow!("the agent exited while starting: {status}")))
+                }
+                Ok(None) => {}
+                Err(error) => return Some(Err(error.into())),
             }
-            if Instant::now() > deadline {
-                bail!("the agent was not ready within {READY_TIMEOUT:?}");
-            }
-            thread::sleep(Duration::from_millis(20));
-        }
+            let ready = node.run(|| http_status(agent.config.health_addr, "/readyz").ok());
+            (ready == Some(200)).then_some(Ok(()))
+        })
+        .unwrap_or_else(|| bail!("the agent was not ready within {READY_TIMEOUT:?}"))?;
         Ok(agent)
     }
 

@@ -1,13 +1,7 @@
 //! A node as kubelet's runtime drives it, for the tests that go through the whole CNI chain:
 //! the node's conflist with weir-cni chained by weir's installer, the ambient policy, the real
 //! agent, and calls to weir-cni alone as the runtime makes them.
-use std::{
-    collections::BTreeMap,
-    net::{IpAddr, SocketAddr},
-    path::Path,
-    sync::Arc,
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::IpAddr, path::Path, sync::Arc, time::Duration};
 
 use weir_agent::policy::{
     local::{LocalPolicy, ObjectMeta},
@@ -16,11 +10,11 @@ use weir_agent::policy::{
 use weir_common::OUTBOUND_PORT;
 
 use crate::{
-    agent::{http_get, workspace_binary, Agent, NodeFiles},
+    agent::{workspace_binary, Agent, AgentBinary, AgentProcess, NodeFiles},
     cni::{Command, RuntimeConf},
     tcp_request,
     zds_client::ZdsZtunnel,
-    EchoServer, Fixture, NetNs, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
+    DatapathNode, EchoServer, Metrics, NetNs, Pod, PodSpec, TestNode, ZtunnelStandIn,
 };
 
 /// How long a test waits for something the agent does on its own: a deadline, not a pause (a
@@ -43,26 +37,33 @@ pub fn ambient_policy() -> LocalPolicy {
     policy
 }
 
-/// A node as kubelet's runtime sees it: its CNI config directory (where weir's installer chains
-/// weir-cni), the ambient policy, and the agent's files. Agents here stop as an upgrade does,
-/// leaving the datapath in place: the fixture removes it.
-pub struct ChainNode {
+/// A node as kubelet's runtime sees it, for weir-agent to run on: its CNI config directory (where
+/// weir's installer chains weir-cni), the ambient policy, and the agent's files. The agent runs
+/// in this process ([`CniChainNode::start_agent`]) or in one of its own
+/// ([`CniChainNode::start_agent_process`]); agents here stop as an upgrade does, leaving the
+/// datapath in place, which the node removes when dropped.
+pub struct CniChainNode {
     pub files: NodeFiles,
-    pub fixture: Fixture,
+    pub node: DatapathNode,
 }
 
-impl ChainNode {
-    pub fn privileged() -> Option<Self> {
-        let files = NodeFiles::new().unwrap();
-        files.write_policy(&ambient_policy()).unwrap();
-        let fixture = Fixture::privileged_with(files.node_options())?;
-        Some(Self { files, fixture })
+impl CniChainNode {
+    pub fn new() -> anyhow::Result<Self> {
+        let files = NodeFiles::new()?;
+        files.write_policy(&ambient_policy())?;
+        let node = DatapathNode::with_options(files.node_options())?;
+        Ok(Self { files, node })
+    }
+
+    pub fn test_node(&self) -> &TestNode {
+        self.node.node()
     }
 
     pub fn netns(&self) -> &NetNs {
-        self.fixture.node().netns()
+        self.test_node().netns()
     }
 
+    /// weir-agent, in this process, ready.
     pub fn start_agent(&self) -> Agent {
         Agent::start(self.files.agent_config(self.netns()).unwrap()).expect("agent ready")
     }
@@ -88,6 +89,11 @@ impl ChainNode {
         (pod, stand_in)
     }
 
+    /// weir-agent as `binary`, in a process of its own, ready.
+    pub fn start_agent_process(&self, binary: AgentBinary) -> AgentProcess {
+        AgentProcess::start(&self.files, self.netns(), binary).expect("agent ready")
+    }
+
     /// The agent, with ztunnel connected to it.
     pub fn start_agent_and_ztunnel(&self) -> (Agent, ZdsZtunnel) {
         let agent = self.start_agent();
@@ -96,7 +102,7 @@ impl ChainNode {
     }
 
     pub fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<Pod> {
-        self.fixture.node().add_pod_with(PodSpec {
+        self.test_node().add_pod_with(PodSpec {
             namespace: namespace.into(),
             ..PodSpec::new(name)
         })
@@ -112,7 +118,7 @@ pub fn assert_through_ztunnel(
     echo: &EchoServer,
     msg: &str,
 ) {
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = client.run(|| tcp_request(target, msg)).unwrap();
     assert_eq!(reply.response, echo.reply_to(msg));
     assert!(
@@ -130,7 +136,7 @@ pub fn assert_through_ztunnel(
 /// Sends `msg` from `client` to `server`'s app (`echo`): the app answers, and got the connection
 /// straight from the client's address.
 pub fn assert_direct(client: &Pod, server: &Pod, echo: &EchoServer, msg: &str) {
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = client.run(|| tcp_request(target, msg)).unwrap();
     assert_eq!(reply.response, echo.reply_to(msg));
     let received = echo.wait_for(|r| r.line == msg, WAIT).unwrap();
@@ -166,24 +172,13 @@ pub fn listed_pods(agent: &Agent) -> Vec<serde_json::Value> {
     }
 }
 
-/// Waits until the agent's /metrics shows `line`.
-pub fn wait_for_metric(agent: &Agent, line: &str) {
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
-        if metrics.lines().any(|l| l == line) {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no {line} in\n{metrics}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+/// Waits until the agent's /metrics has the sample `name` with `labels` at `value`.
+pub fn wait_for_metric(agent: &Agent, name: &str, labels: &[(&str, &str)], value: f64) {
+    Metrics::wait_for(agent.config.metrics_addr, WAIT, name, labels, value);
 }
 
 /// The node's conflist as the installer left it: bridge, then weir-cni.
-pub fn weir_conflist(node: &ChainNode) -> crate::cni::NetworkConfigList {
+pub fn weir_conflist(node: &CniChainNode) -> crate::cni::NetworkConfigList {
     let list: serde_json::Value = serde_json::from_slice(
         &std::fs::read(node.files.net_dir().join("10-weir-test.conflist")).unwrap(),
     )
@@ -193,7 +188,7 @@ pub fn weir_conflist(node: &ChainNode) -> crate::cni::NetworkConfigList {
 
 /// A call to weir-cni alone, configured as the node's conflist configures it.
 pub fn weir_only(
-    node: &ChainNode,
+    node: &CniChainNode,
     command: Command,
     runtime: &RuntimeConf,
     prev_result: Option<&serde_json::Value>,
@@ -207,7 +202,7 @@ pub fn weir_only(
 
 /// The runtime's GC of the node's network (CNI 1.1), naming `valid` pods' attachments as the
 /// ones it still has; run through weir-cni alone, as the runtime runs it for each plugin.
-pub fn gc(node: &ChainNode, valid: &[&Pod]) -> Result<serde_json::Value, crate::cni::CniError> {
+pub fn gc(node: &CniChainNode, valid: &[&Pod]) -> Result<serde_json::Value, crate::cni::CniError> {
     let conflist = weir_conflist(node);
     let weir = conflist.plugins.last().unwrap().clone();
     let runtime = RuntimeConf {
@@ -215,7 +210,7 @@ pub fn gc(node: &ChainNode, valid: &[&Pod]) -> Result<serde_json::Value, crate::
         netns: None,
         ifname: String::new(),
         args: Vec::new(),
-        path: node.fixture.node().cni_path().to_vec(),
+        path: node.test_node().cni_path().to_vec(),
         capability_args: Default::default(),
     };
     let mut config = conflist.plugin_config(&weir, &runtime, None);

@@ -2,15 +2,15 @@
 //! plugins, small blocking traffic helpers, and a ztunnel stand-in that honours ztunnel's in-pod
 //! contract (listeners, marks, original-destination lookup, source-preserving dials).
 //!
-//! The harness works with or without weir's datapath (only [`Fixture::start_datapath`] and
+//! The harness works with or without weir's datapath (only [`DatapathNode::start_datapath`] and
 //! [`agent`] load it), so a broken datapath shows up as a failed (timed out) request, never as a
-//! hung test.
+//! hung test. `tests/README.md` maps it.
 //!
 //! ```no_run
-//! use weir_tests::{tcp_request, EchoServer, Fixture};
+//! use weir_tests::{privileged, tcp_request, DatapathNode, EchoServer};
 //!
-//! let Some(fixture) = Fixture::privileged() else { return };
-//! let (client, server) = (fixture.pod("a"), fixture.pod("b"));
+//! let node = privileged!(DatapathNode::new());
+//! let (client, server) = (node.pod("a"), node.pod("b"));
 //! let echo = EchoServer::start(server.netns(), "b", (server.ipv4(), 8080).into()).unwrap();
 //! let reply = client.run(|| tcp_request(echo.addr(), "hi")).unwrap();
 //! assert_eq!(reply.response, echo.reply_to("hi"));
@@ -23,13 +23,16 @@ pub mod apiserver;
 pub mod cgroup;
 pub mod chain;
 pub mod cni;
-mod fixture;
+mod datapath_node;
 pub mod istio_iptables;
+pub mod metrics;
 pub mod netns;
 pub mod node;
 pub mod raw;
 pub mod sockopt;
 pub mod traffic;
+pub mod traffic_loop;
+pub mod wait;
 pub mod zds_client;
 pub mod ztunnel;
 
@@ -37,12 +40,14 @@ pub mod ids;
 mod server;
 
 pub use apiserver::{ApiRequest, ApiServer};
-pub use fixture::{privileged, Fixture};
+pub use datapath_node::DatapathNode;
+pub use metrics::Metrics;
 pub use netns::NetNs;
 pub use node::{FailedAdd, NodeOptions, Pod, PodSpec, TestNode};
 pub use traffic::{
     tcp_request, udp_request, udp_request_connected, EchoServer, Received, Reply, UdpReply,
 };
+pub use wait::{try_wait_until, wait_until, wait_until_async};
 pub use zds_client::{NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
 pub use ztunnel::{Dial, Seen, ZtunnelStandIn};
 
@@ -57,8 +62,8 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
 /// having them.
 ///
 /// When not privileged: under CI (`CI=true`) this panics, because a skipped test there would look
-/// like a passed one; elsewhere it prints a skip line and returns false. Tests get their context
-/// through [`Fixture::privileged`] or [`privileged`], which check this first.
+/// like a passed one; elsewhere it prints a skip line and returns false. Tests check it through
+/// [`privileged!`].
 pub fn require_privileges() -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
@@ -72,4 +77,31 @@ pub fn require_privileges() -> bool {
     let test = std::thread::current().name().unwrap_or("test").to_owned();
     eprintln!("skipping {test}: needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)");
     false
+}
+
+/// The opening of every privileged test: returns from the test (after a skip line) when this
+/// process may not run privileged tests, and under CI fails it instead (see
+/// [`require_privileges`]).
+///
+/// `privileged!()` only checks; `privileged!(context)` checks, then builds the test's context
+/// from `context` (an `anyhow::Result`, which may use `?`) and evaluates to it: a context that
+/// cannot be built fails the test.
+///
+/// ```no_run
+/// use weir_tests::{privileged, DatapathNode};
+///
+/// let node = privileged!(DatapathNode::new());
+/// ```
+#[macro_export]
+macro_rules! privileged {
+    () => {
+        if !$crate::require_privileges() {
+            return;
+        }
+    };
+    ($context:expr) => {{
+        $crate::privileged!();
+        (|| -> ::anyhow::Result<_> { $context })()
+            .unwrap_or_else(|error| panic!("building the test's context: {error:#}"))
+    }};
 }

@@ -7,7 +7,7 @@
 //! of pods has more bridges (`cni1`, ...), each with address ranges of its own.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -464,26 +464,36 @@ impl Pod {
         self.ipv6
     }
 
+    /// Where the pod's app listens ([`crate::APP_PORT`]) on its IPv4 address.
+    pub fn app_v4(&self) -> SocketAddr {
+        SocketAddr::new(IpAddr::V4(self.ipv4), crate::APP_PORT)
+    }
+
+    /// Where the pod's app listens ([`crate::APP_PORT`]) on its IPv6 address.
+    pub fn app_v6(&self) -> SocketAddr {
+        SocketAddr::new(IpAddr::V6(self.ipv6), crate::APP_PORT)
+    }
+
     /// `eth0`'s IPv6 link-local address, once duplicate address detection has let it be used
     /// (bounded by [`crate::IO_TIMEOUT`]). No CNI result names it, yet neighbours on the bridge
     /// reach the pod's listeners through it.
     pub fn link_local(&self) -> Result<Ipv6Addr> {
-        let deadline = std::time::Instant::now() + crate::IO_TIMEOUT;
-        loop {
+        let mut listed = String::new();
+        let found = crate::wait::try_wait_until(crate::IO_TIMEOUT, || {
             // `-tentative` lists only addresses that finished duplicate address detection.
-            let (addresses, listed) =
-                eth0_addresses(self.netns(), &["scope", "link", "-tentative"])?;
-            let address = addresses
-                .iter()
-                .find_map(|cidr| cidr.split('/').next()?.parse().ok());
-            match address {
-                Some(address) => return Ok(address),
-                None if std::time::Instant::now() > deadline => {
-                    return Err(anyhow!("no usable link-local address on eth0: {listed:?}"))
+            let addresses = match eth0_addresses(self.netns(), &["scope", "link", "-tentative"]) {
+                Ok((addresses, all)) => {
+                    listed = all;
+                    addresses
                 }
-                None => std::thread::sleep(std::time::Duration::from_millis(50)),
-            }
-        }
+                Err(error) => return Some(Err(error)),
+            };
+            addresses
+                .iter()
+                .find_map(|cidr| cidr.split('/').next()?.parse().ok())
+                .map(Ok)
+        });
+        found.unwrap_or_else(|| Err(anyhow!("no usable link-local address on eth0: {listed:?}")))
     }
 
     /// How long the sandbox's CNI ADD took (loopback, then the conflist), as the runtime would

@@ -352,13 +352,11 @@ mod tests {
 
     #[test]
     fn sockets_are_made_as_ztunnel_makes_them() {
-        let Some(netns) = crate::privileged(|| {
+        let netns = crate::privileged!({
             let netns = NetNs::create("zsock")?;
             netns::ip(&["-n", netns.name(), "link", "set", "lo", "up"])?;
             Ok(netns)
-        }) else {
-            return;
-        };
+        });
         let sockets = netns.run(open_sockets).unwrap();
         let mut found: Vec<(&str, String)> = Vec::new();
         for socket in &sockets {

@@ -20,7 +20,8 @@ use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
-use tokio::time::{sleep, timeout, Instant};
+use tokio::time::timeout;
+use weir_tests::wait_until_async;
 use weir_tests::ApiServer;
 
 /// The longest any one step may take before the test fails instead of hanging.
@@ -45,14 +46,6 @@ fn pod(name: &str, node: &str, labels: &[(&str, &str)]) -> Pod {
             ..Default::default()
         }),
         ..Default::default()
-    }
-}
-
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + WAIT;
-    while !done() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -126,7 +119,10 @@ async fn reflector_follows_the_pods_of_its_node_only() {
 
     server.create(&pod("b2", "node-b", &[]));
     server.create(&pod("a2", "node-a", &[]));
-    eventually("a2 in the cache", || cached_names(&cache) == ["a1", "a2"]).await;
+    wait_until_async(WAIT, "a2 in the cache", || {
+        cached_names(&cache) == ["a1", "a2"]
+    })
+    .await;
 
     let labels = json!({ "metadata": { "labels": { "istio.io/dataplane-mode": "ambient" } } });
     let pods: Api<Pod> = Api::default_namespaced(server.client());
@@ -134,7 +130,7 @@ async fn reflector_follows_the_pods_of_its_node_only() {
         .await
         .unwrap();
     let a1 = ObjectRef::new("a1").within("default");
-    eventually("a1's new label in the cache", || {
+    wait_until_async(WAIT, "a1's new label in the cache", || {
         cache.get(&a1).is_some_and(|pod| {
             pod.labels()
                 .get("istio.io/dataplane-mode")
@@ -144,10 +140,13 @@ async fn reflector_follows_the_pods_of_its_node_only() {
     .await;
 
     server.delete::<Pod>("default", "a1").expect("a1 existed");
-    eventually("a1 gone from the cache", || cached_names(&cache) == ["a2"]).await;
+    wait_until_async(WAIT, "a1 gone from the cache", || {
+        cached_names(&cache) == ["a2"]
+    })
+    .await;
     // Initial a1, added a2, relabelled a1, deleted a1: never a pod of node-b.
     let expected = ["a1", "a2", "a1", "a1"];
-    eventually("every event reported", || {
+    wait_until_async(WAIT, "every event reported", || {
         *seen.names.lock().unwrap() == expected
     })
     .await;
@@ -179,7 +178,7 @@ async fn expired_history_makes_the_watcher_relist_and_lose_nothing() {
         .await
         .expect("initial sync in time")
         .unwrap();
-    eventually("the watch after the initial list", || {
+    wait_until_async(WAIT, "the watch after the initial list", || {
         server.open_watches() == 1
     })
     .await;
@@ -193,7 +192,7 @@ async fn expired_history_makes_the_watcher_relist_and_lose_nothing() {
         .expect("goes existed");
     server.create(&pod("new", "node-a", &[]));
 
-    eventually("the relisted cache", || {
+    wait_until_async(WAIT, "the relisted cache", || {
         cached_names(&cache) == ["new", "stays"]
     })
     .await;
@@ -671,7 +670,7 @@ async fn withheld_lists_are_answered_once_released() {
     // Other kinds are answered meanwhile.
     let listed = pods.list(&ListParams::default()).await.unwrap();
     assert_eq!(sorted_names(&listed), ["p"]);
-    eventually("the namespace list to arrive", || {
+    wait_until_async(WAIT, "the namespace list to arrive", || {
         server
             .requests()
             .iter()
@@ -713,7 +712,7 @@ async fn lists_come_in_pages_of_one_snapshot() {
     let listed = pods.list(&ListParams::default().limit(500)).await.unwrap();
     assert_eq!(listed.items.len(), 1);
     let (cache, _, task) = run_reflector(Api::all(api.client()), watcher::Config::default());
-    eventually("the paged list reaches the cache", || {
+    wait_until_async(WAIT, "the paged list reaches the cache", || {
         cached_names(&cache) == ["a", "b", "c", "d"]
     })
     .await;

@@ -8,7 +8,7 @@
 use std::{
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use k8s_openapi::api::{
@@ -22,6 +22,7 @@ use weir_agent::{
     check::{Access, AccessScope, REQUIRED_ACCESS},
     datapath::cgroup2_root,
 };
+use weir_tests::try_wait_until;
 use weir_tests::{
     agent::{workspace_binary, NodeFiles},
     ids, ApiServer,
@@ -124,9 +125,7 @@ fn line<'a>(lines: &'a [String], requirement: &str) -> &'a str {
 
 #[test]
 fn every_requirement_is_met_on_this_machine() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     let output = setup.check(&[]);
     let lines = lines(&output);
@@ -170,9 +169,7 @@ fn every_requirement_is_met_on_this_machine() {
 
 #[test]
 fn an_empty_cni_config_dir_is_a_failed_line_with_what_to_do() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     std::fs::remove_file(setup.files.net_dir().join("10-bridge.conflist")).unwrap();
     let output = setup.check(&[]);
@@ -192,9 +189,7 @@ fn an_empty_cni_config_dir_is_a_failed_line_with_what_to_do() {
 
 #[test]
 fn a_denied_permission_is_a_failed_line_with_what_to_do() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     setup.api.deny("patch", "", "pods/status");
     let output = setup.check(&[]);
@@ -277,16 +272,15 @@ fn run_agent(setup: &Setup, global: &[&str], extra: &[&str]) -> (Output, String)
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting weir-agent run");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            // Unpinning the links detaches the programs, now that no process holds them.
-            let _ = std::fs::remove_dir_all(&setup.pin_root);
-            panic!("the agent started");
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    let exited = try_wait_until(Duration::from_secs(60), || {
+        child.try_wait().unwrap().is_some()
+    });
+    if exited.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+        // Unpinning the links detaches the programs, now that no process holds them.
+        let _ = std::fs::remove_dir_all(&setup.pin_root);
+        panic!("the agent started");
     }
     let output = child.wait_with_output().unwrap();
     let _ = std::fs::remove_dir_all(&setup.pin_root);
@@ -296,9 +290,7 @@ fn run_agent(setup: &Setup, global: &[&str], extra: &[&str]) -> (Output, String)
 
 #[test]
 fn the_agent_refuses_to_start_in_a_cgroup_that_is_not_cgroup_v2() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     let not_a_cgroup = tempfile::tempdir().unwrap();
     let cgroup = not_a_cgroup.path().to_str().unwrap();
@@ -320,9 +312,7 @@ fn the_agent_refuses_to_start_in_a_cgroup_that_is_not_cgroup_v2() {
 
 #[test]
 fn the_agent_refuses_to_start_without_an_access_it_needs() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let setup = Setup::new();
     setup.api.deny("watch", "", "namespaces");
     let cgroup = TestCgroup::new();

@@ -9,9 +9,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::privileged;
 use weir_tests::ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY};
 use weir_tests::{
-    istio_iptables, tcp_request, udp_request, udp_request_connected, EchoServer, Fixture, Pod,
+    istio_iptables, tcp_request, udp_request, udp_request_connected, DatapathNode, EchoServer, Pod,
     Reply, ZtunnelStandIn, APP_PORT,
 };
 
@@ -32,9 +33,7 @@ fn address_pairs(a: &Pod, b: &Pod) -> [(IpAddr, IpAddr); 2] {
 
 #[test]
 fn pods_talk_directly_over_ipv4_and_ipv6() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (a, b) = (fixture.pod("a"), fixture.pod("b"));
     for (a_ip, b_ip) in address_pairs(&a, &b) {
         let echo = EchoServer::start(b.netns(), "b", (b_ip, APP_PORT).into()).unwrap();
@@ -52,9 +51,7 @@ fn pods_talk_directly_over_ipv4_and_ipv6() {
 
 #[test]
 fn udp_between_pods_connected_and_not() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (a, b) = (fixture.pod("a"), fixture.pod("b"));
     for (a_ip, b_ip) in address_pairs(&a, &b) {
         let echo = EchoServer::start_udp(b.netns(), "b", (b_ip, 5353).into()).unwrap();
@@ -74,9 +71,7 @@ fn udp_between_pods_connected_and_not() {
 
 #[test]
 fn node_and_pods_reach_each_other() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (node, pod) = (fixture.node(), fixture.pod("a"));
     let gateways: [IpAddr; 2] = [node.gateway_v4().into(), node.gateway_v6().into()];
     for (pod_ip, gateway) in pod.ips().into_iter().zip(gateways) {
@@ -96,9 +91,7 @@ fn node_and_pods_reach_each_other() {
 
 #[test]
 fn pods_have_their_own_netns_cookies_and_identities() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (node, pods) = (fixture.node(), [fixture.pod("a"), fixture.pod("b")]);
     let cookies = [
         node.netns().cookie().unwrap(),
@@ -119,9 +112,7 @@ fn pods_have_their_own_netns_cookies_and_identities() {
 #[test]
 fn teardown_leaves_nothing_behind() {
     let var_lib_cni = Path::new("/var/lib/cni").exists();
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("a");
     let node = fixture.node();
     let netns_paths = [node.netns().path().to_owned(), pod.netns_path().to_owned()];
@@ -142,9 +133,7 @@ fn teardown_leaves_nothing_behind() {
 
 #[test]
 fn teardown_runs_when_a_test_panics() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let mut left = Vec::new();
     let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // Owned by the closure, so the panic unwinds through the node's teardown.
@@ -167,9 +156,7 @@ fn teardown_runs_when_a_test_panics() {
 
 #[test]
 fn standin_listeners_take_direct_connections() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (a, b) = (fixture.pod("a"), fixture.pod("b"));
     let ztunnel = ZtunnelStandIn::start(&a).unwrap();
     for (a_ip, b_ip) in address_pairs(&a, &b) {
@@ -259,9 +246,7 @@ fn relayed(
 
 #[test]
 fn standin_dns_proxy_answers_on_localhost() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("a");
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     for localhost in [
@@ -278,9 +263,7 @@ fn standin_dns_proxy_answers_on_localhost() {
 /// the pod's address.
 #[test]
 fn standin_relays_outbound_to_the_original_destination() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&client).unwrap();
     istio_iptables::apply(client.netns()).unwrap();
@@ -300,9 +283,7 @@ fn standin_relays_outbound_to_the_original_destination() {
 /// client's address (transparent), and the app's replies routed back to the stand-in.
 #[test]
 fn standin_inbound_keeps_the_client_address() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&server).unwrap();
     istio_iptables::apply(server.netns()).unwrap();
@@ -320,9 +301,7 @@ fn standin_inbound_keeps_the_client_address() {
 /// stand-in's localhost listeners, and answers come back from the address the app asked.
 #[test]
 fn standin_dns_proxy_takes_redirected_queries() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("a");
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     istio_iptables::apply(pod.netns()).unwrap();
@@ -338,9 +317,7 @@ fn standin_dns_proxy_takes_redirected_queries() {
 
 #[test]
 fn standin_stops_promptly_with_connections_open() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("a");
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     // An idle connection to the DNS proxy: its handler waits for a line.

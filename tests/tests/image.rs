@@ -21,19 +21,20 @@ use std::fs::File;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Container, PodSpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize;
 use tempfile::TempDir;
+use weir_tests::try_wait_until;
 use weir_tests::{
     agent::{http_status, NodeFiles},
-    chain::{ambient_policy, assert_through_ztunnel, ChainNode},
+    chain::{ambient_policy, assert_through_ztunnel, CniChainNode},
     ids,
     zds_client::ZdsZtunnel,
-    Fixture, NodeOptions,
+    DatapathNode, NodeOptions,
 };
 
 /// Where `cargo xtask test` says the archive is.
@@ -62,9 +63,7 @@ const CONTAINERD_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[test]
 fn the_image_runs_as_the_daemonset_and_enrolls_a_pod_made_through_the_cni_chain() {
-    if !weir_tests::require_privileges() {
-        return;
-    }
+    weir_tests::privileged!();
     let Some(archive) = image_archive() else {
         return;
     };
@@ -91,14 +90,17 @@ fn the_image_runs_as_the_daemonset_and_enrolls_a_pod_made_through_the_cni_chain(
         .run_agent(&node, &daemonset, pod_spec, container)
         .expect("the agent's container starts");
     let readiness = readiness_probe(container);
-    let ready = wait_until(READY_TIMEOUT, || {
+    let ready = try_wait_until(READY_TIMEOUT, || {
         agent.assert_running();
         node.chain
             .netns()
             .run(|| http_status(readiness.0, &readiness.1).ok())
             == Some(200)
     });
-    assert!(ready, "not ready on {readiness:?} within {READY_TIMEOUT:?}");
+    assert!(
+        ready.is_some(),
+        "not ready on {readiness:?} within {READY_TIMEOUT:?}"
+    );
 
     // The plugin it installed is the one the image carries next to the agent, chained after the
     // node's primary CNI.
@@ -108,7 +110,7 @@ fn the_image_runs_as_the_daemonset_and_enrolls_a_pod_made_through_the_cni_chain(
         installed == agent.file_next_to_agent("weir-cni"),
         "the installed weir-cni is the image's"
     );
-    let chain = node.chain.fixture.node().runtime_network().unwrap();
+    let chain = node.chain.test_node().runtime_network().unwrap();
     assert_eq!(chain.plugins[0]["type"], "bridge", "the primary CNI first");
     assert_eq!(chain.plugins.last().unwrap()["type"], "weir-cni");
 
@@ -199,25 +201,11 @@ fn readiness_probe(container: &Container) -> (SocketAddr, String) {
     (addr, get.path.clone().unwrap_or_else(|| "/".to_owned()))
 }
 
-/// Whether `condition` holds before `timeout`, checked every 50 ms.
-fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if condition() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// A test node (a [`ChainNode`], with the ambient policy) whose host directories are under a
+/// A test node (a [`CniChainNode`], with the ambient policy) whose host directories are under a
 /// directory of its own: the runtime reads its CNI config and plugins from there, as the agent
 /// writes them there.
 struct TestNodeWithHostPaths {
-    chain: ChainNode,
+    chain: CniChainNode,
 }
 
 impl TestNodeWithHostPaths {
@@ -229,14 +217,14 @@ impl TestNodeWithHostPaths {
         for dir in [&net_dir, &bin_dir] {
             std::fs::create_dir_all(dir).unwrap();
         }
-        let fixture = Fixture::privileged_with(NodeOptions {
+        let node = DatapathNode::with_options(NodeOptions {
             plugin_dirs: vec![bin_dir],
             conflist_dir: Some(net_dir),
             ..NodeOptions::default()
         })
-        .expect("privileged");
+        .expect("the test node");
         Self {
-            chain: ChainNode { files, fixture },
+            chain: CniChainNode { files, node },
         }
     }
 
@@ -298,14 +286,14 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
             namespace: ids::unique_name("image"),
             process,
         };
-        let serving = wait_until(CONTAINERD_TIMEOUT, || {
+        let serving = try_wait_until(CONTAINERD_TIMEOUT, || {
             containerd
                 .ctr()
                 .arg("version")
                 .output()
                 .is_ok_and(|out| out.status.success())
         });
-        if !serving {
+        if serving.is_none() {
             anyhow::bail!(
                 "containerd did not serve within {CONTAINERD_TIMEOUT:?}:\n{}",
                 containerd.log()
@@ -463,7 +451,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
         assert_eq!(container.command, None, "the image's entrypoint runs");
         ctr.args(self.entrypoint(image)?);
         ctr.args(container.args.iter().flatten());
-        let pin_root = node.chain.fixture.node().datapath_config().pin_root;
+        let pin_root = node.chain.test_node().datapath_config().pin_root;
         ctr.arg("--pin-root").arg(pin_root);
         ctr.arg("--policy-file").arg(&policy);
         for (flag, default) in HOST_PATH_FLAGS {
@@ -549,18 +537,13 @@ impl AgentContainer<'_> {
     }
 
     fn wait(&mut self) -> anyhow::Result<ExitStatus> {
-        let deadline = Instant::now() + CONTAINERD_TIMEOUT;
-        loop {
-            if let Some(status) = self.process.try_wait()? {
-                return Ok(status);
-            }
-            if Instant::now() > deadline {
-                anyhow::bail!(
-                    "the agent did not exit within {CONTAINERD_TIMEOUT:?}:\n{}",
-                    self.log()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        let exited = try_wait_until(CONTAINERD_TIMEOUT, || self.process.try_wait().transpose());
+        match exited {
+            Some(status) => Ok(status?),
+            None => anyhow::bail!(
+                "the agent did not exit within {CONTAINERD_TIMEOUT:?}:\n{}",
+                self.log()
+            ),
         }
     }
 }

@@ -15,9 +15,10 @@ use std::{
 use serde_json::Value;
 use tracing_subscriber::{util::SubscriberInitExt, EnvFilter};
 use weir_agent::logging::{self, LogFormat};
+use weir_tests::privileged;
 use weir_tests::{
     agent::workspace_binary,
-    chain::{ChainNode, MESH},
+    chain::{CniChainNode, MESH},
 };
 
 /// `weir-agent args…` with `env` set and RUST_LOG and LOG_FORMAT unset (the defaults apply),
@@ -138,9 +139,7 @@ impl std::io::Write for Captured {
 /// ztunnel's Add, the datapath's own thread) names it the same way.
 #[test]
 fn every_line_about_an_enrolled_pod_carries_its_namespace_name_and_uid() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let captured = Captured::default();
     let writer = captured.clone();
     // The agent runs in this process, on threads of its own: the subscriber is the process's.

@@ -10,7 +10,7 @@ use std::{
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex},
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use aya::maps::{Array, Map};
@@ -21,9 +21,10 @@ use nix::{
 use serde_json::{json, Value};
 use weir_common::{maps, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
-    agent::{http_get, workspace_binary, Agent},
-    chain::{ChainNode, MESH, WAIT},
-    raw, tcp_request, udp_request, EchoServer, APP_PORT,
+    agent::{workspace_binary, Agent},
+    chain::{CniChainNode, MESH, WAIT},
+    privileged, raw, tcp_request, try_wait_until, udp_request, wait_until, EchoServer, Metrics,
+    APP_PORT,
 };
 
 /// A `weir-agent trace` process and the lines it printed so far.
@@ -59,23 +60,13 @@ impl Reader {
 
     /// The first decision that matches every field of `wanted`, within [`WAIT`].
     fn wait_for(&self, wanted: &Value) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let lines = self.lines.lock().unwrap().clone();
-            if let Some(found) = lines.iter().find(|line| matches(line, wanted)) {
-                return found.clone();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no decision matching {wanted} in:\n{}",
-                lines
-                    .iter()
-                    .map(Value::to_string)
-                    .collect::<Vec<_>>()
-                    .join("\n")
-            );
-            thread::sleep(Duration::from_millis(20));
-        }
+        let found = try_wait_until(WAIT, || {
+            self.lines().into_iter().find(|line| matches(line, wanted))
+        });
+        found.unwrap_or_else(|| {
+            let lines: Vec<String> = self.lines().iter().map(Value::to_string).collect();
+            panic!("no decision matching {wanted} in:\n{}", lines.join("\n"))
+        })
     }
 
     fn lines(&self) -> Vec<Value> {
@@ -99,18 +90,16 @@ fn matches(line: &Value, wanted: &Value) -> bool {
 }
 
 /// Whether the programs write records (`TRACE_ON`, as bpftool shows it).
-fn tracing_on(node: &ChainNode) -> bool {
-    let map = node.fixture.node().pinned_map(maps::TRACE_ON).unwrap();
+fn tracing_on(node: &CniChainNode) -> bool {
+    let map = node.test_node().pinned_map(maps::TRACE_ON).unwrap();
     let flag: Array<_, u32> = Array::try_from(Map::Array(map)).unwrap();
     flag.get(&0, 0).unwrap() != 0
 }
 
-fn wait_until_tracing(node: &ChainNode, on: bool) {
-    let deadline = Instant::now() + WAIT;
-    while tracing_on(node) != on {
-        assert!(Instant::now() < deadline, "tracing never turned {on}");
-        thread::sleep(Duration::from_millis(20));
-    }
+fn wait_until_tracing(node: &CniChainNode, on: bool) {
+    wait_until(WAIT, &format!("tracing to be {on}"), || {
+        tracing_on(node) == on
+    });
 }
 
 fn at(ip: Ipv4Addr, port: u16) -> String {
@@ -119,9 +108,7 @@ fn at(ip: Ipv4Addr, port: u16) -> String {
 
 #[test]
 fn each_decision_is_traced_with_its_pod_tuple_and_verdict() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, _echo, client, _stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
     let _client_app = EchoServer::app(&client).unwrap();
@@ -133,17 +120,15 @@ fn each_decision_is_traced_with_its_pod_tuple_and_verdict() {
     // Both readers are connected once each has a record: the switch turns on at the first.
     let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
     let to_client = SocketAddr::new(IpAddr::V4(client.ipv4()), APP_PORT);
-    let deadline = Instant::now() + WAIT;
-    while everything.lines().is_empty() || inbound_only.lines().is_empty() {
-        assert!(Instant::now() < deadline, "the readers got nothing");
+    wait_until(WAIT, "a record for each reader", || {
         server.run(|| tcp_request(to_client, "in")).unwrap();
-        thread::sleep(Duration::from_millis(50));
-    }
+        !everything.lines().is_empty() && !inbound_only.lines().is_empty()
+    });
 
     client.run(|| tcp_request(to_server, "out")).unwrap();
-    let resolver = SocketAddr::new(IpAddr::V4(node.fixture.node().gateway_v4()), DNS_PORT);
+    let resolver = SocketAddr::new(IpAddr::V4(node.test_node().gateway_v4()), DNS_PORT);
     client.run(|| udp_request(resolver, "query")).unwrap();
-    let probe = node.fixture.node().run(|| tcp_request(to_client, "probe"));
+    let probe = node.test_node().run(|| tcp_request(to_client, "probe"));
     assert!(probe.is_ok(), "the node's probe is answered: {probe:?}");
     let fragmented_syn = raw::Syn {
         source: SocketAddr::new(IpAddr::V4(server.ipv4()), 41001),
@@ -245,47 +230,44 @@ fn each_decision_is_traced_with_its_pod_tuple_and_verdict() {
 
 #[test]
 fn each_enrolled_pod_has_its_series_until_it_leaves() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, _echo, client, _stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
     let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
     client.run(|| tcp_request(to_server, "out")).unwrap();
 
-    let series = |metrics: &str| -> Vec<String> {
+    let pod_series = |metrics: &Metrics| {
         metrics
+            .to_string()
             .lines()
             .filter(|line| line.starts_with("weir_pod_"))
-            .map(str::to_owned)
-            .collect()
+            .count()
     };
-    let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
-    let labels = format!("namespace=\"{MESH}\",pod=\"client\"");
+    let metrics = agent.metrics();
+    for (name, direction, value) in [
+        ("weir_pod_redirected_total", Some("outbound"), 1.0),
+        ("weir_pod_redirected_total", Some("inbound"), 0.0),
+        ("weir_pod_redirected_total", Some("dns"), 0.0),
+        ("weir_pod_bypassed_total", None, 0.0),
+        ("weir_pod_dropped_total", None, 0.0),
+    ] {
+        let mut labels = vec![("namespace", MESH), ("pod", "client")];
+        labels.extend(direction.map(|direction| ("direction", direction)));
+        assert_eq!(
+            metrics.value(name, &labels),
+            Some(value),
+            "{name}{labels:?} in\n{metrics}"
+        );
+    }
     assert_eq!(
-        series(&metrics),
-        [
-            format!("weir_pod_redirected_total{{{labels},direction=\"outbound\"}} 1"),
-            format!("weir_pod_redirected_total{{{labels},direction=\"inbound\"}} 0"),
-            format!("weir_pod_redirected_total{{{labels},direction=\"dns\"}} 0"),
-            format!("weir_pod_bypassed_total{{{labels}}} 0"),
-            format!("weir_pod_dropped_total{{{labels}}} 0"),
-        ],
+        pod_series(&metrics),
+        5,
         "one series per pod and direction, the plain server has none:\n{metrics}"
     );
 
     drop(client);
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
-        if series(&metrics).is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the deleted pod's series stay:\n{metrics}"
-        );
-        thread::sleep(Duration::from_millis(50));
-    }
+    wait_until(WAIT, "the deleted pod's series to go", || {
+        pod_series(&agent.metrics()) == 0
+    });
     agent.stop().unwrap();
 }

@@ -17,7 +17,10 @@ use tempfile::TempDir;
 use weir_agent::zds::{self, WorkloadInfo, ZdsConfig, ZdsError, ZdsHandle};
 use weir_common::HBONE_PORT;
 use weir_tests::ztunnel::HBONE_REPLY;
-use weir_tests::{netns, privileged, tcp_request, NetNs, NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
+use weir_tests::{
+    netns, privileged, tcp_request, wait_until, Metrics, NetNs, NetnsId, ZdsEvent, ZdsReply,
+    ZdsZtunnel,
+};
 
 /// Long enough for anything but a deliberate timeout (the server's deadlines are 5 s).
 const WAIT: Duration = Duration::from_secs(10);
@@ -94,14 +97,15 @@ impl Server {
         })
     }
 
-    /// A sample's value in the Prometheus text exposition.
-    fn metric(&self, sample: &str) -> Option<f64> {
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &self.registry).unwrap();
-        text.lines().find_map(|line| {
-            let value = line.strip_prefix(sample)?.strip_prefix(' ')?;
-            value.parse().ok()
-        })
+    /// The server's metrics, as the agent would serve them.
+    fn metrics(&self) -> Metrics {
+        Metrics::of_registry(&self.registry)
+    }
+
+    /// The snapshots ztunnels acknowledged.
+    fn snapshot_acks(&self) -> Option<f64> {
+        self.metrics()
+            .value("weir_zds_acks_total", &[("message", "snapshot_sent")])
     }
 }
 
@@ -145,21 +149,23 @@ fn count(client: &ZdsZtunnel, wanted: impl Fn(&ZdsEvent) -> bool) -> usize {
 #[test]
 fn hello_then_empty_snapshot_and_the_gauge() {
     let server = Server::start();
-    assert_eq!(server.metric("ztunnel_connected"), Some(0.0));
+    assert_eq!(server.metrics().value("ztunnel_connected", &[]), Some(0.0));
     let client = server.connect();
     assert!(server.wait_connections(1));
-    assert_eq!(server.metric("ztunnel_connected"), Some(1.0));
+    assert_eq!(server.metrics().value("ztunnel_connected", &[]), Some(1.0));
     assert_eq!(client.events(), [ZdsEvent::SnapshotSent]);
-    assert!(wait_until(|| server.metric(SNAPSHOT_ACKS) == Some(1.0)));
+    wait_until(WAIT, "the first snapshot's ack", || {
+        server.snapshot_acks() == Some(1.0)
+    });
 
     let second = server.connect();
     assert!(server.wait_connections(2));
-    assert_eq!(server.metric("ztunnel_connected"), Some(2.0));
+    assert_eq!(server.metrics().value("ztunnel_connected", &[]), Some(2.0));
     client.disconnect();
     assert!(server.wait_connections(1));
     second.disconnect();
     assert!(server.wait_connections(0));
-    assert_eq!(server.metric("ztunnel_connected"), Some(0.0));
+    assert_eq!(server.metrics().value("ztunnel_connected", &[]), Some(0.0));
 }
 
 #[test]
@@ -173,9 +179,7 @@ fn unknown_hello_version_is_accepted_as_istio_does() {
 #[test]
 fn add_hands_over_the_pods_netns() {
     let ip = Ipv4Addr::new(10, 251, 0, 7);
-    let Some(netns) = privileged(|| pod_netns("zdsadd", ip)) else {
-        return;
-    };
+    let netns = privileged!(pod_netns("zdsadd", ip));
     let server = Server::start();
     let client = server.connect();
 
@@ -205,11 +209,15 @@ fn add_hands_over_the_pods_netns() {
         .unwrap();
     assert_eq!(reply.response, HBONE_REPLY);
     assert_eq!(
-        server.metric(r#"weir_zds_requests_total{message="add"}"#),
+        server
+            .metrics()
+            .value("weir_zds_requests_total", &[("message", "add")]),
         Some(1.0)
     );
     assert_eq!(
-        server.metric(r#"weir_zds_acks_total{message="add"}"#),
+        server
+            .metrics()
+            .value("weir_zds_acks_total", &[("message", "add")]),
         Some(1.0)
     );
 
@@ -225,14 +233,10 @@ fn add_hands_over_the_pods_netns() {
 
 #[test]
 fn every_connect_gets_a_snapshot() {
-    let Some((ns_a, ns_c)) = privileged(|| {
-        Ok((
-            pod_netns("zdssnapa", Ipv4Addr::new(10, 251, 1, 1))?,
-            pod_netns("zdssnapc", Ipv4Addr::new(10, 251, 1, 3))?,
-        ))
-    }) else {
-        return;
-    };
+    let (ns_a, ns_c) = privileged!(Ok((
+        pod_netns("zdssnapa", Ipv4Addr::new(10, 251, 1, 1))?,
+        pod_netns("zdssnapc", Ipv4Addr::new(10, 251, 1, 3))?,
+    )));
     let server = Server::start();
     let mut acked = server.handle.acked();
     assert!(matches!(
@@ -301,9 +305,7 @@ fn deleted_while_disconnected_is_not_in_the_next_snapshot() {
 
 #[test]
 fn add_goes_to_the_newest_connection_del_to_all() {
-    let Some(netns) = privileged(|| pod_netns("zdsnewest", Ipv4Addr::new(10, 251, 2, 1))) else {
-        return;
-    };
+    let netns = privileged!(pod_netns("zdsnewest", Ipv4Addr::new(10, 251, 2, 1)));
     let server = Server::start();
     let old = server.connect();
     let new = server.connect();
@@ -320,7 +322,9 @@ fn add_goes_to_the_newest_connection_del_to_all() {
     }
     assert!(new.stand_in("p").is_none());
     assert_eq!(
-        server.metric(r#"weir_zds_acks_total{message="del"}"#),
+        server
+            .metrics()
+            .value("weir_zds_acks_total", &[("message", "del")]),
         Some(2.0)
     );
 
@@ -333,9 +337,7 @@ fn add_goes_to_the_newest_connection_del_to_all() {
 
 #[test]
 fn nack_is_an_error_and_the_connection_stays() {
-    let Some(netns) = privileged(|| pod_netns("zdsnack", Ipv4Addr::new(10, 251, 3, 1))) else {
-        return;
-    };
+    let netns = privileged!(pod_netns("zdsnack", Ipv4Addr::new(10, 251, 3, 1)));
     let server = Server::start();
     let client = server.connect();
     client.nack_next_add("no proxy for you");
@@ -344,21 +346,22 @@ fn nack_is_an_error_and_the_connection_stays() {
         other => panic!("expected a nack, got {other:?}"),
     }
     assert_eq!(
-        server.metric(r#"weir_zds_errors_total{message="add",reason="nack"}"#),
+        server.metrics().value(
+            "weir_zds_errors_total",
+            &[("message", "add"), ("reason", "nack")]
+        ),
         Some(1.0)
     );
     // Same connection, next Add goes through.
     server.add("p", Some(&netns)).unwrap();
     assert_eq!(adds(&client), ["p", "p"]);
     assert!(client.stand_in("p").is_some());
-    assert_eq!(server.metric("ztunnel_connected"), Some(1.0));
+    assert_eq!(server.metrics().value("ztunnel_connected", &[]), Some(1.0));
 }
 
 #[test]
 fn unacked_request_times_out_and_closes_the_connection() {
-    let Some(netns) = privileged(|| pod_netns("zdsmute", Ipv4Addr::new(10, 251, 4, 1))) else {
-        return;
-    };
+    let netns = privileged!(pod_netns("zdsmute", Ipv4Addr::new(10, 251, 4, 1)));
     let server = Server::start();
     let client = server.connect();
     client.never_ack();
@@ -370,7 +373,10 @@ fn unacked_request_times_out_and_closes_the_connection() {
     assert!(client.wait_for_close(WAIT), "{:?}", client.events());
     assert!(server.wait_connections(0));
     assert_eq!(
-        server.metric(r#"weir_zds_errors_total{message="add",reason="timeout"}"#),
+        server.metrics().value(
+            "weir_zds_errors_total",
+            &[("message", "add"), ("reason", "timeout")]
+        ),
         Some(1.0)
     );
     // The pod stayed registered: the next ztunnel gets it in its snapshot.
@@ -385,26 +391,16 @@ fn no_hello_in_time_closes_the_connection() {
     assert!(client.wait_for_close(WAIT), "{:?}", client.events());
     assert_eq!(client.events(), [ZdsEvent::Closed]);
     assert_eq!(
-        server.metric(r#"weir_zds_errors_total{message="hello",reason="timeout"}"#),
+        server.metrics().value(
+            "weir_zds_errors_total",
+            &[("message", "hello"), ("reason", "timeout")]
+        ),
         Some(1.0)
     );
 }
 
 /// `ZdsHello { version: V1 }` on the wire.
 const HELLO_V1: [u8; 2] = [0x08, 1];
-const SNAPSHOT_ACKS: &str = r#"weir_zds_acks_total{message="snapshot_sent"}"#;
-
-/// Polls `condition` until it holds (true) or [`WAIT`] passes (false).
-fn wait_until(condition: impl Fn() -> bool) -> bool {
-    let deadline = Instant::now() + WAIT;
-    while !condition() {
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    true
-}
 
 /// Datagrams ztunnel never sends: undecodable, over 1024 bytes, carrying a descriptor.
 fn bad_datagrams() -> [(&'static str, Vec<u8>, bool); 3] {
@@ -432,11 +428,11 @@ fn misbehaving_connections_are_closed_alone() {
 
         // Unasked, in steady state (once the server has the snapshot's last ack: the stand-in
         // records SnapshotSent before it acks).
-        let acked = server.metric(SNAPSHOT_ACKS).unwrap_or(0.0);
+        let acked = server.snapshot_acks().unwrap_or(0.0);
         let bad = server.connect();
-        assert!(wait_until(
-            || server.metric(SNAPSHOT_ACKS) == Some(acked + 1.0)
-        ));
+        wait_until(WAIT, "the snapshot's ack", || {
+            server.snapshot_acks() == Some(acked + 1.0)
+        });
         bad.send_raw(&bytes, with_fd).unwrap();
         assert!(
             bad.wait_for_close(WAIT),
@@ -472,15 +468,24 @@ fn misbehaving_connections_are_closed_alone() {
     assert_eq!(misbehaved, 3);
     assert_eq!(count(&good, |e| *e == ZdsEvent::Closed), 0);
     assert_eq!(
-        server.metric(r#"weir_zds_errors_total{message="unsolicited",reason="protocol"}"#),
+        server.metrics().value(
+            "weir_zds_errors_total",
+            &[("message", "unsolicited"), ("reason", "protocol")]
+        ),
         Some(3.0)
     );
     assert_eq!(
-        server.metric(r#"weir_zds_errors_total{message="keep",reason="protocol"}"#),
+        server.metrics().value(
+            "weir_zds_errors_total",
+            &[("message", "keep"), ("reason", "protocol")]
+        ),
         Some(3.0)
     );
     assert_eq!(
-        server.metric(r#"weir_zds_errors_total{message="hello",reason="protocol"}"#),
+        server.metrics().value(
+            "weir_zds_errors_total",
+            &[("message", "hello"), ("reason", "protocol")]
+        ),
         Some(3.0)
     );
 }

@@ -21,23 +21,22 @@ use weir_agent::{
     },
 };
 use weir_common::{DNS_PORT, INBOUND_PORT};
+use weir_tests::privileged;
 use weir_tests::{
     agent::{http_get, Agent},
     chain::{
         ambient_policy, assert_direct, assert_through_ztunnel, pods_command, wait_for_metric,
-        weir_only, ChainNode as Node, MESH, WAIT,
+        weir_only, CniChainNode as Node, MESH, WAIT,
     },
     cni::{Command, RuntimeConf},
     raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    ApiServer, EchoServer, Pod, PodSpec, ZtunnelStandIn, APP_PORT,
+    ApiServer, EchoServer, Pod, PodSpec, ZtunnelStandIn,
 };
 
 #[test]
 fn installer_chains_weir_into_the_node_conflist() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let agent = node.start_agent();
     let conflist: serde_json::Value = serde_json::from_slice(
         &std::fs::read(node.files.net_dir().join("10-weir-test.conflist")).unwrap(),
@@ -47,9 +46,12 @@ fn installer_chains_weir_into_the_node_conflist() {
     assert_eq!(plugins[0]["type"], "bridge", "the primary CNI stays first");
     assert_eq!(plugins.last().unwrap()["type"], "weir-cni");
     assert!(node.files.bin_dir().join("weir-cni").exists());
-    let (status, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
-    assert_eq!(status, 200);
-    assert!(metrics.contains("istio_cni_install_ready 1"), "{metrics}");
+    let metrics = agent.metrics();
+    assert_eq!(
+        metrics.value("istio_cni_install_ready", &[]),
+        Some(1.0),
+        "{metrics}"
+    );
     agent.stop().unwrap();
 }
 
@@ -58,9 +60,7 @@ fn installer_chains_weir_into_the_node_conflist() {
 #[test]
 fn idle_http_connections_are_closed_and_do_not_block_probes() {
     use std::io::Read;
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let agent = node.start_agent();
     let addr = agent.config.health_addr;
     let idle: Vec<std::net::TcpStream> = (0..32)
@@ -85,9 +85,7 @@ fn idle_http_connections_are_closed_and_do_not_block_probes() {
 
 #[test]
 fn add_enrolls_an_ambient_pod_and_hands_it_to_ztunnel() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, client, stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
     let plain = node.pod("default", "plain").unwrap();
@@ -107,9 +105,7 @@ fn add_enrolls_an_ambient_pod_and_hands_it_to_ztunnel() {
 
 #[test]
 fn del_unenrolls_and_is_idempotent() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, client, stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
 
@@ -171,14 +167,11 @@ fn del_unenrolls_and_is_idempotent() {
 /// names the old sandbox only, and must leave the live one redirected.
 #[test]
 fn a_del_for_a_pods_old_sandbox_keeps_the_new_one_redirected() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, old, _) = node.server_and_ambient_pod(&ztunnel, "client");
     let new = node
-        .fixture
-        .node()
+        .test_node()
         .add_pod_with(PodSpec {
             namespace: MESH.into(),
             uid: Some(old.uid().to_owned()),
@@ -215,9 +208,7 @@ fn check(node: &Node, pod: &Pod) -> Result<serde_json::Value, weir_tests::cni::C
 
 #[test]
 fn check_detects_missing_redirection() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (pod, _) = node.ambient_pod(&ztunnel, "app");
     check(&node, &pod).expect("CHECK passes while redirected");
@@ -245,9 +236,7 @@ fn check_detects_missing_redirection() {
 
 #[test]
 fn agent_down_fails_ambient_pods_and_starts_plain_ones() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let agent = node.start_agent();
     agent.stop().unwrap();
     // The plugin stays installed, as after an agent crash or during an upgrade.
@@ -266,9 +255,7 @@ fn agent_down_fails_ambient_pods_and_starts_plain_ones() {
 /// a pod the API server says is not ambient starts.
 #[test]
 fn agent_down_the_api_server_decides_with_the_installed_kubeconfig() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let runtime = tokio::runtime::Runtime::new().unwrap();
     // On the node's loopback, where the runtime runs weir-cni.
     let api = node
@@ -309,7 +296,7 @@ fn agent_down_the_api_server_decides_with_the_installed_kubeconfig() {
         });
     }
     let pod = |namespace: &str, name: &str| {
-        node.fixture.node().add_pod_with(PodSpec {
+        node.test_node().add_pod_with(PodSpec {
             namespace: namespace.into(),
             uid: Some(api.create_pod(namespace, name)),
             ..PodSpec::new(name)
@@ -330,9 +317,7 @@ fn agent_down_the_api_server_decides_with_the_installed_kubeconfig() {
 
 #[test]
 fn ztunnel_absent_fails_add_until_it_connects() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let agent = node.start_agent();
     let error = node
         .pod(MESH, "early")
@@ -348,9 +333,7 @@ fn ztunnel_absent_fails_add_until_it_connects() {
 
 #[test]
 fn hundred_concurrent_adds_all_enroll() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let pods: Vec<Pod> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..100)
@@ -368,17 +351,23 @@ fn hundred_concurrent_adds_all_enroll() {
             pod.name()
         );
     }
-    let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
-    assert!(
-        metrics.contains(r#"nodeagent_reconcile_events_total{event="add",result="ok"} 100"#),
+    let metrics = agent.metrics();
+    assert_eq!(
+        metrics.value(
+            "nodeagent_reconcile_events_total",
+            &[("event", "add"), ("result", "ok")]
+        ),
+        Some(100.0),
         "{metrics}"
     );
-    assert!(
-        metrics.contains("weir_redirect_seconds_count 100"),
+    assert_eq!(
+        metrics.value("weir_redirect_seconds_count", &[]),
+        Some(100.0),
         "{metrics}"
     );
-    assert!(
-        metrics.contains(r#"weir_enrolled_pods{status="enabled"} 100"#),
+    assert_eq!(
+        metrics.value("weir_enrolled_pods", &[("status", "enabled")]),
+        Some(100.0),
         "{metrics}"
     );
     agent.stop().unwrap();
@@ -386,9 +375,7 @@ fn hundred_concurrent_adds_all_enroll() {
 
 #[test]
 fn malformed_and_oversized_requests_get_errors() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let agent = node.start_agent();
     let ask = |payload: &[u8]| -> serde_json::Value {
         let mut stream = UnixStream::connect(&agent.config.cni_socket).unwrap();
@@ -423,8 +410,7 @@ fn cni_error(result: Result<serde_json::Value, weir_tests::cni::CniError>) -> (u
 
 /// An ambient pod wired by the node's primary CNI only, for weir-cni's calls made by hand.
 fn unenrolled_ambient_pod(node: &Node, name: &str) -> Pod {
-    node.fixture
-        .node()
+    node.test_node()
         .add_pod_primary(PodSpec {
             namespace: MESH.into(),
             ..PodSpec::new(name)
@@ -438,9 +424,7 @@ fn unenrolled_ambient_pod(node: &Node, name: &str) -> Pod {
 /// asking the agent: `cni/tests/plugin.rs`.) The runtime's DELs after the failed ADD succeed.
 #[test]
 fn malformed_requests_get_the_specs_code_for_what_is_wrong() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let agent = node.start_agent();
     let pod = unenrolled_ambient_pod(&node, "app");
     let (runtime, prev) = (pod.runtime_conf(), pod.prev_result());
@@ -496,9 +480,7 @@ fn malformed_requests_get_the_specs_code_for_what_is_wrong() {
 /// the answer is the same; the pod's DELs succeed, and its real namespace enrolls afterwards.
 #[test]
 fn an_enrollment_that_can_never_succeed_fails_for_good() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let pod = unenrolled_ambient_pod(&node, "app");
     let gone = node.files.run_dir().join("cni-gone");
@@ -555,9 +537,7 @@ fn an_enrollment_that_can_never_succeed_fails_for_good() {
 /// editor writing the file in place).
 #[test]
 fn a_failure_that_clears_up_is_try_again_later() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let pod = unenrolled_ambient_pod(&node, "app");
     std::fs::write(node.files.policy_file(), "{\"namespaces\": {").unwrap();
@@ -583,14 +563,12 @@ fn a_failure_that_clears_up_is_try_again_later() {
 
 #[test]
 fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, stand_in) = node.ambient_pod(&ztunnel, "server");
     let echo = EchoServer::app(&server).unwrap();
     let client = node.pod("default", "client").unwrap();
-    let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
+    let target = server.app_v6();
     let reply = client.run(|| tcp_request(target, "in")).unwrap();
     assert_eq!(reply.response, echo.reply_to("in"));
     assert!(stand_in
@@ -601,9 +579,7 @@ fn inbound_reaches_an_enrolled_pod_through_ztunnel() {
 
 #[test]
 fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     agent.stop().unwrap();
@@ -629,11 +605,11 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
     }
     let stand_in = ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
     // Pending after the restart until ztunnel acked the snapshot's Add, then enabled.
-    wait_for_metric(&agent, r#"weir_enrolled_pods{status="enabled"} 1"#);
+    wait_for_metric(&agent, "weir_enrolled_pods", &[("status", "enabled")], 1.0);
     assert_through_ztunnel(&pod, &stand_in, &server, &echo, "after restart");
     // Inbound too, through the tc program the new agent put in place of the old one's.
     let pod_app = EchoServer::app(&pod).unwrap();
-    let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let inbound = pod.app_v4();
     let reply = server.run(|| tcp_request(inbound, "in")).unwrap();
     assert_eq!(reply.response, pod_app.reply_to("in"));
     assert!(stand_in
@@ -659,9 +635,7 @@ fn agent_restart_recovers_pods_and_hands_them_to_a_reconnecting_ztunnel() {
 /// until the new agent has enrolled the pod into its own maps, then the old layout is retired.
 #[test]
 fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     let pin_root = agent.config.datapath.pin_root.clone();
@@ -672,7 +646,7 @@ fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
     let current = pin_root.join(format!("abi-{}", weir_common::ABI_VERSION));
     let older = pin_root.join("abi-0");
     std::fs::rename(&current, &older).unwrap();
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let stand_in = ZtunnelStandIn::start(&pod).unwrap();
     // A loaded machine may reset the first connection to a stand-in just started: that is not
     // a way around ztunnel (one would reach the app), so it is tried again.
@@ -704,9 +678,7 @@ fn agent_upgrade_across_map_layouts_moves_pods_without_a_gap() {
 /// agent's state file; and what the two disagree on, flagged.
 #[test]
 fn pods_command_lists_what_the_node_holds() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let mut policy = ambient_policy();
     policy.pods.insert(
         format!("{MESH}/quiet"),
@@ -728,15 +700,15 @@ fn pods_command_lists_what_the_node_holds() {
     );
 
     // One of each counted event.
-    let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let to_server = server.app_v4();
     client.run(|| tcp_request(to_server, "out")).unwrap();
     quiet.run(|| tcp_request(to_server, "out")).unwrap();
-    let resolver = SocketAddr::new(IpAddr::V4(node.fixture.node().gateway_v4()), DNS_PORT);
+    let resolver = SocketAddr::new(IpAddr::V4(node.test_node().gateway_v4()), DNS_PORT);
     client.run(|| udp_request(resolver, "query")).unwrap();
-    let to_client = SocketAddr::new(IpAddr::V4(client.ipv4()), APP_PORT);
+    let to_client = client.app_v4();
     let reply = server.run(|| tcp_request(to_client, "in")).unwrap();
     assert_eq!(reply.response, client_app.reply_to("in"));
-    let to_quiet = SocketAddr::new(IpAddr::V4(quiet.ipv4()), APP_PORT);
+    let to_quiet = quiet.app_v4();
     let reply = server.run(|| tcp_request(to_quiet, "bypassed")).unwrap();
     assert_eq!(reply.response, quiet_app.reply_to("bypassed"));
     let fragmented_syn = raw::Syn {

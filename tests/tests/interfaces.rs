@@ -3,8 +3,7 @@
 //! addresses that appear (or go) after enrollment.
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use socket2::{Domain, Socket, Type};
@@ -13,9 +12,11 @@ use weir_agent::{
     workload::PodOptions,
 };
 use weir_common::{maps, ConnectionKey, Endpoint, IpKey, INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::privileged;
+use weir_tests::try_wait_until;
 use weir_tests::{
     netns::{ip, NetNs},
-    tcp_request, EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn, APP_PORT,
+    tcp_request, DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
@@ -110,9 +111,7 @@ fn rerouting(interfaces: &[&str]) -> PodOptions {
 
 #[test]
 fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (host, server, client) = (
         fixture.pod("vmhost"),
         fixture.pod("server"),
@@ -198,9 +197,7 @@ fn tcp_from_a_rerouted_interface_lands_on_15001_with_the_original_destination() 
 /// must neither overwrite that entry nor remove it.
 #[test]
 fn a_vm_cannot_overwrite_another_pods_original_destination() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (host, other, server) = (
         fixture.pod("host"),
         fixture.pod("other"),
@@ -246,18 +243,16 @@ fn a_vm_cannot_overwrite_another_pods_original_destination() {
 }
 
 fn indexed_eventually(node: &TestNode, pod: &Pod, address: IpAddr, indexed: bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
+    let is_indexed = || {
         let pods = pinned_pods(&node.datapath_config().pin_root)
             .unwrap()
             .unwrap_or_default();
-        let now = pods
-            .iter()
-            .any(|p| p.uid == pod.uid() && p.ips.contains(&address));
-        if now == indexed || Instant::now() > deadline {
-            return now;
-        }
-        thread::sleep(Duration::from_millis(20));
+        pods.iter()
+            .any(|p| p.uid == pod.uid() && p.ips.contains(&address))
+    };
+    match try_wait_until(Duration::from_secs(5), || is_indexed() == indexed) {
+        Some(()) => indexed,
+        None => !indexed,
     }
 }
 
@@ -299,9 +294,7 @@ fn inbound_through_ztunnel(
 
 #[test]
 fn addresses_and_interfaces_added_after_enrollment_are_captured() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (server, client) = (fixture.pod("server"), fixture.pod("client"));
     // An address in the pod network's subnet, which host-local has not handed out.
     let [a, b, c, _] = server.ipv4().octets();
@@ -412,9 +405,7 @@ fn addresses_and_interfaces_added_after_enrollment_are_captured() {
 
 #[test]
 fn a_pod_taken_back_after_a_restart_is_followed_for_new_addresses() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let server = fixture.pod("server");
     let workload = server.workload(PodOptions::default());
     fixture

@@ -7,12 +7,8 @@ use std::{
     net::{IpAddr, SocketAddr, TcpStream},
     os::unix::{fs::PermissionsExt, net::UnixStream},
     path::Path,
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
-    },
     thread,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use serde_json::Value;
@@ -21,75 +17,22 @@ use weir_agent::workload::PodOptions;
 use weir_common::{
     ABI_VERSION, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK,
 };
+use weir_tests::privileged;
 use weir_tests::{
     agent::{AgentBinary, AgentProcess},
-    chain::{listed_pods, ChainNode, MESH, WAIT},
+    chain::{listed_pods, CniChainNode, MESH, WAIT},
     sockopt::canonical,
     tcp_request,
     traffic::{read_line, set_timeouts, write_line},
+    traffic_loop::{wait_for_connections, Connection, TrafficLoop},
     udp_request, udp_request_connected,
     ztunnel::DNS_REPLY_PREFIX,
-    EchoServer, Fixture, NetNs, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn,
+    DatapathNode, EchoServer, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn,
     APP_PORT, IO_TIMEOUT,
 };
 
 /// uid and gid of an unprivileged process.
 const NOBODY: u32 = 65534;
-
-/// One connection of a traffic loop.
-struct Connection {
-    started: Instant,
-    finished: Instant,
-    /// The client's address and whether the app's answer came back; the error otherwise.
-    outcome: Result<SocketAddr, String>,
-}
-
-/// Connects to `target` from inside `netns` again and again until `stop`, expecting the answer
-/// `expected`; every attempt is logged in `log`.
-fn keep_connecting(
-    netns: &NetNs,
-    target: SocketAddr,
-    expected: String,
-    stop: Arc<AtomicBool>,
-    log: Arc<Mutex<Vec<Connection>>>,
-) -> thread::JoinHandle<()> {
-    netns
-        .spawn("traffic", move || {
-            while !stop.load(Ordering::Relaxed) {
-                let started = Instant::now();
-                let outcome = match tcp_request(target, "loop") {
-                    Ok(reply) if reply.response == expected => Ok(canonical(reply.local)),
-                    Ok(reply) => Err(format!("answered {:?}", reply.response)),
-                    Err(error) => Err(error.to_string()),
-                };
-                let finished = Instant::now();
-                log.lock().unwrap().push(Connection {
-                    started,
-                    finished,
-                    outcome,
-                });
-            }
-        })
-        .unwrap()
-}
-
-/// Waits until `count` connections of each log started after `since`. The deadline is for loops
-/// that stopped, not a speed: under an emulated CPU (the kernel VMs) with the other tests running,
-/// a phase's connections have taken more than 10 s.
-fn wait_for_connections(logs: &[&Arc<Mutex<Vec<Connection>>>], since: Instant, count: usize) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while logs.iter().any(|log| {
-        log.lock()
-            .unwrap()
-            .iter()
-            .filter(|c| c.started > since)
-            .count()
-            < count
-    }) {
-        assert!(Instant::now() < deadline, "the traffic loops stalled");
-        thread::sleep(Duration::from_millis(10));
-    }
-}
 
 /// The connections of `log` that succeeded without going through ztunnel: never seen on
 /// `listener` (by client address) with `target` as their destination.
@@ -118,9 +61,7 @@ fn bypassing<'a>(
 fn upgrade_across_map_layouts_under_traffic_lets_no_connection_bypass_ztunnel() {
     /// Connections each loop makes before the upgrade and after it.
     const PER_PHASE: usize = 20;
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, server_app, pod, _) = node.server_and_ambient_pod(&ztunnel, "app");
     let pod_app = EchoServer::app(&pod).unwrap();
@@ -133,41 +74,21 @@ fn upgrade_across_map_layouts_under_traffic_lets_no_connection_bypass_ztunnel() 
     let older = pin_root.join("abi-0");
     fs::rename(pin_root.join(format!("abi-{ABI_VERSION}")), &older).unwrap();
 
-    let outbound_target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
-    let inbound_target = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
-    let stop = Arc::new(AtomicBool::new(false));
-    let (outbound, inbound) = (Arc::default(), Arc::default());
-    let loops = [
-        keep_connecting(
-            pod.netns(),
-            outbound_target,
-            server_app.reply_to("loop"),
-            stop.clone(),
-            Arc::clone(&outbound),
-        ),
-        keep_connecting(
-            server.netns(),
-            inbound_target,
-            pod_app.reply_to("loop"),
-            stop.clone(),
-            Arc::clone(&inbound),
-        ),
-    ];
-    let logs = [&outbound, &inbound];
-    wait_for_connections(&logs, Instant::now(), PER_PHASE);
+    let outbound_target = server.app_v4();
+    let inbound_target = pod.app_v4();
+    let outbound = TrafficLoop::start(pod.netns(), outbound_target, server_app.reply_to("loop"));
+    let inbound = TrafficLoop::start(server.netns(), inbound_target, pod_app.reply_to("loop"));
+    let loops = [&outbound, &inbound];
+    wait_for_connections(&loops, Instant::now(), PER_PHASE);
     let upgrade_started = Instant::now();
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let upgraded = Instant::now();
     assert!(!older.exists(), "the older layout is retired");
     let handed_over = ztunnel.wait_for_pod(pod.uid(), WAIT).expect("handed over");
-    wait_for_connections(&logs, upgraded, PER_PHASE);
-    stop.store(true, Ordering::Relaxed);
-    for traffic in loops {
-        traffic.join().expect("traffic loop");
-    }
+    wait_for_connections(&loops, upgraded, PER_PHASE);
+    let (outbound, inbound) = (outbound.stop(), inbound.stop());
 
     let seen: Vec<Seen> = [standing.seen(), handed_over.seen()].concat();
-    let (outbound, inbound) = (outbound.lock().unwrap(), inbound.lock().unwrap());
     let during_upgrade = |log: &[Connection]| {
         log.iter()
             .filter(|c| c.started >= upgrade_started && c.finished <= upgraded)
@@ -234,9 +155,7 @@ enum KilledAt {
 /// 15006) or untouched; the runtime tears it down and retries, the retry completes the pod, and
 /// then the pinned maps and the agent's state name that pod once, and nothing else.
 fn killed_mid_enroll(killed_at: KilledAt) {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let server = node.pod("default", "server").unwrap();
     let server_app = EchoServer::app(&server).unwrap();
     let pause_at = match killed_at {
@@ -260,7 +179,7 @@ fn killed_mid_enroll(killed_at: KilledAt) {
     };
     let uid = spec.uid.clone().unwrap();
     let failed = thread::scope(|scope| {
-        let adding = scope.spawn(|| node.fixture.node().try_add_pod(spec.clone()));
+        let adding = scope.spawn(|| node.test_node().try_add_pod(spec.clone()));
         match killed_at {
             KilledAt::Point(_) => agent.wait_until_paused(WAIT).unwrap(),
             KilledAt::AddSentNotAcked => {
@@ -291,8 +210,8 @@ fn killed_mid_enroll(killed_at: KilledAt) {
             .wait_for_pod(&uid, WAIT)
             .expect("the recovered sandbox is handed to ztunnel")
     });
-    let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
-    let to_sandbox = SocketAddr::new(IpAddr::V4(sandbox.ipv4()), APP_PORT);
+    let to_server = server.app_v4();
+    let to_sandbox = sandbox.app_v4();
     let outbound = sandbox.run(|| tcp_request(to_server, "out")).unwrap();
     assert_eq!(outbound.response, server_app.reply_to("out"));
     let inbound = server.run(|| tcp_request(to_sandbox, "in")).unwrap();
@@ -337,8 +256,7 @@ fn killed_mid_enroll(killed_at: KilledAt) {
     drop(sandbox_app);
     drop(sandbox);
     let pod = node
-        .fixture
-        .node()
+        .test_node()
         .add_pod_with(spec)
         .expect("the runtime's retry completes the pod");
     let stand_in = ztunnel.pod(&uid).expect("ztunnel acked the retried pod");
@@ -416,14 +334,12 @@ fn become_nobody() {
 /// never redirects): the kernel refuses it, and its connection is captured as any other.
 #[test]
 fn an_unprivileged_app_cannot_take_ztunnels_mark_and_is_captured() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let server_app = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
 
     let (refused, client, response) = pod.run(|| {
         become_nobody();
@@ -469,9 +385,7 @@ fn fast_open_request(target: SocketAddr, msg: &str) -> io::Result<(SocketAddr, S
 fn fast_open_udp_and_v4_mapped_traffic_are_captured_as_istio_captures_them() {
     /// A UDP port that is not DNS.
     const UDP_PORT: u16 = 9053;
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let server_app = EchoServer::app(&server).unwrap();
     let udp_apps = [IpAddr::V4(server.ipv4()), IpAddr::V6(server.ipv6())].map(|ip| {
@@ -568,9 +482,7 @@ fn unprivileged_request(socket: &Path, kind: Type, request: &[u8]) -> io::Result
 /// permissions loosened, the agent still refuses a peer that is not root (peer credentials).
 #[test]
 fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let agent = node.start_agent();
     let (cni_socket, zds_socket) = (&agent.config.cni_socket, &agent.config.zds_socket);
     let pin_root = &agent.config.datapath.pin_root;
@@ -645,22 +557,20 @@ fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
 /// rather than go around it, outbound and inbound.
 #[test]
 fn ztunnel_down_running_pods_fail_closed() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let server_app = EchoServer::app(&server).unwrap();
     let pod_app = EchoServer::app(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
-    let to_server = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let to_server = server.app_v4();
     let outbound = pod.run(|| tcp_request(to_server, "out"));
     assert_eq!(
         outbound.map_err(|e| e.kind()).unwrap_err(),
         ErrorKind::ConnectionRefused,
         "outbound goes to 15001, where nothing listens"
     );
-    let to_pod = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let to_pod = pod.app_v4();
     let inbound = server.run(|| tcp_request(to_pod, "in"));
     assert!(inbound.is_err(), "inbound reached the app: {inbound:?}");
     assert_eq!(server_app.received(), []);

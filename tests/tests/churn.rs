@@ -17,9 +17,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+use weir_tests::privileged;
+use weir_tests::try_wait_until;
 use weir_tests::{
     agent::{AgentBinary, AgentProcess},
-    chain::{ChainNode, MESH},
+    chain::{CniChainNode, MESH},
     ZdsEvent, ZdsZtunnel,
 };
 
@@ -52,7 +54,7 @@ const THREADS_SETTLE: Duration = Duration::from_secs(30);
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// The production agent, with the memory allocator set up for comparing the memory it uses.
-fn start_agent(node: &ChainNode) -> AgentProcess {
+fn start_agent(node: &CniChainNode) -> AgentProcess {
     // One malloc arena: with glibc's default of one per thread (up to 8 per core), the memory of
     // a burst of blocking threads stays in their arenas after they end, and RSS rose by ~40 MiB,
     // the same after 600 cycles as after 2,000, on a loaded machine. The test compares memory in
@@ -90,20 +92,17 @@ fn status(agent: &AgentProcess, field: &str) -> u64 {
 /// Waits until the agent is back to `idle` threads; panics if it is not within
 /// [`THREADS_SETTLE`] (a thread left behind).
 fn wait_for_threads(agent: &AgentProcess, idle: u64) {
-    let deadline = Instant::now() + THREADS_SETTLE;
-    while status(agent, "Threads") > idle {
-        assert!(
-            Instant::now() < deadline,
+    if try_wait_until(THREADS_SETTLE, || status(agent, "Threads") <= idle).is_none() {
+        panic!(
             "the agent has {} threads, {idle} when idle",
             status(agent, "Threads")
         );
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 
 /// Runs `cycles` pod ADD/DEL cycles, `CONCURRENCY` at a time, through the node's CNI chain;
 /// returns the uids of the pods created.
-fn churn(node: &ChainNode, first: usize, cycles: usize) -> Vec<String> {
+fn churn(node: &CniChainNode, first: usize, cycles: usize) -> Vec<String> {
     let next = AtomicUsize::new(first);
     let uids = Mutex::new(Vec::with_capacity(cycles));
     std::thread::scope(|scope| {
@@ -165,23 +164,9 @@ fn zds_counts(ztunnel: &ZdsZtunnel) -> HashMap<String, (usize, usize)> {
     counts
 }
 
-/// Polls `settled` until it holds or [`SETTLE`] passes; returns whether it held.
-fn settles(mut settled: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + SETTLE;
-    while !settled() {
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    true
-}
-
 #[test]
 fn pod_churn_leaves_nothing_behind() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let cycles = std::env::var("WEIR_CHURN_CYCLES")
         .map(|value| value.parse().expect("WEIR_CHURN_CYCLES is a number"))
         .unwrap_or(DEFAULT_CYCLES);
@@ -194,12 +179,13 @@ fn pod_churn_leaves_nothing_behind() {
     let warm_up = churn(&node, 0, WARM_UP_CYCLES);
     // The baseline: what the agent holds with ztunnel connected and no pod.
     assert!(
-        settles(|| {
+        try_wait_until(SETTLE, || {
             let counts = zds_counts(&ztunnel);
             warm_up
                 .iter()
                 .all(|uid| counts.get(uid).is_some_and(|c| c.1 == 1))
-        }),
+        })
+        .is_some(),
         "ztunnel was told to drop every warm-up pod"
     );
     wait_for_threads(&agent, idle_threads);
@@ -217,7 +203,7 @@ fn pod_churn_leaves_nothing_behind() {
     // ztunnel was given each pod once, and told once to drop it.
     let mut counts = BTreeMap::new();
     assert!(
-        settles(|| {
+        try_wait_until(SETTLE, || {
             let all = zds_counts(&ztunnel);
             counts = uids
                 .iter()
@@ -227,7 +213,8 @@ fn pod_churn_leaves_nothing_behind() {
                 })
                 .collect();
             counts.is_empty()
-        }),
+        })
+        .is_some(),
         "pods whose (Adds, Dels) over ZDS are not (1, 1): {counts:?}"
     );
     // Nothing of any pod is left in the maps or in the state file.
@@ -243,10 +230,11 @@ fn pod_churn_leaves_nothing_behind() {
 
     // The agent holds exactly the fds it held before the churn.
     let mut fds = BTreeMap::new();
-    let same_fds = settles(|| {
+    let same_fds = try_wait_until(SETTLE, || {
         fds = open_fds(&agent);
         fds.len() == baseline_fds.len()
-    });
+    })
+    .is_some();
     assert!(
         same_fds,
         "the agent's fds went from {} to {}; new ones: {:?}",
@@ -316,9 +304,7 @@ fn garbage(len: usize) -> Vec<u8> {
 
 #[test]
 fn hostile_cni_clients_do_not_delay_pods() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
     let agent = start_agent(&node);
     let config = &agent.config;

@@ -6,11 +6,6 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener},
     os::fd::AsRawFd,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        mpsc::{self, Receiver},
-        Arc,
-    },
     thread,
     time::{Duration, Instant},
 };
@@ -23,13 +18,17 @@ use weir_common::{
     PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
     PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
+use weir_tests::privileged;
 use weir_tests::{
     netns::{ip, ip_output},
     raw::{self, Answer},
-    sockopt, tcp_request, udp_request, udp_request_connected,
+    sockopt, tcp_request,
+    traffic_loop::{wait_for_connections, Connection, TrafficLoop},
+    udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
-    EchoServer, Fixture, Pod, TestNode, ZtunnelStandIn, APP_PORT,
+    DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
+use weir_tests::{try_wait_until, wait_until};
 
 const WAIT: Duration = Duration::from_secs(2);
 /// A port nothing in the test pods listens on.
@@ -40,7 +39,9 @@ fn v4_mapped(ip: Ipv4Addr) -> IpAddr {
 }
 
 /// An enrolled pod `app` with its ztunnel, and a pod `server` (not enrolled) running the echo app.
-fn enrolled_app_and_server(fixture: &Fixture) -> (Pod, Pod, EchoServer, ZtunnelStandIn, Datapath) {
+fn enrolled_app_and_server(
+    fixture: &DatapathNode,
+) -> (Pod, Pod, EchoServer, ZtunnelStandIn, Datapath) {
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -58,9 +59,7 @@ fn counters(datapath: &Datapath, pod: &Pod) -> PodCounters {
 
 #[test]
 fn outbound_tcp_lands_on_15001_with_the_original_destination() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&client).unwrap();
@@ -104,9 +103,7 @@ fn outbound_tcp_lands_on_15001_with_the_original_destination() {
 
 #[test]
 fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&server).unwrap();
@@ -151,9 +148,7 @@ fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
 
 #[test]
 fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let resolver = SocketAddr::new(IpAddr::V4(fixture.node().gateway_v4()), DNS_PORT);
@@ -211,9 +206,7 @@ fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
 /// go to ztunnel from, and must not leave around it either.
 #[test]
 fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let _ztunnel = ZtunnelStandIn::start(&client).unwrap();
@@ -224,7 +217,7 @@ fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
     };
     datapath.enroll(ipv4_only).wait().expect("pod enrolled");
 
-    let target = SocketAddr::new(IpAddr::V6(server.ipv6()), APP_PORT);
+    let target = server.app_v6();
     let refused = client
         .run(|| tcp_request(target, "around"))
         .expect_err("IPv6 TCP from an IPv4-only ambient pod must not connect");
@@ -237,9 +230,7 @@ fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
 /// it): an ambient pod must not reach the node's wildcard listeners through it, around ztunnel.
 #[test]
 fn the_probe_address_is_no_door_to_the_node() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let node_listener = EchoServer::start(
         fixture.node().netns(),
@@ -273,9 +264,7 @@ fn the_probe_address_is_no_door_to_the_node() {
 /// ztunnel is away must not be handed plaintext from outside.
 #[test]
 fn hbone_reaches_only_ztunnels_listener() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let impostor = EchoServer::start(
         pod.netns(),
@@ -298,9 +287,7 @@ fn hbone_reaches_only_ztunnels_listener() {
 
 #[test]
 fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let own = EchoServer::app(&pod).unwrap();
@@ -311,14 +298,14 @@ fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
     for target in [
         SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), APP_PORT),
         SocketAddr::new(IpAddr::V6(Ipv6Addr::LOCALHOST), APP_PORT),
-        SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT),
-        SocketAddr::new(IpAddr::V6(pod.ipv6()), APP_PORT),
+        pod.app_v4(),
+        pod.app_v6(),
     ] {
         let reply = pod.run(|| tcp_request(target, "local")).unwrap();
         assert_eq!(reply.response, own.reply_to("local"), "to {target}");
     }
     // A socket marked like ztunnel's goes where it was sent.
-    let target = SocketAddr::new(IpAddr::V4(other.ipv4()), APP_PORT);
+    let target = other.app_v4();
     let reply = pod.run(|| marked_tcp_request(target, "marked")).unwrap();
     assert_eq!(reply, other_app.reply_to("marked"));
     assert!(
@@ -335,9 +322,7 @@ fn ztunnel_loopback_and_own_address_traffic_is_never_redirected() {
 
 #[test]
 fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, plain, server) = (
         fixture.pod("app"),
         fixture.pod("plain"),
@@ -350,10 +335,10 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
     let datapath = fixture.enrolled(&pod, PodOptions::default());
 
     // A pod that is not enrolled talks directly, both ways.
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = plain.run(|| tcp_request(target, "plain")).unwrap();
     assert_eq!(reply.response, echo.reply_to("plain"));
-    let to_plain = SocketAddr::new(IpAddr::V6(plain.ipv6()), APP_PORT);
+    let to_plain = plain.app_v6();
     let reply = server.run(|| tcp_request(to_plain, "in")).unwrap();
     assert_eq!(reply.response, plain_app.reply_to("in"));
     assert!(
@@ -394,9 +379,7 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
 
 #[test]
 fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = EchoServer::app(&pod).unwrap();
@@ -421,7 +404,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
     assert_eq!(counters(&datapath, &pod).bypassed, 2);
 
     // Another pod's traffic is still captured.
-    let target = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let target = pod.app_v4();
     other.run(|| tcp_request(target, "pod")).unwrap();
     assert!(ztunnel
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
@@ -434,9 +417,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
 /// runtime gave the pod, which kubelet probes, get the probe source.
 #[test]
 fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server, echo, _ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // The pod claims the server's address; the interface watch indexes it for the pod.
     let claimed = server.ipv4();
@@ -452,11 +433,9 @@ fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
     .unwrap();
     let pod_ips = fixture.node().pinned_pod_ips().unwrap();
     let key = weir_common::IpKey::from_v4(claimed.octets());
-    let deadline = Instant::now() + WAIT;
-    while pod_ips.get(&key, 0).is_err() {
-        assert!(Instant::now() < deadline, "the claimed address is indexed");
-        thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(WAIT, "the claimed address to be indexed", || {
+        pod_ips.get(&key, 0).is_ok()
+    });
 
     let target = SocketAddr::new(IpAddr::V4(claimed), APP_PORT);
     let reply = fixture
@@ -478,9 +457,7 @@ fn the_probe_source_goes_only_to_the_pods_cni_addresses() {
 /// gets a bounded share of it, and stays redirected.
 #[test]
 fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server, _echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
     let pod_ips = fixture.node().pinned_pod_ips().unwrap();
     let indexed = || pod_ips.keys().count();
@@ -509,16 +486,14 @@ fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
     assert!(ip_batch.wait().unwrap().success());
 
     // Re-enrolled after the change: some of the new addresses are indexed.
-    let deadline = Instant::now() + WAIT;
-    while indexed() == before {
-        assert!(Instant::now() < deadline, "the new addresses are followed");
-        thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(WAIT, "the new addresses to be followed", || {
+        indexed() != before
+    });
     thread::sleep(Duration::from_millis(300));
     // The pod's two CNI addresses and at most 16 others.
     assert!(indexed() <= 2 + 16, "{} addresses indexed", indexed());
     assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     pod.run(|| tcp_request(target, "captured")).unwrap();
     assert!(ztunnel
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
@@ -528,9 +503,7 @@ fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
 
 #[test]
 fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, other) = (fixture.pod("app"), fixture.pod("other"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = EchoServer::app(&pod).unwrap();
@@ -541,13 +514,13 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
     };
     let datapath = fixture.enrolled(&pod, options);
 
-    let inbound = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let inbound = pod.app_v4();
     let reply = other.run(|| tcp_request(inbound, "in")).unwrap();
     assert_eq!(reply.response, echo.reply_to("in"));
     let received = echo.wait_for(|r| r.line == "in", WAIT).unwrap();
     assert_eq!(received.peer.ip(), IpAddr::V4(other.ipv4()));
 
-    let outbound = SocketAddr::new(IpAddr::V4(other.ipv4()), APP_PORT);
+    let outbound = other.app_v4();
     let reply = pod.run(|| tcp_request(outbound, "out")).unwrap();
     assert_eq!(reply.response, other_app.reply_to("out"));
     assert!(ztunnel
@@ -568,9 +541,7 @@ fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
 /// all); the app's listener and the kernel's RST for a closed port never answer.
 #[test]
 fn no_packet_shape_reaches_the_pod_around_ztunnel() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (attacker, pod) = (fixture.pod("attacker"), fixture.pod("app"));
     let _echo = EchoServer::app(&pod).unwrap();
     let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -666,9 +637,7 @@ fn no_packet_shape_reaches_the_pod_around_ztunnel() {
 /// workload address, as under istio. The app never sees the connection.
 #[test]
 fn link_local_connections_go_to_ztunnel_too() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (neighbour, pod) = (fixture.pod("neighbour"), fixture.pod("app"));
     let echo = EchoServer::app(&pod).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -700,9 +669,7 @@ fn link_local_connections_go_to_ztunnel_too() {
 /// than waiting out its connect deadline, and closes the client's connection.
 #[test]
 fn a_closed_port_in_an_ambient_pod_refuses_at_once() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let datapath = fixture.enrolled(&pod, PodOptions::default());
@@ -735,9 +702,7 @@ fn a_closed_port_in_an_ambient_pod_refuses_at_once() {
 /// datagrams of protocols weir does not capture.
 #[test]
 fn large_transfers_and_fragmented_udp_are_unaffected() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let echo = EchoServer::app(&pod).unwrap();
     let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -771,9 +736,7 @@ fn large_transfers_and_fragmented_udp_are_unaffected() {
 /// back exactly as the kernel answers them.
 #[test]
 fn getsockopt_hook_leaves_other_calls_untouched() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let listener = pod
         .run(|| TcpListener::bind((Ipv6Addr::UNSPECIFIED, 0)))
@@ -795,9 +758,7 @@ fn getsockopt_hook_leaves_other_calls_untouched() {
 /// for every process on the node, since the hook is at the root cgroup.
 #[test]
 fn getsockopt_answers_larger_than_a_page_are_untouched() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let datapath = fixture.enrolled(&pod, PodOptions::default());
     const GROUPS: usize = 2_000;
@@ -931,32 +892,6 @@ impl Owner {
     }
 }
 
-/// One request of the restart test's traffic, as its client made it.
-struct Connection {
-    started: Instant,
-    finished: Instant,
-    /// The client's address, as ztunnel sees it as the peer.
-    client: SocketAddr,
-}
-
-/// Takes the traffic's connections off `made` into `log` until `count` more of them started
-/// after `since`; fails the test when the traffic stops first (a request failed).
-fn wait_for_connections(
-    made: &Receiver<Connection>,
-    log: &mut Vec<Connection>,
-    since: Instant,
-    count: usize,
-) {
-    let mut after = 0;
-    while after < count {
-        let connection = made
-            .recv_timeout(WAIT)
-            .unwrap_or_else(|error| panic!("{after} of {count} connections were made: {error}"));
-        after += usize::from(connection.started > since);
-        log.push(connection);
-    }
-}
-
 /// The owner process crashes and another takes over; the datapath keeps redirecting in between,
 /// with no owner process at all: connections made after the first owner was reaped and before
 /// the second was ready all reached ztunnel.
@@ -965,55 +900,33 @@ fn redirection_survives_owner_restart_without_a_gap() {
     /// Connections that must complete in each phase: with the first owner, with none, with the
     /// second.
     const PER_PHASE: usize = 10;
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
     let echo = EchoServer::app(&server).unwrap();
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
 
     let mut first = Owner::spawn(fixture.node());
     let pod_spec = serde_json::to_string(&pod.workload(PodOptions::default())).unwrap();
     assert_eq!(first.send(&format!("enroll {pod_spec}")), "ok");
     let enrolled = Instant::now();
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let (made_tx, made) = mpsc::channel();
-    let traffic = {
-        let stop = stop.clone();
-        let pod_netns = pod.netns().open().unwrap();
-        let expected = echo.reply_to("loop");
-        thread::spawn(move || {
-            weir_tests::netns::run_in(std::os::fd::AsFd::as_fd(&pod_netns), || {
-                while !stop.load(Ordering::Relaxed) {
-                    let started = Instant::now();
-                    let reply = tcp_request(target, "loop").expect("connection during restart");
-                    let finished = Instant::now();
-                    assert_eq!(reply.response, expected);
-                    assert_eq!(reply.peer_seen_by_client, target);
-                    let client = sockopt::canonical(reply.local);
-                    // The receiver hangs up only when the test is failing anyway.
-                    let _ = made_tx.send(Connection {
-                        started,
-                        finished,
-                        client,
-                    });
-                }
-            })
-        })
-    };
-    let mut log = Vec::new();
-    wait_for_connections(&made, &mut log, enrolled, PER_PHASE);
+    let traffic = TrafficLoop::start(pod.netns(), target, echo.reply_to("loop"));
+    wait_for_connections(&[&traffic], enrolled, PER_PHASE);
     let no_owner_since = first.kill();
     // The second owner starts only once connections went through with no owner process at all.
-    wait_for_connections(&made, &mut log, no_owner_since, PER_PHASE);
+    wait_for_connections(&[&traffic], no_owner_since, PER_PHASE);
     let mut second = Owner::spawn(fixture.node());
     let owner_again = Instant::now();
-    wait_for_connections(&made, &mut log, owner_again, PER_PHASE);
-    stop.store(true, Ordering::Relaxed);
-    traffic.join().expect("traffic thread");
-    log.extend(made.try_iter());
+    wait_for_connections(&[&traffic], owner_again, PER_PHASE);
+    let log = traffic.stop();
+    for connection in &log {
+        assert!(
+            connection.outcome.is_ok(),
+            "connection during restart: {:?}",
+            connection.outcome
+        );
+    }
 
     let seen = ztunnel.seen();
     let without_owner: Vec<&Connection> = log
@@ -1027,10 +940,10 @@ fn redirection_survives_owner_restart_without_a_gap() {
     for connection in &without_owner {
         assert!(
             seen.iter().any(|s| s.listener == OUTBOUND_PORT
-                && s.peer == connection.client
+                && Ok(s.peer) == connection.outcome
                 && s.original_dst == Some(target)),
-            "the connection from {} made while no owner ran never reached 15001",
-            connection.client
+            "the connection from {:?} made while no owner ran never reached 15001",
+            connection.outcome
         );
     }
     let made = log.len();
@@ -1057,9 +970,7 @@ fn redirection_survives_owner_restart_without_a_gap() {
 /// A fault while enrolling leaves nothing behind: no map entry, no tc filter, no redirection.
 #[test]
 fn failed_enrollment_leaves_nothing_behind() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
     let echo = EchoServer::app(&server).unwrap();
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
@@ -1088,7 +999,7 @@ fn failed_enrollment_leaves_nothing_behind() {
     ])
     .expect("tc filter show");
     assert!(filters.is_empty(), "{filters}");
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = pod.run(|| tcp_request(target, "direct")).unwrap();
     assert_eq!(reply.response, echo.reply_to("direct"));
     assert!(ztunnel.seen().is_empty());
@@ -1105,9 +1016,7 @@ fn failed_enrollment_leaves_nothing_behind() {
 
 #[test]
 fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server, _echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // With `lo` down the return path cannot be set up again: the new options fail midway.
     let lo = |state| ip(&["-n", pod.netns().name(), "link", "set", "lo", state]).unwrap();
@@ -1124,14 +1033,14 @@ fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
 
     assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
     assert!(datapath.audit().wait().unwrap().is_empty());
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     pod.run(|| tcp_request(target, "still captured")).unwrap();
     let seen = ztunnel
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
         .expect("outbound still goes to ztunnel");
     assert_eq!(seen.original_dst, Some(target));
     // Inbound too: the options of the failed attempt did not apply.
-    let to_pod = SocketAddr::new(IpAddr::V4(pod.ipv4()), APP_PORT);
+    let to_pod = pod.app_v4();
     let _ = server.run(|| tcp_request(to_pod, "inbound"));
     assert!(ztunnel
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
@@ -1141,9 +1050,7 @@ fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
 
 #[test]
 fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let (pod, server, echo, ztunnel, datapath) = enrolled_app_and_server(&fixture);
     // As an operator's `bpftool map delete` would.
     let mut pod_ips = fixture.node().pinned_pod_ips().unwrap();
@@ -1153,7 +1060,7 @@ fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
         pod_ips.remove(key).unwrap();
     }
 
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = pod.run(|| tcp_request(target, "uncaptured")).unwrap();
     assert_eq!(
         reply.response,
@@ -1182,9 +1089,7 @@ fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
 
 #[test]
 fn the_nodes_own_netns_is_never_enrolled() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("app");
     let datapath = fixture.start_datapath();
     let node = Workload {
@@ -1208,9 +1113,7 @@ fn the_nodes_own_netns_is_never_enrolled() {
 /// and the agent forwards their records to the `log` crate.
 #[test]
 fn bpf_log_reports_the_programs_decisions() {
-    let Some(fixture) = Fixture::privileged() else {
-        return;
-    };
+    let fixture = privileged!(DatapathNode::new());
     static RECORDS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     struct Collect;
     impl log::Log for Collect {
@@ -1241,23 +1144,19 @@ fn bpf_log_reports_the_programs_decisions() {
         .expect("pod enrolled");
 
     let wait_for_record = |expected: String| {
-        let deadline = std::time::Instant::now() + WAIT;
-        while !RECORDS
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|r| r.contains(&expected))
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no record with {expected:?}: {:?}",
-                RECORDS.lock().unwrap()
-            );
-            thread::sleep(Duration::from_millis(20));
+        let recorded = || {
+            RECORDS
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|r| r.contains(&expected))
+        };
+        if try_wait_until(WAIT, recorded).is_none() {
+            panic!("no record with {expected:?}: {:?}", RECORDS.lock().unwrap());
         }
     };
 
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = client.run(|| tcp_request(target, "logged")).unwrap();
     assert_eq!(reply.response, echo.reply_to("logged"));
     wait_for_record(format!("to {}:{APP_PORT} assigned to 15006", server.ipv4()));

@@ -2,11 +2,7 @@
 //! DaemonSet and the node; the agent reads them through its reflectors (kube-rs, via a
 //! kubeconfig file), and pods are made by the node's real CNI chain with the real datapath and
 //! the ztunnel stand-in, as in `cni.rs`.
-use std::{
-    collections::BTreeMap,
-    net::{IpAddr, SocketAddr},
-    time::Duration,
-};
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use k8s_openapi::api::{
     apps::v1::{DaemonSet, DaemonSetSpec},
@@ -26,19 +22,23 @@ use weir_agent::{
     report::UNINITIALIZED_LABEL,
 };
 use weir_common::{DNS_PORT, OUTBOUND_PORT};
+use weir_tests::privileged;
 use weir_tests::{
-    agent::{http_get, http_status, Agent, NodeFiles},
+    agent::{http_status, Agent},
     cgroup::{CgroupDriver, PodProcess},
-    chain::wait_for_metric,
-    cni::{Command, NetworkConfigList},
+    chain::{wait_for_metric, weir_conflist, CniChainNode},
+    cni::Command,
     tcp_request, udp_request,
     ztunnel::DNS_REPLY_PREFIX,
-    ApiServer, EchoServer, Fixture, PodSpec, ZdsEvent, ZdsZtunnel, APP_PORT,
+    ApiServer, EchoServer, PodSpec, ZdsEvent, ZdsZtunnel,
 };
+use weir_tests::{try_wait_until, wait_until};
 
 const WAIT: Duration = Duration::from_secs(5);
 const NODE_NAME: &str = "node-a";
 const MESH: &str = "mesh";
+/// istio-cni's count of the broken pods the agent repaired, by `type` and `result`.
+const REPAIRED: &str = "istio_cni_repair_pods_repaired_total";
 
 fn map(pairs: &[(&str, &str)]) -> Option<BTreeMap<String, String>> {
     Some(
@@ -72,22 +72,20 @@ fn meta(namespace: Option<&str>, name: &str, labels: &[(&str, &str)]) -> ObjectM
 }
 
 /// A node of a cluster: the stand-in with the namespaces `mesh` (ambient), `default` and
-/// `istio-system`, the Node object, and the node's files and network.
+/// `istio-system`, the Node object, and the node, where the agent follows the stand-in.
 struct Cluster {
     api: ApiServer,
-    files: NodeFiles,
     /// The node; its datapath is removed when dropped.
-    node: Fixture,
+    chain: CniChainNode,
     // Dropped last: the stand-in serves on it.
     _runtime: tokio::runtime::Runtime,
 }
 
 impl Cluster {
-    fn privileged() -> Option<Self> {
-        let files = NodeFiles::new().unwrap();
-        let node = Fixture::privileged_with(files.node_options())?;
-        let runtime = tokio::runtime::Runtime::new().unwrap();
-        let api = runtime.block_on(ApiServer::start()).unwrap();
+    fn new() -> anyhow::Result<Self> {
+        let chain = CniChainNode::new()?;
+        let runtime = tokio::runtime::Runtime::new()?;
+        let api = runtime.block_on(ApiServer::start())?;
         api.create(&Namespace {
             metadata: meta(None, MESH, &[(DATAPLANE_MODE_LABEL, "ambient")]),
             ..Namespace::default()
@@ -102,10 +100,9 @@ impl Cluster {
             metadata: meta(None, NODE_NAME, &[("weir", "yes")]),
             ..NodeObject::default()
         });
-        Some(Self {
+        Ok(Self {
             api,
-            files,
-            node,
+            chain,
             _runtime: runtime,
         })
     }
@@ -122,8 +119,9 @@ impl Cluster {
     }
 
     fn agent_config(&self) -> AgentConfig {
-        self.files
-            .cluster_agent_config(self.node.node().netns(), &self.api, NODE_NAME)
+        self.chain
+            .files
+            .cluster_agent_config(self.chain.test_node().netns(), &self.api, NODE_NAME)
             .unwrap()
     }
 
@@ -145,7 +143,7 @@ impl Cluster {
     /// A sandbox for the pod, under the uid of its object when the API server has one.
     fn pod(&self, namespace: &str, name: &str) -> anyhow::Result<weir_tests::Pod> {
         let object: Option<PodObject> = self.api.get(namespace, name);
-        self.node.node().add_pod_with(PodSpec {
+        self.chain.test_node().add_pod_with(PodSpec {
             namespace: namespace.into(),
             uid: object.and_then(|object| object.metadata.uid),
             ..PodSpec::new(name)
@@ -159,8 +157,8 @@ impl Cluster {
         let object: PodObject = self.api.get(namespace, name).unwrap();
         let uid = object.metadata.uid.unwrap();
         let pod = self
-            .node
-            .node()
+            .chain
+            .test_node()
             .add_pod_with(PodSpec {
                 namespace: namespace.into(),
                 uid: Some(uid.clone()),
@@ -179,14 +177,12 @@ impl Cluster {
     }
 
     fn wait_for_redirection(&self, namespace: &str, name: &str, wanted: Option<&str>) {
-        let deadline = std::time::Instant::now() + WAIT;
-        while self.redirection(namespace, name).as_deref() != wanted {
-            assert!(
-                std::time::Instant::now() < deadline,
+        let done = || self.redirection(namespace, name).as_deref() == wanted;
+        if try_wait_until(WAIT, done).is_none() {
+            panic!(
                 "{namespace}/{name}: redirection {:?}, wanted {wanted:?}",
                 self.redirection(namespace, name)
             );
-            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -208,18 +204,9 @@ impl Cluster {
         });
     }
 
-    fn conflist(&self) -> NetworkConfigList {
-        let conflist: Value = serde_json::from_slice(
-            &std::fs::read(self.files.net_dir().join("10-weir-test.conflist")).unwrap(),
-        )
-        .unwrap();
-        NetworkConfigList::from_json(&conflist).unwrap()
-    }
-
     fn plugin_installed(&self) -> bool {
-        self.files.bin_dir().join("weir-cni").exists()
-            && self
-                .conflist()
+        self.chain.files.bin_dir().join("weir-cni").exists()
+            && weir_conflist(&self.chain)
                 .plugins
                 .iter()
                 .any(|p| p["type"] == "weir-cni")
@@ -235,15 +222,10 @@ impl Cluster {
 
     /// The Events with `reason`, once there is one.
     fn wait_for_warnings(&self, reason: &str) -> Vec<Value> {
-        let deadline = std::time::Instant::now() + WAIT;
-        loop {
+        wait_until(WAIT, &format!("a {reason} Event"), || {
             let warnings = self.warnings(reason);
-            if !warnings.is_empty() {
-                return warnings;
-            }
-            assert!(std::time::Instant::now() < deadline, "no {reason} Event");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+            (!warnings.is_empty()).then_some(warnings)
+        })
     }
 
     /// Marks the pod running at `ips`, as kubelet reports it.
@@ -262,24 +244,13 @@ fn cluster_config(config: &mut AgentConfig) -> &mut ClusterConfig {
     }
 }
 
-/// A counter's value in the agent's /metrics, `series` being its name and labels.
-fn metric(agent: &Agent, series: &str) -> Option<u64> {
-    let (_, metrics) = http_get(agent.config.metrics_addr, "/metrics").unwrap();
-    metrics.lines().find_map(|line| {
-        let value = line.strip_prefix(series)?.strip_prefix(' ')?;
-        value.parse().ok()
-    })
-}
-
 fn ips_of(pod: &weir_tests::Pod) -> [String; 2] {
     [pod.ipv4().to_string(), pod.ipv6().to_string()]
 }
 
 #[test]
 fn add_decides_from_the_cluster_cache() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "app", |_| {});
     cluster.pod_object(MESH, "opted-out", |pod| {
         pod.metadata.labels = map(&[(DATAPLANE_MODE_LABEL, "none")]);
@@ -343,13 +314,11 @@ fn add_decides_from_the_cluster_cache() {
 /// cache, the cached namesake's labels never decide for it.
 #[test]
 fn add_never_decides_from_a_namesake_with_another_uid() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "app", |_| {});
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
-    let namesake = cluster.node.node().add_pod_with(PodSpec {
+    let namesake = cluster.chain.test_node().add_pod_with(PodSpec {
         namespace: MESH.into(),
         uid: Some("00000000-0000-0000-0000-00000000beef".into()),
         ..PodSpec::new("app")
@@ -365,9 +334,7 @@ fn add_never_decides_from_a_namesake_with_another_uid() {
 
 #[test]
 fn redirection_annotation_follows_enrollment() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "app", |_| {});
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
@@ -389,9 +356,7 @@ fn redirection_annotation_follows_enrollment() {
 
 #[test]
 fn invalid_annotation_is_one_warning_event_per_window() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "odd", |pod| {
         pod.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "yes")]);
     });
@@ -413,7 +378,7 @@ fn invalid_annotation_is_one_warning_event_per_window() {
 
     // The runtime's CHECK decides again and meets the same annotation: no second Event.
     let runtime = pod.runtime_conf();
-    let list = cluster.conflist();
+    let list = weir_conflist(&cluster.chain);
     let weir = list.plugins.last().unwrap();
     let config = list.plugin_config(weir, runtime, Some(pod.prev_result()));
     let binary = weir_tests::cni::find_plugin(weir, &runtime.path).unwrap();
@@ -422,7 +387,7 @@ fn invalid_annotation_is_one_warning_event_per_window() {
         Command::Check,
         runtime,
         &config,
-        cluster.node.node().netns(),
+        cluster.chain.test_node().netns(),
     )
     .expect("CHECK passes");
     // kube-rs's Recorder would fold a repeat into the same Event as a series (a PATCH); weir
@@ -440,9 +405,7 @@ fn invalid_annotation_is_one_warning_event_per_window() {
 
 #[test]
 fn sigterm_keeps_weir_only_while_its_daemonset_selects_the_node() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.daemonset();
     cluster.start_agent().stop().unwrap();
     assert!(cluster.plugin_installed(), "an upgrade keeps the plugin");
@@ -458,9 +421,7 @@ fn sigterm_keeps_weir_only_while_its_daemonset_selects_the_node() {
 
 #[test]
 fn namespace_label_enrolls_and_removes_a_running_pod() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // Wired before the agent installs weir-cni: only live enrollment can redirect it.
     let pod = cluster.pod("default", "live").unwrap();
     let ips = [pod.ipv4().to_string(), pod.ipv6().to_string()];
@@ -497,16 +458,14 @@ fn namespace_label_enrolls_and_removes_a_running_pod() {
     cluster.wait_for_redirection("default", "live", None);
     // Seen out of the mesh before: flipped in by its namespace's label, not a repair.
     assert_eq!(cluster.warnings("RepairedPod"), Vec::<Value>::new());
-    let repairs = r#"istio_cni_repair_pods_repaired_total{type="repair",result="success"}"#;
-    assert_eq!(metric(&agent, repairs), None);
+    let repairs = [("type", "repair"), ("result", "success")];
+    assert_eq!(agent.metrics().value(REPAIRED, &repairs), None);
     agent.stop().unwrap();
 }
 
 #[test]
 fn opt_out_deletion_and_completion_remove_running_pods_live() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let names = ["opting-out", "deleted", "completed"];
@@ -544,14 +503,9 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
             "{name}: ztunnel gets the Del"
         );
     }
-    let deadline = std::time::Instant::now() + WAIT;
-    while running.iter().any(|(uid, _)| recorded(uid)) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the state file still records a removed pod"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until(WAIT, "the state file to forget the removed pods", || {
+        !running.iter().any(|(uid, _)| recorded(uid))
+    });
     cluster.wait_for_redirection(MESH, "opting-out", None);
     agent.stop().unwrap();
 }
@@ -561,9 +515,7 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
 /// its successor's ADD. Neither is a broken pod: nothing is repaired or reported.
 #[test]
 fn a_pod_whose_sandbox_is_gone_is_neither_repaired_nor_reported() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let mut sandboxes = Vec::new();
@@ -592,10 +544,9 @@ fn a_pod_whose_sandbox_is_gone_is_neither_repaired_nor_reported() {
     std::thread::sleep(Duration::from_secs(2));
     assert!(cluster.warnings("AmbientEnrollmentFailed").is_empty());
     assert_eq!(
-        metric(
-            &agent,
-            r#"istio_cni_repair_pods_repaired_total{type="repair",result="fail"}"#
-        ),
+        agent
+            .metrics()
+            .value(REPAIRED, &[("type", "repair"), ("result", "fail")]),
         None
     );
     agent.stop().unwrap();
@@ -603,9 +554,7 @@ fn a_pod_whose_sandbox_is_gone_is_neither_repaired_nor_reported() {
 
 #[test]
 fn changes_made_while_the_watches_are_down_are_not_lost() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // A namespace listed after the mesh's, so that the relist brings the change before its end.
     cluster.api.create(&Namespace {
         metadata: meta(None, "observability", &[]),
@@ -658,9 +607,7 @@ fn changes_made_while_the_watches_are_down_are_not_lost() {
 
 #[test]
 fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // With its DaemonSet selecting the node, a stopping agent leaves weir in place (an upgrade).
     cluster.daemonset();
     let agent = cluster.start_agent();
@@ -705,9 +652,7 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
 /// and are handed back to ztunnel, so `enabled` never flaps to `pending` and back.
 #[test]
 fn a_restart_writes_no_annotation_for_pods_that_stay_enabled() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     cluster.daemonset();
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
@@ -737,9 +682,7 @@ fn a_restart_writes_no_annotation_for_pods_that_stay_enabled() {
 
 #[test]
 fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let running = |ips: &[String]| {
         let status = running_at(ips);
         move |object: &mut PodObject| object.status = Some(status)
@@ -778,15 +721,13 @@ fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
 
 #[test]
 fn an_annotation_change_applies_to_a_running_pod() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let (_, pod) = cluster.pod_with_object(MESH, "app");
     ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
     let resolver = std::net::SocketAddr::new(
-        cluster.node.node().gateway_v4().into(),
+        cluster.chain.test_node().gateway_v4().into(),
         weir_common::DNS_PORT,
     );
     let answer = pod
@@ -801,24 +742,19 @@ fn an_annotation_change_applies_to_a_running_pod() {
     let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
     object.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "false")]);
     cluster.api.update(&object);
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
-        // Nothing answers DNS on the node's gateway: once capture is off, the query goes there.
-        match pod.run(|| weir_tests::udp_request(resolver, "query")) {
-            Ok(answer)
-                if answer
-                    .response
-                    .starts_with(weir_tests::ztunnel::DNS_REPLY_PREFIX) =>
-            {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "DNS still captured after the annotation turned it off"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            _ => break,
-        }
-    }
+    // Nothing answers DNS on the node's gateway: once capture is off, the query goes there.
+    wait_until(
+        WAIT,
+        "DNS no longer captured after the annotation turned it off",
+        || {
+            !pod.run(|| weir_tests::udp_request(resolver, "query"))
+                .is_ok_and(|answer| {
+                    answer
+                        .response
+                        .starts_with(weir_tests::ztunnel::DNS_REPLY_PREFIX)
+                })
+        },
+    );
     assert!(ztunnel.pod(pod.uid()).is_some(), "the pod stays enrolled");
     agent.stop().unwrap();
 }
@@ -827,9 +763,7 @@ fn an_annotation_change_applies_to_a_running_pod() {
 /// the default.
 #[test]
 fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent();
     let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
@@ -854,14 +788,14 @@ fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(cluster.warnings("InvalidAmbientAnnotation").len(), 1);
     assert_eq!(
-        metric(
-            &agent,
-            r#"weir_events_suppressed_total{reason="InvalidAmbientAnnotation"}"#
+        agent.metrics().value(
+            "weir_events_suppressed_total",
+            &[("reason", "InvalidAmbientAnnotation")]
         ),
         None
     );
     // DNS capture stays on, the default.
-    let resolver = SocketAddr::new(cluster.node.node().gateway_v4().into(), DNS_PORT);
+    let resolver = SocketAddr::new(cluster.chain.test_node().gateway_v4().into(), DNS_PORT);
     let answer = pod.run(|| udp_request(resolver, "query")).unwrap();
     assert!(answer.response.starts_with(DNS_REPLY_PREFIX));
     agent.stop().unwrap();
@@ -869,9 +803,7 @@ fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
 
 #[test]
 fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // Bound to the node, and wired while weir-cni is missing from the node's chain (the agent
     // has not put it there yet): the real bridge plugin only.
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
@@ -887,7 +819,7 @@ fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
         .wait_for_pod(&uid, WAIT)
         .expect("ztunnel gets the Add");
     cluster.wait_for_redirection(MESH, "app", Some("enabled"));
-    let target = SocketAddr::new(IpAddr::V4(server.ipv4()), APP_PORT);
+    let target = server.app_v4();
     let reply = pod.run(|| tcp_request(target, "repaired")).unwrap();
     assert_eq!(reply.response, echo.reply_to("repaired"));
     let seen = stand_in
@@ -909,7 +841,9 @@ fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
     );
     wait_for_metric(
         &agent,
-        r#"istio_cni_repair_pods_repaired_total{type="repair",result="success"} 1"#,
+        REPAIRED,
+        &[("type", "repair"), ("result", "success")],
+        1.0,
     );
     agent.stop().unwrap();
 }
@@ -919,9 +853,7 @@ fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
 /// among them): changes to the pod apply to the namespace the agent holds, never to a path.
 #[test]
 fn a_live_enrolled_pod_keeps_its_netns_when_the_process_it_was_found_by_exits() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
     let process = PodProcess::start(pod.netns(), &uid, CgroupDriver::Cgroupfs).unwrap();
     let agent = cluster.start_agent();
@@ -931,34 +863,25 @@ fn a_live_enrolled_pod_keeps_its_netns_when_the_process_it_was_found_by_exits() 
     cluster.wait_for_redirection(MESH, "app", Some("enabled"));
     drop(process);
 
-    let resolver = SocketAddr::new(cluster.node.node().gateway_v4().into(), DNS_PORT);
+    let resolver = SocketAddr::new(cluster.chain.test_node().gateway_v4().into(), DNS_PORT);
     let captured = |answer: &weir_tests::UdpReply| answer.response.starts_with(DNS_REPLY_PREFIX);
     let answer = pod.run(|| udp_request(resolver, "query")).unwrap();
     assert!(captured(&answer), "DNS capture is on by default");
     let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
     object.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "false")]);
     cluster.api.update(&object);
-    let deadline = std::time::Instant::now() + WAIT;
-    while pod
-        .run(|| udp_request(resolver, "query"))
-        .is_ok_and(|answer| captured(&answer))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the annotation did not reach the pod's netns"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until(WAIT, "the annotation to reach the pod's netns", || {
+        !pod.run(|| udp_request(resolver, "query"))
+            .is_ok_and(|answer| captured(&answer))
+    });
     assert!(ztunnel.pod(&uid).is_some(), "the pod stays enrolled");
     agent.stop().unwrap();
 }
 
 #[test]
 fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
-    let failed_repairs = r#"istio_cni_repair_pods_repaired_total{type="repair",result="fail"}"#;
+    let cluster = privileged!(Cluster::new());
+    let failed_repairs = [("type", "repair"), ("result", "fail")];
     // Running by the API, at an address no network namespace on the node holds.
     cluster.pod_object(MESH, "lost", |pod| {
         pod.status = Some(running_at(&["10.255.0.7".into()]));
@@ -983,9 +906,11 @@ fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
     );
     wait_for_metric(
         &agent,
-        r#"istio_cni_repair_pods_repaired_total{type="label",result="success"} 1"#,
+        REPAIRED,
+        &[("type", "label"), ("result", "success")],
+        1.0,
     );
-    assert!(metric(&agent, failed_repairs) >= Some(1));
+    assert!(agent.metrics().value(REPAIRED, &failed_repairs) >= Some(1.0));
     assert_eq!(cluster.redirection(MESH, "lost"), None);
     agent.stop().unwrap();
 
@@ -1012,7 +937,9 @@ fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
     );
     wait_for_metric(
         &agent,
-        r#"istio_cni_repair_pods_repaired_total{type="delete",result="success"} 1"#,
+        REPAIRED,
+        &[("type", "delete"), ("result", "success")],
+        1.0,
     );
     // Tried again before its cache saw the pod go, the agent finds it gone: no second Event.
     assert_eq!(cluster.warnings("DeleteBrokenPod").len(), 1);
@@ -1021,9 +948,7 @@ fn a_broken_pod_that_cannot_be_repaired_is_labelled_or_deleted_as_configured() {
 
 #[test]
 fn a_failing_pod_is_retried_when_its_backoff_expires() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // Running by the API, but no process of the pod holds its network namespace yet: the
     // agent cannot find it.
     let (uid, pod) = cluster.pod_with_object(MESH, "late");
@@ -1047,9 +972,7 @@ fn a_failing_pod_is_retried_when_its_backoff_expires() {
 
 #[test]
 fn ztunnel_gets_its_snapshot_only_once_the_startup_pass_is_done() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // A pod the startup pass enrolls (it started while weir-cni was missing).
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
     cluster.set_running(MESH, "app", &ips_of(&pod));
@@ -1057,17 +980,9 @@ fn ztunnel_gets_its_snapshot_only_once_the_startup_pass_is_done() {
     // Without the namespaces the caches cannot sync, so the pass cannot run.
     cluster.api.withhold_lists::<Namespace>();
     let agent = Agent::spawn(cluster.agent_config()).unwrap();
-    let deadline = std::time::Instant::now() + WAIT;
-    let ztunnel = loop {
-        match ZdsZtunnel::connect(&agent.config.zds_socket) {
-            Ok(ztunnel) => break ztunnel,
-            Err(error) => assert!(
-                std::time::Instant::now() < deadline,
-                "the agent's ZDS socket: {error}"
-            ),
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let ztunnel = wait_until(WAIT, "the agent's ZDS socket", || {
+        ZdsZtunnel::connect(&agent.config.zds_socket).ok()
+    });
 
     // Time for a snapshot that must not come: it would name no pod, and ztunnel would drop
     // every pod it runs.
@@ -1098,14 +1013,12 @@ fn ztunnel_gets_its_snapshot_only_once_the_startup_pass_is_done() {
 
 #[test]
 fn a_rewritten_cni_config_is_an_event_on_the_agents_pod() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     let agent = cluster.start_agent_with(|config| {
         config.policy.own.pod_name = Some("weir-x1".into());
     });
     // Another component writes the conflist again, without weir-cni.
-    let file = cluster.files.net_dir().join("10-weir-test.conflist");
+    let file = cluster.chain.files.net_dir().join("10-weir-test.conflist");
     let mut conflist: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     conflist["plugins"]
         .as_array_mut()
@@ -1124,7 +1037,7 @@ fn a_rewritten_cni_config_is_an_event_on_the_agents_pod() {
     assert_eq!(event["regarding"]["name"], "weir-x1");
     let note = event["note"].as_str().unwrap();
     assert!(note.contains(&file.display().to_string()), "{note}");
-    wait_for_metric(&agent, "weir_cni_config_rewrites_total 1");
+    wait_for_metric(&agent, "weir_cni_config_rewrites_total", &[], 1.0);
     agent.stop().unwrap();
 }
 
@@ -1132,15 +1045,13 @@ fn a_rewritten_cni_config_is_an_event_on_the_agents_pod() {
 /// weir-cni back, and says so as when it runs.
 #[test]
 fn a_config_rewritten_while_the_agent_was_away_is_an_event_too() {
-    let Some(cluster) = Cluster::privileged() else {
-        return;
-    };
+    let cluster = privileged!(Cluster::new());
     // With its DaemonSet selecting the node, a stopping agent leaves weir in place.
     cluster.daemonset();
     let own_pod = |config: &mut AgentConfig| config.policy.own.pod_name = Some("weir-x1".into());
     cluster.start_agent_with(own_pod).stop().unwrap();
     assert!(cluster.warnings("CniConfigRewritten").is_empty());
-    let file = cluster.files.net_dir().join("10-weir-test.conflist");
+    let file = cluster.chain.files.net_dir().join("10-weir-test.conflist");
     let mut conflist: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
     conflist["plugins"]
         .as_array_mut()
@@ -1152,6 +1063,6 @@ fn a_config_rewritten_while_the_agent_was_away_is_an_event_too() {
     assert!(cluster.plugin_installed(), "weir-cni is back in the chain");
     let rewritten = cluster.wait_for_warnings("CniConfigRewritten");
     assert_eq!(rewritten.len(), 1, "{rewritten:#?}");
-    wait_for_metric(&agent, "weir_cni_config_rewrites_total 1");
+    wait_for_metric(&agent, "weir_cni_config_rewrites_total", &[], 1.0);
     agent.stop().unwrap();
 }

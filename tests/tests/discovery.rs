@@ -10,31 +10,35 @@ use std::{
 };
 
 use weir_agent::datapath::{Datapath, DatapathConfig, PodNetns};
+use weir_tests::privileged;
 use weir_tests::{
     cgroup::{CgroupDriver, PodProcess},
-    Fixture, NetNs, Pod,
+    DatapathNode, NetNs, Pod, TestNode,
 };
 
 /// A test node with a datapath on it (the finder runs on the datapath's thread, in the node's
 /// netns); uninstalled on drop.
 struct Node {
     datapath: Datapath,
-    fixture: Fixture,
+    node: DatapathNode,
 }
 
 impl Node {
-    fn privileged() -> Option<Self> {
-        let fixture = Fixture::privileged()?;
+    fn new() -> anyhow::Result<Self> {
+        let node = DatapathNode::new()?;
         let datapath = Datapath::start(DatapathConfig {
             probe_bypass: false,
-            ..fixture.node().datapath_config()
-        })
-        .expect("datapath starts");
-        Some(Self { datapath, fixture })
+            ..node.node().datapath_config()
+        })?;
+        Ok(Self { datapath, node })
+    }
+
+    fn test_node(&self) -> &TestNode {
+        self.node.node()
     }
 
     fn pod(&self, name: &str) -> Pod {
-        self.fixture.pod(name)
+        self.node.pod(name)
     }
 
     fn find(&self, uid: &str, ips: &[IpAddr], hint: Option<PathBuf>) -> Option<PodNetns> {
@@ -75,9 +79,7 @@ fn assert_is(found: Option<PodNetns>, netns: &NetNs) -> PathBuf {
 }
 
 fn found_by_uid(driver: CgroupDriver) {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let pod = node.pod("a");
     let running = process(pod.netns(), pod.uid(), driver);
     let path = assert_is(node.find(pod.uid(), &pod.ips(), None), pod.netns());
@@ -99,9 +101,7 @@ fn found_by_uid_in_a_cgroupfs_cgroup() {
 
 #[test]
 fn another_pods_netns_is_rejected_though_its_cgroup_names_the_pod() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (pod, other) = (node.pod("a"), node.pod("b"));
     // A PID reused by another pod: the process is in `other`'s netns, `pod`'s cgroup.
     let _impostor = process(other.netns(), pod.uid(), CgroupDriver::Systemd);
@@ -112,9 +112,7 @@ fn another_pods_netns_is_rejected_though_its_cgroup_names_the_pod() {
 
 #[test]
 fn the_oldest_matching_process_wins() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (a, b) = (node.pod("a"), node.pod("b"));
     let uid = a.uid();
     // Both namespaces hold one of the IPs asked for, so only the processes' age decides.
@@ -130,14 +128,11 @@ fn the_oldest_matching_process_wins() {
 
 #[test]
 fn the_node_netns_is_never_returned() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let pod = node.pod("a");
-    let gateway = IpAddr::from(node.fixture.node().gateway_v4());
+    let gateway = IpAddr::from(node.test_node().gateway_v4());
     let node_addresses = node
-        .fixture
-        .node()
+        .test_node()
         .run(weir_agent::datapath::netlink::non_loopback_addresses)
         .unwrap();
     assert!(
@@ -145,19 +140,13 @@ fn the_node_netns_is_never_returned() {
         "the IP asked for is the node's: {node_addresses:?}"
     );
     // As CRI-O's conmon: in the pod's cgroup, in the node's netns.
-    let _conmon = process(
-        node.fixture.node().netns(),
-        pod.uid(),
-        CgroupDriver::Systemd,
-    );
+    let _conmon = process(node.test_node().netns(), pod.uid(), CgroupDriver::Systemd);
     assert!(node.find(pod.uid(), &[gateway], None).is_none());
 }
 
 #[test]
 fn a_hint_is_used_only_when_it_holds_the_pods_ips() {
-    let Some(node) = Node::privileged() else {
-        return;
-    };
+    let node = privileged!(Node::new());
     let (pod, other) = (node.pod("a"), node.pod("b"));
     let hint = pod.netns_path().to_path_buf();
     let path = assert_is(

@@ -8,7 +8,7 @@
 //!   matter (every known command name and unknown ones, supported and unsupported versions,
 //!   weir's own plugin type) so the valid paths are reached and must round-trip;
 //! - byte mutations (bit flips, insertions of random bytes or JSON/protobuf tokens, deletions,
-//!   duplications, truncations) of the seed corpus in `tests/fuzz/corpus/<target>/`.
+//!   duplications, truncations) of the seed corpus in `tests/tests/fuzz/corpus/<target>/`.
 //!
 //! Every target asserts that nothing panics, that what is refused is refused with a clear error,
 //! and that what is accepted round-trips. A CI run does a short bounded pass ([`DEFAULT_CASES`]
@@ -77,9 +77,9 @@ fn fuzz<S: Strategy>(
 // ---------------------------------------------------------------------------------------------
 // Byte mutation of the seed corpus.
 
-/// The seeds of `target`, `tests/fuzz/corpus/<target>/*`.
+/// The seeds of `target`, `tests/tests/fuzz/corpus/<target>/*`.
 fn corpus(target: &str) -> Vec<Vec<u8>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("fuzz/corpus/{target}"));
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fuzz/corpus/{target}"));
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|error| panic!("{}: {error}", dir.display()))
         .map(|entry| entry.unwrap().path())

@@ -1,13 +1,14 @@
 //! Missed events never leak state: pods whose removal the agent was never told about, through
 //! the runtime's CNI GC or a DEL that never came, are unenrolled, and a pod an agent start cannot
-//! recover costs only itself. Through the real chain and the real agent, as tests/cni.rs.
+//! recover costs only itself. Through the real chain and the real agent, as tests/tests/cni.rs.
 use std::{collections::BTreeSet, path::Path, process::Command as Process, time::Duration};
 
 use weir_agent::{config::AgentConfig, datapath::pinned_pods, state};
+use weir_tests::privileged;
 use weir_tests::{
     agent::Agent,
     cgroup::{CgroupDriver, PodProcess},
-    chain::{assert_direct, assert_through_ztunnel, gc, wait_for_metric, ChainNode, WAIT},
+    chain::{assert_direct, assert_through_ztunnel, gc, wait_for_metric, CniChainNode, WAIT},
     cni::CniError,
     Pod, ZdsEvent, ZdsZtunnel,
 };
@@ -99,9 +100,7 @@ impl Drop for PinElsewhere {
 
 #[test]
 fn gc_unenrolls_the_pods_whose_attachment_the_runtime_no_longer_lists() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, kept, kept_ztunnel) = node.server_and_ambient_pod(&ztunnel, "kept");
     let (stale, _) = node.ambient_pod(&ztunnel, "stale");
@@ -137,9 +136,7 @@ fn gc_unenrolls_the_pods_whose_attachment_the_runtime_no_longer_lists() {
 
 #[test]
 fn the_sweep_unenrolls_a_pod_whose_del_never_came_and_keeps_one_still_held() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let agent = Agent::start(AgentConfig {
         orphan_sweep_interval: Duration::from_millis(200),
         ..node.files.agent_config(node.netns()).unwrap()
@@ -161,7 +158,7 @@ fn the_sweep_unenrolls_a_pod_whose_del_never_came_and_keeps_one_still_held() {
     }
 
     // The sweep removed the released pod, and counted it once that was done.
-    wait_for_metric(&agent, "weir_orphans_removed_total 1");
+    wait_for_metric(&agent, "weir_orphans_removed_total", &[], 1.0);
     assert_removed_and_kept(&agent, &ztunnel, &released, &held);
     assert!(uids_in_maps(&agent.config.datapath.pin_root).contains(pinned.uid()));
 
@@ -173,9 +170,7 @@ fn the_sweep_unenrolls_a_pod_whose_del_never_came_and_keeps_one_still_held() {
 
 #[test]
 fn a_pod_a_restart_cannot_recover_costs_only_itself() {
-    let Some(node) = ChainNode::privileged() else {
-        return;
-    };
+    let node = privileged!(CniChainNode::new());
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
     let (server, echo, good, _) = node.server_and_ambient_pod(&ztunnel, "good");
     let (broken, _) = node.ambient_pod(&ztunnel, "broken");
@@ -191,7 +186,7 @@ fn a_pod_a_restart_cannot_recover_costs_only_itself() {
     std::fs::write(&state_file, records.to_string()).unwrap();
 
     let (agent, ztunnel) = node.start_agent_and_ztunnel();
-    wait_for_metric(&agent, "weir_recovery_failures_total 1");
+    wait_for_metric(&agent, "weir_recovery_failures_total", &[], 1.0);
     assert!(ztunnel.wait_for_snapshot(WAIT));
     let events = ztunnel.events();
     let named = events.iter().any(|event| match event {
