@@ -4,8 +4,12 @@
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use anyhow::Result;
-use clap::{Arg, ArgAction, Parser, Subcommand, ValueEnum};
+use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
+
+mod reference;
+
+pub use reference::markdown;
 
 use crate::{
     cluster::{repair::BrokenPodAction, ClusterConfig},
@@ -13,7 +17,7 @@ use crate::{
     datapath::DatapathConfig,
     inspect,
     install::ServiceAccount,
-    logging::{LogFormat, BPF_LOG_FILTER, DEFAULT_FILTER},
+    logging::LogFormat,
     policy::{
         enablement::{default_selectors, parse_selectors, EnablementSelector},
         OwnPods, PolicyConfig,
@@ -316,129 +320,6 @@ pub fn interval(text: &str) -> Result<Duration, String> {
         return Err("must be longer than zero".into());
     }
     Ok(period)
-}
-
-/// docs/configuration.md: every subcommand and flag of [`Cli`], with its environment variable,
-/// default and help, and the logging settings.
-pub fn markdown() -> String {
-    use clap::CommandFactory;
-    let mut command = Cli::command();
-    command.build();
-    let mut out = format!(
-        "# Configuration\n\n\
-         <!-- Generated from weir-agent's flag definitions (agent/src/cli.rs) by \
-         `weir_agent::cli::markdown()`. Do not edit: change the flags, then run \
-         `WEIR_BLESS=1 cargo test -p weir-tests --test configuration`. -->\n\n\
-         `weir-agent` takes every setting as a flag or from the flag's environment variable; a \
-         flag given on the command line wins over its variable. Interval flags take a period \
-         such as `500ms`, `60s` or `5m`; a bare number is seconds.\n\n\
-         ## Logs\n\n\
-         Log lines go to stderr.\n\n\
-         - `RUST_LOG` sets which lines are written, as a \
-         [tracing `EnvFilter`](https://docs.rs/tracing-subscriber/latest/tracing_subscriber/filter/struct.EnvFilter.html) \
-         (default `{DEFAULT_FILTER}`); `--bpf-log` adds `{BPF_LOG_FILTER}`.\n\
-         - `LOG_FORMAT` (or `--log-format`) sets their form: `plain` text, coloured only when \
-         stderr is a terminal, or `json`, one object per line with `timestamp`, `level`, \
-         `target`, `message` and the line's fields. A line about a pod carries the pod's \
-         `namespace`, `name` and `uid`; an error carries its whole chain of causes \
-         (`binding 0.0.0.0:8000: Address already in use (os error 98)`).\n",
-    );
-    out += "\n## Global flags\n\nGiven before or after the subcommand.\n\n";
-    out += &flag_table(command.get_arguments().filter(|arg| arg.is_global_set()));
-    for subcommand in command.get_subcommands() {
-        let name = subcommand.get_name();
-        if name == "help" {
-            continue;
-        }
-        out += &format!("\n## `weir-agent {name}`\n\n");
-        if let Some(about) = subcommand
-            .get_long_about()
-            .or_else(|| subcommand.get_about())
-        {
-            out += &format!("{}\n\n", sentence(&about.to_string()));
-        }
-        let own = subcommand
-            .get_arguments()
-            .filter(|arg| !arg.is_global_set() && !is_builtin(arg));
-        out += &flag_table(own);
-        if let Some(after) = subcommand.get_after_long_help() {
-            out += &format!("\n```text\n{after}\n```\n");
-        }
-    }
-    out
-}
-
-/// `--help` and `--version`: clap's own.
-fn is_builtin(arg: &Arg) -> bool {
-    matches!(
-        arg.get_action(),
-        ArgAction::Help | ArgAction::HelpLong | ArgAction::Version
-    )
-}
-
-/// One row per flag: flag and value, environment variable, default, help (with the values it
-/// accepts, where they are a list).
-fn flag_table<'a>(args: impl Iterator<Item = &'a Arg>) -> String {
-    let mut table =
-        String::from("| Flag | Environment | Default | Description |\n| --- | --- | --- | --- |\n");
-    for arg in args {
-        let long = arg.get_long().expect("every flag has a long name");
-        let flag = match (arg.get_action().takes_values(), arg.get_value_names()) {
-            (true, Some([value, ..])) => format!("`--{long} <{value}>`"),
-            _ => format!("`--{long}`"),
-        };
-        let env = arg
-            .get_env()
-            .map_or_else(String::new, |env| format!("`{}`", env.to_string_lossy()));
-        let defaults: Vec<String> = arg
-            .get_default_values()
-            .iter()
-            .map(|value| value.to_string_lossy().into_owned())
-            .collect();
-        let default = match defaults.join(",") {
-            joined if joined.is_empty() => String::new(),
-            joined => format!("`{joined}`"),
-        };
-        let help = arg
-            .get_long_help()
-            .or_else(|| arg.get_help())
-            .map_or_else(String::new, |help| sentence(&help.to_string()));
-        let mut description = cell(&help);
-        // A switch's values are true and false: nothing to list.
-        if arg.get_action().takes_values() && !is_bool(arg) {
-            for value in arg.get_possible_values() {
-                let meaning = value
-                    .get_help()
-                    .map_or_else(String::new, |help| sentence(&help.to_string()));
-                description += &format!("<br>`{}`: {}", value.get_name(), cell(&meaning));
-            }
-        }
-        table += &format!("| {flag} | {env} | {default} | {description} |\n");
-    }
-    table
-}
-
-/// A flag whose value is true or false (`--dns-capture false`).
-fn is_bool(arg: &Arg) -> bool {
-    let values = arg.get_possible_values();
-    let names: Vec<&str> = values.iter().map(|value| value.get_name()).collect();
-    names == ["true", "false"]
-}
-
-/// Help text ended as a sentence: clap drops the full stop of a one-paragraph help.
-fn sentence(text: &str) -> String {
-    match text.trim_end() {
-        text if text.is_empty() || text.ends_with(['.', '!', '?']) => text.to_owned(),
-        text => format!("{text}."),
-    }
-}
-
-/// Text fit for one table cell: one line, pipes escaped.
-fn cell(text: &str) -> String {
-    text.split_whitespace()
-        .collect::<Vec<_>>()
-        .join(" ")
-        .replace('|', "\\|")
 }
 
 #[cfg(test)]
