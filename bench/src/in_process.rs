@@ -113,16 +113,21 @@ fn connection_path(
         ("no proxy", plain, app),
         ("weir redirect, tracing on", weir_pod, app),
     ];
-    let mut traced = (0, 0);
+    let mut traced = (0, 0, 0, 0);
     let rounds = alternating_rounds(variants.len(), plan.rounds, |variant| {
         let (_, pod, target) = variants[variant];
         let reader = (variant == TRACED).then(|| trace.reader()).transpose()?;
+        let lost_before = trace.lost_in_kernel()?;
         let run = pod
             .run(|| load::connections(target, plan.concurrency, plan.turn))
             .with_context(|| format!("connections: {}", variants[variant].0))?;
         if let Some(reader) = reader {
+            reader.settle();
+            let (records, lost) = reader.tally();
             traced.0 += run.latencies.len();
-            traced.1 += reader.records();
+            traced.1 += records;
+            traced.2 += lost;
+            traced.3 += trace.lost_in_kernel()? - lost_before;
         }
         Ok(run)
     })?;
@@ -175,8 +180,9 @@ fn connection_path(
          on 15001, as ztunnel listens) reads SO_ORIGINAL_DST and dials from a marked socket; \
          'straight to the relay' connects to podIP:15001 (the limit of any redirect). \
          Tracing on: one `weir-agent trace` reader on the agent's trace server; it received \
-         {} records for {} connections.",
-        plan.rounds, plan.turn, traced.1, traced.0
+         {} records for {} connections (three each: the app's connect, the relay's marked dial, \
+         its SO_ORIGINAL_DST), and was told of {} lost ({} lost in the ring buffer).",
+        plan.rounds, plan.turn, traced.1, traced.0, traced.2, traced.3
     ));
     table.json = json!({
         "concurrency": plan.concurrency,

@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
-use aya::maps::{Array, Map};
+use aya::maps::{Array, Map, PerCpuArray};
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     net::UnixStream,
@@ -60,20 +60,32 @@ impl<'a> TraceServer<'a> {
             .runtime
             .block_on(UnixStream::connect(&self.socket))
             .context("connecting to the trace server")?;
-        let records = Arc::new(AtomicU64::new(0));
-        let counted = records.clone();
+        let tally = Arc::new(Tally::default());
+        let counted = tally.clone();
         let task = self.runtime.spawn(async move {
             let mut lines = BufReader::new(stream).lines();
-            while let Ok(Some(_)) = lines.next_line().await {
-                counted.fetch_add(1, Ordering::Relaxed);
+            while let Ok(Some(line)) = lines.next_line().await {
+                match serde_json::from_str::<weir_agent::trace::Message>(&line) {
+                    Ok(weir_agent::trace::Message::Lost { lost }) => {
+                        counted.lost.fetch_add(lost, Ordering::Relaxed)
+                    }
+                    _ => counted.records.fetch_add(1, Ordering::Relaxed),
+                };
             }
         });
         self.wait_for_tracing(true)?;
         Ok(Reader {
             server: self,
             task,
-            records,
+            tally,
         })
+    }
+
+    /// Records the ring buffer had no room for, so far (`TRACE_LOST`, as bpftool shows it).
+    pub fn lost_in_kernel(&self) -> Result<u64> {
+        let map = self.node.pinned_map(weir_common::maps::TRACE_LOST)?;
+        let lost: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::PerCpuArray(map))?;
+        Ok(lost.get(&0, 0)?.iter().sum())
     }
 
     fn wait_for_tracing(&self, on: bool) -> Result<()> {
@@ -99,13 +111,37 @@ impl Drop for TraceServer<'_> {
 pub struct Reader<'a> {
     server: &'a TraceServer<'a>,
     task: JoinHandle<()>,
-    records: Arc<AtomicU64>,
+    tally: Arc<Tally>,
+}
+
+#[derive(Default)]
+struct Tally {
+    records: AtomicU64,
+    lost: AtomicU64,
 }
 
 impl Reader<'_> {
-    /// Records received so far.
-    pub fn records(&self) -> u64 {
-        self.records.load(Ordering::Relaxed)
+    /// Waits until what the agent still had on its way (in the ring buffer, or queued for this
+    /// reader) has arrived: nothing new for a moment, or a few seconds at most.
+    pub fn settle(&self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut seen = self.tally();
+        while Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(200));
+            let now = self.tally();
+            if now == seen {
+                return;
+            }
+            seen = now;
+        }
+    }
+
+    /// Records received so far, and records the agent said this reader lost.
+    pub fn tally(&self) -> (u64, u64) {
+        (
+            self.tally.records.load(Ordering::Relaxed),
+            self.tally.lost.load(Ordering::Relaxed),
+        )
     }
 }
 

@@ -23,6 +23,8 @@ use crate::datapath::TraceMaps;
 
 /// Decisions waiting for the slowest reader; past this it loses the oldest, and is told.
 const BACKLOG: usize = 4096;
+/// Bytes of lines written to a reader at once, at most.
+const MAX_BATCH: usize = 64 * 1024;
 /// How often the ring buffer's own losses are read and reported while someone traces.
 const LOST_EVERY: Duration = Duration::from_secs(1);
 
@@ -176,32 +178,48 @@ impl Reader {
         Ok(Self { switch, decisions })
     }
 
-    /// Sends decisions until the reader hangs up.
+    /// Sends decisions until the reader hangs up: each wakeup writes every line waiting, in
+    /// one write, so a busy node costs a reader few system calls.
     async fn serve(mut self, stream: UnixStream) {
         let (mut hangup, mut out) = stream.into_split();
         let mut byte = [0u8; 1];
+        let mut batch = Vec::new();
         loop {
-            let line = tokio::select! {
+            let first = tokio::select! {
                 // A reader sends nothing: any read that returns is its end.
                 _ = hangup.read(&mut byte) => break,
-                received = self.decisions.recv() => match received {
-                    Ok(line) => line,
-                    Err(broadcast::error::RecvError::Lagged(lost)) => {
+                received = self.decisions.recv() => received,
+            };
+            let mut received = Some(first);
+            while let Some(next) = received.take() {
+                match next {
+                    Ok(line) => batch.extend_from_slice(line.as_bytes()),
+                    Err(broadcast::error::RecvError::Lagged(lost)) => batch.extend_from_slice(
                         serde_json::to_string(&Message::Lost { lost })
                             .expect("a number serializes")
-                            .into()
-                    }
-                    Err(broadcast::error::RecvError::Closed) => break,
-                },
-            };
-            let sent = async {
-                out.write_all(line.as_bytes()).await?;
-                out.write_all(b"\n").await
-            };
-            if let Err(error) = sent.await {
+                            .as_bytes(),
+                    ),
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+                batch.push(b'\n');
+                if batch.len() < MAX_BATCH {
+                    received = match self.decisions.try_recv() {
+                        Err(broadcast::error::TryRecvError::Empty) => None,
+                        Err(broadcast::error::TryRecvError::Lagged(lost)) => {
+                            Some(Err(broadcast::error::RecvError::Lagged(lost)))
+                        }
+                        Err(broadcast::error::TryRecvError::Closed) => {
+                            Some(Err(broadcast::error::RecvError::Closed))
+                        }
+                        Ok(line) => Some(Ok(line)),
+                    };
+                }
+            }
+            if let Err(error) = out.write_all(&batch).await {
                 debug!(%error, "trace reader gone");
                 break;
             }
+            batch.clear();
         }
     }
 }
