@@ -51,26 +51,14 @@ impl<'node> Sandbox<'node> {
             netns.sysctl(key, "0")?;
         }
         let uid = ids::uuid_v4();
-        let container_id = ids::container_id();
-        let runtime = RuntimeConf {
-            container_id: container_id.clone(),
-            netns: Some(netns.path().to_owned()),
-            ifname: "eth0".to_owned(),
-            args: [
-                ("IgnoreUnknown", "1"),
-                ("K8S_POD_NAMESPACE", MESH),
-                ("K8S_POD_NAME", name),
-                ("K8S_POD_INFRA_CONTAINER_ID", &container_id),
-                ("K8S_POD_UID", &uid),
-            ]
-            .map(|(key, value)| (key.to_owned(), value.to_owned()))
-            .into(),
-            path: node.cni_path().to_vec(),
-            capability_args: Map::from_iter([(
-                "io.kubernetes.cri.pod-annotations".to_owned(),
-                json!({}),
-            )]),
-        };
+        let runtime = RuntimeConf::kubernetes_pod(
+            netns.path(),
+            MESH,
+            name,
+            &uid,
+            Map::new(),
+            node.cni_path().to_vec(),
+        );
         let mut sandbox = Self {
             node,
             chain,

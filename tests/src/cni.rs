@@ -62,6 +62,38 @@ pub struct RuntimeConf {
 }
 
 impl RuntimeConf {
+    /// A pod's sandbox as a Kubernetes runtime (containerd, CRI-O) describes it on `eth0`: its
+    /// names and uid in `CNI_ARGS` and its annotations as a capability.
+    pub fn kubernetes_pod(
+        netns: &Path,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        annotations: Map<String, Value>,
+        path: Vec<PathBuf>,
+    ) -> Self {
+        let container_id = crate::ids::container_id();
+        Self {
+            netns: Some(netns.to_owned()),
+            ifname: "eth0".to_owned(),
+            args: [
+                ("IgnoreUnknown", "1"),
+                ("K8S_POD_NAMESPACE", namespace),
+                ("K8S_POD_NAME", name),
+                ("K8S_POD_INFRA_CONTAINER_ID", &container_id),
+                ("K8S_POD_UID", uid),
+            ]
+            .map(|(key, value)| (key.to_owned(), value.to_owned()))
+            .into(),
+            container_id,
+            path,
+            capability_args: Map::from_iter([(
+                "io.kubernetes.cri.pod-annotations".to_owned(),
+                annotations.into(),
+            )]),
+        }
+    }
+
     fn env(&self, command: Command) -> Vec<(&'static str, OsString)> {
         let args = self
             .args

@@ -324,31 +324,20 @@ impl TestNode {
             netns.sysctl(key, "0")?;
         }
         let uid = spec.uid.clone().unwrap_or_else(ids::uuid_v4);
-        let container_id = ids::container_id();
         let annotations: Map<String, Value> = spec
             .annotations
             .iter()
             .map(|(key, value)| (key.clone(), value.clone().into()))
             .collect();
-        let runtime = RuntimeConf {
-            container_id: container_id.clone(),
-            netns: Some(netns.path().to_owned()),
-            ifname: "eth0".to_owned(),
-            args: [
-                ("IgnoreUnknown", "1"),
-                ("K8S_POD_NAMESPACE", &spec.namespace),
-                ("K8S_POD_NAME", &spec.name),
-                ("K8S_POD_INFRA_CONTAINER_ID", &container_id),
-                ("K8S_POD_UID", &uid),
-            ]
-            .map(|(key, value)| (key.to_owned(), value.to_owned()))
-            .into(),
-            path: self.shared.cni_path.clone(),
-            capability_args: Map::from_iter([(
-                "io.kubernetes.cri.pod-annotations".to_owned(),
-                annotations.into(),
-            )]),
-        };
+        let runtime = RuntimeConf::kubernetes_pod(
+            netns.path(),
+            &spec.namespace,
+            &spec.name,
+            &uid,
+            annotations,
+            self.shared.cni_path.clone(),
+        );
+        let container_id = runtime.container_id.clone();
         // From here on the wiring's Drop undoes whatever part of the ADD happened, and gives the
         // bridge's port back.
         let bridge = self.shared.take_port()?;
