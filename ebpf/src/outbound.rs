@@ -20,7 +20,7 @@ use crate::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, SockaddrIn, SockaddrIn6,
         ALLOW, DENY, SOCK_DGRAM, SOCK_STREAM,
     },
-    trace::{trace, Side, NOWHERE, TCP, UDP},
+    trace::{trace, PodAddress, Side, NOWHERE, TCP, UDP},
 };
 
 const SOL_SOCKET: i32 = 1;
@@ -282,7 +282,7 @@ fn trace_outbound(
     hook: Hook,
     dst: &Endpoint,
     verdict: TraceVerdict,
-    target: Side,
+    target: impl Side,
 ) {
     trace!(
         hook.traced(),
@@ -293,7 +293,7 @@ fn trace_outbound(
         } else {
             UDP
         },
-        (&pod_address_like(pod, &dst.ip).unwrap_or_default(), 0),
+        PodAddress { pod, like: &dst.ip },
         (&dst.ip, dst.port),
         target
     );

@@ -9,7 +9,11 @@ use aya_ebpf::{
     btf_maps::{Array, PerCpuArray, RingBuf},
     macros::btf_map,
 };
-use weir_common::{Endpoint, IpKey, TraceHook, TraceRecord, TraceVerdict};
+use weir_common::{
+    Endpoint, IpKey, PodConfig, TraceHook, TraceRecord, TraceVerdict, POD_HAS_IPV4, POD_HAS_IPV6,
+};
+
+use crate::net::is_v4_mapped;
 
 /// A few thousand records: room for a burst while the agent is scheduled out.
 const RING_BYTES: usize = 256 * 1024;
@@ -33,11 +37,56 @@ pub fn on() -> bool {
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
 
-/// One side of a traced tuple: an address and a port (host order).
-pub type Side<'a> = (&'a IpKey, u16);
+/// One side of a traced tuple, written straight into the record.
+pub trait Side {
+    /// # Safety
+    /// `slot` points into a reserved record.
+    unsafe fn write(self, slot: *mut Endpoint);
+}
+
+/// An address and a port (host order).
+impl Side for (&IpKey, u16) {
+    #[inline(always)]
+    unsafe fn write(self, slot: *mut Endpoint) {
+        (*slot).ip = *self.0;
+        (*slot).port = self.1;
+        (*slot)._pad = 0;
+    }
+}
+
+/// The pod's own address of `like`'s family, with no port (not chosen yet at connect). Built
+/// in the record, not on the stack: the sock_addr programs have little of it to spare on 5.10.
+pub struct PodAddress<'a> {
+    pub pod: &'a PodConfig,
+    pub like: &'a IpKey,
+}
+
+impl Side for PodAddress<'_> {
+    #[inline(always)]
+    unsafe fn write(self, slot: *mut Endpoint) {
+        let octets = &mut (*slot).ip.octets;
+        if is_v4_mapped(self.like) {
+            let has = self.pod.has(POD_HAS_IPV4);
+            for (i, octet) in octets.iter_mut().enumerate() {
+                *octet = match i {
+                    10 | 11 if has => 0xff,
+                    12..=15 if has => self.pod.ipv4[i - 12],
+                    _ => 0,
+                };
+            }
+        } else {
+            let has = self.pod.has(POD_HAS_IPV6);
+            for (i, octet) in octets.iter_mut().enumerate() {
+                *octet = if has { self.pod.ipv6[i] } else { 0 };
+            }
+        }
+        (*slot).port = 0;
+        (*slot)._pad = 0;
+    }
+}
 
 /// The address a verdict sends nothing to.
-pub const NOWHERE: Side<'static> = (&IpKey { octets: [0; 16] }, 0);
+pub const NOWHERE: (&IpKey, u16) = (&IpKey { octets: [0; 16] }, 0);
 
 /// Records a decision; `netns` is the pod's netns cookie (0: unknown). Called through
 /// [`trace!`], which tests [`on`] first.
@@ -47,9 +96,9 @@ pub fn record(
     verdict: TraceVerdict,
     netns: u64,
     protocol: u8,
-    source: Side,
-    destination: Side,
-    target: Side,
+    source: impl Side,
+    destination: impl Side,
+    target: impl Side,
 ) {
     let Some(mut entry) = TRACE_EVENTS.reserve(0) else {
         if let Some(lost) = TRACE_LOST.get_ptr_mut(0) {
@@ -62,22 +111,15 @@ pub fn record(
     // SAFETY: `slot` is the reserved record, written field by field before it is submitted.
     unsafe {
         (*slot).netns_cookie = netns;
-        write_side(&raw mut (*slot).source, source);
-        write_side(&raw mut (*slot).destination, destination);
-        write_side(&raw mut (*slot).target, target);
+        source.write(&raw mut (*slot).source);
+        destination.write(&raw mut (*slot).destination);
+        target.write(&raw mut (*slot).target);
         (*slot).protocol = protocol;
         (*slot).hook = hook as u8;
         (*slot).verdict = verdict as u8;
         (*slot)._pad = 0;
     }
     entry.submit(0);
-}
-
-#[inline(always)]
-unsafe fn write_side(slot: *mut Endpoint, (ip, port): Side) {
-    (*slot).ip = *ip;
-    (*slot).port = port;
-    (*slot)._pad = 0;
 }
 
 /// `trace!(hook, verdict, netns, protocol, source, destination, target)`: a record when tracing
