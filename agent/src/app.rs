@@ -14,9 +14,10 @@ use crate::{
         self,
         policy::ClusterSource,
         reconcile::Reconciler,
-        repair::{BrokenPodAction, Repair},
+        repair::{BrokenPods, Repair},
         report::ApiReporter,
         shutdown,
+        sidecar_repair::SidecarRepair,
     },
     cni_server::{CniHandler, CniServer},
     config::{AgentConfig, SourceConfig},
@@ -116,16 +117,25 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     // enrolled that should not be, or missing.
     let (first_pass_tx, mut first_pass) = tokio::sync::watch::channel(in_cluster.is_none());
     let reconciler = in_cluster.as_ref().map(|in_cluster| {
+        let repair = Repair::new(in_cluster.client.clone(), in_cluster.broken_pods.action);
+        let sidecars = SidecarRepair::new(
+            enroller.clone(),
+            in_cluster.reflectors.clone(),
+            reporter.clone(),
+            repair.clone(),
+            in_cluster.broken_pods.repair_in_place,
+            in_cluster.resync_interval,
+        );
         let reconciler = Reconciler::new(
             enroller.clone(),
             in_cluster.reflectors.clone(),
             config.policy.clone(),
             reporter.clone(),
             in_cluster.resync_interval,
-            Repair::new(in_cluster.client.clone(), in_cluster.broken_pods),
+            repair,
         );
         reconciler.register_metrics(&mut registry);
-        reconciler
+        (reconciler, sidecars)
     });
     let cni_server = CniServer::bind(&config.cni_socket)?;
     let installer = Arc::new(Installer::new(InstallConfig {
@@ -146,8 +156,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     tasks.spawn(cni_server.serve(cni_handler));
     tasks.spawn(enroller.clone().follow_acks());
     tasks.spawn(enroller.clone().sweep_orphans(config.orphan_sweep_interval));
-    if let Some(reconciler) = reconciler {
+    if let Some((reconciler, sidecars)) = reconciler {
         tasks.spawn(reconciler.run(first_pass_tx));
+        tasks.spawn(sidecars.run());
     }
     let mut snapshots_due = first_pass.clone();
     tasks.spawn(async move {
@@ -241,7 +252,7 @@ struct InCluster {
     node_name: String,
     reflectors: cluster::Reflectors,
     resync_interval: std::time::Duration,
-    broken_pods: BrokenPodAction,
+    broken_pods: BrokenPods,
 }
 
 /// On SIGTERM: whether to leave weir in place for the next agent. Without a cluster nothing

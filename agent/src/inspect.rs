@@ -264,6 +264,7 @@ mod tests {
                     ..PodOptions::default()
                 },
                 attachment: None,
+                sidecar: None,
             },
             status,
         }

@@ -67,9 +67,22 @@ pub struct Workload {
     /// what CNI GC names. `None` for pods enrolled otherwise, and in older state files.
     #[serde(default)]
     pub attachment: Option<Attachment>,
+    /// Set for a sidecar pod: its traffic goes to its own istio-proxy, as istio-cni's sidecar
+    /// rules send it, and ztunnel never hears of it. `None` for an ambient pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sidecar: Option<SidecarRedirect>,
 }
 
 impl Workload {
+    /// How the pod is in the mesh, for listings and metrics.
+    pub fn mode(&self) -> Mode {
+        if self.sidecar.is_some() {
+            Mode::Sidecar
+        } else {
+            Mode::Ambient
+        }
+    }
+
     /// The name its status and warnings are published under.
     pub fn pod_name(&self) -> PodName {
         PodName::new(&self.namespace, &self.name)
@@ -98,4 +111,72 @@ impl Default for PodOptions {
             reroute_interfaces: Vec::new(),
         }
     }
+}
+
+/// How a pod is in the mesh: through ztunnel, or through its own istio-proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Ambient,
+    Sidecar,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Ambient => "ambient",
+            Mode::Sidecar => "sidecar",
+        }
+    }
+}
+
+/// `sidecar.istio.io/interceptionMode`: how inbound traffic reaches the proxy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum InterceptionMode {
+    Redirect,
+    Tproxy,
+}
+
+/// A list istio lets be `*`: everything, or only what is listed (possibly nothing).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllOr<T> {
+    All,
+    Only(Vec<T>),
+}
+
+/// A sidecar pod's redirection, istio-cni's `Redirect` (`sidecar_redirect.go`) with every
+/// default applied: what its annotations and its istio-proxy container ask for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SidecarRedirect {
+    pub mode: InterceptionMode,
+    /// The proxy's identity (container `runAsUser`/`runAsGroup`, 0 or unset meaning 1337):
+    /// its sockets are never redirected outbound.
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
+    /// `traffic.sidecar.istio.io/includeOutboundIPRanges` (default `*`; empty: none).
+    pub include_outbound_ranges: AllOr<ipnet::IpNet>,
+    /// `traffic.sidecar.istio.io/excludeOutboundIPRanges`.
+    pub exclude_outbound_ranges: Vec<ipnet::IpNet>,
+    /// `traffic.sidecar.istio.io/includeInboundPorts` (default `*`; empty: no inbound capture).
+    pub include_inbound_ports: AllOr<u16>,
+    /// `traffic.sidecar.istio.io/excludeInboundPorts` with 15020, 15021 and 15090 always added;
+    /// only read when every inbound port is included.
+    pub exclude_inbound_ports: Vec<u16>,
+    /// `traffic.sidecar.istio.io/includeOutboundPorts`: TCP to these goes to the proxy whatever
+    /// the IP ranges say (but not to excluded ranges).
+    pub include_outbound_ports: Vec<u16>,
+    /// `traffic.sidecar.istio.io/excludeOutboundPorts` (default 15020 when absent), TCP and UDP.
+    pub exclude_outbound_ports: Vec<u16>,
+    /// `traffic.sidecar.istio.io/excludeInterfaces`: neither captured inbound nor outbound.
+    pub exclude_interfaces: Vec<String>,
+    /// `istio.io/reroute-virtual-interfaces` (or the older `kubevirtInterfaces`): TCP arriving
+    /// there goes to the outbound listener.
+    pub reroute_interfaces: Vec<String>,
+    /// istio-proxy's `ISTIO_META_DNS_CAPTURE`: every port-53 query to the proxy's 15053.
+    pub dns_capture: bool,
+    /// istio-proxy's `ISTIO_DUAL_STACK`: IPv6 is captured when the pod has an IPv6 address, not
+    /// only when its first address is IPv6.
+    pub dual_stack: bool,
 }

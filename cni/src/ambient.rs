@@ -27,6 +27,21 @@ pub struct PodFacts {
     /// The DaemonSet the pod belongs to (its ownerReference), if any.
     pub daemonset_owner: Option<String>,
     pub service_account: Option<String>,
+    /// Init containers first, then containers: what istio-cni reads of them to tell a sidecar
+    /// pod (the agent fills it; the plugin never decides on sidecars).
+    pub containers: Vec<ContainerFacts>,
+}
+
+/// What istio-cni's sidecar path reads of one container (`ExtractPodInfo`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ContainerFacts {
+    pub name: String,
+    pub args: Vec<String>,
+    /// `env[].value` by name; `None` where the value comes from `valueFrom`.
+    pub env: Vec<(String, Option<String>)>,
+    /// The container's own `securityContext` (the pod's is not read, as in istio).
+    pub run_as_user: Option<i64>,
+    pub run_as_group: Option<i64>,
 }
 
 /// weir's own pods, never enrolled: its DaemonSet's pods in its namespace, and itself.

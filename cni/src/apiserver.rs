@@ -391,6 +391,7 @@ impl PodObject {
                 .find(|owner| owner.kind == "DaemonSet")
                 .map(|owner| owner.name),
             service_account: spec.service_account_name,
+            containers: Vec::new(),
         }
     }
 }

@@ -7,7 +7,7 @@
 #![no_std]
 
 /// Version of the map layouts below; part of the pin path (`<pin root>/abi-<N>`).
-pub const ABI_VERSION: u32 = 3;
+pub const ABI_VERSION: u32 = 4;
 
 /// ztunnel marks every socket it opens inside a pod with this `SO_MARK`...
 pub const ZTUNNEL_MARK: u32 = 0x539;
@@ -27,6 +27,11 @@ pub const INBOUND_PORT: u16 = 15006;
 pub const HBONE_PORT: u16 = 15008;
 pub const DNS_PROXY_PORT: u16 = 15053;
 pub const DNS_PORT: u16 = 53;
+
+/// Where a sidecar's Envoy makes its inbound passthrough connections to the app from
+/// (`127.0.0.6`, `::6`): never redirected.
+pub const PASSTHROUGH_SOURCE_V4: [u8; 4] = [127, 0, 0, 6];
+pub const PASSTHROUGH_SOURCE_V6: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 6];
 
 /// Source address of node-local TCP to enrolled pods (kubelet probes); the pod lets it through.
 pub const PROBE_SOURCE_V4: [u8; 4] = [169, 254, 7, 127];
@@ -99,6 +104,22 @@ pub const POD_DNS_CAPTURE: u32 = 1 << 3;
 /// `bpf_sk_assign` a packet to ztunnel's reuseport listener, inbound hands new connections to it
 /// through the socket lookup instead. Without it such a connection is dropped, never delivered.
 pub const POD_SOCKET_LOOKUP_HANDOFF: u32 = 1 << 4;
+/// A sidecar pod: its traffic goes to its own istio-proxy as istio-cni's sidecar rules send it,
+/// and the flags below and the `SIDECAR_PORTS` and `SIDECAR_RANGES` entries say how.
+pub const POD_SIDECAR: u32 = 1 << 5;
+/// Sidecar: IPv6 is captured (istio installs its ip6tables rules); otherwise IPv6 passes.
+pub const POD_SIDECAR_IPV6: u32 = 1 << 6;
+/// Sidecar: every inbound TCP port but the excluded ones is captured (`includeInboundPorts: *`);
+/// otherwise only the included ones.
+pub const POD_INBOUND_ALL_PORTS: u32 = 1 << 7;
+/// Sidecar: every outbound destination is captured (`includeOutboundIPRanges: *`); otherwise
+/// only the included ranges.
+pub const POD_OUTBOUND_ALL_RANGES: u32 = 1 << 8;
+/// Sidecar: an included range holds a loopback address, so the app's loopback traffic is not
+/// let through outright (istio drops its `-o lo` RETURN rule).
+pub const POD_LOOPBACK_INCLUDED: u32 = 1 << 9;
+/// Sidecar in TPROXY mode: inbound 15008 is captured like any port.
+pub const POD_TPROXY: u32 = 1 << 10;
 
 /// UDP port of the netns cookie question: on kernels before 5.14 (no `SO_NETNS_COOKIE`) the agent
 /// connects a UDP socket in a netns to the probe source address on this port, and the connect
@@ -117,11 +138,71 @@ pub struct PodConfig {
     pub ipv6: [u8; 16],
     /// metadata.uid, NUL-padded: lets a restarted agent (and `bpftool`) tell which pod this is.
     pub uid: [u8; POD_UID_LEN],
+    /// A sidecar pod's proxy identity: sockets of this uid or gid are never redirected outbound
+    /// (istio's `--uid-owner`/`--gid-owner`). Zero for ambient pods.
+    pub proxy_uid: u32,
+    pub proxy_gid: u32,
 }
 
 impl PodConfig {
     pub const fn has(&self, flag: u32) -> bool {
         self.flags & flag != 0
+    }
+}
+
+/// Which of a sidecar pod's lists a `SIDECAR_PORTS` or `SIDECAR_RANGES` entry is in.
+pub mod list {
+    pub const INBOUND_INCLUDE: u8 = 1;
+    pub const INBOUND_EXCLUDE: u8 = 2;
+    pub const OUTBOUND_INCLUDE: u8 = 3;
+    pub const OUTBOUND_EXCLUDE: u8 = 4;
+}
+
+/// A port in one of a sidecar pod's port lists (`SIDECAR_PORTS`, value `u8` 1).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PortKey {
+    pub netns_cookie: u64,
+    pub port: u16,
+    /// A [`list`] value.
+    pub list: u8,
+    pub _pad: [u8; 5],
+}
+
+impl PortKey {
+    pub const fn new(netns_cookie: u64, list: u8, port: u16) -> Self {
+        Self {
+            netns_cookie,
+            port,
+            list,
+            _pad: [0; 5],
+        }
+    }
+}
+
+/// The data of a `SIDECAR_RANGES` LPM trie key (after its prefix length): a pod's list, then
+/// the address. A range of prefix `p` is stored with prefix length [`RangeKey::BITS_BEFORE_IP`]
+/// plus `p` (plus 96 for IPv4, stored IPv4-mapped); a lookup uses [`RangeKey::FULL_BITS`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RangeKey {
+    /// The netns cookie's native-endian bytes: a byte array keeps the key free of padding.
+    pub netns_cookie: [u8; 8],
+    /// A [`list`] value, in a word so the address stays 4-byte aligned.
+    pub list: u32,
+    pub ip: IpKey,
+}
+
+impl RangeKey {
+    pub const BITS_BEFORE_IP: u32 = 96;
+    pub const FULL_BITS: u32 = Self::BITS_BEFORE_IP + 128;
+
+    pub const fn new(netns_cookie: u64, list: u8, ip: IpKey) -> Self {
+        Self {
+            netns_cookie: netns_cookie.to_ne_bytes(),
+            list: list as u32,
+            ip,
+        }
     }
 }
 
@@ -191,11 +272,11 @@ pub enum TraceHook {
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TraceVerdict {
-    /// Sent to ztunnel's outbound listener (15001).
+    /// Sent to the outbound listener (15001): ztunnel's, or a sidecar's proxy.
     Outbound = 1,
-    /// Handed to ztunnel's inbound listener (15006).
+    /// Handed to the inbound listener (15006).
     Inbound = 2,
-    /// Sent to ztunnel's DNS proxy (15053).
+    /// Sent to the DNS proxy (15053).
     Dns = 3,
     /// A kubelet probe from the node: bound to, or let in from, the probe source address.
     ProbeBypass = 4,
@@ -229,6 +310,12 @@ pub enum TraceVerdict {
     RefuseNoRoom = 18,
     /// `SO_ORIGINAL_DST` answered with `destination`.
     OriginalDst = 19,
+    /// A sidecar's own proxy socket (its uid or gid), or its inbound passthrough (127.0.0.6).
+    PassProxy = 20,
+    /// Not captured by a sidecar pod's lists: an excluded port or range, or one not included.
+    PassExcluded = 21,
+    /// A sidecar's proxy to its own pod, sent to its inbound listener (15006).
+    Hairpin = 22,
 }
 
 impl TraceHook {
@@ -246,7 +333,7 @@ impl TraceHook {
 }
 
 impl TraceVerdict {
-    pub const ALL: [Self; 19] = [
+    pub const ALL: [Self; 22] = [
         Self::Outbound,
         Self::Inbound,
         Self::Dns,
@@ -266,6 +353,9 @@ impl TraceVerdict {
         Self::RefuseNoAddress,
         Self::RefuseNoRoom,
         Self::OriginalDst,
+        Self::PassProxy,
+        Self::PassExcluded,
+        Self::Hairpin,
     ];
 
     pub fn from_u8(value: u8) -> Option<Self> {
@@ -295,8 +385,12 @@ pub mod maps {
     pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
     /// Per-CPU `u64` at index 0: records the ring buffer had no room for.
     pub const TRACE_LOST: &str = "TRACE_LOST";
+    /// Sidecar pods' port lists ([`super::PortKey`]).
+    pub const SIDECAR_PORTS: &str = "SIDECAR_PORTS";
+    /// Sidecar pods' IP range lists, an LPM trie of [`super::RangeKey`].
+    pub const SIDECAR_RANGES: &str = "SIDECAR_RANGES";
     /// Every map, each pinned under its name.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 13] = [
         PODS,
         POD_IPS,
         POD_COUNTERS,
@@ -308,6 +402,8 @@ pub mod maps {
         TRACE_ON,
         TRACE_EVENTS,
         TRACE_LOST,
+        SIDECAR_PORTS,
+        SIDECAR_RANGES,
     ];
 }
 
@@ -346,6 +442,8 @@ mod user {
     unsafe impl aya::Pod for super::PodCounters {}
     unsafe impl aya::Pod for super::NodeConfig {}
     unsafe impl aya::Pod for super::TraceRecord {}
+    unsafe impl aya::Pod for super::PortKey {}
+    unsafe impl aya::Pod for super::RangeKey {}
 }
 
 #[cfg(test)]
@@ -358,7 +456,10 @@ mod tests {
         assert_eq!(size_of::<IpKey>(), 16);
         assert_eq!(size_of::<Endpoint>(), 20);
         assert_eq!(size_of::<ConnectionKey>(), 40);
-        assert_eq!(size_of::<PodConfig>(), 4 + 4 + 16 + POD_UID_LEN);
+        assert_eq!(size_of::<PodConfig>(), 4 + 4 + 16 + POD_UID_LEN + 8);
+        assert_eq!(size_of::<PortKey>(), 16);
+        assert_eq!(size_of::<RangeKey>(), 28);
+        assert_eq!(RangeKey::FULL_BITS as usize, 8 * size_of::<RangeKey>());
         assert_eq!(size_of::<PodCounters>(), 40);
         assert_eq!(size_of::<TraceRecord>(), 8 + 3 * 20 + 4);
     }

@@ -40,8 +40,8 @@ use aya_ebpf::{
 };
 use weir_common::{
     ConnectionKey, Endpoint, IpKey, PodCounters, TraceHook, TraceVerdict, HBONE_PORT, INBOUND_PORT,
-    OUTBOUND_PORT, POD_INBOUND_BYPASS, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
-    ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    OUTBOUND_PORT, POD_INBOUND_BYPASS, POD_SIDECAR, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4,
+    PROBE_SOURCE_V6, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
@@ -49,6 +49,7 @@ use crate::{
     handoff,
     maps::{count, original_destination, pod, pod_with_ip, CONN_ORIG_DST},
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
+    sidecar,
     trace::{trace, NOWHERE, TCP},
 };
 
@@ -312,7 +313,11 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         ctx.load(transport.offset).map_err(|_| ())?,
         ctx.load(transport.offset + 2).map_err(|_| ())?,
     );
-    if u16::from_be(dport) == HBONE_PORT {
+    let sidecar = pod.has(POD_SIDECAR);
+    if sidecar && !sidecar::captures_inbound(netns, pod, u16::from_be(dport)) {
+        return Ok(PASS);
+    }
+    if !sidecar && u16::from_be(dport) == HBONE_PORT {
         let (mut tuple, tuple_len) = sock_tuple(packet, sport, dport);
         if hbone_reaches_ztunnel(ctx, &mut tuple, tuple_len) {
             return Ok(PASS);

@@ -8,6 +8,8 @@
 //! - [`inbound`]: tc ingress on the pod's interfaces hands new inbound connections to ztunnel's
 //!   15006 listener with `bpf_sk_assign` (TPROXY semantics: the local address stays the original).
 //! - [`handoff`]: the same hand-over through the socket lookup, on kernels before 6.5.
+//! - [`sidecar`]: the same hooks' decisions for a sidecar pod, whose traffic goes to its own
+//!   istio-proxy (istio-cni's sidecar rules) instead of ztunnel.
 //!
 //! Every program is keyed on enrolled pods (their netns cookie, or their IPs on the wire) and lets
 //! everything else through untouched: the cgroup programs are attached at the root cgroup and see
@@ -25,6 +27,7 @@ mod handoff;
 mod inbound;
 mod original_dst;
 mod outbound;
+mod sidecar;
 
 #[cfg(not(test))]
 #[panic_handler]

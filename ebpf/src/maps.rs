@@ -8,18 +8,24 @@ use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
     bindings::{bpf_sock, BPF_ANY, BPF_F_NO_PREALLOC},
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuHashMap},
+    btf_maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap},
     helpers::generated::{
         bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem, bpf_sk_storage_get,
     },
     macros::btf_map,
 };
-use weir_common::{ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters};
+use weir_common::{
+    ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters, PortKey, RangeKey,
+};
 
 const BPF_SK_STORAGE_GET_F_CREATE: u64 = 1;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
 const MAX_PODS: usize = 16_384;
+/// Sidecar pods' list entries, node-wide: a pod's lists are a few ports and ranges each (the
+/// agent refuses a pod whose lists would not fit).
+const MAX_SIDECAR_PORTS: usize = 65_536;
+const MAX_SIDECAR_RANGES: usize = 16_384;
 /// Redirected connections between the app's connect and ztunnel's SO_ORIGINAL_DST question (a
 /// few milliseconds; entries are removed once answered). LRU, so entries ztunnel never asked
 /// about (connections that died first) are recycled.
@@ -168,6 +174,15 @@ pub static SOCKET_ORIG_DST: SocketStorage<Endpoint> = SocketStorage::new();
 #[btf_map]
 pub static CONN_ORIG_DST: LruHashMap<ConnectionKey, Endpoint, MAX_CONNECTIONS> = LruHashMap::new();
 
+/// Sidecar pods' port lists: present means listed.
+#[btf_map]
+static SIDECAR_PORTS: HashMap<PortKey, u8, MAX_SIDECAR_PORTS, NO_PREALLOC> = HashMap::new();
+
+/// Sidecar pods' IP range lists: a lookup matches when a range of the pod's list holds the
+/// address.
+#[btf_map]
+static SIDECAR_RANGES: LpmTrie<RangeKey, u8, MAX_SIDECAR_RANGES> = LpmTrie::new();
+
 #[btf_map]
 static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
 
@@ -219,4 +234,19 @@ pub fn count(netns_cookie: u64, field: impl FnOnce(&mut PodCounters) -> &mut u64
         // SAFETY: per-CPU value, only this CPU writes it while this program runs.
         unsafe { *field(&mut *counters) += 1 };
     }
+}
+
+/// Whether `port` is in the sidecar pod's `list` (a `weir_common::list` value).
+#[inline(always)]
+pub fn port_listed(netns_cookie: u64, list: u8, port: u16) -> bool {
+    let key = PortKey::new(netns_cookie, list, port);
+    // SAFETY: the value is only tested for presence.
+    unsafe { SIDECAR_PORTS.get(key).is_some() }
+}
+
+/// Whether a range in the sidecar pod's `list` holds `ip`.
+#[inline(always)]
+pub fn range_listed(netns_cookie: u64, list: u8, ip: &IpKey) -> bool {
+    let key = Key::new(RangeKey::FULL_BITS, RangeKey::new(netns_cookie, list, *ip));
+    SIDECAR_RANGES.get(&key).is_some()
 }

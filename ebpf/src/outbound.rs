@@ -8,9 +8,9 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use weir_common::{
-    Endpoint, IpKey, PodConfig, TraceHook, TraceVerdict, DNS_PORT, DNS_PROXY_PORT,
-    NETNS_COOKIE_PORT, OUTBOUND_PORT, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, PROBE_SOURCE_V4,
-    PROBE_SOURCE_V6, RETURN_MARK, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    Endpoint, IpKey, PodConfig, TraceHook, TraceVerdict, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT,
+    NETNS_COOKIE_PORT, OUTBOUND_PORT, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_SIDECAR,
+    PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
@@ -20,6 +20,7 @@ use crate::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, SockaddrIn, SockaddrIn6,
         ALLOW, DENY, SOCK_DGRAM, SOCK_STREAM,
     },
+    sidecar,
     trace::{trace, PodAddress, Side, NOWHERE, TCP, UDP},
 };
 
@@ -27,7 +28,7 @@ const SOL_SOCKET: i32 = 1;
 const SO_MARK: i32 = 36;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Hook {
+pub(crate) enum Hook {
     /// connect(): TCP and connected UDP.
     Connect,
     /// sendmsg() with an address: unconnected UDP.
@@ -98,56 +99,61 @@ fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
     // These hooks run for every socket on the node. An unconnected datagram can only be
     // redirected to the DNS proxy or refused toward the probe source: anything else leaves
     // before the netns cookie and the map lookups, as it would with no programs.
-    if hook == Hook::Send {
-        let dst = sa.user_endpoint();
-        if dst.port != DNS_PORT && !is_probe_source(&dst.ip) {
-            return ALLOW;
-        }
+    // Read once, here: LLVM may otherwise compute the context's field addresses ahead of the
+    // family branch for one of several reads, which the verifier rejects.
+    let dst = sa.user_endpoint();
+    if hook == Hook::Send && dst.port != DNS_PORT && !is_probe_source(&dst.ip) {
+        return ALLOW;
     }
     // SAFETY: helper valid in sock_addr programs.
     let netns = unsafe { bpf_get_netns_cookie(sa.ctx as *mut c_void) };
-    if hook == Hook::Connect && is_netns_cookie_question(&sa) {
+    if hook == Hook::Connect && is_netns_cookie_question(&sa, &dst) {
         return answer_netns_cookie(&sa, netns);
     }
-    match pod(netns) {
-        Some(pod) => return redirect(&sa, netns, pod, hook),
-        None if hook == Hook::Connect => give_probe_source(&sa, netns),
-        None => {}
+    let Some(pod) = pod(netns) else {
+        if hook == Hook::Connect {
+            give_probe_source(&sa, netns, &dst);
+        }
+        return ALLOW;
+    };
+    let decided = if pod.has(POD_SIDECAR) {
+        sidecar::outbound(&sa, netns, pod, hook, &dst)
+    } else {
+        redirect(&sa, netns, pod, hook, &dst)
+    };
+    // One place rewrites the address for both kinds of pods: LLVM merges the context stores of
+    // several into one through a computed pointer, which the verifier rejects.
+    match decided {
+        Decided::SendTo(target, verdict) => send_to(&sa, netns, pod, hook, &dst, &target, verdict),
+        Decided::Done(verdict) => verdict,
     }
-    ALLOW
+}
+
+/// What an in-pod decision does with a call.
+pub(crate) enum Decided {
+    /// Sent to a proxy's listener.
+    SendTo(Endpoint, TraceVerdict),
+    /// Let through or refused (the hook's verdict), and traced.
+    Done(i32),
 }
 
 /// The in-pod decision, istio's ISTIO_OUTPUT chain without conntrack. Returns the hook's
 /// verdict: the call proceeds (redirected or not), or is refused.
 #[inline(always)]
-fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
-    let dst = sa.user_endpoint();
+fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoint) -> Decided {
     if sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
-        // ztunnel's own socket: never redirected. Its source-preserving dials to the app in
-        // its own pod get the return mark, so the app's replies route back to ztunnel.
-        if hook == Hook::Connect && pod_owns(netns, &dst.ip) {
-            let mut mark = sa.mark() | RETURN_MARK;
-            // SAFETY: bpf_setsockopt is allowed in connect hooks; the value lives on the stack.
-            unsafe {
-                bpf_setsockopt(
-                    sa.ctx as *mut c_void,
-                    SOL_SOCKET,
-                    SO_MARK,
-                    &mut mark as *mut u32 as *mut c_void,
-                    4,
-                );
-            }
-        }
+        // ztunnel's own socket: never redirected.
+        route_replies_back(sa, netns, dst, hook);
         trace_outbound(
             sa,
             netns,
             pod,
             hook,
-            &dst,
+            dst,
             TraceVerdict::PassZtunnel,
             NOWHERE,
         );
-        return ALLOW;
+        return Decided::Done(ALLOW);
     }
     if is_probe_source(&dst.ip) {
         // Local on the node (the probes' replies return to it), so any node listener on a
@@ -165,15 +171,15 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
             netns,
             pod,
             hook,
-            &dst,
+            dst,
             TraceVerdict::RefuseProbeAddress,
             NOWHERE,
         );
-        return DENY;
+        return Decided::Done(DENY);
     }
     if is_loopback(&dst.ip) || pod_owns(netns, &dst.ip) {
-        trace_outbound(sa, netns, pod, hook, &dst, TraceVerdict::PassLocal, NOWHERE);
-        return ALLOW;
+        trace_outbound(sa, netns, pod, hook, dst, TraceVerdict::PassLocal, NOWHERE);
+        return Decided::Done(ALLOW);
     }
     let is_dns = dst.port == DNS_PORT && pod.has(POD_DNS_CAPTURE);
     let target = if is_dns {
@@ -200,11 +206,11 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
                     netns,
                     pod,
                     hook,
-                    &dst,
+                    dst,
                     TraceVerdict::RefuseNoAddress,
                     NOWHERE,
                 );
-                return DENY;
+                return Decided::Done(DENY);
             }
         }
     } else {
@@ -213,16 +219,36 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
             netns,
             pod,
             hook,
-            &dst,
+            dst,
             TraceVerdict::PassUncaptured,
             NOWHERE,
         );
-        return ALLOW;
+        return Decided::Done(ALLOW);
     };
-    if !SOCKET_ORIG_DST.set(sa.sk(), &dst) {
-        // Without the record ztunnel could not learn the destination, and a direct connection
-        // would bypass the mesh's policy: refuse the call (EPERM; the app retries). Only
-        // happens when the kernel cannot allocate the socket's storage.
+    let verdict = if is_dns {
+        TraceVerdict::Dns
+    } else {
+        TraceVerdict::Outbound
+    };
+    Decided::SendTo(target, verdict)
+}
+
+/// Sends a call to a proxy's listener (`target`), recording its original destination on the
+/// socket, where `SO_ORIGINAL_DST`, getpeername and recvmsg find it. Returns the hook's verdict.
+#[inline(always)]
+fn send_to(
+    sa: &SockAddr,
+    netns: u64,
+    pod: &PodConfig,
+    hook: Hook,
+    dst: &Endpoint,
+    target: &Endpoint,
+    verdict: TraceVerdict,
+) -> i32 {
+    if !SOCKET_ORIG_DST.set(sa.sk(), dst) {
+        // Without the record the proxy could not learn the destination, and a direct
+        // connection would bypass the mesh's policy: refuse the call (EPERM; the app retries).
+        // Only happens when the kernel cannot allocate the socket's storage.
         diag!(
             warn,
             sa.ctx,
@@ -236,13 +262,13 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
             netns,
             pod,
             hook,
-            &dst,
+            dst,
             TraceVerdict::RefuseNoRoom,
             NOWHERE,
         );
         return DENY;
     }
-    sa.set_user_endpoint(&target);
+    sa.set_user_endpoint(target);
     diag!(
         by_ref debug,
         sa.ctx,
@@ -253,29 +279,47 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook) -> i32 {
         ip(&target.ip),
         target.port
     );
-    let verdict = if is_dns {
-        count(netns, |c| &mut c.dns);
-        TraceVerdict::Dns
-    } else {
-        count(netns, |c| &mut c.outbound);
-        TraceVerdict::Outbound
-    };
+    match verdict {
+        TraceVerdict::Dns => count(netns, |c| &mut c.dns),
+        TraceVerdict::Hairpin => count(netns, |c| &mut c.inbound),
+        _ => count(netns, |c| &mut c.outbound),
+    }
     trace_outbound(
         sa,
         netns,
         pod,
         hook,
-        &dst,
+        dst,
         verdict,
         (&target.ip, target.port),
     );
     ALLOW
 }
 
+/// A proxy's source-preserving dial (marked 0x539) to the app in its own pod gets the return
+/// mark, so the app's replies, addressed to the spoofed client, route back to the proxy.
+#[inline(always)]
+pub(crate) fn route_replies_back(sa: &SockAddr, netns: u64, dst: &Endpoint, hook: Hook) {
+    if hook != Hook::Connect || !pod_owns(netns, &dst.ip) {
+        return;
+    }
+    let mut mark = sa.mark() | RETURN_MARK;
+    // SAFETY: bpf_setsockopt is allowed in connect hooks; the value lives on the stack.
+    unsafe {
+        bpf_setsockopt(
+            sa.ctx as *mut c_void,
+            SOL_SOCKET,
+            SO_MARK,
+            &mut mark as *mut u32 as *mut c_void,
+            4,
+        );
+    }
+}
+
 /// Traces an in-pod decision. The source is the pod's address of the destination's family;
 /// its port is not chosen yet at connect.
 #[inline(always)]
-fn trace_outbound(
+pub(crate) fn trace_outbound(
     sa: &SockAddr,
     netns: u64,
     pod: &PodConfig,
@@ -303,7 +347,7 @@ fn trace_outbound(
 /// probe source address, which the pod's inbound program lets through to the app. Traffic from
 /// other pods or forwarded through the node keeps its source and is captured.
 #[inline(always)]
-fn give_probe_source(sa: &SockAddr, netns: u64) {
+fn give_probe_source(sa: &SockAddr, netns: u64, dst: &Endpoint) {
     if sa.sock_type() != SOCK_STREAM {
         return;
     }
@@ -311,13 +355,16 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
     if host == 0 || host != netns {
         return;
     }
-    let dst = sa.user_endpoint();
     // Only toward an address the runtime gave the pod, which is what kubelet probes: one the
     // pod put on an interface itself may be anyone's (the API server's), and the node's
     // connections to it keep their source.
     let Some(target) = pod_with_ip(&dst.ip).and_then(pod) else {
         return;
     };
+    // A sidecar pod's probes go through its proxy, which istio rewrites them for.
+    if target.has(POD_SIDECAR) {
+        return;
+    }
     let given = (target.has(POD_HAS_IPV4) && same_ip(&dst.ip, &IpKey::from_v4(target.ipv4)))
         || (target.has(POD_HAS_IPV6) && same_ip(&dst.ip, &IpKey::from_v6(target.ipv6)));
     if !given {
@@ -365,7 +412,7 @@ fn give_probe_source(sa: &SockAddr, netns: u64) {
 /// like any other traffic, which fails toward the mesh, not toward a bypass.
 /// Returns the helper's result: 0, or a negative errno.
 #[inline(always)]
-fn bind<T>(sa: &SockAddr, addr: &mut T) -> i64 {
+pub(crate) fn bind<T>(sa: &SockAddr, addr: &mut T) -> i64 {
     // SAFETY: bpf_bind is allowed in connect hooks; `addr` is a sockaddr on the stack.
     unsafe {
         bpf_bind(
@@ -379,11 +426,10 @@ fn bind<T>(sa: &SockAddr, addr: &mut T) -> i64 {
 /// The agent's question on kernels before 5.14, which cannot tell a socket's netns cookie
 /// (`SO_NETNS_COOKIE`): a UDP connect to the probe source address on `NETNS_COOKIE_PORT`.
 #[inline(always)]
-fn is_netns_cookie_question(sa: &SockAddr) -> bool {
+fn is_netns_cookie_question(sa: &SockAddr, dst: &Endpoint) -> bool {
     if sa.v6 || sa.sock_type() != SOCK_DGRAM {
         return false;
     }
-    let dst = sa.user_endpoint();
     dst.port == NETNS_COOKIE_PORT && same_ip(&dst.ip, &IpKey::from_v4(PROBE_SOURCE_V4))
 }
 
@@ -400,7 +446,11 @@ fn answer_netns_cookie(sa: &SockAddr, netns: u64) -> i32 {
 fn show_original_peer(sa: SockAddr, shown_as: Shown) -> i32 {
     let shown = sa.user_endpoint();
     let redirected = match shown_as {
-        Shown::Peer => shown.port == OUTBOUND_PORT || shown.port == DNS_PROXY_PORT,
+        Shown::Peer => {
+            shown.port == OUTBOUND_PORT
+                || shown.port == DNS_PROXY_PORT
+                || shown.port == INBOUND_PORT
+        }
         Shown::Datagram => shown.port == DNS_PROXY_PORT,
     };
     if !redirected {
@@ -415,13 +465,13 @@ fn show_original_peer(sa: SockAddr, shown_as: Shown) -> i32 {
 /// Whether `ip` is one of the addresses indexed for the pod: its IPs, and addresses its
 /// interfaces have or were given after enrollment.
 #[inline(always)]
-fn pod_owns(netns: u64, ip: &IpKey) -> bool {
+pub(crate) fn pod_owns(netns: u64, ip: &IpKey) -> bool {
     pod_with_ip(ip) == Some(netns)
 }
 
 /// The pod's address of the same family as `like`.
 #[inline(always)]
-fn pod_address_like(pod: &PodConfig, like: &IpKey) -> Option<IpKey> {
+pub(crate) fn pod_address_like(pod: &PodConfig, like: &IpKey) -> Option<IpKey> {
     if is_v4_mapped(like) {
         pod.has(POD_HAS_IPV4).then(|| IpKey::from_v4(pod.ipv4))
     } else {

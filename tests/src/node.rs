@@ -532,6 +532,7 @@ impl Pod {
             ips: self.ips().to_vec(),
             options,
             attachment: None,
+            sidecar: None,
         }
     }
 

@@ -12,7 +12,10 @@ mod reference;
 pub use reference::markdown;
 
 use crate::{
-    cluster::{repair::BrokenPodAction, ClusterConfig},
+    cluster::{
+        repair::{BrokenPodAction, BrokenPods},
+        ClusterConfig,
+    },
     config::{AgentConfig, SourceConfig},
     datapath::DatapathConfig,
     inspect,
@@ -113,12 +116,20 @@ pub struct RunArgs {
     /// retries failed pods.
     #[arg(long, env = "WEIR_RESYNC_INTERVAL", default_value = "60s", value_parser = interval)]
     pub resync_interval: Duration,
-    /// What becomes of an ambient pod found running without weir's redirection (it started
-    /// while weir-cni was missing from the chain) when it cannot be enrolled in place: left to
-    /// the retries, deleted (its owner recreates it), or labelled cni.istio.io/uninitialized=true.
-    /// As istio-cni's repair controller (repairPods, deletePods, labelPods); none is istio's default.
+    /// What becomes of a pod found running without weir's redirection (it started while
+    /// weir-cni was missing from the chain: an ambient pod, or a sidecar pod whose
+    /// istio-validation init container exited with 126) when it is not enrolled in place: left
+    /// to the retries, deleted (its owner recreates it), or labelled
+    /// cni.istio.io/uninitialized=true. As istio-cni's repair controller (repairPods,
+    /// deletePods, labelPods); none is istio's default.
     #[arg(long, env = "WEIR_REPAIR_BROKEN_PODS", value_enum, default_value_t = BrokenPodAction::None)]
     pub repair_broken_pods: BrokenPodAction,
+    /// Enroll a broken sidecar pod in place, once: its istio-validation init container found no
+    /// redirection (exit code 126) and passes on its next restart. As istio-cni's repairPods
+    /// (REPAIR_REPAIR_PODS, on in istio's chart). When false, or when the repair fails,
+    /// --repair-broken-pods applies to the pod. Ambient pods are always enrolled live.
+    #[arg(long, env = "REPAIR_REPAIR_PODS", default_value_t = true, action = ArgAction::Set)]
+    pub repair_pods: bool,
     /// Which pods are ambient: a list of {podSelector, namespaceSelector} label selectors, YAML
     /// or JSON, as istio's AMBIENT_ENABLEMENT_SELECTOR (default: istio's rule on the
     /// `istio.io/dataplane-mode` labels).
@@ -261,7 +272,10 @@ impl RunArgs {
                 kubeconfig: self.kubeconfig,
                 node_name,
                 resync_interval: self.resync_interval,
-                broken_pods: self.repair_broken_pods,
+                broken_pods: BrokenPods {
+                    repair_in_place: self.repair_pods,
+                    action: self.repair_broken_pods,
+                },
             }),
             (None, None) => anyhow::bail!(
                 "--node-name (WEIR_NODE_NAME) is required without --policy-file: \

@@ -1,14 +1,16 @@
 //! The Kubernetes side of the agent, as istio-cni's node agent follows the cluster: reflectors
 //! over the pods on this node, all namespaces and weir's own DaemonSet ([`Reflectors`]), the
 //! policy that decides from these caches ([`policy`]), the status annotation and Events on pods
-//! ([`report`]), the reconcile loop ([`reconcile`]) with pod repair ([`repair`]), and the SIGTERM
-//! rule ([`shutdown`]). The caches keep only what the agent reads of each object ([`prune`]).
+//! ([`report`]), the reconcile loop ([`reconcile`]) with pod repair ([`repair`]), the repair of
+//! broken sidecar pods ([`sidecar_repair`]), and the SIGTERM rule ([`shutdown`]). The caches
+//! keep only what the agent reads of each object ([`prune`]).
 pub mod policy;
 mod prune;
 pub mod reconcile;
 pub mod repair;
 pub mod report;
 pub mod shutdown;
+pub mod sidecar_repair;
 
 use std::{fmt::Debug, path::PathBuf, time::Duration};
 
@@ -16,7 +18,7 @@ use anyhow::{Context, Result};
 use futures::{future::join3, StreamExt};
 use k8s_openapi::api::{
     apps::v1::DaemonSet,
-    core::v1::{Namespace, Pod},
+    core::v1::{Namespace, Pod, PodSpec},
 };
 use kube::{
     api::Api,
@@ -34,6 +36,8 @@ use tokio::{
 };
 use tracing::warn;
 
+use weir_cni::ambient::ContainerFacts;
+
 use crate::{
     policy::{Labels, PodFacts},
     workload::PodName,
@@ -48,8 +52,9 @@ pub struct ClusterConfig {
     pub node_name: String,
     /// How often every pod on the node is checked again, changes or not.
     pub resync_interval: Duration,
-    /// What becomes of an ambient pod running without redirection that cannot be repaired.
-    pub broken_pods: repair::BrokenPodAction,
+    /// What becomes of a pod running without redirection: ambient, or sidecar as its
+    /// istio-validation tells.
+    pub broken_pods: repair::BrokenPods,
 }
 
 /// A kube client for `config`.
@@ -244,5 +249,30 @@ pub fn facts_of(pod: &Pod, namespace_labels: Labels) -> PodFacts {
             .find(|owner| owner.kind == "DaemonSet")
             .map(|owner| owner.name.clone()),
         service_account: spec.and_then(|s| s.service_account_name.clone()),
+        containers: spec.map(containers_of).unwrap_or_default(),
     }
+}
+
+/// Init containers first, then containers, as istio-cni scans them.
+fn containers_of(spec: &PodSpec) -> Vec<ContainerFacts> {
+    let init = spec.init_containers.iter().flatten();
+    init.chain(&spec.containers)
+        .map(|container| {
+            let security = container.security_context.as_ref();
+            ContainerFacts {
+                name: container.name.clone(),
+                args: container.args.clone().unwrap_or_default(),
+                env: (container.env.iter().flatten())
+                    .map(|var| {
+                        // The API server leaves out an empty value; only valueFrom has none.
+                        let value = (var.value.clone())
+                            .or_else(|| var.value_from.is_none().then(String::new));
+                        (var.name.clone(), value)
+                    })
+                    .collect(),
+                run_as_user: security.and_then(|s| s.run_as_user),
+                run_as_group: security.and_then(|s| s.run_as_group),
+            }
+        })
+        .collect()
 }

@@ -11,7 +11,7 @@ use tracing::warn;
 use super::{facts_of, Reflectors};
 use crate::{
     policy::{
-        verdicts::VerdictWriter, AmbientPod, Labels, PodFacts, Policy, PolicyConfig, PolicyError,
+        verdicts::VerdictWriter, Decision, Labels, PodFacts, Policy, PolicyConfig, PolicyError,
     },
     workload::PodName,
 };
@@ -125,9 +125,14 @@ impl Policy for ClusterSource {
         pod: &'a PodName,
         uid: &'a str,
         _runtime_annotations: &'a Labels,
-    ) -> BoxFuture<'a, Result<Option<AmbientPod>, PolicyError>> {
+    ) -> BoxFuture<'a, Result<Decision, PolicyError>> {
         // The pod object is the truth; the runtime's copy of its annotations adds nothing.
-        async move { Ok(self.config.decide(&self.facts(pod, uid).await?)) }.boxed()
+        async move {
+            self.config
+                .decide_mode(&self.facts(pod, uid).await?)
+                .map_err(|invalid| PolicyError::InvalidAnnotation(pod.clone(), invalid))
+        }
+        .boxed()
     }
 
     fn synced(&self) -> BoxFuture<'_, ()> {

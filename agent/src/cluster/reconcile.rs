@@ -384,6 +384,7 @@ impl Reconciler {
             ips,
             options: ambient.options,
             attachment,
+            sidecar: None,
         };
         self.enroller
             .enroll_in(&pod, EnrollNetns::Found(found.netns))

@@ -1,7 +1,8 @@
-//! Pod repair, istio's repair controller (`cni/pkg/repair`) in its ambient form. An ambient pod
-//! found running without redirection is enrolled live by the reconcile loop (istio's
-//! `repairPods`); where that is impossible, the action configured here applies to it instead,
-//! as istio's `deletePods` and `labelPods` do. Every attempt is counted in istio's
+//! Pod repair, istio's repair controller (`cni/pkg/repair`). An ambient pod found running
+//! without redirection is enrolled live by the reconcile loop, a broken sidecar pod by
+//! [`super::sidecar_repair`] (istio's `repairPods`); where that is impossible, or for sidecar
+//! pods switched off, the action configured here applies to it instead, as istio's `deletePods`
+//! and `labelPods` do. Every attempt is counted in istio's
 //! `istio_cni_repair_pods_repaired_total{type,result}`.
 use std::{future::Future, time::Duration};
 
@@ -23,8 +24,28 @@ use crate::report::{Warning, UNINITIALIZED_LABEL};
 /// A delete or label must not hold the pod's turn for long; it is retried with the pod.
 const API_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// What becomes of an ambient pod that runs without redirection and cannot be enrolled in
-/// place (its network namespace is not found, or entering or enrolling it fails).
+/// What becomes of a broken pod: istio's three repair modes, tried in its order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BrokenPods {
+    /// Broken sidecar pods are enrolled in place (istio's `repairPods`, on in its chart). An
+    /// ambient pod is always enrolled live: one running unredirected is never left so.
+    pub repair_in_place: bool,
+    /// What becomes of a broken pod not repaired in place.
+    pub action: BrokenPodAction,
+}
+
+impl Default for BrokenPods {
+    fn default() -> Self {
+        Self {
+            repair_in_place: true,
+            action: BrokenPodAction::None,
+        }
+    }
+}
+
+/// What becomes of a broken pod that is not enrolled in place: an ambient pod whose network
+/// namespace is not found, or entering or enrolling it fails; a sidecar pod the same, or any
+/// with in-place repair off.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum BrokenPodAction {
     /// Nothing but the in-place repair, retried with backoff and reported: istio's default
@@ -49,6 +70,8 @@ struct RepairLabels {
     result: &'static str,
 }
 
+/// Shared by the ambient and the sidecar repair: one count of both, as istio's one controller.
+#[derive(Clone)]
 pub struct Repair {
     client: Client,
     action: BrokenPodAction,
@@ -70,6 +93,10 @@ impl Repair {
             "Total number of pods repaired by repair controller",
             self.repaired.clone(),
         );
+    }
+
+    pub fn action(&self) -> BrokenPodAction {
+        self.action
     }
 
     /// Counts one in-place repair: the pod enrolled live, or not.

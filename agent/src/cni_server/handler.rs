@@ -8,7 +8,7 @@ use prometheus_client::{
 };
 use tracing::Instrument;
 use weir_cni::{
-    code::{PLUGIN_SPECIFIC, TRY_AGAIN_LATER},
+    code::{INVALID_CONFIG, PLUGIN_SPECIFIC, TRY_AGAIN_LATER},
     protocol::{Attachment, Command, Request, Response},
 };
 
@@ -18,9 +18,9 @@ use super::responses::{
 use crate::{
     enroll::Enroller,
     logging::pod_span,
-    policy::{Labels, Policy},
+    policy::{Decision, Labels, Policy, PolicyError},
     report::{report_problems, Reporter, Warning},
-    workload::{PodName, Status, Workload},
+    workload::{PodName, PodOptions, Status, Workload},
 };
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -99,20 +99,45 @@ impl CniHandler {
         result
     }
 
-    /// Decides from policy; returns the pod to enroll, or `None` when it is not ambient. `Err`
-    /// is the response: the decision failed, or the request cannot name an ambient pod.
-    async fn ambient_workload(&self, request: &Request) -> Result<Option<Workload>, Response> {
+    /// Decides from policy; returns the pod to enroll (ambient, or a sidecar pod), or `None`
+    /// when it is neither. `Err` is the response: the decision failed, or the request cannot
+    /// name a pod to enroll.
+    async fn workload(&self, request: &Request) -> Result<Option<Workload>, Response> {
         let name = PodName::new(&request.pod.namespace, &request.pod.name);
         let annotations: Labels = request.annotations.clone().into_iter().collect();
-        let Some(ambient) = self
+        let decision = match self
             .policy
             .decide(&name, &request.pod.uid, &annotations)
             .await
-            .map_err(|error| decision_error(&name, error))?
-        else {
-            return Ok(None);
+        {
+            Ok(decision) => decision,
+            Err(PolicyError::InvalidAnnotation(_, invalid)) => {
+                let msg = format!("sidecar pod {name} cannot be redirected: {invalid}");
+                let warning = Warning::EnrollmentFailed(msg.clone());
+                self.reporter.warn(&name, warning).await;
+                return Err(Response::Error {
+                    code: INVALID_CONFIG,
+                    msg,
+                    details: "istio-cni refuses the same annotation: fix it on the pod".into(),
+                });
+            }
+            Err(error) => return Err(decision_error(&name, error)),
         };
-        report_problems(&*self.reporter, &name, &ambient.problems).await;
+        let (options, service_account, sidecar) = match decision {
+            Decision::Neither => return Ok(None),
+            Decision::Ambient(ambient) => {
+                report_problems(&*self.reporter, &name, &ambient.problems).await;
+                (ambient.options, Some(ambient.service_account), None)
+            }
+            Decision::Sidecar(sidecar) => {
+                let options = PodOptions {
+                    inbound_bypass: false,
+                    dns_capture: sidecar.dns_capture,
+                    reroute_interfaces: Vec::new(),
+                };
+                (options, None, Some(sidecar))
+            }
+        };
         let ips = request
             .ips
             .iter()
@@ -124,17 +149,18 @@ impl CniHandler {
             namespace: request.pod.namespace.clone(),
             netns: PathBuf::from(&request.netns),
             ips,
-            options: ambient.options,
-            service_account: Some(ambient.service_account),
+            options,
+            service_account,
             attachment: Some(Attachment {
                 container_id: request.container_id.clone(),
                 ifname: request.ifname.clone(),
             }),
+            sidecar,
         }))
     }
 
     async fn add(&self, request: &Request) -> Response {
-        let pod = match self.ambient_workload(request).await {
+        let pod = match self.workload(request).await {
             Ok(Some(pod)) => pod,
             Ok(None) => return Response::Ok { enrolled: false },
             Err(response) => return response,
@@ -184,7 +210,7 @@ impl CniHandler {
     }
 
     async fn check(&self, request: &Request) -> Response {
-        match self.ambient_workload(request).await {
+        match self.workload(request).await {
             Ok(None) => Response::Ok { enrolled: false },
             Ok(Some(pod)) => match self.enroller.is_redirected(&pod.uid).await {
                 Ok(true) => Response::Ok { enrolled: true },

@@ -17,7 +17,7 @@ use crate::{
 /// policy now. Both clear up without a new request, so the runtime retries.
 pub(super) fn decision_error(pod: &PodName, error: PolicyError) -> Response {
     let msg = match &error {
-        PolicyError::NotYetKnown(_) => error.to_string(),
+        PolicyError::NotYetKnown(_) | PolicyError::InvalidAnnotation(..) => error.to_string(),
         PolicyError::Failed(cause) => format!(
             "cannot decide whether pod {pod} is ambient: {}",
             cause.root_cause()
@@ -224,6 +224,7 @@ mod tests {
             ips: vec![IpAddr::from([10, 0, 0, 2])],
             options: Default::default(),
             attachment: None,
+            sidecar: None,
         };
         assert!(incomplete_add(&pod).is_none());
         pod.netns = PathBuf::new();

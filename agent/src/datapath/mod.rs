@@ -34,6 +34,7 @@ mod pod_netns;
 mod pods;
 mod programs;
 mod recovery;
+mod sidecar_lists;
 mod snapshot;
 mod tasks;
 mod trace_maps;

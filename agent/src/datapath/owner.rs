@@ -19,7 +19,8 @@ use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters};
 
 use super::{
     audit, bpf_log, discovery, enroll_steps, handoff, kernel, maps_dir, mounts, netlink, netns,
-    programs, recovery, tasks, watch, Command, DatapathConfig, Reply, Traced, AUDIT_INTERVAL,
+    programs, recovery, sidecar_lists, tasks, watch, Command, DatapathConfig, Reply, Traced,
+    AUDIT_INTERVAL,
 };
 
 /// One enrolled pod as the owner tracks it.
@@ -28,6 +29,9 @@ pub(super) struct Enrolled {
     pub(super) ips: Vec<IpKey>,
     /// Its `PODS` entry as written, to restore it when a later attempt fails.
     pub(super) config: PodConfig,
+    /// Its sidecar list entries; `None` where not known (a sidecar pod found in the pinned maps
+    /// after a restart), and looked for in the maps when needed.
+    pub(super) lists: Option<sidecar_lists::ListEntries>,
     /// Held so per-pod state can be undone while the pod lives; `None` for pods found in the
     /// pinned maps after a restart.
     pub(super) netns: Option<File>,
@@ -41,6 +45,7 @@ pub(super) struct Owner {
     pub(super) pods_map: HashMap<MapData, u64, PodConfig>,
     pub(super) pod_ips: HashMap<MapData, IpKey, u64>,
     pub(super) counters: PerCpuHashMap<MapData, u64, PodCounters>,
+    pub(super) sidecar_lists: sidecar_lists::SidecarLists,
     pub(super) pods: StdHashMap<String, Enrolled>,
     /// Enrolled pods' interface subscriptions, by uid (pods recovered after a restart are
     /// followed once enrolled again).
@@ -121,6 +126,7 @@ impl Owner {
         let pods_map: HashMap<MapData, u64, PodConfig> = programs::take_map(&mut ebpf, maps::PODS)?;
         let pod_ips: HashMap<MapData, IpKey, u64> = programs::take_map(&mut ebpf, maps::POD_IPS)?;
         let counters = programs::take_map(&mut ebpf, maps::POD_COUNTERS)?;
+        let sidecar_lists = sidecar_lists::SidecarLists::take(&mut ebpf)?;
         let pods = recovery::recover_pods(&pods_map, &pod_ips);
         info!(
             pin_root = %config.pin_root.display(),
@@ -134,6 +140,7 @@ impl Owner {
             pods_map,
             pod_ips,
             counters,
+            sidecar_lists,
             pods,
             watches: StdHashMap::new(),
             watcher: watch::Watcher::start(changes, watching, &tasks)?,

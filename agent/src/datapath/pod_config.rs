@@ -6,11 +6,12 @@ use std::{net::IpAddr, path::PathBuf};
 use anyhow::Result;
 use aya::maps::PerCpuValues;
 use weir_common::{
-    IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_INBOUND_BYPASS,
-    POD_SOCKET_LOOKUP_HANDOFF, POD_UID_LEN,
+    IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6,
+    POD_INBOUND_ALL_PORTS, POD_INBOUND_BYPASS, POD_LOOPBACK_INCLUDED, POD_OUTBOUND_ALL_RANGES,
+    POD_SIDECAR, POD_SIDECAR_IPV6, POD_SOCKET_LOOKUP_HANDOFF, POD_TPROXY, POD_UID_LEN,
 };
 
-use crate::workload::{PodOptions, Workload};
+use crate::workload::{AllOr, InterceptionMode, PodOptions, SidecarRedirect, Workload};
 
 /// Why a pod can never be enrolled as asked, however often it is tried again: the namespace
 /// named for it is not a pod's, or the pod cannot be told apart in the maps. Every other
@@ -47,6 +48,8 @@ pub(super) fn pod_config(pod: &Workload, handoff: bool) -> Result<PodConfig> {
         ipv4: [0; 4],
         ipv6: [0; 16],
         uid: [0; POD_UID_LEN],
+        proxy_uid: 0,
+        proxy_gid: 0,
     };
     config.uid[..pod.uid.len()].copy_from_slice(pod.uid.as_bytes());
     for ip in &pod.ips {
@@ -71,7 +74,48 @@ pub(super) fn pod_config(pod: &Workload, handoff: bool) -> Result<PodConfig> {
     if handoff {
         config.flags |= POD_SOCKET_LOOKUP_HANDOFF;
     }
+    if let Some(sidecar) = &pod.sidecar {
+        set_sidecar(&mut config, sidecar, &pod.ips);
+    }
     Ok(config)
+}
+
+/// A sidecar pod's flags and proxy identity; its port and range lists go to maps of their own.
+fn set_sidecar(config: &mut PodConfig, sidecar: &SidecarRedirect, ips: &[IpAddr]) {
+    config.flags |= POD_SIDECAR;
+    config.proxy_uid = sidecar.proxy_uid;
+    config.proxy_gid = sidecar.proxy_gid;
+    // istio's rule: IPv6 is captured when the pod's first address is IPv6, or with
+    // ISTIO_DUAL_STACK when it has one at all.
+    let ipv6 = match ips.first() {
+        Some(IpAddr::V6(_)) => true,
+        _ => sidecar.dual_stack && ips.iter().any(IpAddr::is_ipv6),
+    };
+    let flags = [
+        (POD_SIDECAR_IPV6, ipv6),
+        (POD_DNS_CAPTURE, sidecar.dns_capture),
+        (
+            POD_INBOUND_ALL_PORTS,
+            sidecar.include_inbound_ports == AllOr::All,
+        ),
+        (
+            POD_OUTBOUND_ALL_RANGES,
+            sidecar.include_outbound_ranges == AllOr::All,
+        ),
+        (
+            POD_LOOPBACK_INCLUDED,
+            matches!(&sidecar.include_outbound_ranges,
+                AllOr::Only(ranges) if ranges.iter().any(|range| range.addr().is_loopback())),
+        ),
+        (POD_TPROXY, sidecar.mode == InterceptionMode::Tproxy),
+    ];
+    // The ambient DNS default does not apply: the proxy's own setting decides.
+    config.flags &= !POD_DNS_CAPTURE;
+    for (flag, on) in flags {
+        if on {
+            config.flags |= flag;
+        }
+    }
 }
 
 /// A pod's options, as its `PodConfig` flags carry them.

@@ -17,6 +17,7 @@ use super::{
     netns,
     pod_config::{ip_key, pod_config, sum_over_cpus, Unenrollable},
     pod_netns::{set_up_pod_netns, undo_pod_netns},
+    sidecar_lists::ListEntries,
     watch::Interfaces,
     EnrollNetns, Enrolled, Owner,
 };
@@ -67,6 +68,7 @@ impl Owner {
             }
             .into());
         }
+        let lists = ListEntries::of(netns_cookie, pod.sidecar.as_ref())?;
         let subscription = self.subscribe(&pod.uid, netns_cookie, netns_file.as_fd())?;
         stopwatch.lap("netns");
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces");
@@ -92,13 +94,19 @@ impl Owner {
             netns_cookie: previous.netns_cookie,
             ips: previous.ips.clone(),
             config: previous.config,
+            lists: previous.lists.clone(),
         });
+        // The entries the pod's lists had in this netns: none if it is new here.
+        let lists_before = match &before {
+            Some(before) if before.netns_cookie == netns_cookie => before.lists.clone(),
+            _ => Some(ListEntries::default()),
+        };
         let redirected = found.and_then(|found| {
             let ips = self.redirect(
                 pod,
                 &mut rtnl,
                 netns_cookie,
-                &config,
+                (&config, &lists, lists_before.as_ref()),
                 &found,
                 (&pod_ips, &other_ips),
                 &mut stopwatch,
@@ -110,7 +118,7 @@ impl Owner {
             Ok(ips) => ips,
             Err(error) => {
                 let written = [&pod_ips[..], &other_ips].concat();
-                self.roll_back(netns_cookie, &written, before.as_ref(), &mut rtnl);
+                self.roll_back(netns_cookie, &written, &lists, before.as_ref(), &mut rtnl);
                 return Err(error.context(format!("enrolling pod {}", pod.uid)));
             }
         };
@@ -119,7 +127,7 @@ impl Owner {
         // the addresses it no longer has.
         if let Some(before) = &before {
             if before.netns_cookie != netns_cookie {
-                self.remove_entries(before.netns_cookie, &before.ips);
+                self.remove_entries(before.netns_cookie, &before.ips, before.lists.as_ref());
             } else {
                 let gone: Vec<IpKey> = before
                     .ips
@@ -137,6 +145,7 @@ impl Owner {
                 netns_cookie,
                 ips,
                 config,
+                lists: Some(lists),
                 netns: Some(netns_file),
             },
         );
@@ -173,11 +182,12 @@ impl Owner {
         &mut self,
         netns_cookie: u64,
         written: &[IpKey],
+        lists: &ListEntries,
         before: Option<&Previous>,
         rtnl: &mut Rtnl,
     ) {
         let Some(before) = before else {
-            self.remove_entries(netns_cookie, written);
+            self.remove_entries(netns_cookie, written, Some(lists));
             undo_pod_netns(rtnl);
             return;
         };
@@ -188,6 +198,18 @@ impl Owner {
             .collect();
         if before.netns_cookie == netns_cookie {
             self.remove_ip_entries(netns_cookie, &new);
+            if let Some(previous) = &before.lists {
+                if let Err(error) = self
+                    .sidecar_lists
+                    .write(netns_cookie, previous, Some(lists))
+                {
+                    warn!(
+                        netns_cookie,
+                        error = format!("{error:#}"),
+                        "restoring the pod's previous sidecar lists"
+                    );
+                }
+            }
             if let Err(error) = self.pods_map.insert(netns_cookie, before.config, 0) {
                 warn!(
                     netns_cookie,
@@ -199,7 +221,7 @@ impl Owner {
         }
         // Another netns: the attempt's entries all go, and addresses it took over from the
         // previous netns are handed back.
-        self.remove_entries(netns_cookie, &new);
+        self.remove_entries(netns_cookie, &new, Some(lists));
         undo_pod_netns(rtnl);
         for ip in &before.ips {
             if self.pod_ips.get(ip, 0).is_err() {
@@ -222,7 +244,7 @@ impl Owner {
         pod: &Workload,
         rtnl: &mut Rtnl,
         netns_cookie: u64,
-        config: &PodConfig,
+        (config, lists, lists_before): (&PodConfig, &ListEntries, Option<&ListEntries>),
         found: &Interfaces,
         (pod_ips, other_ips): (&[IpKey], &[IpKey]),
         stopwatch: &mut Stopwatch,
@@ -231,6 +253,10 @@ impl Owner {
             .set(config.has(POD_HAS_IPV4), config.has(POD_HAS_IPV6))
             .context("reply-mark sysctls")?;
         stopwatch.lap("sysctls");
+        // Before the pod's entry, which tells the programs to read them.
+        self.sidecar_lists
+            .write(netns_cookie, lists, lists_before)
+            .context("writing the sidecar lists")?;
         let ips = self
             .write_map_entries(netns_cookie, config, pod_ips, other_ips)
             .context("writing the maps")?;
@@ -330,13 +356,15 @@ impl Owner {
     fn remove_map_entries(&mut self, uid: &str) -> Option<File> {
         self.watches.remove(uid);
         let pod = self.pods.remove(uid)?;
-        self.remove_entries(pod.netns_cookie, &pod.ips);
+        self.remove_entries(pod.netns_cookie, &pod.ips, pod.lists.as_ref());
         pod.netns
     }
 
-    fn remove_entries(&mut self, netns_cookie: u64, ips: &[IpKey]) {
+    /// `lists`: the pod's sidecar list entries, `None` where they are not known.
+    fn remove_entries(&mut self, netns_cookie: u64, ips: &[IpKey], lists: Option<&ListEntries>) {
         self.remove_ip_entries(netns_cookie, ips);
         let _ = self.pods_map.remove(&netns_cookie);
+        self.sidecar_lists.remove(lists, netns_cookie);
         let _ = self.counters.remove(&netns_cookie);
         if let Some(handoff) = &self.handoff {
             handoff.detach(netns_cookie);
@@ -381,6 +409,7 @@ struct Previous {
     netns_cookie: u64,
     ips: Vec<IpKey>,
     config: PodConfig,
+    lists: Option<ListEntries>,
 }
 
 /// Runs a map insert again while the kernel answers ENOMEM, a few times over about 50 ms. weir's

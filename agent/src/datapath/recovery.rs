@@ -14,7 +14,8 @@ use tracing::debug;
 use weir_common::{IpKey, PodConfig};
 
 use super::{
-    discovery, pod_netns::prepare_pod_netns, snapshot, watch::Interfaces, Enrolled, Owner,
+    discovery, pod_netns::prepare_pod_netns, sidecar_lists, snapshot, watch::Interfaces, Enrolled,
+    Owner,
 };
 use super::{netlink::Rtnl, netns};
 use crate::workload::Workload;
@@ -31,6 +32,8 @@ pub(super) fn recover_pods(
                 netns_cookie: entry.netns_cookie,
                 ips: entry.ips,
                 config: entry.config,
+                lists: (!entry.config.has(weir_common::POD_SIDECAR))
+                    .then(sidecar_lists::ListEntries::default),
                 netns: None,
             };
             (entry.uid, enrolled)

@@ -192,7 +192,8 @@ impl Enroller {
         self.enroll_in(pod, EnrollNetns::Path).await
     }
 
-    /// Where a pod is enrolled: redirection in place, then ztunnel's Ack, then enabled.
+    /// Where a pod is enrolled: redirection in place, then ztunnel's Ack, then enabled. A
+    /// sidecar pod ([`Workload::sidecar`]) is done once redirected.
     pub async fn enroll_in(&self, pod: &Workload, netns: EnrollNetns) -> Result<Status> {
         let started = std::time::Instant::now();
         let netns = self.datapath.enroll_in(pod.clone(), netns).await?;
@@ -200,6 +201,13 @@ impl Enroller {
             .observe(started.elapsed().as_secs_f64());
         fail::fail_point!("enroll-redirected");
         self.removed_sandboxes.lock().unwrap().remove(&pod.uid);
+        if pod.sidecar.is_some() {
+            // Its proxy is in the pod: ztunnel never hears of it, and it has no ambient status
+            // to publish. Redirected is all there is to it.
+            self.state.insert(pod, Status::Enabled)?;
+            info!(mode = "sidecar", "pod enrolled");
+            return Ok(Status::Enabled);
+        }
         let status = match self
             .zds
             .add(&pod.uid, zds_info(pod), Some(Arc::new(netns)))
@@ -249,8 +257,11 @@ impl Enroller {
     /// Takes a pod out: ztunnel first (so it stops proxying), then redirection. Returns whether
     /// the pod was enrolled.
     pub async fn unenroll(&self, uid: &str) -> Result<bool> {
-        if let Err(error) = self.zds.del(uid).await {
-            warn!(%error, "ztunnel Del");
+        let sidecar = self.state.get(uid).is_some_and(|pod| pod.sidecar.is_some());
+        if !sidecar {
+            if let Err(error) = self.zds.del(uid).await {
+                warn!(%error, "ztunnel Del");
+            }
         }
         self.set_status(uid, None).await;
         let was = self.datapath.unenroll(uid).await?;

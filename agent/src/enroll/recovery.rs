@@ -68,6 +68,14 @@ impl Enroller {
                 None
             }
         };
+        if record.as_ref().is_some_and(|pod| pod.sidecar.is_some()) {
+            info!(
+                netns_found = netns.is_some(),
+                mode = "sidecar",
+                "recovered an enrolled pod"
+            );
+            return;
+        }
         let info: WorkloadInfo = record.as_ref().map(zds_info).unwrap_or_default();
         let name = PodName::new(&info.namespace, &info.name);
         info!(netns_found = netns.is_some(), "recovered an enrolled pod");

@@ -6,15 +6,19 @@ use std::{collections::BTreeMap, path::Path, path::PathBuf};
 use anyhow::{Context, Result};
 use futures::{future::BoxFuture, FutureExt};
 use serde::{Deserialize, Serialize};
+use weir_cni::ambient::ContainerFacts;
 
 use super::{
-    verdicts::VerdictWriter, AmbientPod, Labels, PodFacts, Policy, PolicyConfig, PolicyError,
+    verdicts::VerdictWriter, Decision, Labels, PodFacts, Policy, PolicyConfig, PolicyError,
 };
 use crate::workload::PodName;
 
 /// `{"namespaces": {"<ns>": {"labels": {..}}}, "pods": {"<ns>/<name>": {"labels": {..},
-/// "annotations": {..}}}}`; a pod's `weir.dev/service-account` annotation names its service
-/// account (default `default`).
+/// "annotations": {..}, "containers": [..]}}}`; a pod's `weir.dev/service-account` annotation
+/// names its service account (default `default`). A pod's `containers` are its init containers
+/// then its containers, each `{"name": .., "args": [..], "env": {"<name>": "<value>"},
+/// "runAsUser": N, "runAsGroup": N}` with only `name` required: what tells a sidecar pod (an
+/// `istio-proxy` container) and how it is redirected. Every key but `labels` is optional.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LocalPolicy {
     #[serde(default)]
@@ -29,6 +33,38 @@ pub struct ObjectMeta {
     pub labels: Labels,
     #[serde(default)]
     pub annotations: Labels,
+    /// Read for pods only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub containers: Vec<Container>,
+}
+
+/// One of a pod's containers, as much as the sidecar decision reads of it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Container {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as_user: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as_group: Option<i64>,
+}
+
+impl Container {
+    fn facts(&self) -> ContainerFacts {
+        ContainerFacts {
+            name: self.name.clone(),
+            args: self.args.clone(),
+            env: (self.env.iter())
+                .map(|(name, value)| (name.clone(), Some(value.clone())))
+                .collect(),
+            run_as_user: self.run_as_user,
+            run_as_group: self.run_as_group,
+        }
+    }
 }
 
 /// Where a policy file names a pod's service account.
@@ -57,6 +93,9 @@ impl LocalPolicy {
                 .namespaces
                 .get(&pod.namespace)
                 .map(|n| n.labels.clone())
+                .unwrap_or_default(),
+            containers: meta
+                .map(|p| p.containers.iter().map(Container::facts).collect())
                 .unwrap_or_default(),
             ..PodFacts::default()
         }
@@ -114,11 +153,13 @@ impl Policy for LocalSource {
         pod: &'a PodName,
         _uid: &'a str,
         runtime_annotations: &'a Labels,
-    ) -> BoxFuture<'a, Result<Option<AmbientPod>, PolicyError>> {
-        let decision = self
-            .load()
-            .map(|policy| self.config.decide(&policy.facts(pod, runtime_annotations)));
-        futures::future::ready(decision.map_err(PolicyError::from)).boxed()
+    ) -> BoxFuture<'a, Result<Decision, PolicyError>> {
+        let decision = self.load().map_err(PolicyError::from).and_then(|policy| {
+            self.config
+                .decide_mode(&policy.facts(pod, runtime_annotations))
+                .map_err(|invalid| PolicyError::InvalidAnnotation(pod.clone(), invalid))
+        });
+        futures::future::ready(decision).boxed()
     }
 
     fn synced(&self) -> BoxFuture<'_, ()> {
@@ -155,8 +196,53 @@ mod tests {
             let (pod, runtime) = (PodName::new(namespace, name), Labels::new());
             futures::executor::block_on(source.decide(&pod, "", &runtime)).unwrap()
         };
-        assert_eq!(decide("plain", "in").unwrap().service_account, "sa");
-        assert!(decide("mesh", "out").is_none());
-        assert!(decide("mesh", "new").is_some());
+        match decide("plain", "in") {
+            Decision::Ambient(ambient) => assert_eq!(ambient.service_account, "sa"),
+            other => panic!("plain/in is ambient, not {other:?}"),
+        }
+        assert_eq!(decide("mesh", "out"), Decision::Neither);
+        assert!(matches!(decide("mesh", "new"), Decision::Ambient(_)));
+    }
+
+    #[test]
+    fn a_pods_containers_come_from_the_file() {
+        let policy: LocalPolicy = serde_json::from_value(serde_json::json!({
+            "pods": {"shop/api": {
+                "annotations": {"sidecar.istio.io/status": "{}"},
+                "containers": [
+                    {"name": "istio-validation"},
+                    {"name": "istio-proxy", "args": ["proxy", "sidecar"],
+                     "env": {"ISTIO_META_DNS_CAPTURE": "true"},
+                     "runAsUser": 0, "runAsGroup": 2000},
+                ],
+            }},
+        }))
+        .unwrap();
+        let facts = policy.facts(&PodName::new("shop", "api"), &Labels::new());
+        assert_eq!(
+            facts.containers,
+            [
+                ContainerFacts {
+                    name: "istio-validation".into(),
+                    ..ContainerFacts::default()
+                },
+                ContainerFacts {
+                    name: "istio-proxy".into(),
+                    args: vec!["proxy".into(), "sidecar".into()],
+                    env: vec![("ISTIO_META_DNS_CAPTURE".into(), Some("true".into()))],
+                    run_as_user: Some(0),
+                    run_as_group: Some(2000),
+                },
+            ]
+        );
+        let redirect = crate::policy::sidecar::decide(&facts).unwrap().unwrap();
+        assert_eq!((redirect.proxy_uid, redirect.proxy_gid), (1337, 2000));
+        assert!(redirect.dns_capture);
+
+        let round_trip: LocalPolicy =
+            serde_json::from_str(&serde_json::to_string(&policy).unwrap()).unwrap();
+        assert_eq!(round_trip, policy);
+        let unknown = policy.facts(&PodName::new("shop", "other"), &Labels::new());
+        assert!(unknown.containers.is_empty());
     }
 }

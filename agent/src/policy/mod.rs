@@ -6,12 +6,13 @@
 //! is written by [`verdicts`].
 pub mod enablement;
 pub mod local;
+pub mod sidecar;
 pub mod verdicts;
 
 use futures::future::BoxFuture;
 use weir_cni::protocol::VerdictCache;
 
-use crate::workload::{PodName, PodOptions};
+use crate::workload::{PodName, PodOptions, SidecarRedirect};
 use enablement::EnablementSelector;
 
 pub use weir_cni::ambient::{
@@ -124,6 +125,18 @@ impl PolicyConfig {
         })
     }
 
+    /// The decision for a pod at its CNI ADD: ambient, a sidecar pod to redirect to its own
+    /// proxy (istio-cni's sidecar path, for pods that are not ambient), or neither.
+    pub fn decide_mode(&self, pod: &PodFacts) -> Result<Decision, sidecar::InvalidAnnotation> {
+        if let Some(ambient) = self.decide(pod) {
+            return Ok(Decision::Ambient(ambient));
+        }
+        if self.exclude_namespaces.contains(&pod.namespace) || self.own.is_own(pod) {
+            return Ok(Decision::Neither);
+        }
+        Ok(sidecar::decide(pod)?.map_or(Decision::Neither, Decision::Sidecar))
+    }
+
     /// What the plugin needs to decide alone while the agent is down: namespaces whose pods are
     /// ambient by default, and the pods that differ from their namespace.
     pub fn verdict_cache<'a>(
@@ -167,12 +180,23 @@ pub struct AmbientPod {
     pub problems: Vec<AnnotationProblem>,
 }
 
+/// How a pod is in the mesh, if at all.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    Ambient(AmbientPod),
+    Sidecar(SidecarRedirect),
+    Neither,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
     /// The source does not know the pod yet (the API server's news has not reached this node):
     /// the runtime should retry.
     #[error("pod {0} is not known to the agent yet")]
     NotYetKnown(PodName),
+    /// A sidecar pod's annotation istio-cni would refuse: its ADD fails, as istio's does.
+    #[error("pod {0}: {1}")]
+    InvalidAnnotation(PodName, sidecar::InvalidAnnotation),
     #[error(transparent)]
     Failed(#[from] anyhow::Error),
 }
@@ -180,16 +204,16 @@ pub enum PolicyError {
 /// Where the enrollment path learns which pods are ambient. The enrollment path holds an
 /// `Arc<dyn Policy>` and never knows which source it is.
 pub trait Policy: Send + Sync {
-    /// The decision for one pod (`None`: not ambient). `uid` is the one the container runtime
-    /// gave (empty when it gave none): a source that knows pods by uid decides only from that
-    /// pod, never from a namesake. `runtime_annotations` are the ones the runtime passed with
-    /// the CNI request.
+    /// The decision for one pod ([`PolicyConfig::decide_mode`]). `uid` is the one the container
+    /// runtime gave (empty when it gave none): a source that knows pods by uid decides only from
+    /// that pod, never from a namesake. `runtime_annotations` are the ones the runtime passed
+    /// with the CNI request.
     fn decide<'a>(
         &'a self,
         pod: &'a PodName,
         uid: &'a str,
         runtime_annotations: &'a Labels,
-    ) -> BoxFuture<'a, Result<Option<AmbientPod>, PolicyError>>;
+    ) -> BoxFuture<'a, Result<Decision, PolicyError>>;
 
     /// Resolves once the source can answer for every pod (its caches have synced).
     fn synced(&self) -> BoxFuture<'_, ()>;

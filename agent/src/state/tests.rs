@@ -11,6 +11,7 @@ fn workload(uid: &str) -> Workload {
         ips: vec!["10.1.0.5".parse().unwrap()],
         options: Default::default(),
         attachment: None,
+        sidecar: None,
     }
 }
 

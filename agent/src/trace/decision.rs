@@ -45,21 +45,21 @@ pub enum Message {
 }
 
 /// Every verdict's name, with what it means (the help text of `--verdict`).
-pub const VERDICTS: [(TraceVerdict, &str, &str); 19] = [
+pub const VERDICTS: [(TraceVerdict, &str, &str); 22] = [
     (
         TraceVerdict::Outbound,
         "outbound",
-        "sent to ztunnel's outbound listener (15001)",
+        "sent to the outbound listener (15001): ztunnel's or the sidecar's",
     ),
     (
         TraceVerdict::Inbound,
         "inbound",
-        "handed to ztunnel's inbound listener (15006)",
+        "handed to the inbound listener (15006): ztunnel's or the sidecar's",
     ),
     (
         TraceVerdict::Dns,
         "dns",
-        "sent to ztunnel's DNS proxy (15053)",
+        "sent to the DNS proxy (15053): ztunnel's or the sidecar's",
     ),
     (
         TraceVerdict::ProbeBypass,
@@ -139,7 +139,22 @@ pub const VERDICTS: [(TraceVerdict, &str, &str); 19] = [
     (
         TraceVerdict::OriginalDst,
         "original-dst",
-        "SO_ORIGINAL_DST answered for ztunnel",
+        "SO_ORIGINAL_DST answered for ztunnel or the sidecar's proxy",
+    ),
+    (
+        TraceVerdict::PassProxy,
+        "pass-proxy",
+        "the sidecar's own proxy (its uid or gid, or 127.0.0.6)",
+    ),
+    (
+        TraceVerdict::PassExcluded,
+        "pass-excluded",
+        "not captured by the sidecar pod's port and range lists",
+    ),
+    (
+        TraceVerdict::Hairpin,
+        "hairpin",
+        "the sidecar's proxy to its own pod, sent to its inbound listener (15006)",
     ),
 ];
 

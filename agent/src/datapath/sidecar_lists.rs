@@ -1,0 +1,188 @@
+//! A sidecar pod's port and IP range lists, as the kernel side reads them: one `SIDECAR_PORTS`
+//! entry per listed port, one `SIDECAR_RANGES` (LPM trie) entry per listed range, each keyed by
+//! the pod's netns cookie and the list it belongs to.
+use std::collections::HashSet;
+
+use anyhow::{bail, Context, Result};
+use aya::{
+    maps::{
+        lpm_trie::{Key, LpmTrie},
+        HashMap, MapData,
+    },
+    Ebpf,
+};
+use ipnet::IpNet;
+use weir_common::{list, maps, IpKey, PortKey, RangeKey};
+
+use super::programs;
+use crate::workload::{AllOr, SidecarRedirect};
+
+/// Entries one pod may have, so that no pod can fill the node-wide maps (their sizes are in
+/// `ebpf/src/maps.rs`): far more than istio's annotations ever list.
+const MAX_ENTRIES_PER_POD: usize = 256;
+
+/// A pod's entries, to write at enrollment and remove at unenrollment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct ListEntries {
+    ports: Vec<PortKey>,
+    /// Prefix length and data of each LPM trie key.
+    ranges: Vec<(u32, RangeKey)>,
+}
+
+impl ListEntries {
+    /// The entries of a sidecar pod's lists (none for an ambient pod); `Err` when there are more
+    /// than one pod may have.
+    pub(super) fn of(netns_cookie: u64, sidecar: Option<&SidecarRedirect>) -> Result<Self> {
+        let Some(sidecar) = sidecar else {
+            return Ok(Self::default());
+        };
+        let mut entries = Self::default();
+        let mut ports = |list: u8, ports: &[u16]| {
+            for port in ports {
+                entries.ports.push(PortKey::new(netns_cookie, list, *port));
+            }
+        };
+        if let AllOr::Only(included) = &sidecar.include_inbound_ports {
+            ports(list::INBOUND_INCLUDE, included);
+        }
+        ports(list::INBOUND_EXCLUDE, &sidecar.exclude_inbound_ports);
+        ports(list::OUTBOUND_INCLUDE, &sidecar.include_outbound_ports);
+        ports(list::OUTBOUND_EXCLUDE, &sidecar.exclude_outbound_ports);
+        if let AllOr::Only(included) = &sidecar.include_outbound_ranges {
+            entries.add_ranges(netns_cookie, list::OUTBOUND_INCLUDE, included);
+        }
+        entries.add_ranges(
+            netns_cookie,
+            list::OUTBOUND_EXCLUDE,
+            &sidecar.exclude_outbound_ranges,
+        );
+        let count = entries.ports.len() + entries.ranges.len();
+        if count > MAX_ENTRIES_PER_POD {
+            bail!(
+                "the pod's sidecar port and range lists have {count} entries; weir holds at most \
+                 {MAX_ENTRIES_PER_POD} per pod"
+            );
+        }
+        Ok(entries)
+    }
+
+    fn add_ranges(&mut self, netns_cookie: u64, list: u8, ranges: &[IpNet]) {
+        for range in ranges {
+            let (ip, prefix) = match range {
+                // Stored IPv4-mapped, behind the 96 bits of the mapping.
+                IpNet::V4(net) => (
+                    IpKey::from_v4(net.network().octets()),
+                    96 + u32::from(net.prefix_len()),
+                ),
+                IpNet::V6(net) => (
+                    IpKey::from_v6(net.network().octets()),
+                    u32::from(net.prefix_len()),
+                ),
+            };
+            let key = RangeKey::new(netns_cookie, list, ip);
+            self.ranges.push((RangeKey::BITS_BEFORE_IP + prefix, key));
+        }
+    }
+}
+
+/// The two maps.
+pub(super) struct SidecarLists {
+    ports: HashMap<MapData, PortKey, u8>,
+    ranges: LpmTrie<MapData, RangeKey, u8>,
+}
+
+impl SidecarLists {
+    pub(super) fn take(ebpf: &mut Ebpf) -> Result<Self> {
+        Ok(Self {
+            ports: programs::take_map(ebpf, maps::SIDECAR_PORTS)?,
+            ranges: programs::take_map(ebpf, maps::SIDECAR_RANGES)?,
+        })
+    }
+
+    /// Writes a pod's entries, then removes those it had `before` and no longer has (`None`:
+    /// not known, looked for): a re-enrolled pod is never without the entries both enrollments
+    /// share.
+    pub(super) fn write(
+        &mut self,
+        netns_cookie: u64,
+        entries: &ListEntries,
+        before: Option<&ListEntries>,
+    ) -> Result<()> {
+        for port in &entries.ports {
+            self.ports
+                .insert(port, 1, 0)
+                .context("writing a sidecar port list entry")?;
+        }
+        for (prefix, range) in &entries.ranges {
+            self.ranges
+                .insert(&Key::new(*prefix, *range), 1, 0)
+                .context("writing a sidecar range list entry")?;
+        }
+        let found;
+        let before = match before {
+            Some(before) => before,
+            None => {
+                found = self.entries_of(netns_cookie);
+                &found
+            }
+        };
+        {
+            let kept_ports: HashSet<&PortKey> = entries.ports.iter().collect();
+            let kept_ranges: HashSet<&(u32, RangeKey)> = entries.ranges.iter().collect();
+            let stale = ListEntries {
+                ports: before
+                    .ports
+                    .iter()
+                    .filter(|port| !kept_ports.contains(port))
+                    .copied()
+                    .collect(),
+                ranges: before
+                    .ranges
+                    .iter()
+                    .filter(|range| !kept_ranges.contains(range))
+                    .copied()
+                    .collect(),
+            };
+            self.remove(Some(&stale), netns_cookie);
+        }
+        Ok(())
+    }
+
+    /// Removes a pod's entries; where they are not known (a pod recovered from the pinned maps
+    /// after a restart), every entry of its netns cookie is looked for.
+    pub(super) fn remove(&mut self, entries: Option<&ListEntries>, netns_cookie: u64) {
+        let found;
+        let entries = match entries {
+            Some(entries) => entries,
+            None => {
+                found = self.entries_of(netns_cookie);
+                &found
+            }
+        };
+        for port in &entries.ports {
+            let _ = self.ports.remove(port);
+        }
+        for (prefix, range) in &entries.ranges {
+            let _ = self.ranges.remove(&Key::new(*prefix, *range));
+        }
+    }
+
+    fn entries_of(&self, netns_cookie: u64) -> ListEntries {
+        let cookie = netns_cookie.to_ne_bytes();
+        ListEntries {
+            ports: self
+                .ports
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|port| port.netns_cookie == netns_cookie)
+                .collect(),
+            ranges: self
+                .ranges
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|key| key.data().netns_cookie == cookie)
+                .map(|key| (key.prefix_len(), key.data()))
+                .collect(),
+        }
+    }
+}

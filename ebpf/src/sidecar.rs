@@ -1,0 +1,183 @@
+//! Sidecar pods: every decision istio-cni's sidecar rules make (istio-iptables' `ISTIO_OUTPUT`
+//! and `ISTIO_INBOUND`), for a pod whose traffic goes to its own istio-proxy instead of ztunnel.
+//!
+//! Outbound, in istio's rule order (first match wins):
+//! 1. a port in the pod's `excludeOutboundPorts` (TCP and UDP) passes;
+//! 2. a socket bound to the inbound passthrough source (127.0.0.6, ::6) passes: Envoy's own
+//!    connections to the app;
+//! 3. the proxy's uid: TCP to a local address of the pod other than 127.0.0.1 (and not to 15008,
+//!    nor to 53 with DNS capture) hairpins to the inbound listener 15006; anything else of the
+//!    proxy passes;
+//! 4. anyone else's traffic to a local address passes (unless an included range holds a loopback
+//!    address; with DNS capture only TCP to a port other than 53);
+//! 5. the proxy's gid: the same as 3, without the DNS exception;
+//! 6. DNS capture: TCP and UDP to port 53, to any address, goes to the DNS proxy 15053;
+//! 7. 127.0.0.1 (::1) passes; then the excluded ranges; then TCP to an included port or range
+//!    goes to the outbound listener 15001. Anything else passes.
+//!
+//! IPv6 follows the same rules only when istio would install its ip6tables rules for the pod;
+//! otherwise IPv6 passes untouched. Inbound, new TCP connections to the pod's captured ports are
+//! handed to the proxy's 15006 listener by [`crate::inbound`], which asks [`captures_inbound`].
+//!
+//! Where iptables REDIRECT would rewrite the destination to 127.0.0.1, the outbound listener is
+//! reached at the pod's own address instead (the proxy listens on every address): the connection
+//! record `SO_ORIGINAL_DST` is answered from is then unique on the node. A hairpin goes to
+//! 127.0.0.1:15006, where istio-validation listens, from the pod's own address for the same reason.
+use aya_ebpf::helpers::bpf_get_current_uid_gid;
+use weir_common::{
+    list, Endpoint, IpKey, PodConfig, TraceVerdict, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT,
+    INBOUND_PORT, OUTBOUND_PORT, PASSTHROUGH_SOURCE_V4, PASSTHROUGH_SOURCE_V6, POD_DNS_CAPTURE,
+    POD_INBOUND_ALL_PORTS, POD_LOOPBACK_INCLUDED, POD_OUTBOUND_ALL_RANGES, POD_SIDECAR_IPV6,
+    POD_TPROXY, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+};
+
+use crate::{
+    maps::{port_listed, range_listed},
+    net::{
+        is_loopback, is_v4_mapped, loopback_like, same_ip, socket_addresses, SockAddr, SockaddrIn,
+        SockaddrIn6, ALLOW, SOCK_STREAM,
+    },
+    outbound::{
+        bind, pod_address_like, pod_owns, route_replies_back, trace_outbound, Decided, Hook,
+    },
+    trace::NOWHERE,
+};
+
+/// The outbound decision for a socket in a sidecar pod; returns the hook's verdict.
+#[inline(always)]
+pub fn outbound(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoint) -> Decided {
+    let pass = |verdict: TraceVerdict| {
+        trace_outbound(sa, netns, pod, hook, dst, verdict, NOWHERE);
+        Decided::Done(ALLOW)
+    };
+    if !is_v4_mapped(&dst.ip) && !pod.has(POD_SIDECAR_IPV6) {
+        return pass(TraceVerdict::PassExcluded);
+    }
+    if port_listed(netns, list::OUTBOUND_EXCLUDE, dst.port) {
+        return pass(TraceVerdict::PassExcluded);
+    }
+    if bound_to_passthrough_source(sa) {
+        return pass(TraceVerdict::PassProxy);
+    }
+    let ids = bpf_get_current_uid_gid();
+    let (uid, gid) = (ids as u32, (ids >> 32) as u32);
+    let tcp = hook == Hook::Connect && sa.sock_type() == SOCK_STREAM;
+    let dns_capture = pod.has(POD_DNS_CAPTURE);
+    // Routed over the pod's loopback: a loopback address, or one of the pod's own.
+    let local = is_loopback(&dst.ip) || pod_owns(netns, &dst.ip);
+    let hairpin = |dns_excluded: bool| {
+        local
+            && !is_local_host(&dst.ip)
+            && tcp
+            && dst.port != HBONE_PORT
+            && !(dns_excluded && dns_capture && dst.port == DNS_PORT)
+    };
+    if uid == pod.proxy_uid {
+        if hairpin(true) {
+            return hairpin_to(sa, pod, dst);
+        }
+        return proxy_passes(sa, netns, pod, hook, dst);
+    }
+    let app_local_passes =
+        local && !pod.has(POD_LOOPBACK_INCLUDED) && (!dns_capture || (tcp && dst.port != DNS_PORT));
+    if app_local_passes {
+        return pass(TraceVerdict::PassLocal);
+    }
+    if gid == pod.proxy_gid {
+        if hairpin(false) {
+            return hairpin_to(sa, pod, dst);
+        }
+        return proxy_passes(sa, netns, pod, hook, dst);
+    }
+    if dns_capture && dst.port == DNS_PORT {
+        let target = Endpoint::new(loopback_like(&dst.ip), DNS_PROXY_PORT);
+        return Decided::SendTo(target, TraceVerdict::Dns);
+    }
+    if is_local_host(&dst.ip) {
+        return pass(TraceVerdict::PassLocal);
+    }
+    if !tcp {
+        return pass(TraceVerdict::PassUncaptured);
+    }
+    if range_listed(netns, list::OUTBOUND_EXCLUDE, &dst.ip) {
+        return pass(TraceVerdict::PassExcluded);
+    }
+    let included = port_listed(netns, list::OUTBOUND_INCLUDE, dst.port)
+        || pod.has(POD_OUTBOUND_ALL_RANGES)
+        || range_listed(netns, list::OUTBOUND_INCLUDE, &dst.ip);
+    if !included {
+        return pass(TraceVerdict::PassExcluded);
+    }
+    let listener = pod_address_like(pod, &dst.ip).unwrap_or_else(|| loopback_like(&dst.ip));
+    Decided::SendTo(
+        Endpoint::new(listener, OUTBOUND_PORT),
+        TraceVerdict::Outbound,
+    )
+}
+
+/// Whether a new inbound TCP connection to `port` of a sidecar pod goes to its proxy: istio's
+/// `ISTIO_INBOUND` (15008 first, then the included or the not excluded ports).
+#[inline(always)]
+pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16) -> bool {
+    if port == HBONE_PORT && !pod.has(POD_TPROXY) {
+        return false;
+    }
+    if pod.has(POD_INBOUND_ALL_PORTS) {
+        !port_listed(netns, list::INBOUND_EXCLUDE, port)
+    } else {
+        port_listed(netns, list::INBOUND_INCLUDE, port)
+    }
+}
+
+/// The proxy's own traffic passes; in TPROXY mode its source-preserving dials to the app keep
+/// the way back (the proxy marks them 0x539, as ztunnel does).
+#[inline(always)]
+fn proxy_passes(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoint) -> Decided {
+    if pod.has(POD_TPROXY) && sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
+        route_replies_back(sa, netns, dst, hook);
+    }
+    trace_outbound(sa, netns, pod, hook, dst, TraceVerdict::PassProxy, NOWHERE);
+    Decided::Done(ALLOW)
+}
+
+/// The proxy's connection to its own pod goes to its inbound listener, 127.0.0.1:15006 (::1),
+/// as iptables REDIRECT sends it. An unbound socket is bound to the pod's address first, so the
+/// connection's record is the pod's alone; one already bound keeps its source.
+#[inline(always)]
+fn hairpin_to(sa: &SockAddr, pod: &PodConfig, dst: &Endpoint) -> Decided {
+    if let Some(source) = pod_address_like(pod, &dst.ip) {
+        if !sa.v6 {
+            bind(sa, &mut SockaddrIn::new(&source, 0));
+        } else {
+            bind(sa, &mut SockaddrIn6::new(&source, 0));
+        }
+    }
+    Decided::SendTo(
+        Endpoint::new(loopback_like(&dst.ip), INBOUND_PORT),
+        TraceVerdict::Hairpin,
+    )
+}
+
+/// istio's loopback CIDR: 127.0.0.1/32 and ::1/128 (not all of 127.0.0.0/8).
+#[inline(always)]
+fn is_local_host(ip: &IpKey) -> bool {
+    same_ip(ip, &loopback_like(ip))
+}
+
+/// Whether the socket is bound to 127.0.0.6 or ::6, where Envoy's inbound passthrough
+/// connections to the app come from.
+#[inline(always)]
+fn bound_to_passthrough_source(sa: &SockAddr) -> bool {
+    let sk = sa.sk();
+    if sk.is_null() {
+        return false;
+    }
+    // SAFETY: non-null socket pointer from the context.
+    let Some((source, _)) =
+        (unsafe { socket_addresses!(sk, (src_ip4, dst_ip4), (src_ip6, dst_ip6)) })
+    else {
+        return false;
+    };
+    same_ip(&source, &IpKey::from_v4(PASSTHROUGH_SOURCE_V4))
+        || same_ip(&source, &IpKey::from_v6(PASSTHROUGH_SOURCE_V6))
+}

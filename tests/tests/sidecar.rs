@@ -1,0 +1,261 @@
+//! Sidecar pods through the node's real CNI chain and the real agent: their traffic goes to their
+//! own istio-proxy (the stand-in) as istio-cni's sidecar rules send it, and istio's
+//! `istio-validation` check passes in them. No ztunnel runs in these tests: a sidecar pod never
+//! waits for one.
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    os::{fd::AsRawFd, unix::process::CommandExt},
+    process::Command as Process,
+};
+
+use weir_agent::policy::local::ObjectMeta;
+use weir_common::{maps, PortKey, INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::{
+    chain::{ambient_policy, weir_only, CniChainNode as Node, WAIT},
+    cni::{Command, RuntimeConf},
+    sidecar::{as_proxy, sidecar_pod, SidecarStandIn, PROXY_ID},
+    tcp_request, udp_request, EchoServer, Pod, PodSpec,
+};
+
+/// A node whose policy names the sidecar pods `default/<name>`; `None` where the test cannot
+/// run (see [`weir_tests::require_privileges`]).
+fn node_with(sidecars: &[(&str, ObjectMeta)]) -> Option<Node> {
+    if !weir_tests::require_privileges() {
+        return None;
+    }
+    let node = Node::new().expect("a test node");
+    let mut policy = ambient_policy();
+    for (name, pod) in sidecars {
+        policy.pods.insert(format!("default/{name}"), pod.clone());
+    }
+    node.files.write_policy(&policy).unwrap();
+    Some(node)
+}
+
+/// Runs the `istio-validation` stand-in in the pod as the proxy's uid and gid; its exit code.
+fn run_validation(pod: &Pod) -> i32 {
+    let netns = pod.netns().open().unwrap();
+    let mut validation = Process::new(env!("CARGO_BIN_EXE_istio-validation"));
+    let fd = netns.as_raw_fd();
+    // SAFETY: async-signal-safe syscalls; the fd stays open until the child has exec'd. The
+    // netns first, while the child may still enter it, then the proxy's identity.
+    unsafe {
+        validation.pre_exec(move || {
+            let id = PROXY_ID;
+            let failed = libc::setns(fd, libc::CLONE_NEWNET) != 0
+                || libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setresgid(id, id, id) != 0
+                || libc::setresuid(id, id, id) != 0;
+            if failed {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let output = validation.output().unwrap();
+    eprintln!(
+        "istio-validation in {}: {}{}",
+        pod.name(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output.status.code().unwrap_or(-1)
+}
+
+#[test]
+fn istio_validation_passes_in_a_sidecar_pod_and_fails_without_weir() {
+    let Some(node) = node_with(&[("sidecar", sidecar_pod(&[], &[]))]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let plain = node.pod("default", "plain").unwrap();
+    assert_eq!(
+        run_validation(&plain),
+        126,
+        "no redirection: validation fails"
+    );
+    let sidecar = node.pod("default", "sidecar").unwrap();
+    assert_eq!(run_validation(&sidecar), 0, "weir's redirection validates");
+    agent.stop().unwrap();
+}
+
+#[test]
+fn a_sidecar_pods_traffic_goes_through_its_own_proxy() {
+    let Some(node) = node_with(&[("sidecar", sidecar_pod(&[], &[]))]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let server = node.pod("default", "server").unwrap();
+    let server_app = EchoServer::app(&server).unwrap();
+    let server_status =
+        EchoServer::start(server.netns(), "server-15020", addr(server.ipv4(), 15020)).unwrap();
+    let client = node.pod("default", "client").unwrap();
+    let pod = node.pod("default", "sidecar").unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    let app = EchoServer::app(&pod).unwrap();
+    let status = EchoServer::start(pod.netns(), "status", addr(pod.ipv4(), 15020)).unwrap();
+
+    // Outbound TCP goes to the proxy's 15001 with its original destination; the proxy's own
+    // dial (its uid) goes out, from the pod.
+    let reply = pod.run(|| tcp_request(server.app_v4(), "out")).unwrap();
+    assert_eq!(reply.response, server_app.reply_to("out"));
+    let seen = proxy
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .expect("the proxy took the connection on 15001");
+    assert_eq!(seen.original_dst, Some(server.app_v4()), "{seen:?}");
+    assert_eq!(server_app.received()[0].peer.ip(), pod.ipv4());
+
+    // The proxy's own traffic, the excluded outbound port (15020 by default), loopback and IPv6
+    // (the pod's first address is IPv4, without ISTIO_DUAL_STACK) are not captured.
+    let before = proxy.seen().len();
+    let reply = pod.run(|| as_proxy(|| tcp_request(server.app_v4(), "proxy")));
+    assert_eq!(reply.unwrap().response, server_app.reply_to("proxy"));
+    let reply = pod.run(|| tcp_request(addr(server.ipv4(), 15020), "status"));
+    assert_eq!(reply.unwrap().response, server_status.reply_to("status"));
+    let local = pod.run(|| tcp_request(addr(Ipv4Addr::LOCALHOST, app.addr().port()), "lo"));
+    assert_eq!(local.unwrap().response, app.reply_to("lo"));
+    let v6 = pod.run(|| tcp_request(server.app_v6(), "v6")).unwrap();
+    assert_eq!(v6.response, server_app.reply_to("v6"));
+    assert_eq!(proxy.seen().len(), before, "{:?}", proxy.seen());
+
+    // Inbound goes to the proxy's 15006 with the original destination as its local address; the
+    // proxy reaches the app from 127.0.0.6, which is never captured.
+    let reply = client.run(|| tcp_request(pod.app_v4(), "in")).unwrap();
+    assert_eq!(reply.response, app.reply_to("in"));
+    let seen = proxy
+        .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
+        .expect("the proxy took the connection on 15006");
+    assert_eq!(seen.destination(), pod.app_v4());
+    assert_eq!(seen.peer.ip(), client.ipv4());
+    let passthrough = app.received().last().unwrap().peer.ip();
+    assert_eq!(passthrough, Ipv4Addr::new(127, 0, 0, 6));
+
+    // Inbound to an excluded port (15020, 15021, 15090 always) reaches the app directly.
+    let before = proxy.seen().len();
+    let reply = client.run(|| tcp_request(addr(pod.ipv4(), 15020), "probe"));
+    assert_eq!(reply.unwrap().response, status.reply_to("probe"));
+    assert_eq!(status.received()[0].peer.ip(), client.ipv4());
+    assert_eq!(proxy.seen().len(), before);
+    agent.stop().unwrap();
+}
+
+#[test]
+fn annotations_and_proxy_settings_shape_the_capture() {
+    let Some(server_node) = node_with(&[]) else {
+        return;
+    };
+    // The server's address is known only once it exists; the sidecar pod's policy names it.
+    let server = server_node.pod("default", "server").unwrap();
+    let excluded = format!("{}/32", server.ipv4());
+    let shaped = sidecar_pod(
+        &[
+            (
+                "traffic.sidecar.istio.io/excludeOutboundIPRanges",
+                &excluded,
+            ),
+            ("traffic.sidecar.istio.io/includeInboundPorts", "9090"),
+            ("traffic.sidecar.istio.io/excludeOutboundPorts", ""),
+        ],
+        &[("ISTIO_META_DNS_CAPTURE", "true")],
+    );
+    let mut policy = ambient_policy();
+    policy.pods.insert("default/shaped".into(), shaped);
+    server_node.files.write_policy(&policy).unwrap();
+    let agent = server_node.start_agent();
+    let server_app = EchoServer::app(&server).unwrap();
+    let dns_server = EchoServer::start_udp(server.netns(), "dns", addr(server.ipv4(), 53)).unwrap();
+    let client = server_node.pod("default", "client").unwrap();
+    let pod = server_node.pod("default", "shaped").unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    let app = EchoServer::app(&pod).unwrap();
+    let dns_proxy =
+        EchoServer::start_udp(pod.netns(), "dns-proxy", addr(Ipv4Addr::LOCALHOST, 15053)).unwrap();
+
+    // An excluded range goes direct; DNS goes to the proxy's 15053 whatever the range says.
+    let reply = pod
+        .run(|| tcp_request(server.app_v4(), "excluded"))
+        .unwrap();
+    assert_eq!(reply.response, server_app.reply_to("excluded"));
+    let answer = pod
+        .run(|| udp_request(addr(server.ipv4(), 53), "q"))
+        .unwrap();
+    assert_eq!(answer.response, dns_proxy.reply_to("q"));
+    assert_eq!(
+        answer.from,
+        addr(server.ipv4(), 53),
+        "the app sees the server it asked"
+    );
+    assert!(dns_server.received().is_empty());
+
+    // Only the included inbound port is captured: 8080 reaches the app directly.
+    let reply = client.run(|| tcp_request(pod.app_v4(), "in")).unwrap();
+    assert_eq!(reply.response, app.reply_to("in"));
+    assert_eq!(app.received()[0].peer.ip(), client.ipv4());
+    let metrics_port = EchoServer::start(pod.netns(), "9090", addr(pod.ipv4(), 9090)).unwrap();
+    let reply = client
+        .run(|| tcp_request(addr(pod.ipv4(), 9090), "captured"))
+        .unwrap();
+    assert_eq!(reply.response, metrics_port.reply_to("captured"));
+    assert!(proxy
+        .wait_for(
+            |s| s.listener == INBOUND_PORT && s.local.port() == 9090,
+            WAIT
+        )
+        .is_some());
+    agent.stop().unwrap();
+}
+
+#[test]
+fn an_invalid_sidecar_annotation_fails_the_add_naming_it() {
+    let bad = sidecar_pod(&[("sidecar.istio.io/interceptionMode", "NONE")], &[]);
+    let Some(node) = node_with(&[("bad", bad)]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let failed = node
+        .test_node()
+        .try_add_pod(PodSpec {
+            namespace: "default".into(),
+            ..PodSpec::new("bad")
+        })
+        .unwrap()
+        .expect_err("the ADD fails");
+    let error = format!("{:#}", failed.error);
+    assert!(
+        error.contains("sidecar.istio.io/interceptionMode"),
+        "{error}"
+    );
+    agent.stop().unwrap();
+}
+
+#[test]
+fn del_unenrolls_a_sidecar_pod_and_leaves_no_entry() {
+    let Some(node) = node_with(&[("sidecar", sidecar_pod(&[], &[]))]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let pod = node.pod("default", "sidecar").unwrap();
+    let cookie = pod.netns().cookie().unwrap();
+    let entries = || {
+        let ports: aya::maps::HashMap<_, PortKey, u8> = aya::maps::HashMap::try_from(
+            aya::maps::Map::HashMap(node.test_node().pinned_map(maps::SIDECAR_PORTS).unwrap()),
+        )
+        .unwrap();
+        ports
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|key| key.netns_cookie == cookie)
+            .count()
+    };
+    // 15020, 15021, 15090 inbound; 15020 outbound.
+    assert_eq!(entries(), 4);
+    let runtime: RuntimeConf = pod.runtime_conf().clone();
+    weir_only(&node, Command::Del, &runtime, Some(pod.prev_result())).unwrap();
+    assert_eq!(entries(), 0);
+    assert_eq!(run_validation(&pod), 126, "the pod is no longer redirected");
+    agent.stop().unwrap();
+}
+
+fn addr(ip: Ipv4Addr, port: u16) -> SocketAddr {
+    SocketAddr::from((ip, port))
+}
