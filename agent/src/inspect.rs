@@ -20,7 +20,7 @@ use weir_common::PodCounters;
 use crate::{
     datapath::{self, PinnedPod},
     state::{self, Record},
-    workload::{PodOptions, Status},
+    workload::{Mode, PodOptions, Status},
 };
 
 /// The JSON output's fields, for `--help`.
@@ -28,8 +28,9 @@ pub const JSON_FIELDS: &str = "\
 JSON output (--output json): one array, sorted like the table, of objects with these fields:
   namespace, name    the pod's (null: the state file has no record of it)
   uid                metadata.uid
+  mode               \"ambient\" (redirected to ztunnel) or \"sidecar\" (to its own istio-proxy)
   status             \"enabled\" (ztunnel acked), \"pending\" (redirected, not acked), or null
-                     (not recorded)
+                     (not recorded, or a sidecar pod, which ztunnel never acks)
   ips                addresses the maps index for the pod (its IPs and its interfaces' other
                      addresses); the recorded IPs for a pod not in the maps
   netns_cookie       the pod's network namespace cookie, the maps' key (null: not in the maps)
@@ -47,6 +48,7 @@ pub struct PodRow {
     pub namespace: Option<String>,
     pub name: Option<String>,
     pub uid: String,
+    pub mode: Mode,
     pub status: Option<Status>,
     pub ips: Vec<IpAddr>,
     pub netns_cookie: Option<u64>,
@@ -98,7 +100,11 @@ pub fn rows(pinned: Vec<PinnedPod>, mut records: BTreeMap<String, Record>) -> Ve
             PodRow {
                 namespace: record.as_ref().map(|r| r.workload.namespace.clone()),
                 name: record.as_ref().map(|r| r.workload.name.clone()),
-                status: record.as_ref().and_then(|r| r.status),
+                mode: pod.mode,
+                status: record
+                    .as_ref()
+                    .and_then(|r| r.status)
+                    .filter(|_| pod.mode == Mode::Ambient),
                 netns: record.as_ref().map(|r| r.workload.netns.clone()),
                 in_state_file: record.is_some(),
                 uid: pod.uid,
@@ -118,10 +124,11 @@ pub fn rows(pinned: Vec<PinnedPod>, mut records: BTreeMap<String, Record>) -> Ve
         })
         .collect();
     rows.extend(records.into_values().map(|record| PodRow {
+        mode: record.workload.mode(),
+        status: record.status.filter(|_| record.workload.sidecar.is_none()),
         namespace: Some(record.workload.namespace),
         name: Some(record.workload.name),
         uid: record.workload.uid,
-        status: record.status,
         ips: record.workload.ips,
         netns_cookie: None,
         netns: Some(record.workload.netns),
@@ -137,9 +144,10 @@ pub fn rows(pinned: Vec<PinnedPod>, mut records: BTreeMap<String, Record>) -> Ve
     rows
 }
 
-const HEADER: [&str; 12] = [
+const HEADER: [&str; 13] = [
     "POD",
     "UID",
+    "MODE",
     "STATUS",
     "IPS",
     "NETNS COOKIE",
@@ -154,10 +162,10 @@ const HEADER: [&str; 12] = [
 
 /// The rows as an aligned text table, one line per pod under a header line.
 pub fn table(rows: &[PodRow]) -> String {
-    let cells: Vec<[String; 12]> = std::iter::once(HEADER.map(String::from))
+    let cells: Vec<[String; 13]> = std::iter::once(HEADER.map(String::from))
         .chain(rows.iter().map(row_cells))
         .collect();
-    let widths: [usize; 12] =
+    let widths: [usize; 13] =
         std::array::from_fn(|column| cells.iter().map(|row| row[column].len()).max().unwrap_or(0));
     cells
         .iter()
@@ -172,7 +180,7 @@ pub fn table(rows: &[PodRow]) -> String {
         .collect()
 }
 
-fn row_cells(row: &PodRow) -> [String; 12] {
+fn row_cells(row: &PodRow) -> [String; 13] {
     const NONE: &str = "-";
     let pod = match (&row.namespace, &row.name) {
         (Some(namespace), Some(name)) => format!("{namespace}/{name}"),
@@ -205,6 +213,7 @@ fn row_cells(row: &PodRow) -> [String; 12] {
     [
         pod,
         row.uid.clone(),
+        row.mode.as_str().into(),
         status.into(),
         or_none(ips.join(",")),
         row.netns_cookie

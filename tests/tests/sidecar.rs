@@ -11,7 +11,7 @@ use std::{
 use weir_agent::policy::local::ObjectMeta;
 use weir_common::{maps, PortKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
-    chain::{ambient_policy, weir_only, CniChainNode as Node, WAIT},
+    chain::{ambient_policy, listed_pods, wait_for_metric, weir_only, CniChainNode as Node, WAIT},
     cni::{Command, RuntimeConf},
     sidecar::{as_proxy, sidecar_pod, SidecarStandIn, PROXY_ID},
     tcp_request, udp_request, EchoServer, Pod, PodSpec,
@@ -136,6 +136,53 @@ fn a_sidecar_pods_traffic_goes_through_its_own_proxy() {
     assert_eq!(reply.unwrap().response, status.reply_to("probe"));
     assert_eq!(status.received()[0].peer.ip(), client.ipv4());
     assert_eq!(proxy.seen().len(), before);
+
+    // What an operator sees: the pod listed as a sidecar pod with no ambient status, and its
+    // per-pod series counting what went to its proxy.
+    let listed = listed_pods(&agent);
+    let row = listed.iter().find(|row| row["uid"] == pod.uid()).unwrap();
+    assert_eq!(row["mode"], "sidecar", "{row:#}");
+    assert_eq!(row["status"], serde_json::Value::Null, "{row:#}");
+    for (direction, value) in [("outbound", 1.0), ("inbound", 1.0), ("dns", 0.0)] {
+        let labels = [
+            ("namespace", "default"),
+            ("pod", "sidecar"),
+            ("direction", direction),
+        ];
+        wait_for_metric(&agent, "weir_pod_redirected_total", &labels, value);
+    }
+    agent.stop().unwrap();
+}
+
+#[test]
+fn dual_stack_captures_ipv6_with_its_passthrough_source() {
+    let dual_stack = sidecar_pod(&[], &[("ISTIO_DUAL_STACK", "true")]);
+    let Some(node) = node_with(&[("sidecar", dual_stack)]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let server = node.pod("default", "server").unwrap();
+    let server_app = EchoServer::app(&server).unwrap();
+    let client = node.pod("default", "client").unwrap();
+    let pod = node.pod("default", "sidecar").unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    let app = EchoServer::app(&pod).unwrap();
+
+    let reply = pod.run(|| tcp_request(server.app_v6(), "out6")).unwrap();
+    assert_eq!(reply.response, server_app.reply_to("out6"));
+    let seen = proxy
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .expect("the proxy took the IPv6 connection on 15001");
+    assert_eq!(seen.original_dst, Some(server.app_v6()), "{seen:?}");
+
+    let reply = client.run(|| tcp_request(pod.app_v6(), "in6")).unwrap();
+    assert_eq!(reply.response, app.reply_to("in6"));
+    let seen = proxy
+        .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
+        .expect("the proxy took the IPv6 connection on 15006");
+    assert_eq!(seen.destination(), pod.app_v6());
+    let passthrough = app.received().last().unwrap().peer.ip();
+    assert_eq!(passthrough, "::6".parse::<std::net::IpAddr>().unwrap());
     agent.stop().unwrap();
 }
 

@@ -23,6 +23,7 @@ const KERNEL_FACING: &[&str] = &[
     "fuzz",
     "faults",
     "trace",
+    "sidecar",
     "kernel_compat",
 ];
 /// The guests have 2 vCPUs (emulated, under TCG).
@@ -143,6 +144,8 @@ fn privileged_test_runner(test: &mut Command) -> Result<()> {
 
 /// Fetch the kernels, build the tests, run them in one guest per kernel, print the results.
 fn kernel_matrix(object: &Path, series: &[Series], all: bool, filter: &[String]) -> Result<()> {
+    // Unpacking a kernel needs depmod (kmod) already.
+    vm::ensure_vm_packages()?;
     let kernels = series
         .iter()
         .map(|&series| vm::kernel(series))

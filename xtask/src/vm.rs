@@ -483,7 +483,7 @@ fn clear_dir(dir: &Path) -> Result<()> {
 }
 
 /// Install the VM packages when we can (root on Debian); otherwise fail with what is missing.
-fn ensure_vm_packages() -> Result<()> {
+pub fn ensure_vm_packages() -> Result<()> {
     if !system::is_debian() {
         bail!(
             "booting Debian's kernels needs a Debian machine (apt) with {}",

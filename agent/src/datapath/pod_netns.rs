@@ -24,7 +24,23 @@ pub(super) fn prepare_pod_netns(
     let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
     // Its IPs are not known here: both families.
     sysctls.set(true, true).context("reply-mark sysctls")?;
-    set_up_pod_netns(rtnl, ebpf, handoff, interfaces, &rerouted, |_| {})
+    // What was put in its netns before the restart is still there (the passthrough address).
+    let setup = PodNetnsSetup {
+        interfaces,
+        rerouted: &rerouted,
+        passthrough_v6: false,
+    };
+    set_up_pod_netns(rtnl, ebpf, handoff, &setup, |_| {})
+}
+
+/// What a pod's netns is set up with.
+pub(super) struct PodNetnsSetup<'a> {
+    /// The pod's interfaces but loopback.
+    pub(super) interfaces: &'a [(u32, String)],
+    /// Those whose incoming TCP goes to the outbound listener.
+    pub(super) rerouted: &'a [String],
+    /// `::6` on `lo`, the IPv6 passthrough source of a sidecar pod whose IPv6 is captured.
+    pub(super) passthrough_v6: bool,
 }
 
 /// The return path, the socket lookup hand-off where the kernel needs it (before the tc program
@@ -35,11 +51,16 @@ pub(super) fn set_up_pod_netns(
     rtnl: &mut Rtnl,
     ebpf: &Ebpf,
     handoff: Option<(&Handoff, u64)>,
-    interfaces: &[(u32, String)],
-    rerouted: &[String],
+    pod: &PodNetnsSetup,
     mut step_done: impl FnMut(&'static str),
 ) -> Result<()> {
-    rtnl.set_up_return_path().context("return path")?;
+    let PodNetnsSetup {
+        interfaces,
+        rerouted,
+        passthrough_v6,
+    } = *pod;
+    rtnl.set_up_return_path(passthrough_v6)
+        .context("return path")?;
     step_done("routing");
     if let Some((handoff, netns_cookie)) = handoff {
         handoff.attach(ebpf, netns_cookie)?;

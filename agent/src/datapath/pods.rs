@@ -9,14 +9,14 @@ use std::{
 
 use anyhow::{Context, Result};
 use tracing::{debug, warn};
-use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6};
+use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6, POD_SIDECAR_IPV6};
 
 use super::{
     enroll_steps::Stopwatch,
     netlink::Rtnl,
     netns,
     pod_config::{ip_key, pod_config, sum_over_cpus, Unenrollable},
-    pod_netns::{set_up_pod_netns, undo_pod_netns},
+    pod_netns::{set_up_pod_netns, undo_pod_netns, PodNetnsSetup},
     sidecar_lists::ListEntries,
     watch::Interfaces,
     EnrollNetns, Enrolled, Owner,
@@ -262,12 +262,16 @@ impl Owner {
             .context("writing the maps")?;
         fail::fail_point!("enroll-maps-written");
         stopwatch.lap("maps");
+        let setup = PodNetnsSetup {
+            interfaces: &found.links,
+            rerouted: &pod.options.reroute_interfaces,
+            passthrough_v6: config.has(POD_SIDECAR_IPV6),
+        };
         set_up_pod_netns(
             rtnl,
             &self.ebpf,
             self.handoff.as_ref().map(|handoff| (handoff, netns_cookie)),
-            &found.links,
-            &pod.options.reroute_interfaces,
+            &setup,
             |step| stopwatch.lap(step),
         )?;
         Ok(ips)

@@ -13,7 +13,7 @@ use super::{
     maps_dir,
     pod_config::{ip_addr, pod_options, sum_over_cpus},
 };
-use crate::workload::PodOptions;
+use crate::workload::{Mode, PodOptions};
 
 /// One pod as the pinned maps hold it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,6 +24,7 @@ pub struct PinnedPod {
     /// interfaces (IPv6 link-local ones), sorted.
     pub ips: Vec<IpAddr>,
     pub options: PodOptions,
+    pub mode: Mode,
     /// Summed over CPUs; `None` while the pod's counters entry is not there (an enrollment or a
     /// removal is under way).
     pub counters: Option<PodCounters>,
@@ -53,6 +54,11 @@ pub fn pinned_pods(pin_root: &Path) -> Result<Option<Vec<PinnedPod>>> {
                 netns_cookie: entry.netns_cookie,
                 ips,
                 options: pod_options(&entry.config),
+                mode: if entry.config.has(weir_common::POD_SIDECAR) {
+                    Mode::Sidecar
+                } else {
+                    Mode::Ambient
+                },
             }
         })
         .collect();

@@ -10,7 +10,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use weir_common::{Endpoint, TraceHook, TraceRecord, TraceVerdict};
 
-use crate::inspect;
+use crate::{inspect, workload::Mode};
 
 /// One decision of the programs, with its pod's name.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -19,6 +19,9 @@ pub struct Decision {
     /// interface, a frame dropped before its addresses were read).
     pub namespace: Option<String>,
     pub pod: Option<String>,
+    /// `ambient` or `sidecar`; absent when the agent does not know the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<Mode>,
     pub netns_cookie: u64,
     /// connect, sendmsg, tc-ingress, reroute or getsockopt.
     pub hook: String,
@@ -181,12 +184,20 @@ fn socket_addr(endpoint: &Endpoint) -> SocketAddr {
     SocketAddr::new(ip, endpoint.port)
 }
 
+/// A traced pod as the agent knows it.
+#[derive(Clone, Debug)]
+struct PodName {
+    namespace: String,
+    pod: String,
+    mode: Mode,
+}
+
 /// Pod names by netns cookie, from the pinned maps and the state file as `weir-agent pods`
 /// reads them, refreshed when a record names a pod not seen yet.
 pub struct PodNames {
     pin_root: PathBuf,
     state_file: PathBuf,
-    names: HashMap<u64, (String, String)>,
+    names: HashMap<u64, PodName>,
     refreshed: Option<Instant>,
 }
 
@@ -203,7 +214,7 @@ impl PodNames {
         }
     }
 
-    fn name(&mut self, netns_cookie: u64) -> Option<(String, String)> {
+    fn name(&mut self, netns_cookie: u64) -> Option<PodName> {
         if netns_cookie == 0 {
             return None;
         }
@@ -223,7 +234,14 @@ impl PodNames {
             Ok(rows) => {
                 self.names = rows
                     .into_iter()
-                    .filter_map(|row| Some((row.netns_cookie?, (row.namespace?, row.name?))))
+                    .filter_map(|row| {
+                        let name = PodName {
+                            namespace: row.namespace?,
+                            pod: row.name?,
+                            mode: row.mode,
+                        };
+                        Some((row.netns_cookie?, name))
+                    })
                     .collect();
             }
             Err(error) => tracing::warn!(error = format!("{error:#}"), "naming traced pods"),
@@ -232,11 +250,12 @@ impl PodNames {
 
     /// The decision a record tells, with its pod's name.
     pub fn decision(&mut self, record: &TraceRecord) -> Decision {
-        let (namespace, pod) = self.name(record.netns_cookie).unzip();
+        let name = self.name(record.netns_cookie);
         let target = socket_addr(&record.target);
         Decision {
-            namespace,
-            pod,
+            namespace: name.as_ref().map(|name| name.namespace.clone()),
+            pod: name.as_ref().map(|name| name.pod.clone()),
+            mode: name.map(|name| name.mode),
             netns_cookie: record.netns_cookie,
             hook: TraceHook::from_u8(record.hook)
                 .map_or("unknown", hook_name)
@@ -260,6 +279,9 @@ impl fmt::Display for Decision {
     /// `namespace/pod  hook  protocol source -> destination  verdict [-> target]`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let pod = match (&self.namespace, &self.pod) {
+            (Some(namespace), Some(pod)) if self.mode == Some(Mode::Sidecar) => {
+                format!("{namespace}/{pod} (sidecar)")
+            }
             (Some(namespace), Some(pod)) => format!("{namespace}/{pod}"),
             _ if self.netns_cookie == 0 => "-".to_string(),
             _ => format!("netns:{}", self.netns_cookie),

@@ -10,12 +10,12 @@ use netlink_packet_route::{
     tc::{TcHandle, TcMessage},
     AddressFamily, IpProtocol, RouteNetlinkMessage,
 };
-use weir_common::RETURN_ROUTE_TABLE;
+use weir_common::{PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
 
 use super::errno::Op;
 use super::objects::{
-    clsact, local_route, reroute_rule, return_rule, tc_filter, Object, TcProgram, LOOPBACK_IFINDEX,
-    RETURN_RULE_PRIORITY,
+    clsact, local_route, loopback_address, reroute_rule, return_rule, tc_filter, Object, TcProgram,
+    LOOPBACK_IFINDEX, RETURN_RULE_PRIORITY,
 };
 use super::transport::Rtnl;
 
@@ -171,9 +171,15 @@ impl Rtnl {
             .collect())
     }
 
-    /// The return path (see [`return_path`]), in one datagram. Idempotent.
-    pub fn set_up_return_path(&mut self) -> io::Result<()> {
-        self.apply(return_path().map(|object| (Op::Add, object)))
+    /// The return path (see [`return_path`]), in one datagram, with the IPv6 passthrough
+    /// source `::6` on `lo` when `passthrough_v6` (a sidecar pod whose IPv6 is captured: its
+    /// proxy reaches the app from there, as istio adds it). Idempotent; the address stays after
+    /// unenrollment, as istio leaves it.
+    pub fn set_up_return_path(&mut self, passthrough_v6: bool) -> io::Result<()> {
+        let passthrough =
+            passthrough_v6.then(|| Object::Address(loopback_address(PASSTHROUGH_SOURCE_V6.into())));
+        let objects = return_path().into_iter().chain(passthrough);
+        self.apply(objects.map(|object| (Op::Add, object)))
     }
 
     /// weir's programs on the pod's interfaces, in one datagram and in this order: on every
