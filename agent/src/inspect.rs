@@ -236,7 +236,7 @@ pub fn json(rows: &[PodRow]) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::Workload;
+    use crate::workload::{SidecarRedirect, Workload};
 
     const APP: &str = "0b1c9f4e-1111-4a5b-9c3d-000000000001";
     const STRAY: &str = "0b1c9f4e-2222-4a5b-9c3d-000000000002";
@@ -248,6 +248,7 @@ mod tests {
             netns_cookie,
             ips: ips.iter().map(|ip| ip.parse().unwrap()).collect(),
             options: PodOptions::default(),
+            mode: Mode::Ambient,
             counters: Some(PodCounters {
                 outbound: 3,
                 inbound: 2,
@@ -328,12 +329,25 @@ mod tests {
     }
 
     #[test]
+    fn a_sidecar_pod_is_listed_by_its_mode_without_an_ambient_status() {
+        let mut sidecar = record(APP, "shop", "cart", Some(Status::Enabled));
+        sidecar.workload.sidecar = Some(SidecarRedirect::default());
+        let mut pod = pinned(APP, 4099, &["10.1.0.5"]);
+        pod.mode = Mode::Sidecar;
+        let in_both = rows(vec![pod], BTreeMap::from([(APP.into(), sidecar.clone())]));
+        let in_state_file = rows(Vec::new(), BTreeMap::from([(APP.into(), sidecar)]));
+        for row in [&in_both[0], &in_state_file[0]] {
+            assert_eq!((row.mode, row.status), (Mode::Sidecar, None));
+        }
+    }
+
+    #[test]
     fn table_aligns_columns_and_marks_what_is_unknown() {
         let expected = "\
-POD            UID                                   STATUS   IPS                       NETNS COOKIE  OPTIONS         OUTBOUND  INBOUND  DNS  BYPASSED  DROPPED  NOTE
-default/ghost  0b1c9f4e-3333-4a5b-9c3d-000000000003  -        10.1.0.9                  -             inbound-bypass  -         -        -    -         -        orphan: not in the maps, not redirected
-mesh/app       0b1c9f4e-1111-4a5b-9c3d-000000000001  enabled  fe80::1,10.1.0.5,fd00::5  4099          dns-capture     3         2        1    0         7
-<unknown>      0b1c9f4e-2222-4a5b-9c3d-000000000002  -        10.1.0.7                  4097          dns-capture     3         2        1    0         7        not in the state file
+POD            UID                                   MODE     STATUS   IPS                       NETNS COOKIE  OPTIONS         OUTBOUND  INBOUND  DNS  BYPASSED  DROPPED  NOTE
+default/ghost  0b1c9f4e-3333-4a5b-9c3d-000000000003  ambient  -        10.1.0.9                  -             inbound-bypass  -         -        -    -         -        orphan: not in the maps, not redirected
+mesh/app       0b1c9f4e-1111-4a5b-9c3d-000000000001  ambient  enabled  fe80::1,10.1.0.5,fd00::5  4099          dns-capture     3         2        1    0         7
+<unknown>      0b1c9f4e-2222-4a5b-9c3d-000000000002  ambient  -        10.1.0.7                  4097          dns-capture     3         2        1    0         7        not in the state file
 ";
         assert_eq!(table(&node()), expected);
     }
@@ -342,8 +356,8 @@ mesh/app       0b1c9f4e-1111-4a5b-9c3d-000000000001  enabled  fe80::1,10.1.0.5,f
     fn an_empty_node_is_a_header_line_or_an_empty_array() {
         assert_eq!(
             table(&[]),
-            "POD  UID  STATUS  IPS  NETNS COOKIE  OPTIONS  OUTBOUND  INBOUND  DNS  BYPASSED  \
-             DROPPED  NOTE\n"
+            "POD  UID  MODE  STATUS  IPS  NETNS COOKIE  OPTIONS  OUTBOUND  INBOUND  DNS  \
+             BYPASSED  DROPPED  NOTE\n"
         );
         assert_eq!(json(&[]).unwrap(), "[]\n");
     }
@@ -357,6 +371,7 @@ mesh/app       0b1c9f4e-1111-4a5b-9c3d-000000000001  enabled  fe80::1,10.1.0.5,f
                 "namespace": "mesh",
                 "name": "app",
                 "uid": APP,
+                "mode": "ambient",
                 "status": "enabled",
                 "ips": ["fe80::1", "10.1.0.5", "fd00::5"],
                 "netns_cookie": 4099,

@@ -180,3 +180,25 @@ pub struct SidecarRedirect {
     /// only when its first address is IPv6.
     pub dual_stack: bool,
 }
+
+impl Default for SidecarRedirect {
+    /// A pod as istio's injector writes it with every default: REDIRECT, everything captured
+    /// but the proxy's own ports.
+    fn default() -> Self {
+        Self {
+            mode: InterceptionMode::Redirect,
+            proxy_uid: 1337,
+            proxy_gid: 1337,
+            include_outbound_ranges: AllOr::All,
+            exclude_outbound_ranges: Vec::new(),
+            include_inbound_ports: AllOr::All,
+            exclude_inbound_ports: vec![15020, 15021, 15090],
+            include_outbound_ports: Vec::new(),
+            exclude_outbound_ports: vec![15020],
+            exclude_interfaces: Vec::new(),
+            reroute_interfaces: Vec::new(),
+            dns_capture: false,
+            dual_stack: false,
+        }
+    }
+}

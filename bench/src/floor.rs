@@ -41,7 +41,7 @@ impl KernelFloor {
         weir_agent::datapath::netns::current_cookie(None)?;
         // The bench's pods have both families, as weir writes them for those pods.
         self.sysctls.set(true, true)?;
-        rtnl.set_up_return_path()?;
+        rtnl.set_up_return_path(false)?;
         let eth0 = nix::net::if_::if_nametoindex("eth0")?;
         let program = TcProgram {
             fd: self.program.as_fd(),

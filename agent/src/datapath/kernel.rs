@@ -108,7 +108,7 @@ const fn map(
 }
 
 /// Every program and map type of weir's object (the unit test below holds the object to it).
-pub(crate) const BPF_FEATURES: [BpfFeature; 13] = [
+pub(crate) const BPF_FEATURES: [BpfFeature; 14] = [
     program(
         ProgramType::CgroupSockAddr,
         "cgroup_sock_addr",
@@ -142,7 +142,13 @@ pub(crate) const BPF_FEATURES: [BpfFeature; 13] = [
     map(
         MapType::Hash,
         "hash",
-        "pods and their addresses",
+        "pods, their addresses, sidecar pods' port lists",
+        "CONFIG_BPF_SYSCALL",
+    ),
+    map(
+        MapType::LpmTrie,
+        "lpm_trie",
+        "sidecar pods' IP range lists",
         "CONFIG_BPF_SYSCALL",
     ),
     map(

@@ -458,25 +458,6 @@ mod tests {
         }
     }
 
-    /// What [`injected`] gets: istio's defaults throughout.
-    fn istio_defaults() -> SidecarRedirect {
-        SidecarRedirect {
-            mode: InterceptionMode::Redirect,
-            proxy_uid: 1337,
-            proxy_gid: 1337,
-            include_outbound_ranges: AllOr::All,
-            exclude_outbound_ranges: Vec::new(),
-            include_inbound_ports: AllOr::All,
-            exclude_inbound_ports: vec![15020, 15021, 15090],
-            include_outbound_ports: Vec::new(),
-            exclude_outbound_ports: vec![15020],
-            exclude_interfaces: Vec::new(),
-            reroute_interfaces: Vec::new(),
-            dns_capture: false,
-            dual_stack: false,
-        }
-    }
-
     fn with_annotations(pairs: &[(&str, &str)]) -> PodFacts {
         let mut pod = injected();
         pod.annotations.extend(labels(pairs));
@@ -512,7 +493,7 @@ mod tests {
 
     #[test]
     fn an_injected_pod_with_cni_enabled_is_redirected_with_istios_defaults() {
-        assert_eq!(decide(&injected()), Ok(Some(istio_defaults())));
+        assert_eq!(decide(&injected()), Ok(Some(SidecarRedirect::default())));
     }
 
     #[test]
@@ -520,7 +501,7 @@ mod tests {
         let mut pod = injected();
         pod.annotations
             .retain(|key, _| key == SIDECAR_STATUS_ANNOTATION);
-        assert_eq!(redirect_of(&pod), istio_defaults());
+        assert_eq!(redirect_of(&pod), SidecarRedirect::default());
     }
 
     #[test]
@@ -572,7 +553,7 @@ mod tests {
         let mut pod = injected();
         let proxy = pod.containers.pop().unwrap();
         pod.containers.insert(1, proxy);
-        assert_eq!(decide(&pod), Ok(Some(istio_defaults())));
+        assert_eq!(decide(&pod), Ok(Some(SidecarRedirect::default())));
     }
 
     #[test]
@@ -676,7 +657,7 @@ mod tests {
             REROUTE_VIRTUAL_INTERFACES_ANNOTATION,
             KUBEVIRT_INTERFACES_ANNOTATION,
         ] {
-            assert_eq!(empty(key), istio_defaults(), "{key}");
+            assert_eq!(empty(key), SidecarRedirect::default(), "{key}");
         }
         let blank = annotated(&[
             (INCLUDE_INBOUND_PORTS_ANNOTATION, "  "),
