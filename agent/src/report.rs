@@ -58,6 +58,9 @@ pub async fn report_problems(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Warning {
     EnrollmentFailed(String),
+    /// A sidecar pod could not be redirected: an invalid annotation at its ADD, or a failed
+    /// enrollment (at its ADD, or by an in-place repair).
+    SidecarRedirectionFailed(String),
     InvalidAnnotation(AnnotationProblem),
     /// An ambient pod ran without weir's redirection and was enrolled live.
     RepairedPod,
@@ -85,6 +88,7 @@ impl Warning {
     pub fn reason(&self) -> &'static str {
         match self {
             Warning::EnrollmentFailed(_) => "AmbientEnrollmentFailed",
+            Warning::SidecarRedirectionFailed(_) => "SidecarRedirectionFailed",
             Warning::InvalidAnnotation(_) => "InvalidAmbientAnnotation",
             Warning::RepairedPod => "RepairedPod",
             Warning::DeleteBrokenPod { .. } => "DeleteBrokenPod",
@@ -105,7 +109,9 @@ impl Warning {
     /// The Event's action: what the agent was doing.
     pub fn action(&self) -> &'static str {
         match self {
-            Warning::EnrollmentFailed(_) | Warning::InvalidAnnotation(_) => "Enroll",
+            Warning::EnrollmentFailed(_)
+            | Warning::SidecarRedirectionFailed(_)
+            | Warning::InvalidAnnotation(_) => "Enroll",
             Warning::RepairedPod
             | Warning::DeleteBrokenPod { .. }
             | Warning::LabelBrokenPod { .. } => "Repair",
@@ -126,6 +132,9 @@ impl Warning {
         };
         match self {
             Warning::EnrollmentFailed(error) => format!("ambient enrollment failed: {error}"),
+            Warning::SidecarRedirectionFailed(error) => {
+                format!("sidecar redirection failed: {error}")
+            }
             Warning::InvalidAnnotation(problem) => format!(
                 "annotation {}={:?} is not true or false; using {}",
                 problem.annotation, problem.value, problem.used

@@ -1,7 +1,12 @@
-//! istio-cni's in-pod redirection, with iptables and policy routing: the behaviour weir
-//! reproduces with eBPF, applied as istio applies it (`iptables-restore --noflush` inside the
-//! pod, IPv4 and IPv6). The harness uses it to check the ztunnel stand-in against the real
-//! contract without weir, and it is the comparator for weir's datapath.
+//! istio's in-pod iptables rules, applied as istio applies them (`iptables-restore --noflush`
+//! inside the pod), in both rule sets weir reproduces with eBPF:
+//! - ambient ([`apply`]): istio-cni's redirection to ztunnel, with its policy routing, IPv4 and
+//!   IPv6. The harness uses it to check the ztunnel stand-in against the real contract without
+//!   weir;
+//! - sidecar ([`apply_sidecar`]): istio-init's (or istio-cni's sidecar mode's) redirection to the
+//!   pod's own istio-proxy, with every default.
+//!
+//! Both are the comparators for weir's datapath in the bench.
 //!
 //! Host side, istio also SNATs kubelet probes to 169.254.7.127 (an ipset of enrolled pod IPs);
 //! that rule is not here.
@@ -12,11 +17,12 @@ use std::process::{Command, Stdio};
 
 use anyhow::{bail, Context, Result};
 use weir_common::{
-    DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT, PROBE_SOURCE_V4,
-    PROBE_SOURCE_V6, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT, PASSTHROUGH_SOURCE_V4,
+    PROBE_SOURCE_V4, PROBE_SOURCE_V6, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::netns::{self, NetNs};
+use crate::sidecar::PROXY_ID;
 
 /// istio's connmark for connections ztunnel dialed into the pod, and the policy routing table
 /// that brings the app's replies to them back to ztunnel.
@@ -26,7 +32,7 @@ pub const ROUTE_TABLE: u32 = 100;
 /// Installs the rules and routes in the pod's namespace `pod`.
 pub fn apply(pod: &NetNs) -> Result<()> {
     for family in [Family::V4, Family::V6] {
-        restore(pod, family)?;
+        restore(pod, family, &rules(family))?;
         let (table, mark, mask) = (ROUTE_TABLE.to_string(), CONNMARK, ZTUNNEL_MARK_MASK);
         let fwmark = format!("{mark:#x}/{mask:#x}");
         let any = family.any();
@@ -56,6 +62,14 @@ pub fn apply(pod: &NetNs) -> Result<()> {
         ])?;
     }
     Ok(())
+}
+
+/// Installs istio-init's sidecar rules for a pod with every default (REDIRECT, the proxy's uid
+/// and gid 1337, every outbound range and inbound port captured but the proxy's own ports, no DNS
+/// capture) in the pod's namespace `pod`. IPv4 only: istio adds the IPv6 rules only when the
+/// pod's first address is IPv6.
+pub fn apply_sidecar(pod: &NetNs) -> Result<()> {
+    restore(pod, Family::V4, &sidecar_rules())
 }
 
 #[derive(Clone, Copy)]
@@ -135,7 +149,47 @@ COMMIT
     )
 }
 
-fn restore(pod: &NetNs, family: Family) -> Result<()> {
+/// istio-init's sidecar rule set (`iptables-restore` input), IPv4, every default; first match
+/// wins. Left alone: the proxy's inbound passthrough (from 127.0.0.6), its own connections out
+/// and the app's loopback traffic; the proxy's connections to the pod's own address (over lo) go
+/// to its inbound listener, as if they had come in.
+fn sidecar_rules() -> String {
+    let lo = Family::V4.loopback();
+    let passthrough = Ipv4Addr::from(PASSTHROUGH_SOURCE_V4);
+    format!(
+        "\
+*nat
+:ISTIO_INBOUND - [0:0]
+:ISTIO_IN_REDIRECT - [0:0]
+:ISTIO_OUTPUT - [0:0]
+:ISTIO_REDIRECT - [0:0]
+-A PREROUTING -p tcp -j ISTIO_INBOUND
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_INBOUND -p tcp --dport {HBONE_PORT} -j RETURN
+-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}
+-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports {INBOUND_PORT}
+-A ISTIO_INBOUND -p tcp --dport 15020 -j RETURN
+-A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN
+-A ISTIO_INBOUND -p tcp --dport 15090 -j RETURN
+-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -p tcp --dport 15020 -j RETURN
+-A ISTIO_OUTPUT -p udp --dport 15020 -j RETURN
+-A ISTIO_OUTPUT -s {passthrough}/32 -o lo -j RETURN
+-A ISTIO_OUTPUT ! -d {lo} -o lo -p tcp ! --dport {HBONE_PORT} -m owner --uid-owner {PROXY_ID} -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -o lo -m owner ! --uid-owner {PROXY_ID} -j RETURN
+-A ISTIO_OUTPUT -m owner --uid-owner {PROXY_ID} -j RETURN
+-A ISTIO_OUTPUT ! -d {lo} -o lo -p tcp ! --dport {HBONE_PORT} -m owner --gid-owner {PROXY_ID} -j ISTIO_IN_REDIRECT
+-A ISTIO_OUTPUT -o lo -m owner ! --gid-owner {PROXY_ID} -j RETURN
+-A ISTIO_OUTPUT -m owner --gid-owner {PROXY_ID} -j RETURN
+-A ISTIO_OUTPUT -d {lo} -j RETURN
+-A ISTIO_OUTPUT -j ISTIO_REDIRECT
+COMMIT
+"
+    )
+}
+
+/// Feeds `rules` to the family's `iptables-restore --noflush` inside the pod, as istio does.
+fn restore(pod: &NetNs, family: Family, rules: &str) -> Result<()> {
     let command = family.restore_command();
     let mut child = Command::new("ip")
         .args(["netns", "exec", pod.name(), command, "--noflush"])
@@ -148,7 +202,7 @@ fn restore(pod: &NetNs, family: Family) -> Result<()> {
         .stdin
         .take()
         .expect("stdin is piped")
-        .write_all(rules(family).as_bytes());
+        .write_all(rules.as_bytes());
     let out = child.wait_with_output()?;
     written.with_context(|| format!("cannot feed {command}"))?;
     if !out.status.success() {

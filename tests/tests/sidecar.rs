@@ -13,8 +13,9 @@ use weir_common::{maps, PortKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     chain::{ambient_policy, listed_pods, wait_for_metric, weir_only, CniChainNode as Node, WAIT},
     cni::{Command, RuntimeConf},
+    istio_iptables, privileged,
     sidecar::{as_proxy, sidecar_pod, SidecarStandIn, PROXY_ID},
-    tcp_request, udp_request, EchoServer, Pod, PodSpec,
+    tcp_request, udp_request, EchoServer, Pod, PodSpec, TestNode,
 };
 
 /// A node whose policy names the sidecar pods `default/<name>`; `None` where the test cannot
@@ -86,13 +87,49 @@ fn a_sidecar_pods_traffic_goes_through_its_own_proxy() {
     };
     let agent = node.start_agent();
     let server = node.pod("default", "server").unwrap();
-    let server_app = EchoServer::app(&server).unwrap();
-    let server_status =
-        EchoServer::start(server.netns(), "server-15020", addr(server.ipv4(), 15020)).unwrap();
     let client = node.pod("default", "client").unwrap();
     let pod = node.pod("default", "sidecar").unwrap();
-    let proxy = SidecarStandIn::start(&pod).unwrap();
-    let app = EchoServer::app(&pod).unwrap();
+    traffic_goes_as_istios_sidecar_rules_send_it(&server, &client, &pod);
+
+    // What an operator sees: the pod listed as a sidecar pod with no ambient status, and its
+    // per-pod series counting what went to its proxy.
+    let listed = listed_pods(&agent);
+    let row = listed.iter().find(|row| row["uid"] == pod.uid()).unwrap();
+    assert_eq!(row["mode"], "sidecar", "{row:#}");
+    assert_eq!(row["status"], serde_json::Value::Null, "{row:#}");
+    for (direction, value) in [("outbound", 1.0), ("inbound", 1.0), ("dns", 0.0)] {
+        let labels = [
+            ("namespace", "default"),
+            ("pod", "sidecar"),
+            ("direction", direction),
+        ];
+        wait_for_metric(&agent, "weir_pod_redirected_total", &labels, value);
+    }
+    agent.stop().unwrap();
+}
+
+/// The same traffic, redirected by istio-cni's own iptables rules for the pod (no weir): what
+/// the stand-ins and the assertions above expect is what istio does.
+#[test]
+fn istios_own_sidecar_rules_pass_the_same_checks() {
+    let node = privileged!(TestNode::new());
+    let server = node.add_pod("server").unwrap();
+    let client = node.add_pod("client").unwrap();
+    let pod = node.add_pod("sidecar").unwrap();
+    assert_eq!(run_validation(&pod), 126, "no rules yet: validation fails");
+    istio_iptables::apply_sidecar(pod.netns()).unwrap();
+    traffic_goes_as_istios_sidecar_rules_send_it(&server, &client, &pod);
+    assert_eq!(run_validation(&pod), 0);
+}
+
+/// A sidecar pod `pod` with istio's default redirection, seen through its proxy (the stand-in,
+/// started here): outbound, inbound, and every exemption of the defaults.
+fn traffic_goes_as_istios_sidecar_rules_send_it(server: &Pod, client: &Pod, pod: &Pod) {
+    let server_app = EchoServer::app(server).unwrap();
+    let server_status =
+        EchoServer::start(server.netns(), "server-15020", addr(server.ipv4(), 15020)).unwrap();
+    let proxy = SidecarStandIn::start(pod).unwrap();
+    let app = EchoServer::app(pod).unwrap();
     let status = EchoServer::start(pod.netns(), "status", addr(pod.ipv4(), 15020)).unwrap();
 
     // Outbound TCP goes to the proxy's 15001 with its original destination; the proxy's own
@@ -118,8 +155,8 @@ fn a_sidecar_pods_traffic_goes_through_its_own_proxy() {
     assert_eq!(v6.response, server_app.reply_to("v6"));
     assert_eq!(proxy.seen().len(), before, "{:?}", proxy.seen());
 
-    // Inbound goes to the proxy's 15006 with the original destination as its local address; the
-    // proxy reaches the app from 127.0.0.6, which is never captured.
+    // Inbound goes to the proxy's 15006 with the original destination; the proxy reaches the
+    // app from 127.0.0.6, which is never captured.
     let reply = client.run(|| tcp_request(pod.app_v4(), "in")).unwrap();
     assert_eq!(reply.response, app.reply_to("in"));
     let seen = proxy
@@ -136,22 +173,6 @@ fn a_sidecar_pods_traffic_goes_through_its_own_proxy() {
     assert_eq!(reply.unwrap().response, status.reply_to("probe"));
     assert_eq!(status.received()[0].peer.ip(), client.ipv4());
     assert_eq!(proxy.seen().len(), before);
-
-    // What an operator sees: the pod listed as a sidecar pod with no ambient status, and its
-    // per-pod series counting what went to its proxy.
-    let listed = listed_pods(&agent);
-    let row = listed.iter().find(|row| row["uid"] == pod.uid()).unwrap();
-    assert_eq!(row["mode"], "sidecar", "{row:#}");
-    assert_eq!(row["status"], serde_json::Value::Null, "{row:#}");
-    for (direction, value) in [("outbound", 1.0), ("inbound", 1.0), ("dns", 0.0)] {
-        let labels = [
-            ("namespace", "default"),
-            ("pod", "sidecar"),
-            ("direction", direction),
-        ];
-        wait_for_metric(&agent, "weir_pod_redirected_total", &labels, value);
-    }
-    agent.stop().unwrap();
 }
 
 #[test]

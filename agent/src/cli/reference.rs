@@ -28,7 +28,14 @@ pub fn markdown() -> String {
          stderr is a terminal, or `json`, one object per line with `timestamp`, `level`, \
          `target`, `message` and the line's fields. A line about a pod carries the pod's \
          `namespace`, `name` and `uid`; an error carries its whole chain of causes \
-         (`binding 0.0.0.0:8000: Address already in use (os error 98)`).\n",
+         (`binding 0.0.0.0:8000: Address already in use (os error 98)`).\n\n\
+         ## Per-pod settings\n\n\
+         What is redirected in one pod, and how, is read from the pod itself rather than from \
+         flags: an ambient pod's `ambient.istio.io/*` annotations \
+         ([operations.md](operations.md#which-pods-are-enrolled)), and a sidecar pod's \
+         `sidecar.istio.io/interceptionMode` and `traffic.sidecar.istio.io/*` annotations and \
+         its `istio-proxy` container's uid, gid, `ISTIO_META_DNS_CAPTURE` and \
+         `ISTIO_DUAL_STACK` ([operations.md](operations.md#sidecar-pods)).\n",
     );
     out += "\n## Global flags\n\nGiven before or after the subcommand.\n\n";
     out += &flag_table(command.get_arguments().filter(|arg| arg.is_global_set()));

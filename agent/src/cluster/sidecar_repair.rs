@@ -207,7 +207,7 @@ impl SidecarRepair {
         // Without an act to tell of, the failure is the news, as for an ambient pod.
         let warning = match (acted.warning, failed) {
             (Some(warning), _) => warning,
-            (None, Some(error)) => Warning::EnrollmentFailed(format!("{error:#}")),
+            (None, Some(error)) => Warning::SidecarRedirectionFailed(format!("{error:#}")),
             (None, None) => return,
         };
         self.reporter.warn(name, warning).await;

@@ -113,7 +113,7 @@ impl CniHandler {
             Ok(decision) => decision,
             Err(PolicyError::InvalidAnnotation(_, invalid)) => {
                 let msg = format!("sidecar pod {name} cannot be redirected: {invalid}");
-                let warning = Warning::EnrollmentFailed(msg.clone());
+                let warning = Warning::SidecarRedirectionFailed(msg.clone());
                 self.reporter.warn(&name, warning).await;
                 return Err(Response::Error {
                     code: INVALID_CONFIG,
@@ -180,7 +180,11 @@ impl CniHandler {
             },
             Err(error) => {
                 let name = pod.pod_name();
-                let warning = Warning::EnrollmentFailed(format!("{error:#}"));
+                let error_text = format!("{error:#}");
+                let warning = match pod.sidecar {
+                    Some(_) => Warning::SidecarRedirectionFailed(error_text),
+                    None => Warning::EnrollmentFailed(error_text),
+                };
                 self.reporter.warn(&name, warning).await;
                 enrollment_failure(&name, &error)
             }
