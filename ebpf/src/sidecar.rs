@@ -15,6 +15,10 @@
 //! 7. 127.0.0.1 (::1) passes; then the excluded ranges; then TCP to an included port or range
 //!    goes to the outbound listener 15001. Anything else passes.
 //!
+//! In TPROXY mode, the proxy's own TCP to its pod (uid or gid, not one of its 0x539-marked
+//! source-preserving dials) is captured inbound as any connection to the pod would be, before
+//! these rules; its marked dials get the return mark, so the app's replies come back to it.
+//!
 //! IPv6 follows the same rules only when istio would install its ip6tables rules for the pod;
 //! otherwise IPv6 passes untouched. Inbound, new TCP connections to the pod's captured ports are
 //! handed to the proxy's 15006 listener by [`crate::inbound`], which asks [`captures_inbound`].
@@ -56,6 +60,11 @@ pub fn outbound(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &En
     if port_listed(netns, list::OUTBOUND_EXCLUDE, dst.port) {
         return pass(TraceVerdict::PassExcluded);
     }
+    // TPROXY: the proxy's source-preserving dials to the app (marked 0x539, as ztunnel's) keep
+    // the way back, whichever rule lets them through (istio's mangle-table connmark).
+    if pod.has(POD_TPROXY) && sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
+        route_replies_back(sa, netns, dst, hook);
+    }
     if bound_to_passthrough_source(sa) {
         return pass(TraceVerdict::PassProxy);
     }
@@ -72,6 +81,18 @@ pub fn outbound(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &En
             && dst.port != HBONE_PORT
             && !(dns_excluded && dns_capture && dst.port == DNS_PORT)
     };
+    if pod.has(POD_TPROXY)
+        && (uid == pod.proxy_uid || gid == pod.proxy_gid)
+        && sa.mark() & ZTUNNEL_MARK_MASK != ZTUNNEL_MARK
+        && local
+        && !is_local_host(&dst.ip)
+        && tcp
+        && captures_inbound(netns, pod, dst.port)
+    {
+        // TPROXY: the proxy's own connection to its pod is captured inbound as any other
+        // (istio's mangle mark 1338), unless it is one of its source-preserving dials.
+        return hairpin_to(sa, pod, dst);
+    }
     if uid == pod.proxy_uid {
         if hairpin(true) {
             return hairpin_to(sa, pod, dst);
@@ -129,13 +150,9 @@ pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16) -> bool {
     }
 }
 
-/// The proxy's own traffic passes; in TPROXY mode its source-preserving dials to the app keep
-/// the way back (the proxy marks them 0x539, as ztunnel does).
+/// The proxy's own traffic passes.
 #[inline(always)]
 fn proxy_passes(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoint) -> Decided {
-    if pod.has(POD_TPROXY) && sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
-        route_replies_back(sa, netns, dst, hook);
-    }
     trace_outbound(sa, netns, pod, hook, dst, TraceVerdict::PassProxy, NOWHERE);
     Decided::Done(ALLOW)
 }

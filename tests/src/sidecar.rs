@@ -8,6 +8,10 @@
 //!   (Envoy's `original_dst` listener filter);
 //! - 15001 dials the destination from the pod; 15006 dials the app from 127.0.0.6 (::6), the
 //!   inbound passthrough source, as Envoy's `InboundPassthroughCluster` does.
+//!
+//! In TPROXY mode ([`Interception::Tproxy`]) it runs as istio's injector makes it then, uid 0
+//! and gid 1337, with transparent listeners, and 15006 dials the app from the client's own
+//! address (Envoy's `original_src`: transparent, freebind, `SO_MARK` 1337).
 use std::collections::BTreeMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -91,24 +95,42 @@ pub fn sidecar_pod(annotations: &[(&str, &str)], proxy_env: &[(&str, &str)]) -> 
     }
 }
 
-/// Runs `f` on a new thread of the caller's network namespace with the proxy's identity: uid and
-/// gid 1337 for that thread alone (the raw syscalls; libc's wrappers change every thread).
+/// How inbound traffic reaches the proxy (`sidecar.istio.io/interceptionMode`), which shapes
+/// the proxy too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Interception {
+    Redirect,
+    Tproxy,
+}
+
+impl Interception {
+    /// Runs `f` on a new thread of the caller's network namespace with the proxy's identity, for
+    /// that thread alone (the raw syscalls; libc's wrappers change every thread): uid and gid
+    /// 1337, or in TPROXY mode gid 1337 with uid 0 (which keeps its capabilities).
+    pub fn as_proxy<T: Send>(self, f: impl FnOnce() -> T + Send) -> T {
+        thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    // SAFETY: plain syscalls on this thread's credentials; the gid goes first,
+                    // while the thread may still change it.
+                    unsafe {
+                        let id = PROXY_ID as libc::c_long;
+                        assert_eq!(libc::syscall(libc::SYS_setresgid, id, id, id), 0);
+                        if self == Interception::Redirect {
+                            assert_eq!(libc::syscall(libc::SYS_setresuid, id, id, id), 0);
+                        }
+                    }
+                    f()
+                })
+                .join()
+                .expect("the proxy thread")
+        })
+    }
+}
+
+/// [`Interception::as_proxy`] for the usual proxy, REDIRECT mode's.
 pub fn as_proxy<T: Send>(f: impl FnOnce() -> T + Send) -> T {
-    thread::scope(|scope| {
-        scope
-            .spawn(|| {
-                // SAFETY: plain syscalls on this thread's credentials; the gid goes first, while
-                // the thread may still change it.
-                unsafe {
-                    let id = PROXY_ID as libc::c_long;
-                    assert_eq!(libc::syscall(libc::SYS_setresgid, id, id, id), 0);
-                    assert_eq!(libc::syscall(libc::SYS_setresuid, id, id, id), 0);
-                }
-                f()
-            })
-            .join()
-            .expect("the proxy thread")
-    })
+    Interception::Redirect.as_proxy(f)
 }
 
 /// The proxy's listeners in one pod; stopped on drop.
@@ -120,12 +142,16 @@ pub struct SidecarStandIn {
 
 impl SidecarStandIn {
     pub fn start(pod: &Pod) -> io::Result<Self> {
+        Self::start_with(pod, Interception::Redirect)
+    }
+
+    pub fn start_with(pod: &Pod, interception: Interception) -> io::Result<Self> {
         let netns: OwnedFd = pod.netns().open()?.into();
         let seen = Arc::new(Log::default());
         let dials = Arc::new(Log::default());
         let listeners = netns::run_in(netns.as_fd(), || {
             [OUTBOUND_PORT, INBOUND_PORT]
-                .map(|port| listener(port).map(|listener| (port, listener)))
+                .map(|port| listener(port, interception).map(|listener| (port, listener)))
                 .into_iter()
                 .collect::<io::Result<Vec<_>>>()
         })?
@@ -133,7 +159,7 @@ impl SidecarStandIn {
         .map(|(port, listener)| {
             let (seen, dials) = (seen.clone(), dials.clone());
             let handler = move |stream: TcpStream, tracker: &Tracker| {
-                if let Err(err) = serve(port, stream, &seen, &dials, tracker) {
+                if let Err(err) = serve(port, interception, stream, &seen, &dials, tracker) {
                     eprintln!("sidecar stand-in :{port}: {err}");
                 }
             };
@@ -165,10 +191,13 @@ impl SidecarStandIn {
     }
 }
 
-fn listener(port: u16) -> io::Result<TcpListener> {
+fn listener(port: u16, interception: Interception) -> io::Result<TcpListener> {
     let socket = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP))?;
     socket.set_only_v6(false)?;
     socket.set_reuse_address(true)?;
+    if interception == Interception::Tproxy {
+        sockopt::set_transparent(&socket)?;
+    }
     socket.bind(&SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)).into())?;
     socket.listen(128)?;
     Ok(socket.into())
@@ -176,6 +205,7 @@ fn listener(port: u16) -> io::Result<TcpListener> {
 
 fn serve(
     port: u16,
+    interception: Interception,
     client: TcpStream,
     seen: &Log<Seen>,
     dials: &Log<Dial>,
@@ -189,11 +219,15 @@ fn serve(
     };
     seen.push(entry.clone());
     let target = entry.destination();
-    let source = (port == INBOUND_PORT).then_some(match target.ip() {
-        IpAddr::V4(_) => IpAddr::from(Ipv4Addr::new(127, 0, 0, 6)),
-        IpAddr::V6(_) => IpAddr::from(Ipv6Addr::from(6u128)),
-    });
-    let dialed = as_proxy(|| dial(source, target));
+    let source = match (port, interception) {
+        (INBOUND_PORT, Interception::Redirect) => Some(Source::Passthrough(match target.ip() {
+            IpAddr::V4(_) => IpAddr::from(Ipv4Addr::new(127, 0, 0, 6)),
+            IpAddr::V6(_) => IpAddr::from(Ipv6Addr::from(6u128)),
+        })),
+        (INBOUND_PORT, Interception::Tproxy) => Some(Source::Client(entry.peer.ip())),
+        _ => None,
+    };
+    let dialed = interception.as_proxy(|| dial(source, target));
     dials.push(Dial {
         listener: port,
         peer: entry.peer,
@@ -217,12 +251,32 @@ fn serve(
     Ok(())
 }
 
-fn dial(source: Option<IpAddr>, target: SocketAddr) -> io::Result<TcpStream> {
+/// Where the proxy's dial to the app comes from.
+#[derive(Clone, Copy)]
+enum Source {
+    /// 127.0.0.6 or ::6.
+    Passthrough(IpAddr),
+    /// The client's own address, as Envoy's `original_src` makes it: transparent, freebind,
+    /// marked 1337.
+    Client(IpAddr),
+}
+
+fn dial(source: Option<Source>, target: SocketAddr) -> io::Result<TcpStream> {
     let socket = Socket::new(
         Domain::for_address(target),
         Type::STREAM,
         Some(Protocol::TCP),
     )?;
+    let source = match source {
+        None => None,
+        Some(Source::Passthrough(ip)) => Some(ip),
+        Some(Source::Client(ip)) => {
+            socket.set_mark(PROXY_ID)?;
+            sockopt::set_transparent(&socket)?;
+            sockopt::set_freebind(&socket)?;
+            Some(ip)
+        }
+    };
     if let Some(source) = source {
         socket.bind(&SocketAddr::new(source, 0).into())?;
     }

@@ -14,7 +14,7 @@ use weir_tests::{
     chain::{ambient_policy, listed_pods, wait_for_metric, weir_only, CniChainNode as Node, WAIT},
     cni::{Command, RuntimeConf},
     istio_iptables, privileged,
-    sidecar::{as_proxy, sidecar_pod, SidecarStandIn, PROXY_ID},
+    sidecar::{as_proxy, sidecar_pod, Interception, SidecarStandIn, PROXY_ID},
     tcp_request, udp_request, EchoServer, Pod, PodSpec, TestNode,
 };
 
@@ -173,6 +173,67 @@ fn traffic_goes_as_istios_sidecar_rules_send_it(server: &Pod, client: &Pod, pod:
     assert_eq!(reply.unwrap().response, status.reply_to("probe"));
     assert_eq!(status.received()[0].peer.ip(), client.ipv4());
     assert_eq!(proxy.seen().len(), before);
+}
+
+/// TPROXY: inbound keeps its destination and the proxy reaches the app from the client's own
+/// address (its replies routed back to the proxy), 15008 is captured too, and the proxy, root
+/// with gid 1337 as istio's injector runs it then, is exempt by its gid.
+#[test]
+fn tproxy_mode_keeps_the_clients_address_for_the_app() {
+    let mut tproxy = sidecar_pod(&[("sidecar.istio.io/interceptionMode", "TPROXY")], &[]);
+    let proxy_container = tproxy.containers.last_mut().unwrap();
+    assert_eq!(proxy_container.name, "istio-proxy");
+    proxy_container.run_as_user = Some(0);
+    let Some(node) = node_with(&[("sidecar", tproxy)]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let server = node.pod("default", "server").unwrap();
+    let server_app = EchoServer::app(&server).unwrap();
+    let client = node.pod("default", "client").unwrap();
+    let pod = node.pod("default", "sidecar").unwrap();
+    let proxy = SidecarStandIn::start_with(&pod, Interception::Tproxy).unwrap();
+    let app = EchoServer::app(&pod).unwrap();
+    let tunnel = EchoServer::start(pod.netns(), "15008", addr(pod.ipv4(), 15008)).unwrap();
+
+    let reply = pod.run(|| tcp_request(server.app_v4(), "out")).unwrap();
+    assert_eq!(reply.response, server_app.reply_to("out"));
+    let seen = proxy
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .expect("the proxy took the connection on 15001");
+    assert_eq!(seen.original_dst, Some(server.app_v4()), "{seen:?}");
+    assert_eq!(server_app.received()[0].peer.ip(), pod.ipv4());
+
+    for (target, echo, msg) in [
+        (pod.app_v4(), &app, "in"),
+        (addr(pod.ipv4(), 15008), &tunnel, "hbone"),
+    ] {
+        let reply = client.run(|| tcp_request(target, msg)).unwrap();
+        assert_eq!(reply.response, echo.reply_to(msg));
+        let seen = proxy
+            .wait_for(
+                |s| s.listener == INBOUND_PORT && s.destination() == target,
+                WAIT,
+            )
+            .expect("the proxy took the connection on 15006");
+        assert_eq!(
+            seen.local, target,
+            "TPROXY: the local address is the destination"
+        );
+        assert_eq!(echo.received()[0].peer.ip(), client.ipv4(), "{msg}");
+    }
+
+    // The proxy's own connection to its pod is captured inbound too.
+    let reply = pod.run(|| Interception::Tproxy.as_proxy(|| tcp_request(pod.app_v4(), "self")));
+    assert_eq!(reply.unwrap().response, app.reply_to("self"));
+    let seen = proxy
+        .wait_for(
+            |s| s.listener == INBOUND_PORT && s.peer.ip() == pod.ipv4(),
+            WAIT,
+        )
+        .expect("the proxy's own connection reached its 15006");
+    assert_eq!(seen.destination(), pod.app_v4());
+    agent.stop().unwrap();
 }
 
 #[test]
