@@ -335,6 +335,27 @@ fn annotations_and_proxy_settings_shape_the_capture() {
 }
 
 #[test]
+fn an_excluded_interface_is_not_captured_inbound() {
+    let excluded = sidecar_pod(
+        &[("traffic.sidecar.istio.io/excludeInterfaces", "eth0")],
+        &[],
+    );
+    let Some(node) = node_with(&[("sidecar", excluded)]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let client = node.pod("default", "client").unwrap();
+    let pod = node.pod("default", "sidecar").unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    let app = EchoServer::app(&pod).unwrap();
+    let reply = client.run(|| tcp_request(pod.app_v4(), "direct")).unwrap();
+    assert_eq!(reply.response, app.reply_to("direct"));
+    assert_eq!(app.received()[0].peer.ip(), client.ipv4());
+    assert!(proxy.seen().is_empty(), "{:?}", proxy.seen());
+    agent.stop().unwrap();
+}
+
+#[test]
 fn an_invalid_sidecar_annotation_fails_the_add_naming_it() {
     let bad = sidecar_pod(&[("sidecar.istio.io/interceptionMode", "NONE")], &[]);
     let Some(node) = node_with(&[("bad", bad)]) else {

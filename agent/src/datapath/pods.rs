@@ -262,8 +262,20 @@ impl Owner {
             .context("writing the maps")?;
         fail::fail_point!("enroll-maps-written");
         stopwatch.lap("maps");
+        // A sidecar pod's excluded interfaces get no inbound program (istio's
+        // `excludeInterfaces`: never captured inbound there).
+        let excluded = pod
+            .sidecar
+            .as_ref()
+            .map_or(&[][..], |sidecar| &sidecar.exclude_interfaces[..]);
+        let interfaces: Vec<(u32, String)> = found
+            .links
+            .iter()
+            .filter(|(_, name)| !excluded.contains(name))
+            .cloned()
+            .collect();
         let setup = PodNetnsSetup {
-            interfaces: &found.links,
+            interfaces: &interfaces,
             rerouted: &pod.options.reroute_interfaces,
             passthrough_v6: config.has(POD_SIDECAR_IPV6),
         };
