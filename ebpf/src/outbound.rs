@@ -117,43 +117,92 @@ fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
         return ALLOW;
     };
     let decided = if pod.has(POD_SIDECAR) {
-        sidecar::outbound(&sa, netns, pod, hook, &dst)
+        sidecar::outbound(&sa, netns, hook, &dst)
     } else {
-        redirect(&sa, netns, pod, hook, &dst)
+        redirect(&sa, netns, hook, &dst)
     };
-    // One place rewrites the address for both kinds of pods: LLVM merges the context stores of
-    // several into one through a computed pointer, which the verifier rejects.
-    match decided {
-        Decided::SendTo(target, verdict) => send_to(&sa, netns, pod, hook, &dst, &target, verdict),
-        Decided::Done(verdict) => verdict,
-    }
-}
-
-/// What an in-pod decision does with a call.
-pub(crate) enum Decided {
-    /// Sent to a proxy's listener.
-    SendTo(Endpoint, TraceVerdict),
-    /// Let through or refused (the hook's verdict), and traced.
-    Done(i32),
-}
-
-/// The in-pod decision, istio's ISTIO_OUTPUT chain without conntrack. Returns the hook's
-/// verdict: the call proceeds (redirected or not), or is refused.
-#[inline(always)]
-fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoint) -> Decided {
-    if sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
-        // ztunnel's own socket: never redirected.
-        route_replies_back(sa, netns, dst, hook);
-        trace_outbound(
-            sa,
+    // One place rewrites the address, and one traces a pass, for both kinds of pods: LLVM
+    // merges the context stores of several into one through a computed pointer, which the
+    // verifier rejects, and every inlined copy of a record costs stack (5.10 counts 512 bytes
+    // for the whole call chain).
+    match decided.action {
+        Action::SendTo => send_to(
+            &sa,
             netns,
             pod,
             hook,
-            dst,
-            TraceVerdict::PassZtunnel,
-            NOWHERE,
-        );
-        return Decided::Done(ALLOW);
+            &dst,
+            &decided.target,
+            decided.verdict,
+        ),
+        Action::Pass => {
+            trace_outbound(&sa, netns, pod, hook, &dst, decided.verdict, NOWHERE);
+            ALLOW
+        }
+        Action::Refuse => DENY,
+    }
+}
+
+/// What an in-pod decision does with a call. A struct whose every field is always set, not an
+/// enum with payloads: where paths of different variants meet, LLVM may copy a payload that
+/// path never set from whatever register holds it, and the verifier refuses the read.
+pub(crate) struct Decided {
+    action: Action,
+    /// The listener, for [`Action::SendTo`].
+    target: Endpoint,
+    verdict: TraceVerdict,
+}
+
+#[derive(Clone, Copy)]
+enum Action {
+    /// Sent to a proxy's listener.
+    SendTo,
+    /// Let through untouched, for the reason traced.
+    Pass,
+    /// Refused; traced where it was decided.
+    Refuse,
+}
+
+impl Decided {
+    #[inline(always)]
+    pub(crate) fn send_to(target: Endpoint, verdict: TraceVerdict) -> Self {
+        Self {
+            action: Action::SendTo,
+            target,
+            verdict,
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn pass(verdict: TraceVerdict) -> Self {
+        Self {
+            action: Action::Pass,
+            target: Endpoint::default(),
+            verdict,
+        }
+    }
+
+    /// Refused for `verdict`, which the decision traced with its own log line.
+    #[inline(always)]
+    pub(crate) fn refused(verdict: TraceVerdict) -> Self {
+        Self {
+            action: Action::Refuse,
+            target: Endpoint::default(),
+            verdict,
+        }
+    }
+}
+
+/// The in-pod decision for an ambient pod, istio's ISTIO_OUTPUT chain without conntrack.
+#[inline(always)]
+fn redirect(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decided {
+    let Some(pod) = pod(netns) else {
+        return Decided::pass(TraceVerdict::PassUncaptured);
+    };
+    if sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
+        // ztunnel's own socket: never redirected.
+        route_replies_back(sa, netns, dst, hook);
+        return Decided::pass(TraceVerdict::PassZtunnel);
     }
     if is_probe_source(&dst.ip) {
         // Local on the node (the probes' replies return to it), so any node listener on a
@@ -175,11 +224,10 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoi
             TraceVerdict::RefuseProbeAddress,
             NOWHERE,
         );
-        return Decided::Done(DENY);
+        return Decided::refused(TraceVerdict::RefuseProbeAddress);
     }
     if is_loopback(&dst.ip) || pod_owns(netns, &dst.ip) {
-        trace_outbound(sa, netns, pod, hook, dst, TraceVerdict::PassLocal, NOWHERE);
-        return Decided::Done(ALLOW);
+        return Decided::pass(TraceVerdict::PassLocal);
     }
     let is_dns = dst.port == DNS_PORT && pod.has(POD_DNS_CAPTURE);
     let target = if is_dns {
@@ -210,27 +258,18 @@ fn redirect(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoi
                     TraceVerdict::RefuseNoAddress,
                     NOWHERE,
                 );
-                return Decided::Done(DENY);
+                return Decided::refused(TraceVerdict::RefuseNoAddress);
             }
         }
     } else {
-        trace_outbound(
-            sa,
-            netns,
-            pod,
-            hook,
-            dst,
-            TraceVerdict::PassUncaptured,
-            NOWHERE,
-        );
-        return Decided::Done(ALLOW);
+        return Decided::pass(TraceVerdict::PassUncaptured);
     };
     let verdict = if is_dns {
         TraceVerdict::Dns
     } else {
         TraceVerdict::Outbound
     };
-    Decided::SendTo(target, verdict)
+    Decided::send_to(target, verdict)
 }
 
 /// Sends a call to a proxy's listener (`target`), recording its original destination on the
@@ -269,14 +308,15 @@ fn send_to(
         return DENY;
     }
     sa.set_user_endpoint(target);
+    // The listener's address is the pod's or loopback, as the trace records it: the log line
+    // keeps to what its record can hold on kernels that count every frame against 512 bytes.
     diag!(
         by_ref debug,
         sa.ctx,
-        "netns {}: redirect {:i}:{} to {:i}:{}",
+        "netns {}: redirect {:i}:{} to port {}",
         netns,
         ip(&dst.ip),
         dst.port,
-        ip(&target.ip),
         target.port
     );
     match verdict {
@@ -297,8 +337,10 @@ fn send_to(
 }
 
 /// A proxy's source-preserving dial (marked 0x539) to the app in its own pod gets the return
-/// mark, so the app's replies, addressed to the spoofed client, route back to the proxy.
-#[inline(always)]
+/// mark, so the app's replies, addressed to the spoofed client, route back to the proxy. A
+/// function of its own: inlined at the ambient and the sidecar call sites, LLVM read an argument
+/// register after the helper call clobbered it, which the verifier refuses.
+#[inline(never)]
 pub(crate) fn route_replies_back(sa: &SockAddr, netns: u64, dst: &Endpoint, hook: Hook) {
     if hook != Hook::Connect || !pod_owns(netns, &dst.ip) {
         return;

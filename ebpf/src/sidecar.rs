@@ -36,29 +36,25 @@ use weir_common::{
 };
 
 use crate::{
-    maps::{port_listed, range_listed},
+    maps::{pod, port_listed, range_listed},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, socket_addresses, SockAddr, SockaddrIn,
-        SockaddrIn6, ALLOW, SOCK_STREAM,
+        SockaddrIn6, SOCK_STREAM,
     },
-    outbound::{
-        bind, pod_address_like, pod_owns, route_replies_back, trace_outbound, Decided, Hook,
-    },
-    trace::NOWHERE,
+    outbound::{bind, pod_address_like, pod_owns, route_replies_back, Decided, Hook},
 };
 
-/// The outbound decision for a socket in a sidecar pod; returns the hook's verdict.
+/// The outbound decision for a socket in a sidecar pod.
 #[inline(always)]
-pub fn outbound(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoint) -> Decided {
-    let pass = |verdict: TraceVerdict| {
-        trace_outbound(sa, netns, pod, hook, dst, verdict, NOWHERE);
-        Decided::Done(ALLOW)
+pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decided {
+    let Some(pod) = pod(netns) else {
+        return Decided::pass(TraceVerdict::PassUncaptured);
     };
     if !is_v4_mapped(&dst.ip) && !pod.has(POD_SIDECAR_IPV6) {
-        return pass(TraceVerdict::PassExcluded);
+        return Decided::pass(TraceVerdict::PassExcluded);
     }
     if port_listed(netns, list::OUTBOUND_EXCLUDE, dst.port) {
-        return pass(TraceVerdict::PassExcluded);
+        return Decided::pass(TraceVerdict::PassExcluded);
     }
     // TPROXY: the proxy's source-preserving dials to the app (marked 0x539, as ztunnel's) keep
     // the way back, whichever rule lets them through (istio's mangle-table connmark).
@@ -66,7 +62,7 @@ pub fn outbound(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &En
         route_replies_back(sa, netns, dst, hook);
     }
     if bound_to_passthrough_source(sa) {
-        return pass(TraceVerdict::PassProxy);
+        return Decided::pass(TraceVerdict::PassProxy);
     }
     let ids = bpf_get_current_uid_gid();
     let (uid, gid) = (ids as u32, (ids >> 32) as u32);
@@ -97,40 +93,40 @@ pub fn outbound(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &En
         if hairpin(true) {
             return hairpin_to(sa, pod, dst);
         }
-        return proxy_passes(sa, netns, pod, hook, dst);
+        return Decided::pass(TraceVerdict::PassProxy);
     }
     let app_local_passes =
         local && !pod.has(POD_LOOPBACK_INCLUDED) && (!dns_capture || (tcp && dst.port != DNS_PORT));
     if app_local_passes {
-        return pass(TraceVerdict::PassLocal);
+        return Decided::pass(TraceVerdict::PassLocal);
     }
     if gid == pod.proxy_gid {
         if hairpin(false) {
             return hairpin_to(sa, pod, dst);
         }
-        return proxy_passes(sa, netns, pod, hook, dst);
+        return Decided::pass(TraceVerdict::PassProxy);
     }
     if dns_capture && dst.port == DNS_PORT {
         let target = Endpoint::new(loopback_like(&dst.ip), DNS_PROXY_PORT);
-        return Decided::SendTo(target, TraceVerdict::Dns);
+        return Decided::send_to(target, TraceVerdict::Dns);
     }
     if is_local_host(&dst.ip) {
-        return pass(TraceVerdict::PassLocal);
+        return Decided::pass(TraceVerdict::PassLocal);
     }
     if !tcp {
-        return pass(TraceVerdict::PassUncaptured);
+        return Decided::pass(TraceVerdict::PassUncaptured);
     }
     if range_listed(netns, list::OUTBOUND_EXCLUDE, &dst.ip) {
-        return pass(TraceVerdict::PassExcluded);
+        return Decided::pass(TraceVerdict::PassExcluded);
     }
     let included = port_listed(netns, list::OUTBOUND_INCLUDE, dst.port)
         || pod.has(POD_OUTBOUND_ALL_RANGES)
         || range_listed(netns, list::OUTBOUND_INCLUDE, &dst.ip);
     if !included {
-        return pass(TraceVerdict::PassExcluded);
+        return Decided::pass(TraceVerdict::PassExcluded);
     }
     let listener = pod_address_like(pod, &dst.ip).unwrap_or_else(|| loopback_like(&dst.ip));
-    Decided::SendTo(
+    Decided::send_to(
         Endpoint::new(listener, OUTBOUND_PORT),
         TraceVerdict::Outbound,
     )
@@ -150,13 +146,6 @@ pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16) -> bool {
     }
 }
 
-/// The proxy's own traffic passes.
-#[inline(always)]
-fn proxy_passes(sa: &SockAddr, netns: u64, pod: &PodConfig, hook: Hook, dst: &Endpoint) -> Decided {
-    trace_outbound(sa, netns, pod, hook, dst, TraceVerdict::PassProxy, NOWHERE);
-    Decided::Done(ALLOW)
-}
-
 /// The proxy's connection to its own pod goes to its inbound listener, 127.0.0.1:15006 (::1),
 /// as iptables REDIRECT sends it. An unbound socket is bound to the pod's address first, so the
 /// connection's record is the pod's alone; one already bound keeps its source.
@@ -169,7 +158,7 @@ fn hairpin_to(sa: &SockAddr, pod: &PodConfig, dst: &Endpoint) -> Decided {
             bind(sa, &mut SockaddrIn6::new(&source, 0));
         }
     }
-    Decided::SendTo(
+    Decided::send_to(
         Endpoint::new(loopback_like(&dst.ip), INBOUND_PORT),
         TraceVerdict::Hairpin,
     )
