@@ -1,6 +1,7 @@
 //! The sections measured with weir's datapath in this process, as the agent runs it: cost to
 //! pods and host processes that are not enrolled, enrollment ([`crate::enrollment`]), the
-//! connection path and bulk download.
+//! connection path, sidecar pods' enrollment and connection path ([`crate::sidecar`]) and bulk
+//! download.
 
 use std::net::SocketAddr;
 
@@ -12,10 +13,11 @@ use weir_agent::workload::PodOptions;
 use weir_tests::{Pod, TestNode};
 
 use crate::enrollment::{enrollment, enrollment_steps, handoff_round_trips};
+use crate::load::Proxy;
 use crate::pods::make_pods;
 use crate::report::{self, micros, ratio, Report, Samples, Table};
 use crate::trace_reader::TraceServer;
-use crate::{alternating_rounds, load, Plan};
+use crate::{alternating_rounds, load, sidecar, Plan};
 
 const APP_PORT: u16 = 8080;
 const BULK_PORT: u16 = 8081;
@@ -78,6 +80,9 @@ fn with_datapath(
         &trace,
         plan,
     )?);
+    for table in sidecar::measure(datapath, &runtime, node, app, plan)? {
+        report.push(table);
+    }
 
     println!("bulk download...");
     report.push(bulk_download(datapath, node, bulk, &trace, plan)?);
@@ -95,32 +100,15 @@ fn connection_path(
     trace: &TraceServer,
     plan: &Plan,
 ) -> Result<Table> {
-    for pod in [weir_pod, iptables_pod, plain] {
-        // The relay closes first toward the app, so TIME_WAITs pile up on podIP:15001; reuse
-        // keeps the app's port search short in every variant alike.
-        pod.netns().sysctl("net.ipv4.tcp_tw_reuse", "1")?;
-    }
-    let _relays = [weir_pod, iptables_pod, plain]
-        .map(|pod| load::relay(pod.netns(), app))
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?;
-    let straight = SocketAddr::new(plain.ipv4().into(), weir_common::OUTBOUND_PORT);
+    let (mut variants, _relays) =
+        through_relays(weir_pod, iptables_pod, plain, app, Proxy::Ztunnel)?;
     const TRACED: usize = 4;
-    let variants: [(&str, &Pod, SocketAddr); 5] = [
-        ("weir redirect", weir_pod, app),
-        ("iptables REDIRECT", iptables_pod, app),
-        ("straight to the relay", plain, straight),
-        ("no proxy", plain, app),
-        ("weir redirect, tracing on", weir_pod, app),
-    ];
+    variants.push(("weir redirect, tracing on", weir_pod, app));
     let mut traced = (0, 0, 0, 0);
     let rounds = alternating_rounds(variants.len(), plan.rounds, |variant| {
-        let (_, pod, target) = variants[variant];
         let reader = (variant == TRACED).then(|| trace.reader()).transpose()?;
         let lost_before = trace.lost_in_kernel()?;
-        let run = pod
-            .run(|| load::connections(target, plan.concurrency, plan.turn))
-            .with_context(|| format!("connections: {}", variants[variant].0))?;
+        let run = connect(&variants[variant], plan)?;
         if let Some(reader) = reader {
             reader.settle();
             let (records, lost) = reader.tally();
@@ -131,9 +119,82 @@ fn connection_path(
         }
         Ok(run)
     })?;
+    let pairs: Vec<_> = RELAY_RATIOS
+        .into_iter()
+        .chain([("weir tracing on / off", TRACED, 0)])
+        .collect();
+    let mut table = connection_table("Connection path", &variants, &rounds, &pairs, plan);
+    table.note(format!(
+        "{} rounds of {:?} per variant, order rotated each round. The relay (in the app's pod, \
+         on 15001, as ztunnel listens) reads SO_ORIGINAL_DST and dials from a marked socket; \
+         'straight to the relay' connects to podIP:15001 (the limit of any redirect). \
+         Tracing on: one `weir-agent trace` reader on the agent's trace server; it received \
+         {} records for {} connections (three each: the app's connect, the relay's marked dial, \
+         its SO_ORIGINAL_DST), and was told of {} lost ({} lost in the ring buffer).",
+        plan.rounds, plan.turn, traced.1, traced.0, traced.2, traced.3
+    ));
+    Ok(table)
+}
+
+/// One way of a connection path section: its name, the pod its app runs in, where that connects.
+pub type Variant<'a> = (&'static str, &'a Pod, SocketAddr);
+
+/// The rate ratios between the ways [`through_relays`] gives: names, and the variants' indexes.
+pub const RELAY_RATIOS: [(&str, usize, usize); 3] = [
+    ("weir / straight to the relay", 0, 2),
+    ("weir / iptables", 0, 1),
+    ("iptables / straight to the relay", 1, 2),
+];
+
+/// The four ways of a connection path section, from the app in a pod redirected by weir, in one
+/// redirected by istio's iptables rules, straight to the relay of a plain pod (podIP:15001: the
+/// limit of any redirect) and from that pod to `app` with no proxy; `proxy`'s relay runs in each
+/// pod until the pools returned are dropped.
+pub fn through_relays<'a>(
+    weir_pod: &'a Pod,
+    iptables_pod: &'a Pod,
+    plain: &'a Pod,
+    app: SocketAddr,
+    proxy: Proxy,
+) -> Result<(Vec<Variant<'a>>, Vec<load::Pool>)> {
+    let pods = [weir_pod, iptables_pod, plain];
+    for pod in pods {
+        // The relay closes first toward the app, so TIME_WAITs pile up on podIP:15001; reuse
+        // keeps the app's port search short in every variant alike.
+        pod.netns().sysctl("net.ipv4.tcp_tw_reuse", "1")?;
+    }
+    let relays = pods
+        .map(|pod| load::relay(pod.netns(), app, proxy))
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    let straight = SocketAddr::new(plain.ipv4().into(), weir_common::OUTBOUND_PORT);
+    let variants = vec![
+        ("weir redirect", weir_pod, app),
+        ("iptables REDIRECT", iptables_pod, app),
+        ("straight to the relay", plain, straight),
+        ("no proxy", plain, app),
+    ];
+    Ok((variants, relays))
+}
+
+/// One turn of a variant: short connections at `plan.concurrency` from its pod.
+pub fn connect(&(name, pod, target): &Variant, plan: &Plan) -> Result<load::Run> {
+    pod.run(|| load::connections(target, plan.concurrency, plan.turn))
+        .with_context(|| format!("connections: {name}"))
+}
+
+/// A connection path section's table: each variant's median rate and latencies over `rounds`,
+/// then the median of the rounds' rate ratios for `pairs` (names and the variants' indexes).
+pub fn connection_table(
+    section: &str,
+    variants: &[Variant],
+    rounds: &[Vec<load::Run>],
+    pairs: &[(&str, usize, usize)],
+    plan: &Plan,
+) -> Table {
     let mut table = Table::new(
         &format!(
-            "Connection path: short TCP connections at concurrency {}",
+            "{section}: short TCP connections at concurrency {}",
             plan.concurrency
         ),
         &["variant", "connections/s", "latency p50", "latency p99"],
@@ -155,42 +216,27 @@ fn connection_path(
             "latency": latencies.json(),
         }));
     }
-    let pair = |a: usize, b: usize| -> Vec<f64> {
-        rounds
+    let mut json_ratios = Vec::new();
+    for &(name, a, b) in pairs {
+        let ratios: Vec<f64> = rounds
             .iter()
             .map(|round| round[a].rate / round[b].rate)
-            .collect()
-    };
-    let pairs = [
-        ("weir / straight to the relay", pair(0, 2)),
-        ("weir / iptables", pair(0, 1)),
-        ("iptables / straight to the relay", pair(1, 2)),
-        ("weir tracing on / off", pair(TRACED, 0)),
-    ];
-    for (name, ratios) in &pairs {
+            .collect();
         table.row(&[
             format!("rate {name} (rounds)"),
-            ratio(ratios),
+            ratio(&ratios),
             "".into(),
             "".into(),
         ]);
+        json_ratios.push(json!({"pair": name, "median": report::median(&ratios)}));
     }
-    table.note(format!(
-        "{} rounds of {:?} per variant, order rotated each round. The relay (in the app's pod, \
-         on 15001, as ztunnel listens) reads SO_ORIGINAL_DST and dials from a marked socket; \
-         'straight to the relay' connects to podIP:15001 (the limit of any redirect). \
-         Tracing on: one `weir-agent trace` reader on the agent's trace server; it received \
-         {} records for {} connections (three each: the app's connect, the relay's marked dial, \
-         its SO_ORIGINAL_DST), and was told of {} lost ({} lost in the ring buffer).",
-        plan.rounds, plan.turn, traced.1, traced.0, traced.2, traced.3
-    ));
     table.json = json!({
         "concurrency": plan.concurrency,
         "rounds": plan.rounds,
         "variants": json_variants,
-        "ratios": pairs.iter().map(|(name, r)| json!({"pair": name, "median": report::median(r)})).collect::<Vec<_>>(),
+        "ratios": json_ratios,
     });
-    Ok(table)
+    table
 }
 
 /// Bulk download into a pod, enrolled (weir's tc program sees every packet) with tracing off

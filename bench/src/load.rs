@@ -1,8 +1,9 @@
 //! The traffic of the connection, bulk and cost sections: a request/response server, the
-//! minimal relay that stands for ztunnel's 15001 (reads `SO_ORIGINAL_DST`, dials, copies), and
-//! the load that drives them. Each runs a fixed pool of threads, so that no variant pays for
-//! thread creation per connection (the ztunnel stand-in of the tests does, which is what made
-//! the old sequential figure mostly a measure of thread spawns and scheduling).
+//! minimal relay that stands for ztunnel's 15001 or a sidecar's istio-proxy's (reads
+//! `SO_ORIGINAL_DST`, dials, copies), and the load that drives them. Each runs a fixed pool of
+//! threads, so that no variant pays for thread creation per connection (the ztunnel stand-in of
+//! the tests does, which is what made the old sequential figure mostly a measure of thread
+//! spawns and scheduling).
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use socket2::{Domain, Protocol, Socket, Type};
 use weir_common::{OUTBOUND_PORT, ZTUNNEL_MARK};
+use weir_tests::sidecar::PROXY_ID;
 use weir_tests::{sockopt, NetNs};
 
 /// Request and response size of a short connection.
@@ -29,15 +31,21 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// `identity`: the uid and gid each thread takes once in the namespace, for the sockets it
+    /// makes (else root's).
     fn start(
         netns: &NetNs,
         listener: TcpListener,
+        identity: Option<u32>,
         serve: impl Fn(TcpStream) -> io::Result<()> + Send + Sync + Clone + 'static,
     ) -> io::Result<Self> {
         let threads = (0..POOL)
             .map(|_| {
                 let (listener, serve) = (listener.try_clone()?, serve.clone());
                 netns.spawn("bench-pool", move || {
+                    if let Some(id) = identity {
+                        take_identity(id).expect("a thread of root's can take any identity");
+                    }
                     while let Ok((stream, _)) = listener.accept() {
                         // A failed connection is the load's to count; the pool goes on.
                         let _ = stream
@@ -61,10 +69,23 @@ impl Drop for Pool {
     }
 }
 
+/// Gives the calling thread alone uid and gid `id` (the raw syscalls: libc's wrappers change
+/// every thread of the process). The gid first, while the thread may still change it.
+fn take_identity(id: u32) -> io::Result<()> {
+    let id = libc::c_long::from(id);
+    for call in [libc::SYS_setresgid, libc::SYS_setresuid] {
+        // SAFETY: a syscall on this thread's credentials, with plain integer arguments.
+        if unsafe { libc::syscall(call, id, id, id) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 /// The app server: reads a request, answers, closes.
 pub fn server(netns: &NetNs, addr: SocketAddr) -> io::Result<Pool> {
     let listener = netns.run(|| TcpListener::bind(addr))?;
-    Pool::start(netns, listener, |mut stream| {
+    Pool::start(netns, listener, None, |mut stream| {
         let mut request = [0; MESSAGE];
         stream.read_exact(&mut request)?;
         stream.write_all(&request)
@@ -74,7 +95,7 @@ pub fn server(netns: &NetNs, addr: SocketAddr) -> io::Result<Pool> {
 /// Sends `bytes` to every connection, then closes: the far end of the bulk section.
 pub fn bulk_source(netns: &NetNs, addr: SocketAddr, bytes: usize) -> io::Result<Pool> {
     let listener = netns.run(|| TcpListener::bind(addr))?;
-    Pool::start(netns, listener, move |mut stream| {
+    Pool::start(netns, listener, None, move |mut stream| {
         let chunk = vec![0x5a; 256 * 1024];
         let mut left = bytes;
         while left > 0 {
@@ -91,23 +112,37 @@ pub fn udp_sink(netns: &NetNs, addr: SocketAddr) -> io::Result<UdpSocket> {
     netns.run(|| UdpSocket::bind(addr))
 }
 
-/// The minimal in-pod relay on `[::]:15001`, made as ztunnel makes its listener (marked, port
-/// reuse, dual-stack, transparent): takes each connection to its `SO_ORIGINAL_DST` (else to
-/// `fallback`: an app that connects to the relay's port directly), from a marked socket so the
-/// redirection leaves the dial alone.
-pub fn relay(netns: &NetNs, fallback: SocketAddr) -> io::Result<Pool> {
+/// Whose 15001 a [`relay`] stands for, which says how its dials leave the pod without being
+/// redirected back to it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Proxy {
+    /// ztunnel: its listener made as ztunnel makes it (marked, transparent), its dials from
+    /// sockets with ztunnel's mark.
+    Ztunnel,
+    /// A sidecar's istio-proxy (Envoy): a plain listener, its dials made by threads with the
+    /// proxy's uid and gid, the identity istio's rules (`--uid-owner`) and weir's policy exempt.
+    Sidecar,
+}
+
+/// The minimal in-pod relay on `[::]:15001` (port reuse, dual-stack), made as `proxy` makes it:
+/// takes each connection to its `SO_ORIGINAL_DST` (else to `fallback`: an app that connects to
+/// the relay's port directly), dialing so that the redirection leaves the dial alone.
+pub fn relay(netns: &NetNs, fallback: SocketAddr, proxy: Proxy) -> io::Result<Pool> {
     let listener = netns.run(|| {
-        let socket = marked(Domain::IPV6)?;
+        let socket = stream_socket(Domain::IPV6, proxy)?;
         socket.set_reuse_port(true)?;
         socket.set_only_v6(false)?;
         socket.bind(&SocketAddr::from((Ipv6Addr::UNSPECIFIED, OUTBOUND_PORT)).into())?;
         socket.listen(1024)?;
-        sockopt::set_transparent(&socket)?;
+        if proxy == Proxy::Ztunnel {
+            sockopt::set_transparent(&socket)?;
+        }
         io::Result::Ok(TcpListener::from(socket))
     })?;
-    Pool::start(netns, listener, move |mut client| {
+    let identity = (proxy == Proxy::Sidecar).then_some(PROXY_ID);
+    Pool::start(netns, listener, identity, move |mut client| {
         let target = sockopt::original_dst(&client).unwrap_or(fallback);
-        let mut upstream = dial_marked(target)?;
+        let mut upstream = dial(target, proxy)?;
         let mut request = [0; MESSAGE];
         client.read_exact(&mut request)?;
         upstream.write_all(&request)?;
@@ -116,15 +151,18 @@ pub fn relay(netns: &NetNs, fallback: SocketAddr) -> io::Result<Pool> {
     })
 }
 
-fn marked(domain: Domain) -> io::Result<Socket> {
+/// A TCP socket, with ztunnel's mark for [`Proxy::Ztunnel`] (a sidecar's identity is the
+/// thread's).
+fn stream_socket(domain: Domain, proxy: Proxy) -> io::Result<Socket> {
     let socket = Socket::new(domain, Type::STREAM, Some(Protocol::TCP))?;
-    socket.set_mark(ZTUNNEL_MARK)?;
+    if proxy == Proxy::Ztunnel {
+        socket.set_mark(ZTUNNEL_MARK)?;
+    }
     Ok(socket)
 }
 
-/// A connection from a socket with ztunnel's mark, which weir and istio's rules never redirect.
-pub fn dial_marked(target: SocketAddr) -> io::Result<TcpStream> {
-    let socket = marked(Domain::for_address(target))?;
+fn dial(target: SocketAddr, proxy: Proxy) -> io::Result<TcpStream> {
+    let socket = stream_socket(Domain::for_address(target), proxy)?;
     socket.connect_timeout(&target.into(), IO_TIMEOUT)?;
     let stream = TcpStream::from(socket);
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
@@ -215,7 +253,7 @@ pub fn datagrams(target: SocketAddr, duration: Duration) -> io::Result<Run> {
 /// Bytes per second received over one marked connection from a [`bulk_source`].
 pub fn download(source: SocketAddr) -> io::Result<f64> {
     let start = Instant::now();
-    let mut stream = dial_marked(source)?;
+    let mut stream = dial(source, Proxy::Ztunnel)?;
     let received = io::copy(&mut stream, &mut io::sink())?;
     Ok(received as f64 / start.elapsed().as_secs_f64())
 }

@@ -4,7 +4,8 @@
 //! median of the pairs' ratios, never as absolutes to compare across runs.
 //!
 //! Sections: cost to pods and host processes that are not enrolled; enrollment; connection path;
-//! bulk download (these with weir's datapath in this process: [`in_process`]); then, on a node
+//! sidecar pods' enrollment and connection path, against istio-init's rules ([`sidecar`]); bulk
+//! download (these with weir's datapath in this process: [`in_process`]); then, on a node
 //! of their own with the real agent binary ([`node_scale`]): pod start (the whole CNI ADD with
 //! and without weir-cni), weir-cni's decision with the agent away (API server, verdict cache),
 //! scale, and the node reboot storm; then the agent following a cluster ([`cluster`]): its
@@ -21,6 +22,7 @@ mod node_scale;
 mod pods;
 mod report;
 mod runtime;
+mod sidecar;
 mod trace_reader;
 
 use std::path::PathBuf;
@@ -50,9 +52,9 @@ struct Args {
     )]
     sizes: Vec<usize>,
     /// Which sections to run: all of them, or (to look into one side) only those measured in
-    /// the bench's process (enrollment, connections, bulk, cost), only those on a running
-    /// agent (pod start, the agent away, scale, reboot storm), only pod start, or only the
-    /// agent following a cluster (memory, API requests).
+    /// the bench's process (enrollment, connections, sidecar pods, bulk, cost), only those on a
+    /// running agent (pod start, the agent away, scale, reboot storm), only pod start, or only
+    /// the agent following a cluster (memory, API requests).
     #[arg(long, env = "WEIR_BENCH_SECTIONS", value_enum, default_value_t = Sections::All)]
     sections: Sections,
     /// Directory for bench.md, bench.json and scale.svg.
