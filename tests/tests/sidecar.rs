@@ -12,7 +12,7 @@ use weir_agent::policy::local::ObjectMeta;
 use weir_common::{maps, PortKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     chain::{ambient_policy, listed_pods, wait_for_metric, weir_only, CniChainNode as Node, WAIT},
-    cni::{Command, RuntimeConf},
+    cni::Command,
     istio_iptables, privileged,
     sidecar::{as_proxy, sidecar_pod, Interception, SidecarStandIn, PROXY_ID},
     tcp_request, udp_request, EchoServer, Pod, PodSpec, TestNode,
@@ -385,24 +385,124 @@ fn del_unenrolls_a_sidecar_pod_and_leaves_no_entry() {
     };
     let agent = node.start_agent();
     let pod = node.pod("default", "sidecar").unwrap();
-    let cookie = pod.netns().cookie().unwrap();
-    let entries = || {
-        let ports: aya::maps::HashMap<_, PortKey, u8> = aya::maps::HashMap::try_from(
-            aya::maps::Map::HashMap(node.test_node().pinned_map(maps::SIDECAR_PORTS).unwrap()),
-        )
-        .unwrap();
-        ports
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|key| key.netns_cookie == cookie)
-            .count()
-    };
     // 15020, 15021, 15090 inbound; 15020 outbound.
-    assert_eq!(entries(), 4);
-    let runtime: RuntimeConf = pod.runtime_conf().clone();
-    weir_only(&node, Command::Del, &runtime, Some(pod.prev_result())).unwrap();
-    assert_eq!(entries(), 0);
+    assert_eq!(port_entries(&node, &pod), 4);
+    weir_only(
+        &node,
+        Command::Del,
+        pod.runtime_conf(),
+        Some(pod.prev_result()),
+    )
+    .unwrap();
+    assert_eq!(port_entries(&node, &pod), 0);
     assert_eq!(run_validation(&pod), 126, "the pod is no longer redirected");
+    agent.stop().unwrap();
+}
+
+/// The pod stays redirected while no agent runs; the next agent takes it back from the pinned
+/// maps without telling ztunnel of it, and a DEL then removes every entry of its lists, which
+/// that agent had to find in the maps.
+#[test]
+fn a_restart_keeps_a_sidecar_pod_redirected_and_away_from_ztunnel() {
+    let Some(node) = node_with(&[("sidecar", sidecar_pod(&[], &[]))]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let pod = node.pod("default", "sidecar").unwrap();
+    agent.stop().unwrap();
+    assert_eq!(run_validation(&pod), 0, "redirected while no agent runs");
+
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    assert!(ztunnel.wait_for_snapshot(WAIT));
+    let named = ztunnel
+        .events()
+        .into_iter()
+        .any(|e| e.uid() == Some(pod.uid()));
+    assert!(!named, "ztunnel never hears of a sidecar pod");
+    let listed = listed_pods(&agent);
+    let row = listed.iter().find(|row| row["uid"] == pod.uid()).unwrap();
+    assert_eq!(row["mode"], "sidecar", "{row:#}");
+    assert_eq!(run_validation(&pod), 0);
+
+    weir_only(
+        &node,
+        Command::Del,
+        pod.runtime_conf(),
+        Some(pod.prev_result()),
+    )
+    .unwrap();
+    assert_eq!(port_entries(&node, &pod), 0);
+    assert_eq!(run_validation(&pod), 126);
+    agent.stop().unwrap();
+}
+
+/// The pod's entries in the pinned `SIDECAR_PORTS`, as bpftool would find them.
+fn port_entries(node: &Node, pod: &Pod) -> usize {
+    let cookie = pod.netns().cookie().unwrap();
+    let map = node.test_node().pinned_map(maps::SIDECAR_PORTS).unwrap();
+    let ports: aya::maps::HashMap<_, PortKey, u8> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(map)).unwrap();
+    ports
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|key| key.netns_cookie == cookie)
+        .count()
+}
+
+#[test]
+fn only_included_ranges_and_ports_are_captured() {
+    let Some(node) = node_with(&[]) else {
+        return;
+    };
+    // The pods' addresses are known only once they exist; the sidecar pods' policy names them.
+    let server = node.pod("default", "server").unwrap();
+    let other = node.pod("default", "other").unwrap();
+    let included = format!("{}/32", server.ipv4());
+    let mut policy = ambient_policy();
+    let by_range = sidecar_pod(
+        &[(
+            "traffic.sidecar.istio.io/includeOutboundIPRanges",
+            &included,
+        )],
+        &[],
+    );
+    let by_port = sidecar_pod(
+        &[
+            ("traffic.sidecar.istio.io/includeOutboundIPRanges", ""),
+            ("traffic.sidecar.istio.io/includeOutboundPorts", "9090"),
+        ],
+        &[],
+    );
+    policy.pods.insert("default/by-range".into(), by_range);
+    policy.pods.insert("default/by-port".into(), by_port);
+    node.files.write_policy(&policy).unwrap();
+    let agent = node.start_agent();
+    let server_app = EchoServer::app(&server).unwrap();
+    let server_9090 = EchoServer::start(server.netns(), "9090", addr(server.ipv4(), 9090)).unwrap();
+    let other_app = EchoServer::app(&other).unwrap();
+
+    let pod = node.pod("default", "by-range").unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    let reply = pod.run(|| tcp_request(other.app_v4(), "outside")).unwrap();
+    assert_eq!(reply.response, other_app.reply_to("outside"));
+    assert!(proxy.seen().is_empty(), "{:?}", proxy.seen());
+    let reply = pod.run(|| tcp_request(server.app_v4(), "inside")).unwrap();
+    assert_eq!(reply.response, server_app.reply_to("inside"));
+    let seen = proxy.wait_for(|s| s.listener == OUTBOUND_PORT, WAIT);
+    assert_eq!(seen.unwrap().original_dst, Some(server.app_v4()));
+
+    let pod = node.pod("default", "by-port").unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    let reply = pod
+        .run(|| tcp_request(server.app_v4(), "no range"))
+        .unwrap();
+    assert_eq!(reply.response, server_app.reply_to("no range"));
+    assert!(proxy.seen().is_empty(), "{:?}", proxy.seen());
+    let target = addr(server.ipv4(), 9090);
+    let reply = pod.run(|| tcp_request(target, "port")).unwrap();
+    assert_eq!(reply.response, server_9090.reply_to("port"));
+    let seen = proxy.wait_for(|s| s.listener == OUTBOUND_PORT, WAIT);
+    assert_eq!(seen.unwrap().original_dst, Some(target));
     agent.stop().unwrap();
 }
 

@@ -22,7 +22,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use prometheus_client::{metrics::counter::Counter, registry::Registry};
@@ -32,7 +32,7 @@ use tracing::{debug, info, warn, Instrument};
 use super::{facts_of, repair::Repair, Change, Reflectors};
 use crate::{
     datapath::EnrollNetns,
-    enroll::Enroller,
+    enroll::{Enroller, RunningPod},
     logging::pod_span,
     policy::{AmbientPod, AnnotationProblem, PolicyConfig},
     report::{report_problems, Reporter, Warning},
@@ -321,7 +321,15 @@ impl Reconciler {
                     return Ok(());
                 }
                 let broken = !self.seen_out.lock().unwrap().contains(uid);
-                let enrolled = self.enroll_running(uid, name, ambient, ips, record).await;
+                let running = RunningPod {
+                    uid: uid.to_owned(),
+                    name: name.clone(),
+                    service_account: Some(ambient.service_account),
+                    ips,
+                    options: ambient.options,
+                    sidecar: None,
+                };
+                let enrolled = self.enroller.enroll_running(running).await;
                 if broken {
                     return self.repaired(name, &object, enrolled).await;
                 }
@@ -357,40 +365,6 @@ impl Reconciler {
             .cloned()
             .collect();
         report_problems(&*self.reporter, name, &new).await;
-    }
-
-    /// Enrolls a running pod in place: its netns found from the agent's record or /proc.
-    async fn enroll_running(
-        &self,
-        uid: &str,
-        name: &PodName,
-        ambient: AmbientPod,
-        ips: Vec<IpAddr>,
-        record: Option<Workload>,
-    ) -> Result<()> {
-        // Enrolled outside a CNI ADD, the pod keeps the attachment an earlier ADD recorded.
-        let attachment = record.as_ref().and_then(|record| record.attachment.clone());
-        let hint = record.map(|record| record.netns);
-        let found = self.enroller.find_running_pod(uid, &ips, hint).await?;
-        let found = found.ok_or_else(|| {
-            anyhow!("no network namespace on this node holds the pod's addresses")
-        })?;
-        let pod = Workload {
-            uid: uid.to_owned(),
-            name: name.name.clone(),
-            namespace: name.namespace.clone(),
-            service_account: Some(ambient.service_account),
-            netns: found.path.clone(),
-            ips,
-            options: ambient.options,
-            attachment,
-            sidecar: None,
-        };
-        self.enroller
-            .enroll_in(&pod, EnrollNetns::Found(found.netns))
-            .await?;
-        info!("running pod enrolled");
-        Ok(())
     }
 
     /// Accounts for the in-place repair of a broken pod; where it failed, the configured

@@ -17,7 +17,6 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{anyhow, Result};
 use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 use kube::ResourceExt;
 use tokio::sync::broadcast::error::RecvError;
@@ -25,12 +24,11 @@ use tracing::{debug, info, warn, Instrument};
 
 use super::{facts_of, repair::Repair, Change, Reflectors};
 use crate::{
-    datapath::EnrollNetns,
-    enroll::Enroller,
+    enroll::{Enroller, RunningPod},
     logging::pod_span,
     policy::{sidecar, SIDECAR_STATUS_ANNOTATION},
     report::{Reporter, Warning},
-    workload::{PodName, PodOptions, SidecarRedirect, Workload},
+    workload::{PodName, PodOptions},
 };
 
 /// The init container istio's injector adds to sidecar pods when its CNI is on.
@@ -242,49 +240,21 @@ impl SidecarRepair {
             .spec
             .as_ref()
             .and_then(|s| s.service_account_name.clone());
-        let enrolled = self.enroller.in_turn(
-            uid,
-            self.enroll_running(uid, name, service_account, ips, redirect),
-        );
+        let running = RunningPod {
+            uid: uid.to_owned(),
+            name: name.clone(),
+            service_account,
+            ips,
+            options: PodOptions::default(),
+            sidecar: Some(redirect),
+        };
+        let enrolled = self
+            .enroller
+            .in_turn(uid, self.enroller.enroll_running(running));
         match enrolled.await {
             Ok(()) => InPlace::Repaired,
             Err(error) => InPlace::Failed(error),
         }
-    }
-
-    /// Enrolls the running pod in sidecar mode in the netns that holds its addresses.
-    async fn enroll_running(
-        &self,
-        uid: &str,
-        name: &PodName,
-        service_account: Option<String>,
-        ips: Vec<IpAddr>,
-        redirect: SidecarRedirect,
-    ) -> Result<()> {
-        let record = self.enroller.record(uid);
-        // Enrolled outside a CNI ADD, the pod keeps the attachment an earlier ADD recorded.
-        let attachment = record.as_ref().and_then(|record| record.attachment.clone());
-        let hint = record.map(|record| record.netns);
-        let found = self.enroller.find_running_pod(uid, &ips, hint).await?;
-        let found = found.ok_or_else(|| {
-            anyhow!("no network namespace on this node holds the pod's addresses")
-        })?;
-        let pod = Workload {
-            uid: uid.to_owned(),
-            name: name.name.clone(),
-            namespace: name.namespace.clone(),
-            service_account,
-            netns: found.path.clone(),
-            ips,
-            options: PodOptions::default(),
-            attachment,
-            sidecar: Some(redirect),
-        };
-        self.enroller
-            .enroll_in(&pod, EnrollNetns::Found(found.netns))
-            .await?;
-        info!("running sidecar pod enrolled");
-        Ok(())
     }
 }
 

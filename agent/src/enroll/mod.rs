@@ -37,7 +37,7 @@ use crate::{
     logging::pod_span,
     report::Reporter,
     state::StateFile,
-    workload::{PodName, Status, Workload},
+    workload::{PodName, PodOptions, SidecarRedirect, Status, Workload},
     zds::{WorkloadInfo, ZdsError, ZdsHandle},
 };
 use status::StatusLabels;
@@ -187,6 +187,33 @@ impl Enroller {
         result
     }
 
+    /// Enrolls a running pod in place, outside any CNI ADD: its netns found from the agent's
+    /// record or /proc by its addresses. It keeps the attachment an earlier ADD recorded.
+    pub async fn enroll_running(&self, pod: RunningPod) -> Result<()> {
+        let record = self.record(&pod.uid);
+        let attachment = record.as_ref().and_then(|record| record.attachment.clone());
+        let hint = record.map(|record| record.netns);
+        let found = self.find_running_pod(&pod.uid, &pod.ips, hint).await?;
+        let found = found.ok_or_else(|| {
+            anyhow::anyhow!("no network namespace on this node holds the pod's addresses")
+        })?;
+        let workload = Workload {
+            uid: pod.uid,
+            name: pod.name.name,
+            namespace: pod.name.namespace,
+            service_account: pod.service_account,
+            netns: found.path.clone(),
+            ips: pod.ips,
+            options: pod.options,
+            attachment,
+            sidecar: pod.sidecar,
+        };
+        self.enroll_in(&workload, EnrollNetns::Found(found.netns))
+            .await?;
+        info!(mode = workload.mode().as_str(), "running pod enrolled");
+        Ok(())
+    }
+
     /// Enrolls a pod in the netns at its path, as the runtime gives it.
     pub async fn enroll(&self, pod: &Workload) -> Result<Status> {
         self.enroll_in(pod, EnrollNetns::Path).await
@@ -289,6 +316,18 @@ impl Enroller {
     pub async fn is_redirected(&self, uid: &str) -> Result<bool> {
         self.datapath.is_redirected(uid).await
     }
+}
+
+/// A running pod to enroll in place ([`Enroller::enroll_running`]): what its enrollment needs
+/// but its netns, which is found.
+pub struct RunningPod {
+    pub uid: String,
+    pub name: PodName,
+    pub service_account: Option<String>,
+    pub ips: Vec<IpAddr>,
+    pub options: PodOptions,
+    /// Set for a sidecar pod.
+    pub sidecar: Option<SidecarRedirect>,
 }
 
 /// What ztunnel is told about a pod.
