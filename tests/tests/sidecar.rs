@@ -11,6 +11,7 @@ use std::{
 use weir_agent::policy::local::ObjectMeta;
 use weir_common::{maps, PortKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
+    agent::Agent,
     chain::{ambient_policy, listed_pods, wait_for_metric, weir_only, CniChainNode as Node, WAIT},
     cni::Command,
     istio_iptables, privileged,
@@ -31,6 +32,15 @@ fn node_with(sidecars: &[(&str, ObjectMeta)]) -> Option<Node> {
     }
     node.files.write_policy(&policy).unwrap();
     Some(node)
+}
+
+/// A node whose policy makes `default/sidecar` the sidecar pod `meta`, its agent, and that pod
+/// (made through the node's CNI chain).
+fn sidecar_node(meta: ObjectMeta) -> Option<(Node, Agent, Pod)> {
+    let node = node_with(&[("sidecar", meta)])?;
+    let agent = node.start_agent();
+    let pod = node.pod("default", "sidecar").unwrap();
+    Some((node, agent, pod))
 }
 
 /// Runs the `istio-validation` stand-in in the pod as the proxy's uid and gid; its exit code.
@@ -65,30 +75,26 @@ fn run_validation(pod: &Pod) -> i32 {
 
 #[test]
 fn istio_validation_passes_in_a_sidecar_pod_and_fails_without_weir() {
-    let Some(node) = node_with(&[("sidecar", sidecar_pod(&[], &[]))]) else {
+    let Some((node, agent, pod)) = sidecar_node(sidecar_pod(&[], &[])) else {
         return;
     };
-    let agent = node.start_agent();
     let plain = node.pod("default", "plain").unwrap();
     assert_eq!(
         run_validation(&plain),
         126,
         "no redirection: validation fails"
     );
-    let sidecar = node.pod("default", "sidecar").unwrap();
-    assert_eq!(run_validation(&sidecar), 0, "weir's redirection validates");
+    assert_eq!(run_validation(&pod), 0, "weir's redirection validates");
     agent.stop().unwrap();
 }
 
 #[test]
 fn a_sidecar_pods_traffic_goes_through_its_own_proxy() {
-    let Some(node) = node_with(&[("sidecar", sidecar_pod(&[], &[]))]) else {
+    let Some((node, agent, pod)) = sidecar_node(sidecar_pod(&[], &[])) else {
         return;
     };
-    let agent = node.start_agent();
     let server = node.pod("default", "server").unwrap();
     let client = node.pod("default", "client").unwrap();
-    let pod = node.pod("default", "sidecar").unwrap();
     traffic_goes_as_istios_sidecar_rules_send_it(&server, &client, &pod);
 
     // What an operator sees: the pod listed as a sidecar pod with no ambient status, and its
@@ -184,14 +190,12 @@ fn tproxy_mode_keeps_the_clients_address_for_the_app() {
     let proxy_container = tproxy.containers.last_mut().unwrap();
     assert_eq!(proxy_container.name, "istio-proxy");
     proxy_container.run_as_user = Some(0);
-    let Some(node) = node_with(&[("sidecar", tproxy)]) else {
+    let Some((node, agent, pod)) = sidecar_node(tproxy) else {
         return;
     };
-    let agent = node.start_agent();
     let server = node.pod("default", "server").unwrap();
     let server_app = EchoServer::app(&server).unwrap();
     let client = node.pod("default", "client").unwrap();
-    let pod = node.pod("default", "sidecar").unwrap();
     let proxy = SidecarStandIn::start_with(&pod, Interception::Tproxy).unwrap();
     let app = EchoServer::app(&pod).unwrap();
     let tunnel = EchoServer::start(pod.netns(), "15008", addr(pod.ipv4(), 15008)).unwrap();
@@ -239,14 +243,12 @@ fn tproxy_mode_keeps_the_clients_address_for_the_app() {
 #[test]
 fn dual_stack_captures_ipv6_with_its_passthrough_source() {
     let dual_stack = sidecar_pod(&[], &[("ISTIO_DUAL_STACK", "true")]);
-    let Some(node) = node_with(&[("sidecar", dual_stack)]) else {
+    let Some((node, agent, pod)) = sidecar_node(dual_stack) else {
         return;
     };
-    let agent = node.start_agent();
     let server = node.pod("default", "server").unwrap();
     let server_app = EchoServer::app(&server).unwrap();
     let client = node.pod("default", "client").unwrap();
-    let pod = node.pod("default", "sidecar").unwrap();
     let proxy = SidecarStandIn::start(&pod).unwrap();
     let app = EchoServer::app(&pod).unwrap();
 
@@ -340,12 +342,10 @@ fn an_excluded_interface_is_not_captured_inbound() {
         &[("traffic.sidecar.istio.io/excludeInterfaces", "eth0")],
         &[],
     );
-    let Some(node) = node_with(&[("sidecar", excluded)]) else {
+    let Some((node, agent, pod)) = sidecar_node(excluded) else {
         return;
     };
-    let agent = node.start_agent();
     let client = node.pod("default", "client").unwrap();
-    let pod = node.pod("default", "sidecar").unwrap();
     let proxy = SidecarStandIn::start(&pod).unwrap();
     let app = EchoServer::app(&pod).unwrap();
     let reply = client.run(|| tcp_request(pod.app_v4(), "direct")).unwrap();
@@ -380,11 +380,9 @@ fn an_invalid_sidecar_annotation_fails_the_add_naming_it() {
 
 #[test]
 fn del_unenrolls_a_sidecar_pod_and_leaves_no_entry() {
-    let Some(node) = node_with(&[("sidecar", sidecar_pod(&[], &[]))]) else {
+    let Some((node, agent, pod)) = sidecar_node(sidecar_pod(&[], &[])) else {
         return;
     };
-    let agent = node.start_agent();
-    let pod = node.pod("default", "sidecar").unwrap();
     // 15020, 15021, 15090 inbound; 15020 outbound.
     assert_eq!(port_entries(&node, &pod), 4);
     weir_only(
@@ -404,11 +402,9 @@ fn del_unenrolls_a_sidecar_pod_and_leaves_no_entry() {
 /// that agent had to find in the maps.
 #[test]
 fn a_restart_keeps_a_sidecar_pod_redirected_and_away_from_ztunnel() {
-    let Some(node) = node_with(&[("sidecar", sidecar_pod(&[], &[]))]) else {
+    let Some((node, agent, pod)) = sidecar_node(sidecar_pod(&[], &[])) else {
         return;
     };
-    let agent = node.start_agent();
-    let pod = node.pod("default", "sidecar").unwrap();
     agent.stop().unwrap();
     assert_eq!(run_validation(&pod), 0, "redirected while no agent runs");
 
