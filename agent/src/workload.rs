@@ -181,6 +181,18 @@ pub struct SidecarRedirect {
     pub dual_stack: bool,
 }
 
+impl SidecarRedirect {
+    /// The pod options a sidecar pod is recorded with: only DNS capture applies, as its proxy
+    /// says; the ambient annotations do not.
+    pub fn options(&self) -> PodOptions {
+        PodOptions {
+            inbound_bypass: false,
+            dns_capture: self.dns_capture,
+            reroute_interfaces: Vec::new(),
+        }
+    }
+}
+
 impl Default for SidecarRedirect {
     /// A pod as istio's injector writes it with every default: REDIRECT, everything captured
     /// but the proxy's own ports.

@@ -253,6 +253,15 @@ pub fn facts_of(pod: &Pod, namespace_labels: Labels) -> PodFacts {
     }
 }
 
+/// The addresses the API server reports for the pod (`status.podIPs`).
+pub fn ips_of(pod: &Pod) -> Vec<std::net::IpAddr> {
+    let ips = pod.status.as_ref().and_then(|s| s.pod_ips.as_ref());
+    ips.into_iter()
+        .flatten()
+        .filter_map(|ip| ip.ip.parse().ok())
+        .collect()
+}
+
 /// Init containers first, then containers, as istio-cni scans them.
 fn containers_of(spec: &PodSpec) -> Vec<ContainerFacts> {
     let init = spec.init_containers.iter().flatten();

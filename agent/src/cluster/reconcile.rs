@@ -29,7 +29,7 @@ use prometheus_client::{metrics::counter::Counter, registry::Registry};
 use tokio::sync::{broadcast::error::RecvError, watch};
 use tracing::{debug, info, warn, Instrument};
 
-use super::{facts_of, repair::Repair, Change, Reflectors};
+use super::{facts_of, ips_of, repair::Repair, Change, Reflectors};
 use crate::{
     datapath::EnrollNetns,
     enroll::{Enroller, RunningPod},
@@ -250,15 +250,7 @@ impl Reconciler {
             .unwrap_or_default();
         match self.policy.decide(&facts_of(pod, namespace_labels)) {
             None => Wanted::Out,
-            Some(ambient) => {
-                let ips = status
-                    .and_then(|s| s.pod_ips.as_ref())
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|ip| ip.ip.parse().ok())
-                    .collect();
-                Wanted::Enrolled(ambient, ips, pod.clone())
-            }
+            Some(ambient) => Wanted::Enrolled(ambient, ips_of(pod), pod.clone()),
         }
     }
 

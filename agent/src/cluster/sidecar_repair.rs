@@ -12,7 +12,6 @@
 //! kubelet restarts its istio-validation, and on every full pass.
 use std::{
     collections::HashSet,
-    net::IpAddr,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -22,13 +21,13 @@ use kube::ResourceExt;
 use tokio::sync::broadcast::error::RecvError;
 use tracing::{debug, info, warn, Instrument};
 
-use super::{facts_of, repair::Repair, Change, Reflectors};
+use super::{facts_of, ips_of, repair::Repair, Change, Reflectors};
 use crate::{
     enroll::{Enroller, RunningPod},
     logging::pod_span,
     policy::{sidecar, SIDECAR_STATUS_ANNOTATION},
     report::{Reporter, Warning},
-    workload::{PodName, PodOptions},
+    workload::PodName,
 };
 
 /// The init container istio's injector adds to sidecar pods when its CNI is on.
@@ -216,8 +215,9 @@ impl SidecarRepair {
             .reflectors
             .namespace_labels(&name.namespace)
             .unwrap_or_default();
+        let facts = facts_of(pod, namespace_labels);
         // istio-cni's own refusal of an annotation is the failure, as at the pod's ADD.
-        let redirect = match sidecar::decide(&facts_of(pod, namespace_labels)) {
+        let redirect = match sidecar::decide(&facts) {
             Ok(Some(redirect)) => redirect,
             Ok(None) => return InPlace::Skipped("istio-cni would not redirect it"),
             Err(invalid) => return InPlace::Failed(invalid.into()),
@@ -225,27 +225,16 @@ impl SidecarRepair {
         if self.enroller.sandbox_removed(uid) {
             return InPlace::Skipped("its sandbox is gone; the next one's ADD enrolls it");
         }
-        let ips: Vec<IpAddr> = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.pod_ips.as_ref())
-            .into_iter()
-            .flatten()
-            .filter_map(|ip| ip.ip.parse().ok())
-            .collect();
+        let ips = ips_of(pod);
         if ips.is_empty() {
             return InPlace::Skipped("no address reported yet");
         }
-        let service_account = pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.service_account_name.clone());
         let running = RunningPod {
             uid: uid.to_owned(),
             name: name.clone(),
-            service_account,
+            service_account: facts.service_account,
             ips,
-            options: PodOptions::default(),
+            options: redirect.options(),
             sidecar: Some(redirect),
         };
         let enrolled = self

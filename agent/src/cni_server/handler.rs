@@ -20,7 +20,7 @@ use crate::{
     logging::pod_span,
     policy::{Decision, Labels, Policy, PolicyError},
     report::{report_problems, Reporter, Warning},
-    workload::{PodName, PodOptions, Status, Workload},
+    workload::{PodName, Status, Workload},
 };
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -129,14 +129,7 @@ impl CniHandler {
                 report_problems(&*self.reporter, &name, &ambient.problems).await;
                 (ambient.options, Some(ambient.service_account), None)
             }
-            Decision::Sidecar(sidecar) => {
-                let options = PodOptions {
-                    inbound_bypass: false,
-                    dns_capture: sidecar.dns_capture,
-                    reroute_interfaces: Vec::new(),
-                };
-                (options, None, Some(sidecar))
-            }
+            Decision::Sidecar(sidecar) => (sidecar.options(), None, Some(sidecar)),
         };
         let ips = request
             .ips

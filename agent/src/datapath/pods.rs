@@ -1,6 +1,7 @@
 //! A pod's redirection: the map entries that switch it on and the setup inside its netns;
 //! unenrolling undoes both. `Owner::enroll` is the one place a pod's redirection is put in place.
 use std::{
+    borrow::Cow,
     fs::File,
     io,
     os::fd::{AsFd, OwnedFd},
@@ -268,12 +269,15 @@ impl Owner {
             .sidecar
             .as_ref()
             .map_or(&[][..], |sidecar| &sidecar.exclude_interfaces[..]);
-        let interfaces: Vec<(u32, String)> = found
-            .links
-            .iter()
-            .filter(|(_, name)| !excluded.contains(name))
-            .cloned()
-            .collect();
+        let interfaces: Cow<[(u32, String)]> = if excluded.is_empty() {
+            Cow::Borrowed(&found.links)
+        } else {
+            let kept = found
+                .links
+                .iter()
+                .filter(|(_, name)| !excluded.contains(name));
+            Cow::Owned(kept.cloned().collect())
+        };
         let setup = PodNetnsSetup {
             interfaces: &interfaces,
             rerouted: &pod.options.reroute_interfaces,

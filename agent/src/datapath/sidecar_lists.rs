@@ -1,7 +1,7 @@
 //! A sidecar pod's port and IP range lists, as the kernel side reads them: one `SIDECAR_PORTS`
 //! entry per listed port, one `SIDECAR_RANGES` (LPM trie) entry per listed range, each keyed by
 //! the pod's netns cookie and the list it belongs to.
-use std::collections::HashSet;
+use std::{borrow::Cow, collections::HashSet};
 
 use anyhow::{bail, Context, Result};
 use aya::{
@@ -118,14 +118,7 @@ impl SidecarLists {
                 .insert(&Key::new(*prefix, *range), 1, 0)
                 .context("writing a sidecar range list entry")?;
         }
-        let found;
-        let before = match before {
-            Some(before) => before,
-            None => {
-                found = self.entries_of(netns_cookie);
-                &found
-            }
-        };
+        let before = self.known_or_found(before, netns_cookie);
         {
             let kept_ports: HashSet<&PortKey> = entries.ports.iter().collect();
             let kept_ranges: HashSet<&(u32, RangeKey)> = entries.ranges.iter().collect();
@@ -151,19 +144,24 @@ impl SidecarLists {
     /// Removes a pod's entries; where they are not known (a pod recovered from the pinned maps
     /// after a restart), every entry of its netns cookie is looked for.
     pub(super) fn remove(&mut self, entries: Option<&ListEntries>, netns_cookie: u64) {
-        let found;
-        let entries = match entries {
-            Some(entries) => entries,
-            None => {
-                found = self.entries_of(netns_cookie);
-                &found
-            }
-        };
+        let entries = self.known_or_found(entries, netns_cookie);
         for port in &entries.ports {
             let _ = self.ports.remove(port);
         }
         for (prefix, range) in &entries.ranges {
             let _ = self.ranges.remove(&Key::new(*prefix, *range));
+        }
+    }
+
+    /// `entries`, or where they are not known, every entry of the netns cookie in the maps.
+    fn known_or_found<'a>(
+        &self,
+        entries: Option<&'a ListEntries>,
+        netns_cookie: u64,
+    ) -> Cow<'a, ListEntries> {
+        match entries {
+            Some(entries) => Cow::Borrowed(entries),
+            None => Cow::Owned(self.entries_of(netns_cookie)),
         }
     }
 
