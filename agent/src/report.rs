@@ -97,6 +97,23 @@ impl Warning {
         }
     }
 
+    /// What tells this warning apart from others with the same reason on the same pod, where
+    /// that stays the same while the trouble does: each invalid annotation value is news to the
+    /// pod's owner, while a failure's error text changes with every retry of the same failure.
+    pub fn problem(&self) -> Option<String> {
+        match self {
+            Warning::InvalidAnnotation(problem) => {
+                Some(format!("{}={}", problem.annotation, problem.value))
+            }
+            Warning::CniConfigRewritten { file } => Some(file.clone()),
+            Warning::EnrollmentFailed(_)
+            | Warning::SidecarRedirectionFailed(_)
+            | Warning::RepairedPod
+            | Warning::DeleteBrokenPod { .. }
+            | Warning::LabelBrokenPod { .. } => None,
+        }
+    }
+
     /// Whether it reports an act of pod repair: istio's repair controller (`cni-repair`)
     /// reports those, so tools that follow its Events find weir's.
     pub fn is_repair(&self) -> bool {

@@ -207,6 +207,24 @@ fn a_denied_permission_is_a_failed_line_with_what_to_do() {
     assert_only_failure(&lines, "RBAC patch pods/status ");
 }
 
+#[test]
+fn an_access_review_the_api_server_does_not_serve_is_one_failed_line_with_what_to_do() {
+    weir_tests::privileged!();
+    let setup = Setup::new();
+    setup.api.serve_no_access_reviews();
+    let output = setup.check(&[]);
+    let lines = lines(&output);
+    assert_eq!(output.status.code(), Some(1), "{}", lines.join("\n"));
+    assert_eq!(
+        line(&lines, "RBAC of the agent's service account"),
+        "✗ RBAC of the agent's service account: not verified, the API server does not serve \
+         access reviews (404 NotFound: the server could not find the requested resource) — \
+         make sure it has every rule of deploy/weir.yaml's ClusterRole and Role; the agent \
+         starts without verifying them"
+    );
+    assert_only_failure(&lines, "RBAC of the agent's service account");
+}
+
 /// Every line but the one about `requirement` is met.
 fn assert_only_failure(lines: &[String], requirement: &str) {
     let failed: Vec<&String> = lines.iter().filter(|line| line.starts_with("✗ ")).collect();

@@ -21,8 +21,8 @@ use weir_agent::{
     },
     config::{AgentConfig, SourceConfig},
     policy::{
-        DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION, REDIRECTION_ANNOTATION,
-        SIDECAR_STATUS_ANNOTATION,
+        BYPASS_INBOUND_ANNOTATION, DATAPLANE_MODE_LABEL, DNS_CAPTURE_ANNOTATION,
+        REDIRECTION_ANNOTATION, SIDECAR_STATUS_ANNOTATION,
     },
     report::UNINITIALIZED_LABEL,
 };
@@ -424,6 +424,22 @@ fn sigterm_keeps_weir_only_while_its_daemonset_selects_the_node() {
     assert!(!cluster.plugin_installed(), "weir left the node");
 }
 
+/// An API server that does not serve access reviews leaves the agent's access unverified, not
+/// denied: the agent starts (a denial refuses: check.rs).
+#[test]
+fn an_agent_whose_access_cannot_be_reviewed_starts() {
+    let cluster = privileged!(Cluster::new());
+    cluster.api.serve_no_access_reviews();
+    let agent = cluster.start_agent();
+    let reviews_asked = cluster
+        .api
+        .requests()
+        .iter()
+        .any(|request| request.path.ends_with("/selfsubjectaccessreviews"));
+    assert!(reviews_asked, "the agent asked for an access review");
+    agent.stop().unwrap();
+}
+
 #[test]
 fn namespace_label_enrolls_and_removes_a_running_pod() {
     let cluster = privileged!(Cluster::new());
@@ -803,6 +819,69 @@ fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
     let resolver = SocketAddr::new(cluster.chain.test_node().gateway_v4().into(), DNS_PORT);
     let answer = pod.run(|| udp_request(resolver, "query")).unwrap();
     assert!(answer.response.starts_with(DNS_REPLY_PREFIX));
+    agent.stop().unwrap();
+}
+
+/// Each invalid annotation of a running pod is its own Event, whatever was reported of the pod's
+/// other annotations; the same problem met again within the window is not.
+#[test]
+fn each_invalid_annotation_of_a_running_pod_is_its_own_warning_event() {
+    let cluster = privileged!(Cluster::new());
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (uid, pod) = cluster.pod_with_object(MESH, "app");
+    ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+    cluster.set_running(MESH, "app", &ips_of(&pod));
+    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    let annotate = |annotations: &[(&str, &str)]| {
+        let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
+        object.metadata.annotations = map(annotations);
+        cluster.api.update(&object);
+    };
+    let reason = "InvalidAmbientAnnotation";
+    let count_warnings = |count: usize| {
+        wait_until(WAIT, &format!("{count} {reason} Event(s)"), || {
+            let warnings = cluster.warnings(reason);
+            (warnings.len() >= count).then_some(warnings)
+        })
+    };
+
+    annotate(&[(DNS_CAPTURE_ANNOTATION, "maybe")]);
+    count_warnings(1);
+    let dns_and_bypass = [
+        (DNS_CAPTURE_ANNOTATION, "maybe"),
+        (BYPASS_INBOUND_ANNOTATION, "perhaps"),
+    ];
+    annotate(&dns_and_bypass);
+    let warnings = count_warnings(2);
+    let note = warnings[1]["note"].as_str().unwrap();
+    assert!(
+        note.contains(BYPASS_INBOUND_ANNOTATION) && note.contains("perhaps"),
+        "{note}"
+    );
+
+    // The runtime's CHECK decides again and meets both problems: within the window, neither is
+    // published again, and both are counted.
+    let runtime = pod.runtime_conf();
+    let list = weir_conflist(&cluster.chain);
+    let weir = list.plugins.last().unwrap();
+    let config = list.plugin_config(weir, runtime, Some(pod.prev_result()));
+    let binary = weir_tests::cni::find_plugin(weir, &runtime.path).unwrap();
+    weir_tests::cni::invoke(
+        &binary,
+        Command::Check,
+        runtime,
+        &config,
+        cluster.chain.test_node().netns(),
+    )
+    .expect("CHECK passes");
+    assert_eq!(cluster.warnings(reason).len(), 2);
+    assert_eq!(
+        agent
+            .metrics()
+            .value("weir_events_suppressed_total", &[("reason", reason)]),
+        Some(2.0)
+    );
     agent.stop().unwrap();
 }
 

@@ -1,5 +1,10 @@
 //! What the agent needs of the cluster: the API server answers, the Node is readable, and every
 //! access in [`REQUIRED_ACCESS`] is granted, each asked with a SelfSubjectAccessReview.
+//!
+//! One review per verb, not one SelfSubjectRulesReview: a rules review lists the rules that
+//! apply in one namespace, so a RoleBinding there is indistinguishable from the ClusterRoleBinding
+//! a cluster-wide access needs, and authorizers other than RBAC (webhooks) may answer it
+//! incomplete.
 use std::{fmt, future::Future, time::Duration};
 
 use k8s_openapi::api::{
@@ -107,7 +112,22 @@ pub(super) async fn findings(config: &ClusterConfig, own: &OwnPods) -> Vec<Findi
             let mut findings = vec![Finding::met(requirement, found)];
             findings.push(node_object(&client, &config.node_name).await);
             for access in REQUIRED_ACCESS {
-                findings.push(granted(&client, access, own).await);
+                match granted(&client, access, own).await {
+                    Ok(finding) => findings.push(finding),
+                    Err(unserved) => {
+                        // Every other review would be answered the same.
+                        findings.push(Finding::unverified(
+                            "RBAC of the agent's service account",
+                            format!(
+                                "not verified, the API server does not serve access reviews \
+                                 ({unserved})"
+                            ),
+                            "make sure it has every rule of deploy/weir.yaml's ClusterRole and \
+                             Role; the agent starts without verifying them",
+                        ));
+                        break;
+                    }
+                }
             }
             findings
         }
@@ -136,6 +156,14 @@ impl fmt::Display for Unanswered {
             }
             Self::Unreachable(error) => f.write_str(error),
         }
+    }
+}
+
+impl Unanswered {
+    /// Whether the API server does not serve the request's API at all, as opposed to refusing
+    /// this request to it.
+    fn is_unserved(&self) -> bool {
+        matches!(self, Self::Refused(status) if matches!(status.code, 404 | 405 | 501))
     }
 }
 
@@ -173,8 +201,9 @@ async fn node_object(client: &Client, node_name: &str) -> Finding {
     }
 }
 
-/// Whether every verb of `access` is granted, each asked with a SelfSubjectAccessReview.
-async fn granted(client: &Client, access: &Access, own: &OwnPods) -> Finding {
+/// Whether every verb of `access` is granted, each asked with a SelfSubjectAccessReview; the
+/// answer of an API server that does not serve those reviews, as the error.
+async fn granted(client: &Client, access: &Access, own: &OwnPods) -> Result<Finding, Unanswered> {
     let (resource, subresource) = match access.resource.split_once('/') {
         Some((resource, subresource)) => (resource, Some(subresource)),
         None => (access.resource, None),
@@ -218,36 +247,37 @@ async fn granted(client: &Client, access: &Access, own: &OwnPods) -> Finding {
         match ask(reviews.create(&PostParams::default(), &review)).await {
             Ok(review) if review.status.as_ref().is_some_and(|status| status.allowed) => {}
             Ok(_) => denied.push(*verb),
+            Err(answer) if answer.is_unserved() => return Err(answer),
             Err(answer @ Unanswered::Refused(_)) => {
-                return Finding::unmet(
+                return Ok(Finding::unmet(
                     requirement,
                     format!("the access review failed: {answer}"),
                     "let the agent's service account create selfsubjectaccessreviews \
                      (system:basic-user grants it by default)",
-                )
+                ))
             }
             Err(answer @ Unanswered::Unreachable(_)) => {
-                return Finding::pending(
+                return Ok(Finding::pending(
                     requirement,
                     answer.to_string(),
                     "make the API server reachable from the node; the agent keeps trying meanwhile",
-                )
+                ))
             }
         }
     }
     if denied.is_empty() {
-        return Finding::met(requirement, "granted");
+        return Ok(Finding::met(requirement, "granted"));
     }
     let role = match access.scope {
         AccessScope::Cluster => "ClusterRole".to_owned(),
         AccessScope::OwnDaemonSet => format!("Role in {}", own.namespace),
     };
-    Finding::unmet(
+    Ok(Finding::unmet(
         requirement,
         format!("{} denied", denied.join(", ")),
         format!(
             "grant it to the agent's service account: deploy/weir.yaml's {role} has every rule \
              weir needs"
         ),
-    )
+    ))
 }

@@ -16,7 +16,9 @@
 //! operator, and the agent goes on with a warning: an API server it
 //! cannot reach yet (its watches retry until it answers), and no primary CNI config yet (the
 //! installer waits for the primary CNI to write one). A denied access refuses: it stays denied
-//! until someone grants it, and an agent without it would half work.
+//! until someone grants it, and an agent without it would half work. An access that cannot be
+//! reviewed (the API server answers the review 404, 405 or 501: it does not serve them) is no
+//! denial: the agent warns that its access is not verified and goes on.
 //!
 //! The node's checks are in [`node`], the cluster's in [`cluster`].
 mod cluster;
@@ -43,8 +45,9 @@ pub struct Finding {
     pub found: String,
     /// What to do about it; `None` when the requirement is met.
     pub remedy: Option<String>,
-    /// Unmet now, but met later with no change by the operator: the agent starts and waits.
-    pub passes_later: bool,
+    /// Not known to be met, yet no reason to refuse the start: met later with no change by the
+    /// operator (the agent starts and waits), or not verifiable (the agent starts and warns).
+    pub starts_anyway: bool,
 }
 
 impl Finding {
@@ -53,7 +56,7 @@ impl Finding {
             requirement: requirement.into(),
             found: found.into(),
             remedy: None,
-            passes_later: false,
+            starts_anyway: false,
         }
     }
 
@@ -68,13 +71,26 @@ impl Finding {
         }
     }
 
+    /// Unmet now, but met later with no change by the operator.
     fn pending(
         requirement: impl Into<String>,
         found: impl Into<String>,
         remedy: impl Into<String>,
     ) -> Self {
         Self {
-            passes_later: true,
+            starts_anyway: true,
+            ..Self::unmet(requirement, found, remedy)
+        }
+    }
+
+    /// Not known either way: what would tell cannot be asked.
+    fn unverified(
+        requirement: impl Into<String>,
+        found: impl Into<String>,
+        remedy: impl Into<String>,
+    ) -> Self {
+        Self {
+            starts_anyway: true,
             ..Self::unmet(requirement, found, remedy)
         }
     }
@@ -144,7 +160,7 @@ impl CheckConfig {
 pub async fn before_start(config: &CheckConfig) -> Result<()> {
     let mut refused = Vec::new();
     for finding in all(config).await.iter().filter(|finding| !finding.is_met()) {
-        if finding.passes_later {
+        if finding.starts_anyway {
             warn!("{finding}");
         } else {
             refused.push(finding.to_string());

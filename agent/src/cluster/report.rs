@@ -1,8 +1,8 @@
 //! What the agent tells the API server about pods ([`ApiReporter`], the cluster's
 //! [`Reporter`]): istio's status annotation (`ambient.istio.io/redirection`, a JSON merge patch on
 //! `pods/status`), and Warning Events for what a pod's owner should fix or know, deduplicated and
-//! rate-limited per pod so a pod that the runtime retries every second does not flood its
-//! namespace with Events. Events about pod repair come from istio's repair component
+//! rate-limited per pod and warning so a pod that the runtime retries every second does not flood
+//! its namespace with Events. Events about pod repair come from istio's repair component
 //! ([`REPAIR_CONTROLLER`]), the others from weir's.
 use std::{
     collections::HashMap,
@@ -37,9 +37,9 @@ use crate::{
 pub const CONTROLLER: &str = "weir";
 /// The reporting controller on Events about pod repair, as istio's repair controller names it.
 pub const REPAIR_CONTROLLER: &str = "cni-repair";
-/// A warning with the same reason for the same pod is published at most once per window,
-/// whatever its note says (a failed enrollment's names the netns, which changes with every
-/// sandbox the runtime tries).
+/// The same warning for the same pod (its reason and [`Warning::problem`]) is published at most
+/// once per window, whatever its note says (a failed enrollment's names the netns, which changes
+/// with every sandbox the runtime tries).
 pub const EVENT_WINDOW: Duration = Duration::from_secs(60);
 /// A status patch or Event must not hold a pod's CNI ADD for long.
 const API_TIMEOUT: Duration = Duration::from_secs(2);
@@ -48,10 +48,12 @@ pub struct ApiReporter {
     client: Client,
     /// Where the uid of the pod an Event regards is looked up.
     reflectors: Reflectors,
+    /// This agent's pod name, when it knows it: the reporting instance of its Events.
+    instance: Option<String>,
     recorder: Recorder,
     repair_recorder: Recorder,
-    /// When each (pod, reason) was last published.
-    published: Mutex<HashMap<(PodName, &'static str), Instant>>,
+    /// When each warning was last published.
+    published: Mutex<HashMap<WindowKey, Instant>>,
     /// `weir_events_suppressed_total{reason}`: warnings not published within the window.
     suppressed: Family<Reason, Counter>,
 }
@@ -61,21 +63,36 @@ struct Reason {
     reason: &'static str,
 }
 
+/// What makes two warnings the same for [`EVENT_WINDOW`].
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+struct WindowKey {
+    pod: PodName,
+    reason: &'static str,
+    problem: Option<String>,
+}
+
+impl WindowKey {
+    fn of(pod: &PodName, warning: &Warning) -> Self {
+        Self {
+            pod: pod.clone(),
+            reason: warning.reason(),
+            problem: warning.problem(),
+        }
+    }
+}
+
 impl ApiReporter {
     /// `instance` is this agent's pod name, when it knows it.
     pub fn new(client: Client, instance: Option<String>, reflectors: Reflectors) -> Self {
-        let recorder = |controller: &str| {
-            let reporter = EventReporter {
-                controller: controller.into(),
-                instance: instance.clone(),
-            };
-            Recorder::new(client.clone(), reporter)
+        let recorder = |controller: &'static str| {
+            Recorder::new(client.clone(), event_reporter(controller, &instance))
         };
         Self {
             recorder: recorder(CONTROLLER),
             repair_recorder: recorder(REPAIR_CONTROLLER),
             client,
             reflectors,
+            instance,
             published: Mutex::new(HashMap::new()),
             suppressed: Family::default(),
         }
@@ -84,8 +101,8 @@ impl ApiReporter {
     pub fn register_metrics(&self, registry: &mut Registry) {
         registry.register(
             "weir_events_suppressed",
-            "Warning Events not published because one with the same reason was published for the \
-             same pod within the last minute",
+            "Warning Events not published because the same warning was published for the same \
+             pod within the last minute",
             self.suppressed.clone(),
         );
     }
@@ -108,7 +125,7 @@ impl ApiReporter {
         uid: Option<String>,
         warning: &Warning,
     ) -> Result<bool> {
-        if !self.first_in_window((pod.clone(), warning.reason()), Instant::now()) {
+        if !self.first_in_window(WindowKey::of(pod, warning), Instant::now()) {
             self.suppressed
                 .get_or_create(&Reason {
                     reason: warning.reason(),
@@ -131,10 +148,21 @@ impl ApiReporter {
             uid,
             ..ObjectReference::default()
         };
-        let recorder = if warning.is_repair() {
-            &self.repair_recorder
+        let (controller, shared) = if warning.is_repair() {
+            (REPAIR_CONTROLLER, &self.repair_recorder)
         } else {
-            &self.recorder
+            (CONTROLLER, &self.recorder)
+        };
+        // kube-rs's Recorder patches a warning into the series of the Event it published on the
+        // same pod with the same reason in the last minutes, keeping that Event's note whatever
+        // the new one says: another problem would read as the first one again. A Recorder with
+        // no past creates a new Event.
+        let recorder = match warning.problem() {
+            Some(_) => &Recorder::new(
+                self.client.clone(),
+                event_reporter(controller, &self.instance),
+            ),
+            None => shared,
         };
         recorder.publish(&event, &regarding).await?;
         Ok(true)
@@ -142,7 +170,7 @@ impl ApiReporter {
 
     /// Records `key` as published at `now` unless it was within the window; forgets entries
     /// older than the window so the map stays as small as the recent trouble.
-    fn first_in_window(&self, key: (PodName, &'static str), now: Instant) -> bool {
+    fn first_in_window(&self, key: WindowKey, now: Instant) -> bool {
         let mut published = self.published.lock().unwrap();
         published.retain(|_, at| now.duration_since(*at) < EVENT_WINDOW);
         if published.contains_key(&key) {
@@ -150,6 +178,13 @@ impl ApiReporter {
         }
         published.insert(key, now);
         true
+    }
+}
+
+fn event_reporter(controller: &'static str, instance: &Option<String>) -> EventReporter {
+    EventReporter {
+        controller: controller.into(),
+        instance: instance.clone(),
     }
 }
 
@@ -184,6 +219,7 @@ impl Reporter for ApiReporter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policy::{AnnotationProblem, BYPASS_INBOUND_ANNOTATION, DNS_CAPTURE_ANNOTATION};
 
     /// A failed enrollment's note names the sandbox's netns, new with each retry: still one
     /// Event a minute for the pod, and the rest counted.
@@ -221,9 +257,33 @@ mod tests {
             text.contains(r#"weir_events_suppressed_total{reason="AmbientEnrollmentFailed"} 2"#),
             "{text}"
         );
-        let key = (pod, failed("x").reason());
+        let key = WindowKey::of(&pod, &failed("x"));
         let start = Instant::now();
         assert!(!reporter.first_in_window(key.clone(), start + Duration::from_secs(59)));
         assert!(reporter.first_in_window(key, start + EVENT_WINDOW));
+    }
+
+    /// Each invalid annotation is news to the pod's owner; the same one met again is not.
+    #[tokio::test]
+    async fn one_event_per_invalid_annotation_per_window() {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let mut watches = tokio::task::JoinSet::new();
+        let reflectors = Reflectors::start(&client, "node", "ns", "weir", &mut watches);
+        let reporter = ApiReporter::new(client, None, reflectors);
+        let invalid = |annotation, value: &str| {
+            Warning::InvalidAnnotation(AnnotationProblem {
+                annotation,
+                value: value.into(),
+                used: "false",
+            })
+        };
+        let pod = PodName::new("ns", "a");
+        let now = Instant::now();
+        let first = |warning: &Warning| reporter.first_in_window(WindowKey::of(&pod, warning), now);
+        assert!(first(&invalid(DNS_CAPTURE_ANNOTATION, "maybe")));
+        assert!(first(&invalid(BYPASS_INBOUND_ANNOTATION, "perhaps")));
+        assert!(first(&invalid(DNS_CAPTURE_ANNOTATION, "perhaps")));
+        assert!(!first(&invalid(BYPASS_INBOUND_ANNOTATION, "perhaps")));
     }
 }

@@ -108,8 +108,13 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
             .and_then(|body| serde_json::from_slice(body).ok()),
     });
 
+    let not_found = || {
+        let message = "the server could not find the requested resource";
+        respond(Err(ApiError::new(404, "NotFound", message)))
+    };
     match endpoint {
         Some(Endpoint::Version) => return respond(Ok((StatusCode::OK, version()))),
+        Some(Endpoint::AccessReview) if store.lock().access_reviews_unserved => return not_found(),
         Some(Endpoint::AccessReview) => {
             let body = body.map_err(|error| ApiError::new(400, "BadRequest", error.to_string()));
             return respond(body.and_then(|body| review_access(&store, &body)));
@@ -117,8 +122,7 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
         None => {}
     }
     let Some(route) = route else {
-        let message = "the server could not find the requested resource";
-        return respond(Err(ApiError::new(404, "NotFound", message)));
+        return not_found();
     };
     let body = match body {
         Ok(body) => body,

@@ -33,7 +33,8 @@
 //! - `GET /version`, as a Kubernetes 1.34 API server answers it.
 //! - POST of a SelfSubjectAccessReview, answered (never stored) with `status.allowed`: true,
 //!   unless a test took that access away with [`ApiServer::deny`]. Only the reviews are
-//!   authorized so: every request is served whatever they answer.
+//!   authorized so: every request is served whatever they answer. On demand, 404 instead
+//!   ([`ApiServer::serve_no_access_reviews`]), as from an API server that does not serve them.
 //!
 //! Deliberately not: TLS, authentication and authorization, discovery (`/api`, `/apis`), PUT,
 //! JSON patch and server-side apply (415), `resourceVersionMatch` and
@@ -299,6 +300,12 @@ impl ApiServer {
             .lock()
             .denied
             .insert((verb.to_owned(), group.to_owned(), resource.to_owned()));
+    }
+
+    /// Answers every access review with 404 NotFound from now on, as an API server (or a proxy
+    /// in front of it) that does not serve authorization.k8s.io/v1 does.
+    pub fn serve_no_access_reviews(&self) {
+        self.store.lock().access_reviews_unserved = true;
     }
 
     /// Answers the withheld LISTs of `K`, and every later one.

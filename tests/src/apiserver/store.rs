@@ -168,6 +168,8 @@ pub(super) struct Store {
     pub paging: Paging,
     /// (verb, API group, resource as RBAC names it) that access reviews answer as not allowed.
     pub denied: BTreeSet<(String, String, String)>,
+    /// Access reviews are answered 404, as by an API server that does not serve them.
+    pub access_reviews_unserved: bool,
 }
 
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
