@@ -18,6 +18,7 @@
 //! - [`cli`]: `weir-agent`'s command line, and the configuration reference generated from it.
 //! - [`logging`]: log lines as plain text or JSON, with the fields of the pod they concern.
 //! - [`inspect`]: `weir-agent pods`, what the node holds, from the pinned maps and the state file.
+//! - [`root_only`]: the files that name pods, and the peers of weir's unix sockets, kept to root.
 //! - [`cni_server`], [`zds`], [`install`], [`http`]: the edges: the CNI plugin (its requests
 //!   turned into enrollment steps and responses), ztunnel, the node's CNI configuration, health
 //!   and metrics.
@@ -36,6 +37,7 @@ pub mod logging;
 pub mod pod_metrics;
 pub mod policy;
 pub mod report;
+pub mod root_only;
 pub mod state;
 pub mod trace;
 pub mod workload;

@@ -29,6 +29,8 @@ use weir_cni::{
 pub use handler::CniHandler;
 use responses::error_response;
 
+use crate::root_only;
+
 /// How long a plugin may take to send its request.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -82,12 +84,7 @@ impl CniServer {
 }
 
 async fn serve_connection(stream: UnixStream, handler: &CniHandler) -> Result<()> {
-    // The socket file is root-only already; the peer check also refuses a descriptor passed
-    // to an unprivileged process.
-    let peer = stream.peer_cred().context("peer credentials")?;
-    if peer.uid() != 0 {
-        anyhow::bail!("refusing a plugin connection from uid {}", peer.uid());
-    }
+    root_only::require_root_peer(&stream, "plugin")?;
     let (read, mut write) = stream.into_split();
     let response = match tokio::time::timeout(READ_TIMEOUT, read_request(read)).await {
         // The plugin's STATUS probe connects and closes without a request.

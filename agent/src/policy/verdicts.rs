@@ -8,6 +8,8 @@ use std::{
 use anyhow::{Context, Result};
 use weir_cni::protocol::VerdictCache;
 
+use crate::root_only;
+
 /// The verdict cache the plugin falls back on, rewritten only on change, one writer at a time.
 pub struct VerdictWriter {
     path: PathBuf,
@@ -32,12 +34,12 @@ impl VerdictWriter {
     }
 }
 
-/// Writes the verdict cache atomically (temp file + rename): the plugin may read it any time.
+/// Writes the verdict cache at once, since the plugin may read it any time; root's alone, since it
+/// names every ambient pod (the plugin runs as root).
 fn write_verdict_cache(path: &Path, cache: &VerdictCache) -> Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let temp = path.with_extension("tmp");
-    std::fs::write(&temp, serde_json::to_vec_pretty(cache)?)?;
-    std::fs::rename(&temp, path).with_context(|| format!("writing {}", path.display()))
+    root_only::replace_file(path, &serde_json::to_vec_pretty(cache)?)
+        .with_context(|| format!("writing {}", path.display()))
 }

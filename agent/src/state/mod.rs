@@ -21,7 +21,10 @@ use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
-use crate::workload::{Status, Workload};
+use crate::{
+    root_only,
+    workload::{Status, Workload},
+};
 
 /// What the file holds for one pod.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -174,10 +177,7 @@ impl StateFile {
             Some(journal) => journal,
             None => {
                 self.create_dir()?;
-                let opened = File::options()
-                    .create(true)
-                    .append(true)
-                    .open(journal_path(&self.path))
+                let opened = root_only::open_append(&journal_path(&self.path))
                     .and_then(|file| {
                         if file.metadata()?.len() > records.journal_whole {
                             file.set_len(records.journal_whole)?;
@@ -215,9 +215,7 @@ impl StateFile {
     /// to the same records.
     fn fold(&self, records: &mut Records) -> Result<()> {
         self.create_dir()?;
-        let temp = self.path.with_extension("tmp");
-        std::fs::write(&temp, serde_json::to_vec(&records.pods)?)?;
-        std::fs::rename(&temp, &self.path)
+        root_only::replace_file(&self.path, &serde_json::to_vec(&records.pods)?)
             .with_context(|| format!("writing {}", self.path.display()))?;
         let journal = journal_path(&self.path);
         match &records.journal {

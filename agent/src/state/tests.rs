@@ -191,3 +191,28 @@ fn an_unreadable_record_costs_only_its_own_pod() {
     assert_eq!(reopened.unreadable().len(), 1);
     assert!(reopened.unreadable()[0].contains("u2"));
 }
+
+/// The files name every enrolled pod: root's alone, even where an earlier agent left them
+/// readable by all (and a temp file of a write it was killed in).
+#[test]
+fn the_snapshot_and_journal_end_readable_by_root_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let (_dir, path) = scratch_path();
+    let journal = journal_path(&path);
+    let readable_by_all = std::fs::Permissions::from_mode(0o644);
+    for (file, contents) in [
+        (&path, "{}"),
+        (&journal, ""),
+        (&path.with_extension("tmp"), "torn"),
+    ] {
+        std::fs::write(file, contents).unwrap();
+        std::fs::set_permissions(file, readable_by_all.clone()).unwrap();
+    }
+    let state = StateFile::open(path.clone());
+    state.insert(&workload("u1"), Status::Enabled).unwrap();
+    let mode = |file: &Path| std::fs::metadata(file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&journal), 0o600, "the journal once appended to");
+    state.save().unwrap();
+    assert_eq!(mode(&path), 0o600, "the snapshot once written");
+    assert_eq!(mode(&journal), 0o600, "the journal once emptied");
+}

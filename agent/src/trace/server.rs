@@ -19,7 +19,7 @@ use tracing::{debug, info, warn};
 use weir_common::TraceRecord;
 
 use super::decision::{Message, PodNames};
-use crate::datapath::TraceMaps;
+use crate::{datapath::TraceMaps, root_only};
 
 /// Decisions waiting for the slowest reader; past this it loses the oldest, and is told.
 const BACKLOG: usize = 4096;
@@ -51,6 +51,11 @@ pub async fn serve(socket: PathBuf, pin_root: PathBuf, state_file: PathBuf) -> R
         tokio::select! {
             accepted = listener.accept() => {
                 let (stream, _) = accepted.context("accepting a trace reader")?;
+                // A reader turns tracing on and sees every pod's connections.
+                if let Err(error) = root_only::require_root_peer(&stream, "trace") {
+                    warn!(error = format!("{error:#}"), "trace reader");
+                    continue;
+                }
                 let reader = Reader::connect(switch.clone(), decisions.subscribe())?;
                 tokio::spawn(reader.serve(stream));
             }
