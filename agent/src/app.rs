@@ -5,6 +5,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
+use futures::FutureExt;
 use prometheus_client::registry::Registry;
 use tracing::{info, warn};
 
@@ -55,6 +56,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         ZdsConfig {
             socket_path: config.zds_socket.clone(),
         },
+        Some(datapath.clone()),
         &mut registry,
     )
     .context("starting the ZDS server")?;
@@ -205,10 +207,12 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             }
         });
     }
-    for addr in [config.health_addr, config.metrics_addr] {
-        let (ready, live, registry) = (ready.clone(), live.clone(), registry.clone());
+    for server in [
+        http::serve_health(config.health_addr, ready.clone(), live.clone()).boxed(),
+        http::serve(config.metrics_addr, ready, live, registry).boxed(),
+    ] {
         tasks.spawn(async move {
-            if let Err(error) = http::serve(addr, ready, live, registry).await {
+            if let Err(error) = server.await {
                 warn!(error = format!("{error:#}"), "http server stopped");
             }
         });

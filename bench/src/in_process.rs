@@ -40,6 +40,8 @@ pub fn measure(plan: &Plan, report: &mut Report) -> Result<()> {
     report.push(cost_to_others(&node, &plain, app, udp, plan)?);
 
     let datapath = Datapath::start(node.datapath_config())?;
+    // The ztunnel stand-ins run in this process.
+    datapath.ztunnel_connected(std::process::id()).wait()?;
     let mut metrics = Registry::default();
     datapath.register_metrics(&mut metrics);
     let measured = with_datapath(&datapath, &metrics, &node, &plain, app, bulk, plan, report);

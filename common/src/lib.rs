@@ -7,12 +7,15 @@
 #![no_std]
 
 /// Version of the map layouts below; part of the pin path (`<pin root>/abi-<N>`).
-pub const ABI_VERSION: u32 = 4;
+pub const ABI_VERSION: u32 = 5;
 
 /// ztunnel marks every socket it opens inside a pod with this `SO_MARK`...
 pub const ZTUNNEL_MARK: u32 = 0x539;
 /// ...and istio matches it under this mask.
 pub const ZTUNNEL_MARK_MASK: u32 = 0xfff;
+/// The `ZTUNNEL_CGROUPS` key that stands for every cgroup: the agent could not tell a connected
+/// ztunnel's cgroup, and ztunnel's sockets are then known by their mark alone.
+pub const ANY_CGROUP: u64 = 0;
 /// Set on ztunnel's source-preserving dials to its own pod. With `tcp_fwmark_accept` the app's
 /// accepted socket inherits it, and a policy rule on this bit routes the app's replies back to
 /// ztunnel's transparent socket (istio's connmark 0x111 + table 100, without conntrack). A bit of
@@ -375,8 +378,13 @@ pub mod maps {
     pub const SOCKET_ORIG_DST: &str = "SOCKET_ORIG_DST";
     pub const CONN_ORIG_DST: &str = "CONN_ORIG_DST";
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
-    /// ztunnel's listeners by the connection tc hands to them through the socket lookup.
+    /// ztunnel's listener tc is handing a new connection to through the socket lookup, by CPU.
     pub const HANDOFF: &str = "HANDOFF";
+    /// Per-CPU [`super::ConnectionKey`]: the connection `HANDOFF`'s listener is for.
+    pub const HANDOFF_CONNECTION: &str = "HANDOFF_CONNECTION";
+    /// The cgroup (v2) ids of the connected ztunnels (`u64` to `u8`, the value unused), or
+    /// [`super::ANY_CGROUP`]: a socket is ztunnel's when it has ztunnel's mark and one of these.
+    pub const ZTUNNEL_CGROUPS: &str = "ZTUNNEL_CGROUPS";
     /// The netns cookie the connect hook answered on a socket (`NETNS_COOKIE_PORT`).
     pub const NETNS_COOKIES: &str = "NETNS_COOKIES";
     /// `u32` at index 0: non-zero while a reader is tracing (`weir-agent trace`).
@@ -390,7 +398,7 @@ pub mod maps {
     /// Sidecar pods' IP range lists, an LPM trie of [`super::RangeKey`].
     pub const SIDECAR_RANGES: &str = "SIDECAR_RANGES";
     /// Every map, each pinned under its name.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 15] = [
         PODS,
         POD_IPS,
         POD_COUNTERS,
@@ -398,6 +406,8 @@ pub mod maps {
         CONN_ORIG_DST,
         NODE_CONFIG,
         HANDOFF,
+        HANDOFF_CONNECTION,
+        ZTUNNEL_CGROUPS,
         NETNS_COOKIES,
         TRACE_ON,
         TRACE_EVENTS,
@@ -423,6 +433,8 @@ pub mod programs {
     pub const RECVMSG6: &str = "weir_recvmsg6";
     pub const GETPEERNAME4: &str = "weir_getpeername4";
     pub const GETPEERNAME6: &str = "weir_getpeername6";
+    pub const BIND4: &str = "weir_bind4";
+    pub const BIND6: &str = "weir_bind6";
     pub const SOCKOPS: &str = "weir_sockops";
     pub const GETSOCKOPT: &str = "weir_getsockopt";
     pub const INBOUND: &str = "weir_inbound";

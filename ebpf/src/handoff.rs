@@ -1,36 +1,46 @@
 //! Hand-off through the socket lookup, for kernels before 6.5: there `bpf_sk_assign` in tc
 //! refuses a listener in a reuseport group (ESOCKTNOSUPPORT), and ztunnel's listeners are. The
-//! tc program decides as always; for a new connection it then stores ztunnel's listener under the
-//! connection's tuple ([`hand_off`]) and lets the SYN on, and [`weir_handoff`], an sk_lookup
-//! program attached to the pod's netns, hands it that listener when the stack looks for one. The
+//! tc program decides as always; for a new connection it then stores ztunnel's listener and the
+//! connection's tuple in its CPU's slot ([`hand_off`]) and lets the SYN on, and [`weir_handoff`],
+//! an sk_lookup program attached to the pod's netns, hands it that listener when the stack looks
+//! for a socket for that tuple on the same CPU. The
 //! socket lookup picks among the reuseport group itself, and the local address stays the original
 //! destination, as with `bpf_sk_assign` in tc.
 //!
 //! The sk_lookup program decides nothing: it acts only on tuples tc stored, so traffic that never
-//! crossed the pod's interfaces (ztunnel's own dials to the app over `lo`) is left alone.
+//! crossed the pod's interfaces (ztunnel's own dials to the app over `lo`) is left alone. This
+//! relies on nothing deferring a SYN between tc and its socket lookup in the pod's netns (an
+//! NFQUEUE rule there would): a SYN looked up on another CPU than tc's finds no slot.
 use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::{bpf_sock, sk_action::SK_PASS},
-    helpers::generated::{bpf_sk_assign, bpf_sk_release},
+    helpers::generated::{bpf_get_smp_processor_id, bpf_sk_assign, bpf_sk_release},
     macros::sk_lookup,
     programs::SkLookupContext,
 };
 use weir_common::{ConnectionKey, Endpoint};
 
 use crate::{
-    maps::HANDOFF,
+    maps::{HANDOFF, HANDOFF_CONNECTION},
     net::{ctx_read, socket_addresses, IPPROTO_TCP},
 };
 
 /// `bpf_sk_assign`'s answer in tc, before 6.5, for a listener in a reuseport group.
 pub const ESOCKTNOSUPPORT: i64 = 94;
 
-/// Stores `listener` for the connection's socket lookup; false when it cannot (the map is full),
-/// and the connection must then be dropped.
+/// Stores `listener` for the connection's socket lookup; false when it cannot, and the connection
+/// must then be dropped.
 #[inline(always)]
 pub fn hand_off(connection: &ConnectionKey, listener: *mut bpf_sock) -> bool {
-    HANDOFF.insert(connection, listener)
+    let Some(slot) = HANDOFF_CONNECTION.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: this CPU's element of a per-CPU array; no other program runs on it meanwhile.
+    unsafe {
+        *slot = *connection;
+        HANDOFF.insert(&bpf_get_smp_processor_id(), listener)
+    }
 }
 
 #[sk_lookup]
@@ -57,11 +67,19 @@ unsafe fn take_handed_off(ctx: &SkLookupContext) {
         client: Endpoint::new(remote_ip, u16::from_be(ctx_read!(lookup, remote_port))),
         listener: Endpoint::new(local_ip, ctx_read!(lookup, local_port) as u16),
     };
-    let listener = HANDOFF.get(&key);
+    let Some(slot) = HANDOFF_CONNECTION.get_ptr_mut(0) else {
+        return;
+    };
+    if *slot != key {
+        return;
+    }
+    *slot = ConnectionKey::default();
+    let cpu = bpf_get_smp_processor_id();
+    let listener = HANDOFF.get(&cpu);
     if listener.is_null() {
         return;
     }
-    HANDOFF.remove(&key);
+    HANDOFF.remove(&cpu);
     bpf_sk_assign(lookup as *mut c_void, listener as *mut c_void, 0);
     bpf_sk_release(listener as *mut c_void);
 }

@@ -41,7 +41,7 @@ use aya_ebpf::{
 use weir_common::{
     ConnectionKey, Endpoint, IpKey, PodCounters, TraceHook, TraceVerdict, HBONE_PORT, INBOUND_PORT,
     OUTBOUND_PORT, POD_INBOUND_BYPASS, POD_SIDECAR, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4,
-    PROBE_SOURCE_V6, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    PROBE_SOURCE_V6,
 };
 
 use crate::{
@@ -51,6 +51,7 @@ use crate::{
     net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
     sidecar,
     trace::{trace, NOWHERE, TCP},
+    ztunnel,
 };
 
 const ETH_HLEN: usize = 14;
@@ -78,6 +79,7 @@ const IPPROTO_DSTOPTS: u8 = 60;
 const MAX_EXTENSION_HEADERS: usize = 8;
 const TCP_FLAGS_OFFSET: usize = 13;
 const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 /// `bpf_sock.state` values (the kernel's `TCP_*` states).
 const TCP_TIME_WAIT: u32 = 6;
@@ -366,7 +368,11 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         let flags: u8 = ctx
             .load(transport.offset + TCP_FLAGS_OFFSET)
             .map_err(|_| ())?;
-        let opens = flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        // A SYN opens a connection; so does the ACK of a SYN cookie, which meets no connection
+        // and is taken by the listener (one sent while ztunnel's listener was flooded names the
+        // original destination, and the app's listener would accept it).
+        let opens = flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+            || (flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK && owner == Some(TCP_LISTEN));
         if bypass {
             if opens {
                 count(netns, |c: &mut PodCounters| &mut c.bypassed);
@@ -394,11 +400,17 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
             listener: Endpoint::new(packet.destination, u16::from_be(dport)),
         };
         let handoff = pod.has(POD_SOCKET_LOOKUP_HANDOFF);
-        if assign_to_ztunnel(
+        let proxy = if pod.has(POD_SIDECAR) {
+            Proxy::Sidecar
+        } else {
+            Proxy::Ztunnel
+        };
+        if assign_to_proxy(
             ctx,
             &mut tuple,
             tuple_len,
             INBOUND_PORT,
+            proxy,
             &connection,
             handoff,
         ) {
@@ -534,7 +546,15 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
         inserted => {
             // The agent attaches the hand-off program to every pod's netns where the kernel
             // needs it.
-            if assign_to_ztunnel(ctx, &mut tuple, tuple_len, OUTBOUND_PORT, &connection, true) {
+            if assign_to_proxy(
+                ctx,
+                &mut tuple,
+                tuple_len,
+                OUTBOUND_PORT,
+                Proxy::Ztunnel,
+                &connection,
+                true,
+            ) {
                 diag!(
                     by_ref debug,
                     ctx.skb.skb,
@@ -636,7 +656,7 @@ fn socket_state(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> Option
 /// Whether HBONE to this tuple goes where istio sends it, ztunnel's 15008 listener: a packet of
 /// a connection goes to its socket, and one that would open a connection (the tuple's owner is a
 /// listener, or a TIME_WAIT remnant that passes a SYN on to it) only to a listener ztunnel made
-/// (its sockets carry ztunnel's mark). An app holding 15008 while ztunnel is away gets nothing.
+/// ([`ztunnel::listens_for_ztunnel`]). An app holding 15008 while ztunnel is away gets nothing.
 #[inline(always)]
 fn hbone_reaches_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) -> bool {
     let socket = lookup(ctx, tuple, len);
@@ -649,7 +669,7 @@ fn hbone_reaches_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) 
         let state = ctx_read!(socket, state);
         let reaches = if state == TCP_LISTEN || state == TCP_TIME_WAIT {
             let full = bpf_sk_fullsock(socket);
-            !full.is_null() && ctx_read!(full, mark) & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK
+            !full.is_null() && ztunnel::listens_for_ztunnel(full)
         } else {
             true
         };
@@ -658,16 +678,26 @@ fn hbone_reaches_ztunnel(ctx: &TcContext, tuple: &mut bpf_sock_tuple, len: u32) 
     }
 }
 
-/// Hands the packet of `connection` to ztunnel's listener on `port` in this netns; false when
+/// Whose listener a new connection is handed to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Proxy {
+    /// ztunnel's, and only a socket that is ztunnel's ([`ztunnel::listens_for_ztunnel`]).
+    Ztunnel,
+    /// A sidecar pod's istio-proxy: any listener on the port, as istio's `REDIRECT`.
+    Sidecar,
+}
+
+/// Hands the packet of `connection` to the proxy's listener on `port` in this netns; false when
 /// there is none. Before 6.5 the kernel refuses to assign a reuseport listener here: then the
 /// listener is handed off through the socket lookup, where `handoff` says the pod's netns has
 /// the program for it ([`crate::handoff`]).
 #[inline(always)]
-fn assign_to_ztunnel(
+fn assign_to_proxy(
     ctx: &TcContext,
     tuple: &mut bpf_sock_tuple,
     len: u32,
     port: u16,
+    proxy: Proxy,
     connection: &ConnectionKey,
     handoff: bool,
 ) -> bool {
@@ -684,7 +714,11 @@ fn assign_to_ztunnel(
     // SAFETY: non-null socket from a lookup, released before returning.
     unsafe {
         let mut assigned = false;
-        if ctx_read!(listener, state) == TCP_LISTEN {
+        let full = bpf_sk_fullsock(listener);
+        if ctx_read!(listener, state) == TCP_LISTEN
+            && !full.is_null()
+            && (proxy == Proxy::Sidecar || ztunnel::listens_for_ztunnel(full))
+        {
             let result = bpf_sk_assign(ctx.skb.skb as *mut c_void, listener as *mut c_void, 0);
             assigned = result == 0
                 || (result == -handoff::ESOCKTNOSUPPORT

@@ -28,6 +28,7 @@ mod inbound;
 mod original_dst;
 mod outbound;
 mod sidecar;
+mod ztunnel;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -8,7 +8,7 @@ use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
     bindings::{bpf_sock, BPF_ANY, BPF_F_NO_PREALLOC},
-    btf_maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap},
+    btf_maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
     helpers::generated::{
         bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem, bpf_sk_storage_get,
     },
@@ -16,6 +16,7 @@ use aya_ebpf::{
 };
 use weir_common::{
     ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters, PortKey, RangeKey,
+    ANY_CGROUP,
 };
 
 const BPF_SK_STORAGE_GET_F_CREATE: u64 = 1;
@@ -30,6 +31,10 @@ const MAX_SIDECAR_RANGES: usize = 16_384;
 /// few milliseconds; entries are removed once answered). LRU, so entries ztunnel never asked
 /// about (connections that died first) are recycled.
 const MAX_CONNECTIONS: usize = 65_536;
+/// ztunnels connected at once: one, two while one replaces another.
+const MAX_ZTUNNELS: usize = 8;
+/// The most CPUs a node has: distribution kernels' `NR_CPUS`.
+const MAX_CPUS: usize = 8_192;
 
 /// Socket storage, hand-written: aya-ebpf 0.2's `SkStorage` takes only a sock_addr context, and
 /// the sockops program reads the storage of the `bpf_sock` it is given. A BTF map definition
@@ -99,7 +104,7 @@ impl<V: Copy> SocketStorage<V> {
 pub struct SocketHash<K, const MAX: usize> {
     r#type: *const [i32; 18], // BPF_MAP_TYPE_SOCKHASH
     key: *const K,
-    value: *const u64,
+    value: *const u32, // a socket fd from userspace, as aya's `SockHash` reads it
     max_entries: *const [i32; MAX],
 }
 
@@ -186,11 +191,29 @@ static SIDECAR_RANGES: LpmTrie<RangeKey, u8, MAX_SIDECAR_RANGES> = LpmTrie::new(
 #[btf_map]
 static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
 
-/// ztunnel's listener for each new connection tc hands over through the socket lookup (kernels
-/// before 6.5): an entry lives from the SYN's tc run to its socket lookup, a moment. Sized for a
-/// SYN flood's worth in flight; when full, new connections are dropped, never let through.
+/// ztunnel's listener for the new connection tc is handing over through the socket lookup
+/// (kernels before 6.5), one slot per CPU: tc and the socket lookup of one SYN run on the same
+/// CPU in one softirq pass, so nothing else takes the slot in between. Keyed by CPU rather than
+/// by connection so that SYNs the kernel drops after tc (wrong MAC, bad checksum, an option it
+/// refuses) cannot pile up: such a SYN leaves its CPU's slot behind, for the next to overwrite.
 #[btf_map]
-pub static HANDOFF: SocketHash<ConnectionKey, MAX_CONNECTIONS> = SocketHash::new();
+pub static HANDOFF: SocketHash<u32, MAX_CPUS> = SocketHash::new();
+
+/// The connection each CPU's `HANDOFF` listener is for.
+#[btf_map]
+pub static HANDOFF_CONNECTION: PerCpuArray<ConnectionKey, 1> = PerCpuArray::new();
+
+/// The cgroups of the connected ztunnels, as the agent saw them connect (see [`crate::ztunnel`]):
+/// a few, more only while ztunnels overlap (an upgrade).
+#[btf_map]
+static ZTUNNEL_CGROUPS: HashMap<u64, u8, MAX_ZTUNNELS> = HashMap::new();
+
+/// Whether a connected ztunnel's sockets are in cgroup `cgroup`.
+#[inline(always)]
+pub fn is_ztunnels_cgroup(cgroup: u64) -> bool {
+    // SAFETY: only whether an entry exists is read, never the entry.
+    unsafe { ZTUNNEL_CGROUPS.get(ANY_CGROUP).is_some() || ZTUNNEL_CGROUPS.get(cgroup).is_some() }
+}
 
 /// The netns cookie the connect hook read for the agent's question on this socket (kernels
 /// before 5.14, which have no `SO_NETNS_COOKIE`).

@@ -10,7 +10,7 @@ use aya_ebpf::{
 use weir_common::{
     Endpoint, IpKey, PodConfig, TraceHook, TraceVerdict, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT,
     NETNS_COOKIE_PORT, OUTBOUND_PORT, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_SIDECAR,
-    PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK,
 };
 
 use crate::{
@@ -22,6 +22,7 @@ use crate::{
     },
     sidecar,
     trace::{trace, PodAddress, Side, NOWHERE, TCP, UDP},
+    ztunnel,
 };
 
 const SOL_SOCKET: i32 = 1;
@@ -199,7 +200,7 @@ fn redirect(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decided {
     let Some(pod) = pod(netns) else {
         return Decided::pass(TraceVerdict::PassUncaptured);
     };
-    if sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
+    if ztunnel::calls_from_ztunnel(sa.mark()) {
         // ztunnel's own socket: never redirected.
         route_replies_back(sa, netns, dst, hook);
         return Decided::pass(TraceVerdict::PassZtunnel);
@@ -493,7 +494,9 @@ fn show_original_peer(sa: SockAddr, shown_as: Shown) -> i32 {
                 || shown.port == DNS_PROXY_PORT
                 || shown.port == INBOUND_PORT
         }
-        Shown::Datagram => shown.port == DNS_PROXY_PORT,
+        // Only the DNS proxy's own answers: anyone can send from port 15053, and the app
+        // would take theirs for its resolver's.
+        Shown::Datagram => shown.port == DNS_PROXY_PORT && is_loopback(&shown.ip),
     };
     if !redirected {
         return ALLOW;

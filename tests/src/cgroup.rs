@@ -2,11 +2,13 @@
 //! inside a cgroup (v2) whose path names the pod's UID in one of kubelet's two forms. Each one
 //! gets its own `weir-t-*` cgroup directory (swept by `cargo xtask sweep` if a run is killed).
 
+use std::ffi::CString;
 use std::fs;
 use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::ffi::OsStringExt;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 use anyhow::{Context, Result};
 use nix::sched::CloneFlags;
@@ -97,4 +99,32 @@ impl Drop for PodProcess {
             }
         }
     }
+}
+
+/// Runs `command` to its end inside `netns` and in a cgroup of its own, as a pod's process runs:
+/// apart from this test process, whose cgroup its ztunnel stand-ins make ztunnel's.
+pub fn output_apart_from_ztunnel(netns: &NetNs, mut command: Command) -> Result<Output> {
+    let dir = cgroup2_root()?.join(ids::unique_name("cgroup"));
+    fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let procs = CString::new(dir.join("cgroup.procs").into_os_string().into_vec())?;
+    let netns_fd = netns.as_fd().as_raw_fd();
+    // SAFETY: the child makes only async-signal-safe syscalls before exec, on memory prepared
+    // before the fork; the netns fd stays open in the parent until the child has exec'd.
+    unsafe {
+        command.pre_exec(move || {
+            let procs = libc::open(procs.as_ptr(), libc::O_WRONLY);
+            let moved = procs >= 0 && libc::write(procs, b"0".as_ptr().cast(), 1) == 1;
+            if !moved || libc::setns(netns_fd, libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::close(procs);
+            Ok(())
+        });
+    }
+    let output = command
+        .output()
+        .context("running the command in its own cgroup");
+    // The process has exited: the cgroup is empty and goes.
+    fs::remove_dir(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    output
 }

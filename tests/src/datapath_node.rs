@@ -36,9 +36,15 @@ impl DatapathNode {
             .unwrap_or_else(|error| panic!("pod {name}: {error:#}"))
     }
 
-    /// weir's datapath on the node (loaded, or taken over from the pins).
+    /// weir's datapath on the node (loaded, or taken over from the pins), with this process
+    /// known as ztunnel: its ztunnel stand-ins run here.
     pub fn start_datapath(&self) -> Datapath {
-        Datapath::start(self.node.datapath_config()).expect("datapath starts")
+        let datapath = Datapath::start(self.node.datapath_config()).expect("datapath starts");
+        datapath
+            .ztunnel_connected(std::process::id())
+            .wait()
+            .expect("this process known as ztunnel");
+        datapath
     }
 
     /// The node's datapath with `pod` enrolled.

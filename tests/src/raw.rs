@@ -77,7 +77,9 @@ pub fn probe(syns: &[Syn], window: Duration) -> io::Result<Vec<Answer>> {
         let id = 0x5700 + index as u32;
         for packet in packets(syn, id) {
             match syn.shape {
-                VlanTagged(tags, mac) => send_frame(&frame(tags, mac, &packet), mac)?,
+                VlanTagged(tags, mac) => {
+                    send_frame(&frame_socket()?, &frame(tags, mac, &packet), mac)?
+                }
                 _ => sender(syn.destination)?
                     .send_to(&packet, &SocketAddr::new(syn.destination.ip(), 0).into())?,
             };
@@ -140,9 +142,26 @@ fn frame(tags: &[u16], to: [u8; 6], packet: &[u8]) -> Vec<u8> {
     frame
 }
 
+/// Sends each SYN once, whole, in an Ethernet frame on this netns's `eth0` addressed to `to`,
+/// without waiting for answers: a flood. Runs in the sending pod's netns.
+pub fn flood(syns: impl IntoIterator<Item = Syn>, to: [u8; 6]) -> io::Result<usize> {
+    let socket = frame_socket()?;
+    let mut sent = 0;
+    for syn in syns {
+        for packet in packets(&syn, sent as u32) {
+            send_frame(&socket, &frame(&[], to, &packet), to)?;
+        }
+        sent += 1;
+    }
+    Ok(sent)
+}
+
+fn frame_socket() -> io::Result<Socket> {
+    Socket::new(Domain::PACKET, Type::RAW, None)
+}
+
 /// Sends a whole frame on this netns's `eth0`.
-fn send_frame(frame: &[u8], to: [u8; 6]) -> io::Result<usize> {
-    let socket = Socket::new(Domain::PACKET, Type::RAW, None)?;
+fn send_frame(socket: &Socket, frame: &[u8], to: [u8; 6]) -> io::Result<usize> {
     let interface = nix::net::if_::if_nametoindex("eth0")?;
     // SAFETY: an all-zero sockaddr_ll is valid; the fields set below describe the link.
     let mut address: libc::sockaddr_ll = unsafe { std::mem::zeroed() };

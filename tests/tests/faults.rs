@@ -4,22 +4,23 @@
 use std::{
     fs,
     io::{self, ErrorKind},
-    net::{IpAddr, SocketAddr, TcpStream},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
     os::unix::{fs::PermissionsExt, net::UnixStream},
     path::Path,
     thread,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use serde_json::Value;
 use socket2::{Domain, SockAddr, Socket, Type};
 use weir_agent::workload::PodOptions;
 use weir_common::{
-    ABI_VERSION, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK,
+    ABI_VERSION, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK,
 };
 use weir_tests::privileged;
 use weir_tests::{
-    agent::{AgentBinary, AgentProcess},
+    agent::{http_get, AgentBinary, AgentProcess},
+    cgroup,
     chain::{listed_pods, CniChainNode, MESH, WAIT},
     sockopt::canonical,
     tcp_request,
@@ -363,6 +364,49 @@ fn an_unprivileged_app_cannot_take_ztunnels_mark_and_is_captured() {
     datapath.uninstall().wait().unwrap();
 }
 
+/// A pod's process with ztunnel's mark (which `CAP_NET_RAW` is enough for from Linux 5.17) is
+/// still not ztunnel, whose cgroup it is not in: its connection is captured with its original
+/// destination, and it cannot bind the ports ztunnel listens on in its pod, so it can neither
+/// take the pod's inbound connections while ztunnel is away nor share ztunnel's listeners. The
+/// ztunnel stand-in, in ztunnel's cgroup, binds them afterwards.
+#[test]
+fn a_pods_process_with_ztunnels_mark_is_not_ztunnel() {
+    let fixture = privileged!(DatapathNode::new());
+    let (pod, server) = (fixture.pod("app"), fixture.pod("server"));
+    let server_app = EchoServer::app(&server).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let marked_socket = |args: &[String]| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_weir-marked-socket"));
+        command.args(args);
+        let output = cgroup::output_apart_from_ztunnel(pod.netns(), command).unwrap();
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stdout).unwrap().trim().to_owned()
+    };
+
+    for port in [INBOUND_PORT, OUTBOUND_PORT, HBONE_PORT] {
+        for ip in [IpAddr::V4(pod.ipv4()), IpAddr::V4(Ipv4Addr::UNSPECIFIED)] {
+            let address = SocketAddr::new(ip, port).to_string();
+            let answer = marked_socket(&["bind".into(), address.clone()]);
+            assert_eq!(answer, format!("refused {}", libc::EPERM), "bind {address}");
+        }
+    }
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+
+    let target = server.app_v4();
+    let answer = marked_socket(&["request".into(), target.to_string(), "marked".into()]);
+    let (client, response) = answer.split_once(' ').unwrap();
+    assert_eq!(response, server_app.reply_to("marked"));
+    let client: SocketAddr = client.parse().unwrap();
+    let seen = ztunnel
+        .wait_for(
+            |s| s.listener == OUTBOUND_PORT && s.peer == canonical(client),
+            WAIT,
+        )
+        .expect("captured: reached 15001");
+    assert_eq!(seen.original_dst, Some(target));
+    datapath.uninstall().wait().unwrap();
+}
+
 /// Sends `msg` in the SYN (`sendto` with `MSG_FASTOPEN`, no `connect`) and reads the answer;
 /// returns the client's address and the answer.
 fn fast_open_request(target: SocketAddr, msg: &str) -> io::Result<(SocketAddr, String)> {
@@ -478,18 +522,24 @@ fn unprivileged_request(socket: &Path, kind: Type, request: &[u8]) -> io::Result
     })
 }
 
-/// The agent's sockets are 0600 and its pins 0700, so only root reaches them; and were the
-/// permissions loosened, the agent still refuses a peer that is not root (peer credentials).
+/// The agent's sockets and the files that name its pods are 0600 and its pins 0700, so only root
+/// reaches them; and were the permissions loosened, the agent still refuses a peer that is not
+/// root (peer credentials).
 #[test]
-fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
+fn sockets_pins_and_pod_records_are_root_only_and_non_root_peers_are_refused() {
     let node = privileged!(CniChainNode::new());
     let agent = node.start_agent();
-    let (cni_socket, zds_socket) = (&agent.config.cni_socket, &agent.config.zds_socket);
-    let pin_root = &agent.config.datapath.pin_root;
+    let config = &agent.config;
+    let (cni_socket, zds_socket, trace_socket) =
+        (&config.cni_socket, &config.zds_socket, &config.trace_socket);
+    let pin_root = &config.datapath.pin_root;
     let maps = pin_root.join(format!("abi-{ABI_VERSION}"));
     for (path, expected) in [
         (cni_socket.as_path(), 0o600),
         (zds_socket.as_path(), 0o600),
+        (trace_socket.as_path(), 0o600),
+        (config.verdict_cache.as_path(), 0o600),
+        (config.state_file.as_path(), 0o600),
         (pin_root.as_path(), 0o700),
         (maps.as_path(), 0o700),
         (&maps.join("links"), 0o700),
@@ -498,7 +548,13 @@ fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
         assert_eq!(mode, expected, "{} is {mode:o}", path.display());
     }
     let request = b"{\"not\": \"a request\"}\n";
-    for (path, kind) in [(cni_socket, Type::STREAM), (zds_socket, Type::SEQPACKET)] {
+    // A trace reader sends nothing: whatever it sent would read as its hanging up.
+    let sockets: [(&Path, Type, &[u8]); 3] = [
+        (cni_socket, Type::STREAM, request),
+        (zds_socket, Type::SEQPACKET, request),
+        (trace_socket, Type::STREAM, b""),
+    ];
+    for (path, kind, request) in sockets {
         let error = unprivileged_request(path, kind, request).expect_err("refused");
         assert_eq!(
             error.kind(),
@@ -537,7 +593,7 @@ fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
     ] {
         fs::set_permissions(dir, fs::Permissions::from_mode(0o711)).unwrap();
     }
-    for (path, kind) in [(cni_socket, Type::STREAM), (zds_socket, Type::SEQPACKET)] {
+    for (path, kind, request) in sockets {
         fs::set_permissions(path, fs::Permissions::from_mode(0o666)).unwrap();
         let answer = unprivileged_request(path, kind, request);
         assert!(
@@ -551,6 +607,78 @@ fn sockets_and_pins_are_root_only_and_non_root_peers_are_refused() {
         );
     }
     agent.stop().unwrap();
+}
+
+/// Every pod can reach the health port, which is on the node's network: it serves the probes'
+/// paths and nothing else (no metrics, so no pod names), and thousands of connections that send
+/// nothing, or half a request line and then stall, leave kubelet's probe answered at once.
+#[test]
+fn the_health_port_serves_only_health_and_idle_or_stalled_connections_do_not_starve_it() {
+    /// Connections that send nothing.
+    const IDLE: usize = 2000;
+    /// Connections that send half a request line, then nothing more.
+    const STALLED: usize = 200;
+    /// kubelet gives up on a probe after 1 s by default; a loaded CI machine gets more.
+    const PROBE_DEADLINE: Duration = Duration::from_secs(3);
+    let node = privileged!(CniChainNode::new());
+    // Both ends of every connection are in this process.
+    allow_open_files_up_to_the_hard_limit();
+    let agent = node.start_agent();
+    let health = agent.config.health_addr;
+    assert_eq!(
+        http_get(health, "/metrics").unwrap().0,
+        404,
+        "/metrics on the health port"
+    );
+    agent.metrics();
+
+    // A connection the listen backlog has no room for is left unanswered rather than refused:
+    // the flood stops at the first one.
+    let connect = || TcpStream::connect_timeout(&health, Duration::from_millis(500));
+    let idle: Vec<TcpStream> = (0..IDLE).map_while(|_| connect().ok()).collect();
+    let stalled: Vec<TcpStream> = (0..STALLED)
+        .map_while(|_| {
+            let mut stream = connect().ok()?;
+            io::Write::write_all(&mut stream, b"GET /healthz HT").ok()?;
+            Some(stream)
+        })
+        .collect();
+    let asked = Instant::now();
+    let answer = http_get(health, "/healthz");
+    let took = asked.elapsed();
+    let flood = format!(
+        "{} idle and {} stalled connections",
+        idle.len(),
+        stalled.len()
+    );
+    assert!(
+        matches!(&answer, Ok((200, body)) if body == "ok\n"),
+        "/healthz after {flood}: {answer:?}"
+    );
+    assert!(
+        took < PROBE_DEADLINE,
+        "/healthz after {flood} took {took:?}"
+    );
+    drop((idle, stalled));
+    agent.stop().unwrap();
+}
+
+/// Raises this process's soft limit on open files to its hard limit.
+fn allow_open_files_up_to_the_hard_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid rlimit for both calls to read and write.
+    let result = unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit)
+        } else {
+            -1
+        }
+    };
+    assert_eq!(result, 0, "{}", io::Error::last_os_error());
 }
 
 /// ztunnel is down (its listeners gone) while a pod stays enrolled: the pod's connections fail

@@ -46,6 +46,7 @@ impl Server {
             ZdsConfig {
                 socket_path: socket.clone(),
             },
+            None,
             &mut registry,
         )
         .unwrap();

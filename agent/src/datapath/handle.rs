@@ -49,6 +49,8 @@ pub(super) enum Command {
         uid: String,
         netns_cookie: u64,
     },
+    ZtunnelConnected(u32, Reply<u64>),
+    ZtunnelDisconnected(u64, Reply<()>),
     Enrolled(Reply<Vec<String>>),
     Audit(Reply<Vec<&'static str>>),
     Stop {
@@ -218,6 +220,19 @@ impl Datapath {
     /// each mismatch found (`weir_datapath_mismatches_total`).
     pub fn audit(&self) -> Request<Vec<&'static str>> {
         self.ask(Command::Audit)
+    }
+
+    /// A ztunnel, process `pid`, connected: from now on the programs take the sockets it opens
+    /// in pods for ztunnel's (they have ztunnel's mark and its cgroup). Returns the cgroup, for
+    /// [`Self::ztunnel_disconnected`].
+    pub fn ztunnel_connected(&self, pid: u32) -> Request<u64> {
+        self.ask(|reply| Command::ZtunnelConnected(pid, reply))
+    }
+
+    /// A connection of a ztunnel in `cgroup` ended. Its sockets stay ztunnel's (it may be
+    /// draining, or about to connect again); its entry may make room for another ztunnel's.
+    pub fn ztunnel_disconnected(&self, cgroup: u64) -> Request<()> {
+        self.ask(|reply| Command::ZtunnelDisconnected(cgroup, reply))
     }
 
     /// Uids of the enrolled pods.

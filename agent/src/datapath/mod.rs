@@ -39,6 +39,7 @@ mod snapshot;
 mod tasks;
 mod trace_maps;
 mod watch;
+mod ztunnels;
 
 use std::{
     os::fd::OwnedFd,

@@ -19,8 +19,8 @@ use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters};
 
 use super::{
     audit, bpf_log, discovery, enroll_steps, handoff, kernel, maps_dir, mounts, netlink, netns,
-    programs, recovery, sidecar_lists, tasks, watch, Command, DatapathConfig, Reply, Traced,
-    AUDIT_INTERVAL,
+    programs, recovery, sidecar_lists, tasks, watch, ztunnels, Command, DatapathConfig, Reply,
+    Traced, AUDIT_INTERVAL,
 };
 
 /// One enrolled pod as the owner tracks it.
@@ -53,6 +53,8 @@ pub(super) struct Owner {
     pub(super) watcher: watch::Watcher,
     pub(super) pin_root: PathBuf,
     probe_bypass: bool,
+    /// The connected ztunnels' cgroups, by which the programs know ztunnel's sockets.
+    ztunnels: ztunnels::ZtunnelCgroups,
     /// Where the kernel needs it (before 6.5): the per-pod socket lookup hand-off.
     pub(super) handoff: Option<handoff::Handoff>,
     /// How the netns cookie is learnt on kernels without `SO_NETNS_COOKIE` (before 5.14).
@@ -127,6 +129,7 @@ impl Owner {
         let pod_ips: HashMap<MapData, IpKey, u64> = programs::take_map(&mut ebpf, maps::POD_IPS)?;
         let counters = programs::take_map(&mut ebpf, maps::POD_COUNTERS)?;
         let sidecar_lists = sidecar_lists::SidecarLists::take(&mut ebpf)?;
+        let ztunnels = ztunnels::ZtunnelCgroups::take(&mut ebpf, mounts::cgroup2_root()?)?;
         let pods = recovery::recover_pods(&pods_map, &pod_ips);
         info!(
             pin_root = %config.pin_root.display(),
@@ -146,6 +149,7 @@ impl Owner {
             watcher: watch::Watcher::start(changes, watching, &tasks)?,
             pin_root: config.pin_root.clone(),
             probe_bypass: config.probe_bypass,
+            ztunnels,
             handoff,
             cookie_answers,
             enroll_steps,
@@ -212,6 +216,13 @@ impl Owner {
                 }
                 Command::Audit(reply) => {
                     let _ = reply.send(Ok(self.audit()));
+                }
+                Command::ZtunnelConnected(pid, reply) => {
+                    let _ = reply.send(self.ztunnels.connected(pid));
+                }
+                Command::ZtunnelDisconnected(cgroup, reply) => {
+                    self.ztunnels.disconnected(cgroup);
+                    let _ = reply.send(Ok(()));
                 }
                 Command::Enrolled(reply) => {
                     let _ = reply.send(Ok(self.pods.keys().cloned().collect()));

@@ -13,10 +13,10 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use aya_obj::generated::bpf_attach_type::{
-    self, BPF_CGROUP_GETSOCKOPT, BPF_CGROUP_INET4_CONNECT, BPF_CGROUP_INET4_GETPEERNAME,
-    BPF_CGROUP_INET6_CONNECT, BPF_CGROUP_INET6_GETPEERNAME, BPF_CGROUP_SOCK_OPS,
-    BPF_CGROUP_UDP4_RECVMSG, BPF_CGROUP_UDP4_SENDMSG, BPF_CGROUP_UDP6_RECVMSG,
-    BPF_CGROUP_UDP6_SENDMSG,
+    self, BPF_CGROUP_GETSOCKOPT, BPF_CGROUP_INET4_BIND, BPF_CGROUP_INET4_CONNECT,
+    BPF_CGROUP_INET4_GETPEERNAME, BPF_CGROUP_INET6_BIND, BPF_CGROUP_INET6_CONNECT,
+    BPF_CGROUP_INET6_GETPEERNAME, BPF_CGROUP_SOCK_OPS, BPF_CGROUP_UDP4_RECVMSG,
+    BPF_CGROUP_UDP4_SENDMSG, BPF_CGROUP_UDP6_RECVMSG, BPF_CGROUP_UDP6_SENDMSG,
 };
 use weir_common::{globals, maps, programs};
 
@@ -26,7 +26,7 @@ use super::{bpf_sys, netlink::TcProgram};
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(env!("WEIR_EBPF_OBJECT"));
 
 /// The cgroup hooks, each attached once at the root cgroup.
-const CGROUP_HOOKS: [(&str, bpf_attach_type); 10] = [
+const CGROUP_HOOKS: [(&str, bpf_attach_type); 12] = [
     (programs::CONNECT4, BPF_CGROUP_INET4_CONNECT),
     (programs::CONNECT6, BPF_CGROUP_INET6_CONNECT),
     (programs::SENDMSG4, BPF_CGROUP_UDP4_SENDMSG),
@@ -35,6 +35,8 @@ const CGROUP_HOOKS: [(&str, bpf_attach_type); 10] = [
     (programs::RECVMSG6, BPF_CGROUP_UDP6_RECVMSG),
     (programs::GETPEERNAME4, BPF_CGROUP_INET4_GETPEERNAME),
     (programs::GETPEERNAME6, BPF_CGROUP_INET6_GETPEERNAME),
+    (programs::BIND4, BPF_CGROUP_INET4_BIND),
+    (programs::BIND6, BPF_CGROUP_INET6_BIND),
     (programs::SOCKOPS, BPF_CGROUP_SOCK_OPS),
     (programs::GETSOCKOPT, BPF_CGROUP_GETSOCKOPT),
 ];

@@ -18,6 +18,7 @@ use super::proto::{
 };
 use super::seqpacket::{Datagram, SeqpacketConnection, MAX_DATAGRAM};
 use super::{message_name, Metrics, Shared, ZdsError, IO_TIMEOUT};
+use crate::datapath::Datapath;
 use crate::logging::pod_span;
 
 pub(super) async fn serve(socket: SeqpacketConnection, shared: Arc<Shared>) {
@@ -48,6 +49,33 @@ async fn wait_for_snapshots(socket: &SeqpacketConnection, shared: &Shared) -> an
     }
 }
 
+/// The connected ztunnel's cgroup, known to the datapath while the connection lasts.
+struct ZtunnelSockets {
+    datapath: Arc<Datapath>,
+    cgroup: u64,
+}
+
+impl ZtunnelSockets {
+    async fn known(datapath: &Arc<Datapath>, socket: &SeqpacketConnection) -> anyhow::Result<Self> {
+        let pid = socket.peer_pid().context("ztunnel's pid")?;
+        let cgroup = datapath
+            .ztunnel_connected(pid)
+            .await
+            .context("recording ztunnel's cgroup")?;
+        Ok(Self {
+            datapath: datapath.clone(),
+            cgroup,
+        })
+    }
+}
+
+impl Drop for ZtunnelSockets {
+    fn drop(&mut self) {
+        // Sent whether or not the answer is awaited.
+        drop(self.datapath.ztunnel_disconnected(self.cgroup));
+    }
+}
+
 async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Result<()> {
     let hello = read_hello(socket)
         .await
@@ -61,6 +89,10 @@ async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Resu
         );
     }
     wait_for_snapshots(socket, shared).await?;
+    let _ztunnel_sockets = match &shared.datapath {
+        Some(datapath) => Some(ZtunnelSockets::known(datapath, socket).await?),
+        None => None,
+    };
     let (requests, mut queue) = mpsc::unbounded_channel();
     let (registration, snapshot) = shared.register(requests);
     let conn = registration.id;

@@ -43,6 +43,8 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, error, info, warn};
 
+use crate::datapath::Datapath;
+
 pub use connection::{decode_answer, decode_hello};
 use metrics::{message_name, Metrics};
 use proto::workload_request::Payload;
@@ -124,8 +126,12 @@ pub struct ZdsHandle {
 
 /// Binds the socket and returns the handle and the future that serves it (until dropped or
 /// aborted, which also closes every connection). Needs no runtime until the future is polled.
+///
+/// `datapath`, where there is one, is told each ztunnel process that connects, before its
+/// snapshot: the programs know ztunnel's sockets by its cgroup.
 pub fn start(
     config: ZdsConfig,
+    datapath: Option<Arc<Datapath>>,
     registry: &mut Registry,
 ) -> io::Result<(ZdsHandle, impl Future<Output = ()>)> {
     let listener = seqpacket::bind_listener(&config.socket_path)?;
@@ -136,6 +142,7 @@ pub fn start(
         connected: watch::Sender::new(0),
         acked: broadcast::Sender::new(ACKED_CAPACITY),
         metrics: Metrics::register(registry),
+        datapath,
     });
     let handle = ZdsHandle {
         shared: shared.clone(),
@@ -274,6 +281,7 @@ struct Shared {
     connected: watch::Sender<usize>,
     acked: broadcast::Sender<String>,
     metrics: Metrics,
+    datapath: Option<Arc<Datapath>>,
 }
 
 #[derive(Default)]

@@ -98,6 +98,13 @@ impl SeqpacketConnection {
         Ok(credentials.uid())
     }
 
+    /// The pid of the process that connected, in the agent's pid namespace (0 when it is not
+    /// in there).
+    pub fn peer_pid(&self) -> io::Result<u32> {
+        let credentials = getsockopt(self.0.get_ref(), sockopt::PeerCredentials)?;
+        Ok(u32::try_from(credentials.pid()).unwrap_or(0))
+    }
+
     /// Sends `bytes` as one datagram, with `fd` attached when given.
     pub async fn send(&self, bytes: &[u8], fd: Option<BorrowedFd<'_>>) -> io::Result<()> {
         self.0

@@ -13,6 +13,8 @@ fn main() -> anyhow::Result<()> {
         anyhow::bail!("usage: weir-datapath-owner NODE_NETNS");
     };
     let datapath = Datapath::start(weir_tests::agent::datapath_config(&node_netns))?;
+    // The test that runs this owner runs its ztunnel stand-ins, in the same cgroup.
+    datapath.ztunnel_connected(std::process::id()).wait()?;
     let mut out = io::stdout().lock();
     writeln!(out, "ready")?;
     for line in io::stdin().lock().lines() {

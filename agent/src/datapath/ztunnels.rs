@@ -1,0 +1,170 @@
+//! The cgroups of the connected ztunnels (`ZTUNNEL_CGROUPS`). The programs take a socket for
+//! ztunnel's only when it has ztunnel's mark and is in one of these: a pod can give its sockets
+//! the mark (`SO_MARK` needs only `CAP_NET_RAW` from Linux 5.17), not join ztunnel's cgroup. The
+//! ZDS server names each ztunnel that says hello by its process; its cgroup is added before its
+//! pods are sent to it. It stays after the connection ends, for as long as there is room: a
+//! ztunnel that lost its connection (or is draining) still owns its sockets, and a gone one's
+//! cgroup id is never reused, so no pod can ever be in it.
+use std::{
+    collections::HashMap as StdHashMap,
+    fs, io,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{anyhow, bail, Context, Result};
+use aya::{
+    maps::{HashMap, MapData, MapError},
+    Ebpf,
+};
+use tracing::{info, warn};
+use weir_common::{maps, ANY_CGROUP};
+
+use super::programs;
+
+pub(super) struct ZtunnelCgroups {
+    map: HashMap<MapData, u64, u8>,
+    /// The cgroup2 mount, under which a process's cgroup path is found.
+    hierarchy: PathBuf,
+    /// Connections per cgroup.
+    connections: StdHashMap<u64, usize>,
+}
+
+impl ZtunnelCgroups {
+    /// The programs' map. Entries a previous agent left stay: the ztunnels they name keep their
+    /// sockets told apart while they connect again.
+    pub(super) fn take(ebpf: &mut Ebpf, hierarchy: PathBuf) -> Result<Self> {
+        Ok(Self {
+            map: programs::take_map(ebpf, maps::ZTUNNEL_CGROUPS)?,
+            hierarchy,
+            connections: StdHashMap::new(),
+        })
+    }
+
+    /// A ztunnel, process `pid`, connected: returns the cgroup its sockets are now known by. If
+    /// that cannot be told, by their mark alone ([`ANY_CGROUP`]), with a warning.
+    pub(super) fn connected(&mut self, pid: u32) -> Result<u64> {
+        let cgroup = match cgroup_of(pid, &self.hierarchy) {
+            Ok(cgroup) => cgroup,
+            Err(error) => {
+                warn!(
+                    pid,
+                    error = format!("{error:#}"),
+                    "cannot tell a connected ztunnel's cgroup: its sockets are known by \
+                     ztunnel's mark alone, which pods with CAP_NET_RAW can set too"
+                );
+                ANY_CGROUP
+            }
+        };
+        if let Err(MapError::SyscallError(_)) = self.map.insert(cgroup, 0, 0) {
+            // Full of ztunnels that are no longer connected.
+            self.forget_disconnected()?;
+            self.map
+                .insert(cgroup, 0, 0)
+                .context("recording ztunnel's cgroup")?;
+        }
+        *self.connections.entry(cgroup).or_default() += 1;
+        if cgroup != ANY_CGROUP && !self.connections.contains_key(&ANY_CGROUP) {
+            remove(&mut self.map, ANY_CGROUP)?;
+        }
+        info!(pid, cgroup, "ztunnel's sockets are known by its cgroup");
+        Ok(cgroup)
+    }
+
+    /// A connection of a ztunnel in `cgroup` ended: its entry may make room for another's.
+    pub(super) fn disconnected(&mut self, cgroup: u64) {
+        if let Some(connections) = self.connections.get_mut(&cgroup) {
+            *connections -= 1;
+            if *connections == 0 {
+                self.connections.remove(&cgroup);
+            }
+        }
+    }
+
+    fn forget_disconnected(&mut self) -> Result<()> {
+        let departed: Vec<u64> = self
+            .map
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|cgroup| !self.connections.contains_key(cgroup))
+            .collect();
+        for cgroup in departed {
+            remove(&mut self.map, cgroup)?;
+        }
+        Ok(())
+    }
+}
+
+fn remove(map: &mut HashMap<MapData, u64, u8>, cgroup: u64) -> Result<()> {
+    match map.remove(&cgroup) {
+        Err(MapError::SyscallError(error)) if error.io_error.kind() == io::ErrorKind::NotFound => {
+            Ok(())
+        }
+        removed => removed.context("removing a ztunnel cgroup"),
+    }
+}
+
+/// The cgroup (v2) id of process `pid`, as the programs read it for the process's sockets: the
+/// inode number of its cgroup's directory. Its path is read in the node's cgroup namespace (pid
+/// 1's, the agent running with the node's pids): in a container's own, another container's path
+/// starts with `/..`.
+fn cgroup_of(pid: u32, hierarchy: &Path) -> Result<u64> {
+    let path = std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                enter_node_cgroup_namespace()?;
+                cgroup_path(pid)
+            })
+            .join()
+            .map_err(|_| anyhow!("reading the cgroup of {pid} panicked"))?
+    })?;
+    let dir = hierarchy.join(path.trim_start_matches('/'));
+    let metadata = fs::metadata(&dir).with_context(|| format!("{}", dir.display()))?;
+    Ok(metadata.ino())
+}
+
+/// Moves the calling thread (only) into pid 1's cgroup namespace, unless it is there or pid 1's
+/// cannot be opened (then the agent's own is taken for the node's, and a path that leaves it is
+/// refused in [`cgroup_path`]).
+fn enter_node_cgroup_namespace() -> Result<()> {
+    let node = match fs::File::open("/proc/1/ns/cgroup") {
+        Ok(node) => node,
+        Err(error) if error.kind() == io::ErrorKind::PermissionDenied => return Ok(()),
+        Err(error) => return Err(error).context("opening /proc/1/ns/cgroup"),
+    };
+    let own = fs::metadata("/proc/thread-self/ns/cgroup")?;
+    if node.metadata()?.ino() == own.ino() {
+        return Ok(());
+    }
+    nix::sched::setns(&node, nix::sched::CloneFlags::CLONE_NEWCGROUP)
+        .context("entering the node's cgroup namespace")
+}
+
+fn cgroup_path(pid: u32) -> Result<String> {
+    let cgroups = procfs::process::Process::new(pid as i32)
+        .and_then(|process| process.cgroups())
+        .with_context(|| format!("reading /proc/{pid}/cgroup"))?;
+    let path = cgroups
+        .into_iter()
+        .find(|cgroup| cgroup.hierarchy == 0)
+        .map(|cgroup| cgroup.pathname)
+        .ok_or_else(|| anyhow!("process {pid} is in no cgroup v2"))?;
+    if path.starts_with("/..") {
+        bail!("process {pid}'s cgroup {path} is outside this cgroup namespace");
+    }
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_cgroup_is_its_directorys_inode() {
+        let hierarchy = super::super::mounts::cgroup2_root().unwrap();
+        let own = cgroup_of(std::process::id(), &hierarchy).unwrap();
+        let path = cgroup_path(std::process::id()).unwrap();
+        let dir = hierarchy.join(path.trim_start_matches('/'));
+        assert_eq!(own, fs::metadata(dir).unwrap().ino());
+    }
+}

@@ -1,0 +1,38 @@
+//! A pod's process that gives its TCP socket ztunnel's mark, as any process with `CAP_NET_RAW`
+//! can from Linux 5.17, for tests that run it apart from ztunnel's cgroup.
+//!
+//! `weir-marked-socket bind ADDR`: binds there; prints `bound` or `refused <errno>`.
+//! `weir-marked-socket request ADDR MESSAGE`: connects, sends one line, prints the client's
+//! address and the one line answered.
+use std::net::{SocketAddr, TcpStream};
+
+use anyhow::{bail, Context, Result};
+use socket2::{Domain, Socket, Type};
+use weir_common::ZTUNNEL_MARK;
+use weir_tests::traffic::{read_line, set_timeouts, write_line};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(command), Some(address)) = (args.first(), args.get(1)) else {
+        bail!("usage: weir-marked-socket bind ADDR | request ADDR MESSAGE");
+    };
+    let address: SocketAddr = address.parse().context("ADDR")?;
+    let socket = Socket::new(Domain::for_address(address), Type::STREAM, None)?;
+    socket.set_mark(ZTUNNEL_MARK).context("SO_MARK")?;
+    match command.as_str() {
+        "bind" => match socket.bind(&address.into()) {
+            Ok(()) => println!("bound"),
+            Err(error) => println!("refused {}", error.raw_os_error().unwrap_or(0)),
+        },
+        "request" => {
+            let message = args.get(2).map(String::as_str).unwrap_or("hello");
+            socket.connect(&address.into())?;
+            let stream = TcpStream::from(socket);
+            set_timeouts(&stream)?;
+            write_line(&stream, message)?;
+            println!("{} {}", stream.local_addr()?, read_line(&stream)?);
+        }
+        other => bail!("unknown command {other:?}"),
+    }
+    Ok(())
+}
