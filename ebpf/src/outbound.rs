@@ -112,10 +112,7 @@ fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
         return answer_netns_cookie(&sa, netns);
     }
     let Some(pod) = pod(netns) else {
-        if hook == Hook::Connect {
-            give_probe_source(&sa, netns, &dst);
-        }
-        return ALLOW;
+        return outside_pods(&sa, netns, hook, &dst);
     };
     let decided = if pod.has(POD_SIDECAR) {
         sidecar::outbound(&sa, netns, hook, &dst)
@@ -142,6 +139,38 @@ fn on_outbound(sa: SockAddr, hook: Hook) -> i32 {
         }
         Action::Refuse => DENY,
     }
+}
+
+/// A call from a netns weir has not enrolled: the node's own gets the probe source toward the
+/// pods it probes. The probe source address is local on the node (the probes' replies return to
+/// it), so from any other netns (pods weir leaves alone, other sandboxes) it would reach the
+/// node's wildcard listeners: refused.
+#[inline(always)]
+fn outside_pods(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> i32 {
+    if !is_probe_source(&dst.ip) {
+        if hook == Hook::Connect {
+            give_probe_source(sa, netns, dst);
+        }
+        return ALLOW;
+    }
+    let host = host_netns_cookie();
+    if host == 0 || host == netns {
+        return ALLOW;
+    }
+    log_probe_address_refused(sa, netns, dst);
+    DENY
+}
+
+#[inline(always)]
+fn log_probe_address_refused(sa: &SockAddr, netns: u64, dst: &Endpoint) {
+    diag!(
+        warn,
+        sa.ctx,
+        "netns {}: {:i}:{} refused: the probe source address",
+        netns,
+        ip(&dst.ip),
+        dst.port
+    );
 }
 
 /// What an in-pod decision does with a call. A struct whose every field is always set, not an
@@ -200,22 +229,11 @@ fn redirect(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decided {
     let Some(pod) = pod(netns) else {
         return Decided::pass(TraceVerdict::PassUncaptured);
     };
-    if ztunnel::calls_from_ztunnel(sa.mark()) {
-        // ztunnel's own socket: never redirected.
-        route_replies_back(sa, netns, dst, hook);
-        return Decided::pass(TraceVerdict::PassZtunnel);
-    }
     if is_probe_source(&dst.ip) {
         // Local on the node (the probes' replies return to it), so any node listener on a
-        // wildcard address answers there: refused, never a way around ztunnel.
-        diag!(
-            warn,
-            sa.ctx,
-            "netns {}: {:i}:{} refused: the probe source address",
-            netns,
-            ip(&dst.ip),
-            dst.port
-        );
+        // wildcard address answers there: refused, never a way around ztunnel, for ztunnel's
+        // own dials too.
+        log_probe_address_refused(sa, netns, dst);
         trace_outbound(
             sa,
             netns,
@@ -226,6 +244,11 @@ fn redirect(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decided {
             NOWHERE,
         );
         return Decided::refused(TraceVerdict::RefuseProbeAddress);
+    }
+    if ztunnel::calls_from_ztunnel(sa.mark()) {
+        // ztunnel's own socket: never redirected.
+        route_replies_back(sa, netns, dst, hook);
+        return Decided::pass(TraceVerdict::PassZtunnel);
     }
     if is_loopback(&dst.ip) || pod_owns(netns, &dst.ip) {
         return Decided::pass(TraceVerdict::PassLocal);

@@ -261,11 +261,12 @@ fn tcp_in_a_family_the_cni_result_does_not_name_is_refused() {
 }
 
 /// weir makes the probe source address local on the node (the probes' replies come back to
-/// it): an ambient pod must not reach the node's wildcard listeners through it, around ztunnel.
+/// it): no pod reaches the node's wildcard listeners through it, neither an ambient pod (around
+/// ztunnel), nor ztunnel's own dials from it, nor a pod weir leaves alone.
 #[test]
 fn the_probe_address_is_no_door_to_the_node() {
     let fixture = privileged!(DatapathNode::new());
-    let pod = fixture.pod("app");
+    let (pod, plain) = (fixture.pod("app"), fixture.pod("plain"));
     let node_listener = EchoServer::start(
         fixture.node().netns(),
         "node",
@@ -281,14 +282,26 @@ fn the_probe_address_is_no_door_to_the_node() {
         IpAddr::V6(PROBE_SOURCE_V6.into()),
     ] {
         let target = SocketAddr::new(probe_address, port);
-        let refused = pod
-            .run(|| tcp_request(target, "door"))
-            .expect_err("an ambient pod must not reach the node through the probe address");
-        assert_eq!(
-            refused.kind(),
-            ErrorKind::PermissionDenied,
-            "{target}: {refused}"
-        );
+        let shown = |reply: std::io::Result<weir_tests::Reply>| reply.map(|r| r.response);
+        let attempts = [
+            (
+                "an ambient pod",
+                shown(pod.run(|| tcp_request(target, "door"))),
+            ),
+            ("ztunnel", pod.run(|| marked_tcp_request(target, "door"))),
+            (
+                "a pod weir leaves alone",
+                shown(plain.run(|| tcp_request(target, "door"))),
+            ),
+        ];
+        for (who, attempt) in attempts {
+            let refused = attempt.expect_err(&format!("{who} reached the node through {target}"));
+            assert_eq!(
+                refused.kind(),
+                ErrorKind::PermissionDenied,
+                "{who} to {target}: {refused}"
+            );
+        }
     }
     assert!(node_listener.wait_for(|r| r.line == "door", WAIT).is_none());
     datapath.uninstall().wait().unwrap();
