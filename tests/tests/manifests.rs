@@ -984,6 +984,33 @@ fn pod_deletion_is_granted_only_by_the_repair_delete_manifest() {
             && subject.namespace == account.namespace));
 }
 
+/// istiod removes a node's `cni.istio.io/not-ready` taint when a pod labelled
+/// `k8s-app=istio-cni-node` in its own namespace is ready there: weir's pods carry the label, in
+/// istiod's namespace, and are ready only when the agent's `/readyz` says it serves the node.
+#[test]
+fn istiod_lifts_the_not_ready_taint_once_weir_is_ready_on_the_node() {
+    let all = manifests();
+    let (ds, _pod, container) = daemonset(&all);
+    assert_eq!(ds.metadata.namespace.as_deref(), Some("istio-system"));
+    let labels = ds
+        .spec
+        .template
+        .metadata
+        .as_ref()
+        .and_then(|meta| meta.labels.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        labels.get("k8s-app").map(String::as_str),
+        Some("istio-cni-node")
+    );
+    let readiness = container
+        .readiness_probe
+        .as_ref()
+        .and_then(|probe| probe.http_get.as_ref())
+        .expect("a readiness probe over HTTP");
+    assert_eq!(readiness.path.as_deref(), Some("/readyz"));
+}
+
 #[test]
 fn the_daemonset_runs_on_every_node_before_other_pods_and_upgrades_one_node_at_a_time() {
     let all = manifests();
