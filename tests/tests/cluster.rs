@@ -382,19 +382,7 @@ fn invalid_annotation_is_one_warning_event_per_window() {
     );
 
     // The runtime's CHECK decides again and meets the same annotation: no second Event.
-    let runtime = pod.runtime_conf();
-    let list = weir_conflist(&cluster.chain);
-    let weir = list.plugins.last().unwrap();
-    let config = list.plugin_config(weir, runtime, Some(pod.prev_result()));
-    let binary = weir_tests::cni::find_plugin(weir, &runtime.path).unwrap();
-    weir_tests::cni::invoke(
-        &binary,
-        Command::Check,
-        runtime,
-        &config,
-        cluster.chain.test_node().netns(),
-    )
-    .expect("CHECK passes");
+    runtime_check(&cluster, &pod);
     // kube-rs's Recorder would fold a repeat into the same Event as a series (a PATCH); weir
     // does not write it at all.
     let event_writes = cluster
@@ -862,19 +850,7 @@ fn each_invalid_annotation_of_a_running_pod_is_its_own_warning_event() {
 
     // The runtime's CHECK decides again and meets both problems: within the window, neither is
     // published again, and both are counted.
-    let runtime = pod.runtime_conf();
-    let list = weir_conflist(&cluster.chain);
-    let weir = list.plugins.last().unwrap();
-    let config = list.plugin_config(weir, runtime, Some(pod.prev_result()));
-    let binary = weir_tests::cni::find_plugin(weir, &runtime.path).unwrap();
-    weir_tests::cni::invoke(
-        &binary,
-        Command::Check,
-        runtime,
-        &config,
-        cluster.chain.test_node().netns(),
-    )
-    .expect("CHECK passes");
+    runtime_check(&cluster, &pod);
     assert_eq!(cluster.warnings(reason).len(), 2);
     assert_eq!(
         agent
@@ -1534,4 +1510,21 @@ fn a_broken_sidecar_pod_is_repaired_in_place_once() {
     let reply = pod.run(|| tcp_request(target, "later")).unwrap();
     assert_eq!(reply.response, proxy.reply_to("later"));
     agent.stop().unwrap();
+}
+
+/// The runtime's CNI CHECK of `pod` through weir's plugin, which must pass.
+fn runtime_check(cluster: &Cluster, pod: &weir_tests::Pod) {
+    let runtime = pod.runtime_conf();
+    let list = weir_conflist(&cluster.chain);
+    let weir = list.plugins.last().unwrap();
+    let config = list.plugin_config(weir, runtime, Some(pod.prev_result()));
+    let binary = weir_tests::cni::find_plugin(weir, &runtime.path).unwrap();
+    weir_tests::cni::invoke(
+        &binary,
+        Command::Check,
+        runtime,
+        &config,
+        cluster.chain.test_node().netns(),
+    )
+    .expect("CHECK passes");
 }

@@ -101,6 +101,41 @@ fn outbound_tcp_lands_on_15001_with_the_original_destination() {
     datapath.uninstall().wait().unwrap();
 }
 
+/// `client` reaches `server`'s app over IPv4 and IPv6 through ztunnel's 15006 listener: the
+/// accepted socket has the original destination as its local address (TPROXY semantics),
+/// ztunnel dials the app keeping the client's address, and the app's answer comes back.
+fn inbound_lands_on_ztunnel(
+    client: &Pod,
+    server: &Pod,
+    echo: &EchoServer,
+    ztunnel: &ZtunnelStandIn,
+    line: &str,
+) {
+    for (source, destination) in [
+        (IpAddr::V4(client.ipv4()), IpAddr::V4(server.ipv4())),
+        (IpAddr::V6(client.ipv6()), IpAddr::V6(server.ipv6())),
+    ] {
+        let target = SocketAddr::new(destination, APP_PORT);
+        let reply = client
+            .run(|| tcp_request(target, line))
+            .unwrap_or_else(|e| panic!("request to {target}: {e}"));
+        // The answer came back: the app's replies reached ztunnel's transparent socket.
+        assert_eq!(reply.response, echo.reply_to(line));
+        let seen = ztunnel
+            .wait_for(
+                |s| s.listener == INBOUND_PORT && s.peer.ip() == source,
+                WAIT,
+            )
+            .unwrap_or_else(|| panic!("connection to {target} never reached 15006"));
+        assert_eq!(seen.local, target);
+        assert_eq!(seen.destination(), target);
+        let received = echo
+            .wait_for(|r| r.line == line && r.local.ip() == destination, WAIT)
+            .unwrap();
+        assert_eq!(received.peer.ip(), source);
+    }
+}
+
 #[test]
 fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
     let fixture = privileged!(DatapathNode::new());
@@ -109,31 +144,7 @@ fn inbound_tcp_lands_on_15006_and_replies_return_through_ztunnel() {
     let ztunnel = ZtunnelStandIn::start(&server).unwrap();
     let datapath = fixture.enrolled(&server, PodOptions::default());
 
-    for (source, destination) in [
-        (IpAddr::V4(client.ipv4()), IpAddr::V4(server.ipv4())),
-        (IpAddr::V6(client.ipv6()), IpAddr::V6(server.ipv6())),
-    ] {
-        let target = SocketAddr::new(destination, APP_PORT);
-        let reply = client
-            .run(|| tcp_request(target, "inbound"))
-            .unwrap_or_else(|e| panic!("request to {target}: {e}"));
-        // The answer came back: the app's replies reached ztunnel's transparent socket.
-        assert_eq!(reply.response, echo.reply_to("inbound"));
-        let seen = ztunnel
-            .wait_for(
-                |s| s.listener == INBOUND_PORT && s.peer.ip() == source,
-                WAIT,
-            )
-            .unwrap_or_else(|| panic!("connection to {target} never reached 15006"));
-        // TPROXY semantics: the accepted socket's local address is the original destination.
-        assert_eq!(seen.local, target);
-        assert_eq!(seen.destination(), target);
-        // ztunnel dialed the app keeping the client's address.
-        let received = echo
-            .wait_for(|r| r.line == "inbound" && r.local.ip() == destination, WAIT)
-            .unwrap();
-        assert_eq!(received.peer.ip(), source);
-    }
+    inbound_lands_on_ztunnel(&client, &server, &echo, &ztunnel, "inbound");
 
     // HBONE reaches 15008 directly.
     let hbone = SocketAddr::new(IpAddr::V4(server.ipv4()), HBONE_PORT);
@@ -744,23 +755,7 @@ fn syn_cookie_acks_open_connections_only_at_ztunnel() {
         .run(|| std::fs::write("/proc/sys/net/ipv4/tcp_syncookies", "2"))
         .unwrap();
 
-    for (source, destination) in [
-        (IpAddr::V4(client.ipv4()), IpAddr::V4(server.ipv4())),
-        (IpAddr::V6(client.ipv6()), IpAddr::V6(server.ipv6())),
-    ] {
-        let target = SocketAddr::new(destination, APP_PORT);
-        let reply = client
-            .run(|| tcp_request(target, "cookie"))
-            .unwrap_or_else(|e| panic!("request to {target}: {e}"));
-        assert_eq!(reply.response, echo.reply_to("cookie"));
-        let seen = ztunnel
-            .wait_for(
-                |s| s.listener == INBOUND_PORT && s.peer.ip() == source,
-                WAIT,
-            )
-            .unwrap_or_else(|| panic!("connection to {target} never reached 15006"));
-        assert_eq!(seen.destination(), target);
-    }
+    inbound_lands_on_ztunnel(&client, &server, &echo, &ztunnel, "cookie");
     datapath.uninstall().wait().unwrap();
 }
 
@@ -1212,6 +1207,68 @@ fn the_audit_counts_and_writes_back_entries_removed_behind_the_agents_back() {
     assert!(ztunnel
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
         .is_some());
+    assert!(
+        datapath.audit().wait().unwrap().is_empty(),
+        "nothing left to find"
+    );
+    datapath.uninstall().wait().unwrap();
+}
+
+/// What a pod with CAP_NET_ADMIN can do to weir's objects in its own netns: the audit puts them
+/// back, and the pod's inbound traffic goes through ztunnel again.
+#[test]
+fn the_audit_restores_tc_filters_and_the_return_path_a_pod_removed() {
+    let fixture = privileged!(DatapathNode::new());
+    let (client, server) = (fixture.pod("client"), fixture.pod("server"));
+    let echo = EchoServer::app(&server).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&server).unwrap();
+    let datapath = fixture.enrolled(&server, PodOptions::default());
+    let in_pod = |command: &[&str]| {
+        let mut args = vec!["netns", "exec", server.netns().name()];
+        args.extend_from_slice(command);
+        ip_output(&args).unwrap_or_else(|error| panic!("{error:#}"))
+    };
+    in_pod(&["tc", "filter", "del", "dev", "eth0", "ingress"]);
+    for family in ["-4", "-6"] {
+        in_pod(&[
+            "ip",
+            family,
+            "rule",
+            "del",
+            "fwmark",
+            "0x1000/0x1000",
+            "lookup",
+            "100",
+        ]);
+    }
+
+    let mut found = datapath.audit().wait().unwrap();
+    found.sort();
+    assert_eq!(
+        found,
+        [
+            "return_path_missing",
+            "return_path_missing",
+            "tc_filter_missing"
+        ]
+    );
+    for (source, target) in [
+        (IpAddr::V4(client.ipv4()), server.app_v4()),
+        (IpAddr::V6(client.ipv6()), server.app_v6()),
+    ] {
+        let reply = client
+            .run(|| tcp_request(target, "inbound"))
+            .unwrap_or_else(|e| panic!("request to {target}: {e}"));
+        // The app's replies found their way back to ztunnel's transparent socket.
+        assert_eq!(reply.response, echo.reply_to("inbound"));
+        let seen = ztunnel
+            .wait_for(
+                |s| s.listener == INBOUND_PORT && s.peer.ip() == source,
+                WAIT,
+            )
+            .unwrap_or_else(|| panic!("connection to {target} never reached 15006"));
+        assert_eq!(seen.destination(), target);
+    }
     assert!(
         datapath.audit().wait().unwrap().is_empty(),
         "nothing left to find"

@@ -83,16 +83,14 @@ impl Finding {
         }
     }
 
-    /// Not known either way: what would tell cannot be asked.
+    /// Not known either way: what would tell cannot be asked. The agent starts, as for a
+    /// pending requirement.
     fn unverified(
         requirement: impl Into<String>,
         found: impl Into<String>,
         remedy: impl Into<String>,
     ) -> Self {
-        Self {
-            starts_anyway: true,
-            ..Self::unmet(requirement, found, remedy)
-        }
+        Self::pending(requirement, found, remedy)
     }
 
     pub fn is_met(&self) -> bool {
