@@ -175,10 +175,10 @@ pub struct RunArgs {
     /// Log file for the plugin on the host (default: its stderr, which the runtime logs).
     #[arg(long, env = "WEIR_CNI_PLUGIN_LOG")]
     pub cni_plugin_log: Option<PathBuf>,
-    /// Address for /healthz and /readyz.
+    /// Address for /healthz and /readyz, and nothing else: every pod can reach it.
     #[arg(long, env = "WEIR_HEALTH_ADDR", default_value = "0.0.0.0:8000")]
     pub health_addr: SocketAddr,
-    /// Address for /metrics.
+    /// Address for /metrics (per-pod series included), and /healthz and /readyz.
     #[arg(long, env = "WEIR_METRICS_ADDR", default_value = "0.0.0.0:15014")]
     pub metrics_addr: SocketAddr,
     /// On exit, remove weir from the node (plugin, config entry, datapath) instead of leaving it
