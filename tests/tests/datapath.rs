@@ -1159,6 +1159,10 @@ fn a_failed_re_enrollment_keeps_the_pod_redirected_as_it_was() {
     lo("up");
 
     assert!(datapath.is_redirected(pod.uid()).wait().unwrap());
+    // `lo` going down took the IPv6 `local default dev lo table 100` route with it (the IPv4
+    // one stays): the audit finds that piece of the return path missing and puts it back; the
+    // maps are as they were.
+    assert_eq!(datapath.audit().wait().unwrap(), ["return_path_missing"]);
     assert!(datapath.audit().wait().unwrap().is_empty());
     let target = server.app_v4();
     pod.run(|| tcp_request(target, "still captured")).unwrap();
@@ -1273,6 +1277,45 @@ fn the_audit_restores_tc_filters_and_the_return_path_a_pod_removed() {
         datapath.audit().wait().unwrap().is_empty(),
         "nothing left to find"
     );
+    datapath.uninstall().wait().unwrap();
+}
+
+/// A filter a pod puts before weir's (classic BPF needs no more than CAP_NET_ADMIN) is the pod's
+/// own: the audit reports it, every time, and leaves it and weir's filter in place.
+#[test]
+fn the_audit_reports_a_tc_filter_a_pod_put_before_weirs() {
+    let fixture = privileged!(DatapathNode::new());
+    let pod = fixture.pod("app");
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let in_pod = |command: &[&str]| {
+        let mut args = vec!["netns", "exec", pod.netns().name()];
+        args.extend_from_slice(command);
+        ip_output(&args).unwrap_or_else(|error| panic!("{error:#}"))
+    };
+    // Matches every packet, which with no action lets it through: weir's filter never sees it.
+    in_pod(&[
+        "tc",
+        "filter",
+        "add",
+        "dev",
+        "eth0",
+        "ingress",
+        "protocol",
+        "all",
+        "pref",
+        "1",
+        "handle",
+        "1",
+        "bpf",
+        "bytecode",
+        "1,6 0 0 4294967295,",
+    ]);
+    for _ in 0..2 {
+        assert_eq!(datapath.audit().wait().unwrap(), ["tc_filter_preceded"]);
+    }
+    let filters = in_pod(&["tc", "filter", "show", "dev", "eth0", "ingress"]);
+    assert!(filters.contains("handle 0x1 "), "{filters}");
+    assert!(filters.contains("handle 0x5745 "), "{filters}");
     datapath.uninstall().wait().unwrap();
 }
 

@@ -1,15 +1,28 @@
-//! The owner's periodic comparison of what the maps hold with what it enrolled. Something else
-//! may change pinned maps (an operator with bpftool, a bug, a kernel that evicted an entry):
-//! then a pod the agent, ztunnel and the pod's annotation call enabled would run uncaptured
-//! without anyone noticing. Every mismatch is counted and logged; entries of enrolled pods are
-//! written back, entries nobody enrolled are only reported.
-use super::{pod_config::ip_addr, snapshot, Owner};
+//! The owner's periodic comparison of what the maps and the pods' netns hold with what it
+//! enrolled. Something else may change pinned maps (an operator with bpftool, a bug, a kernel
+//! that evicted an entry), and a pod with CAP_NET_ADMIN may change weir's objects in its own
+//! netns (delete its tc filter, put one before it, delete its return path's rule or routes):
+//! then a pod the agent, ztunnel and the pod's annotation call enabled would run uncaptured, or
+//! its replies would no longer reach ztunnel, without anyone noticing. Every mismatch is counted
+//! and logged; what weir put in place for an enrolled pod is put back, anything else is only
+//! reported.
+use std::os::fd::AsFd;
+
+use super::{
+    netlink::Rtnl,
+    pod_config::ip_addr,
+    pod_netns::{restore_pod_netns, Drift, TcProgramIds},
+    pods::{captured_interfaces, netns_setup},
+    snapshot, Enrolled, Owner,
+};
+use anyhow::{Context, Result};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family},
     registry::Registry,
 };
 use tracing::warn;
+use weir_common::{POD_HAS_IPV4, POD_HAS_IPV6};
 
 use crate::logging::chain;
 
@@ -31,14 +44,23 @@ pub(super) const ADDRESS_MISSING: &str = "address_missing";
 pub(super) const ADDRESS_ELSEWHERE: &str = "address_elsewhere";
 /// A `PODS` entry no enrolled pod has: reported only (the orphan sweep and GC decide on pods).
 pub(super) const UNKNOWN_POD_ENTRY: &str = "unknown_pod_entry";
+/// weir's tc filter was missing from an enrolled pod's interface, or held another program:
+/// attached again.
+pub(super) const TC_FILTER_MISSING: &str = "tc_filter_missing";
+/// Another tc filter runs before weir's on an enrolled pod's interface, or keeps it from being
+/// attached again: reported only (see [`restore_pod_netns`]).
+pub(super) const TC_FILTER_PRECEDED: &str = "tc_filter_preceded";
+/// A rule or route of an enrolled pod's return path was missing: added again.
+pub(super) const RETURN_PATH_MISSING: &str = "return_path_missing";
 
 impl Mismatches {
     pub(super) fn register(&self, registry: &mut Registry) {
         registry.register(
             "weir_datapath_mismatches",
-            "Differences found between weir's BPF maps and the pods the agent enrolled, by kind: \
-             pod_entry_missing and address_missing (written back), address_elsewhere and \
-             unknown_pod_entry (reported only)",
+            "Differences found between weir's BPF maps or the enrolled pods' network namespaces \
+             and the pods the agent enrolled, by kind: pod_entry_missing, address_missing, \
+             tc_filter_missing and return_path_missing (put back), address_elsewhere, \
+             unknown_pod_entry and tc_filter_preceded (reported only)",
             self.0.clone(),
         );
     }
@@ -102,9 +124,76 @@ impl Owner {
                 );
             }
         }
+        match TcProgramIds::of(&self.ebpf) {
+            Ok(program_ids) => {
+                for (uid, pod) in &self.pods {
+                    let drifts = match self.netns_drifts(uid, pod, &program_ids) {
+                        Ok(drifts) => drifts,
+                        Err(error) => {
+                            warn!(
+                                uid,
+                                error = format!("{error:#}"),
+                                "auditing the pod's netns"
+                            );
+                            continue;
+                        }
+                    };
+                    for drift in drifts {
+                        let (kind, detail) = match drift {
+                            Drift::FilterMissing(interface) => {
+                                (TC_FILTER_MISSING, format!("no tc filter on {interface}"))
+                            }
+                            Drift::FilterPreceded(interface) => (
+                                TC_FILTER_PRECEDED,
+                                format!("another tc filter runs first on {interface}"),
+                            ),
+                            Drift::ReturnPathMissing(object) => {
+                                (RETURN_PATH_MISSING, format!("no return path {object}"))
+                            }
+                        };
+                        report(kind, uid, detail);
+                    }
+                }
+            }
+            Err(error) => warn!(
+                error = format!("{error:#}"),
+                "the tc programs' ids: the pods' netns are not audited"
+            ),
+        }
         for kind in &found {
             self.mismatches.count(kind);
         }
         found
+    }
+
+    /// How an enrolled pod's netns differs from how it was set up, put right where it can be
+    /// (see [`restore_pod_netns`]). Only pods whose netns is held and whose workload is known:
+    /// one recovered after a restart is looked at once it is adopted with its record.
+    fn netns_drifts(
+        &self,
+        uid: &str,
+        pod: &Enrolled,
+        program_ids: &TcProgramIds,
+    ) -> Result<Vec<Drift>> {
+        let (Some(netns), Some(watch)) = (&pod.netns, self.watches.get(uid)) else {
+            return Ok(Vec::new());
+        };
+        let (workload, links) = watch.enrolled_as();
+        let _inside = self
+            .home
+            .enter(netns.as_fd())
+            .context("entering the pod netns")?;
+        let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
+        let interfaces = captured_interfaces(workload, links);
+        let families = (pod.config.has(POD_HAS_IPV4), pod.config.has(POD_HAS_IPV6));
+        restore_pod_netns(
+            &mut rtnl,
+            &self.ebpf,
+            self.handoff
+                .as_ref()
+                .map(|handoff| (handoff, pod.netns_cookie)),
+            &netns_setup(workload, &pod.config, &interfaces),
+            (program_ids, families),
+        )
     }
 }

@@ -215,9 +215,9 @@ impl Datapath {
         self.ask(|reply| Command::Orphaned(only, reply))
     }
 
-    /// Compares the maps with the enrolled pods now (the owner also does every
-    /// [`super::AUDIT_INTERVAL`]): writes back missing entries of enrolled pods, and returns the kind of
-    /// each mismatch found (`weir_datapath_mismatches_total`).
+    /// Compares the maps, and each enrolled pod's tc filters and return path, with what was
+    /// enrolled now (the owner also does every [`super::AUDIT_INTERVAL`]): puts back what is
+    /// missing, and returns the kind of each mismatch found (`weir_datapath_mismatches_total`).
     pub fn audit(&self) -> Request<Vec<&'static str>> {
         self.ask(Command::Audit)
     }

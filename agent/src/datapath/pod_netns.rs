@@ -1,12 +1,12 @@
 //! What a pod's netns holds of weir besides the map entries: the reply path and weir's tc
 //! programs, put in place and taken out through the rtnetlink socket made in the pod.
-use anyhow::{Context, Result};
-use aya::Ebpf;
-use tracing::debug;
+use anyhow::{anyhow, Context, Result};
+use aya::{programs::SchedClassifier, Ebpf};
+use tracing::{debug, warn};
 
 use super::{
     handoff::Handoff,
-    netlink::{self, PodSetup, Rtnl},
+    netlink::{self, PodSetup, Rtnl, WeirFilter},
     netns::ReplyMarkSysctls,
     programs,
 };
@@ -75,6 +75,121 @@ pub(super) fn set_up_pod_netns(
         .context("tc programs and rerouting rules")?;
     step_done("tc");
     Ok(())
+}
+
+/// The ids of weir's tc programs, which the slot of weir's filter should hold.
+pub(super) struct TcProgramIds {
+    inbound: u32,
+    reroute: u32,
+}
+
+impl TcProgramIds {
+    pub(super) fn of(ebpf: &Ebpf) -> Result<Self> {
+        let id = |name: &str| -> Result<u32> {
+            let program: &SchedClassifier = ebpf
+                .program(name)
+                .ok_or_else(|| anyhow!("program {name} missing"))?
+                .try_into()?;
+            Ok(program.info()?.id())
+        };
+        Ok(Self {
+            inbound: id(weir_common::programs::INBOUND)?,
+            reroute: id(weir_common::programs::REROUTE)?,
+        })
+    }
+}
+
+/// How a pod's netns differs from its setup.
+#[derive(Debug)]
+pub(super) enum Drift {
+    /// weir's filter is not on the interface, or its slot holds another program: attached
+    /// again.
+    FilterMissing(String),
+    /// Another filter runs before weir's on the interface, or holds its priority so that it
+    /// cannot be attached again: reported only (see [`restore_pod_netns`]).
+    FilterPreceded(String),
+    /// A rule or route of the return path is missing: added again.
+    ReturnPathMissing(String),
+}
+
+/// Compares a pod's netns with its setup, `pod`, and sets it up again, as it was enrolled, when
+/// any of it is missing; returns what differed. The calling thread is in the pod's netns.
+/// `families`: the IPv4 and IPv6 return paths are looked for where the pod has addresses of the
+/// family, since ztunnel dials a pod at its IPs (and an IPv6 return path is absent where IPv6 is
+/// off). Interfaces the pod no longer has are left to the interface watch, which enrolls the pod
+/// again.
+///
+/// A filter that runs before weir's is not removed, nor is weir's put ahead of it again. weir's
+/// is at priority 1, the first there is, so what runs before it is a filter added at that
+/// priority after it (the kernel puts a new cls_bpf filter at the head; classic BPF needs no more
+/// than CAP_NET_ADMIN). A pod's own filters may be what its workload needs, and a hostile one
+/// cannot be told from the filter, so weir leaves them alone. Going ahead again would take a
+/// second handle, added before the first is deleted (deleting and adding would leave a moment
+/// uncaptured), and the pod that put its filter there once can do it again right after: the
+/// contest would only hide it. It is reported, for the operator to act on the pod.
+pub(super) fn restore_pod_netns(
+    rtnl: &mut Rtnl,
+    ebpf: &Ebpf,
+    handoff: Option<(&Handoff, u64)>,
+    pod: &PodNetnsSetup,
+    (program_ids, families): (&TcProgramIds, (bool, bool)),
+) -> Result<Vec<Drift>> {
+    let present = rtnl
+        .non_loopback_interfaces()
+        .context("listing the pod's interfaces")?;
+    let interfaces: Vec<(u32, String)> = pod
+        .interfaces
+        .iter()
+        .filter(|interface| present.contains(interface))
+        .cloned()
+        .collect();
+    let filter_of = |rtnl: &mut Rtnl, (ifindex, name): &(u32, String)| {
+        let program = match pod.rerouted.contains(name) {
+            true => program_ids.reroute,
+            false => program_ids.inbound,
+        };
+        rtnl.weir_filter(*ifindex, program)
+            .with_context(|| format!("reading the tc filters on {name}"))
+    };
+    let mut drifts = Vec::new();
+    let mut filters_missing = Vec::new();
+    for interface in &interfaces {
+        match filter_of(rtnl, interface)? {
+            WeirFilter::First => {}
+            WeirFilter::Preceded => drifts.push(Drift::FilterPreceded(interface.1.clone())),
+            WeirFilter::Missing => filters_missing.push(interface),
+        }
+    }
+    let (ipv4, ipv6) = families;
+    let return_path_missing = rtnl
+        .missing_return_path(ipv4, ipv6)
+        .context("reading the pod's return path")?;
+    if filters_missing.is_empty() && return_path_missing.is_empty() {
+        return Ok(drifts);
+    }
+    drifts.extend(
+        return_path_missing
+            .into_iter()
+            .map(Drift::ReturnPathMissing),
+    );
+    let setup = PodNetnsSetup {
+        interfaces: &interfaces,
+        ..*pod
+    };
+    if let Err(error) = set_up_pod_netns(rtnl, ebpf, handoff, &setup, |_| {}) {
+        warn!(
+            error = format!("{error:#}"),
+            "setting the pod's netns up again"
+        );
+    }
+    for interface in filters_missing {
+        drifts.push(Drift::FilterMissing(interface.1.clone()));
+        // Even put back it may run after another filter, or be kept out by one at its priority.
+        if filter_of(rtnl, interface).is_ok_and(|filter| filter != WeirFilter::First) {
+            drifts.push(Drift::FilterPreceded(interface.1.clone()));
+        }
+    }
+    Ok(drifts)
 }
 
 /// Best effort: called on rollback and unenroll, where the pod may be half set up or gone.

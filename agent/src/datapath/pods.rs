@@ -263,31 +263,12 @@ impl Owner {
             .context("writing the maps")?;
         fail::fail_point!("enroll-maps-written");
         stopwatch.lap("maps");
-        // A sidecar pod's excluded interfaces get no inbound program (istio's
-        // `excludeInterfaces`: never captured inbound there).
-        let excluded = pod
-            .sidecar
-            .as_ref()
-            .map_or(&[][..], |sidecar| &sidecar.exclude_interfaces[..]);
-        let interfaces: Cow<[(u32, String)]> = if excluded.is_empty() {
-            Cow::Borrowed(&found.links)
-        } else {
-            let kept = found
-                .links
-                .iter()
-                .filter(|(_, name)| !excluded.contains(name));
-            Cow::Owned(kept.cloned().collect())
-        };
-        let setup = PodNetnsSetup {
-            interfaces: &interfaces,
-            rerouted: &pod.options.reroute_interfaces,
-            passthrough_v6: config.has(POD_SIDECAR_IPV6),
-        };
+        let interfaces = captured_interfaces(pod, &found.links);
         set_up_pod_netns(
             rtnl,
             &self.ebpf,
             self.handoff.as_ref().map(|handoff| (handoff, netns_cookie)),
-            &setup,
+            &netns_setup(pod, config, &interfaces),
             |step| stopwatch.lap(step),
         )?;
         Ok(ips)
@@ -421,6 +402,36 @@ impl Owner {
                 .ips
                 .iter()
                 .all(|ip| self.pod_ips.get(ip, 0).ok() == Some(pod.netns_cookie))
+    }
+}
+
+/// The pod's interfaces (`links`) that get weir's programs: all but a sidecar pod's excluded ones
+/// (istio's `excludeInterfaces`: never captured inbound there).
+pub(super) fn captured_interfaces<'a>(
+    pod: &Workload,
+    links: &'a [(u32, String)],
+) -> Cow<'a, [(u32, String)]> {
+    let excluded = pod
+        .sidecar
+        .as_ref()
+        .map_or(&[][..], |sidecar| &sidecar.exclude_interfaces[..]);
+    if excluded.is_empty() {
+        return Cow::Borrowed(links);
+    }
+    let kept = links.iter().filter(|(_, name)| !excluded.contains(name));
+    Cow::Owned(kept.cloned().collect())
+}
+
+/// What enrollment sets the pod's netns up with, on `interfaces` (see [`captured_interfaces`]).
+pub(super) fn netns_setup<'a>(
+    pod: &'a Workload,
+    config: &PodConfig,
+    interfaces: &'a [(u32, String)],
+) -> PodNetnsSetup<'a> {
+    PodNetnsSetup {
+        interfaces,
+        rerouted: &pod.options.reroute_interfaces,
+        passthrough_v6: config.has(POD_SIDECAR_IPV6),
     }
 }
 

@@ -73,6 +73,14 @@ pub(super) struct Watch {
     subscription: Subscription,
 }
 
+impl Watch {
+    /// What the pod was last enrolled with: its workload and its interfaces but loopback, from
+    /// which the audit knows how its netns was set up.
+    pub(super) fn enrolled_as(&self) -> (&Workload, &[(u32, String)]) {
+        (&self.workload, &self.enrolled_with.links)
+    }
+}
+
 /// A pod's interfaces and addresses but loopback, sorted.
 #[derive(PartialEq, Eq)]
 pub(super) struct Interfaces {

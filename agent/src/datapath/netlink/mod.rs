@@ -15,7 +15,8 @@
 //! - `transport`: the socket, its datagrams, dumps and acknowledgements.
 //! - `objects`: the rules, routes, addresses and tc objects weir adds, as netlink messages.
 //! - `errno`: which answers mean an object is already as wanted, or its family is off.
-//! - `pod`: a pod's namespace: its interfaces and addresses, return path, programs, teardown.
+//! - `pod`: a pod's namespace: its interfaces and addresses, return path, programs, teardown,
+//!   and whether weir's filter and return path are still in place.
 //! - `probe_source`: the node's probe source address.
 //! - `changes`: the subscription to every namespace's link and address changes.
 mod changes;
@@ -27,7 +28,9 @@ mod transport;
 
 pub use changes::{recv_namespace_id, subscribe_interface_changes};
 pub use objects::TcProgram;
-pub use pod::{non_loopback_addresses, non_loopback_interfaces, reroute_rules, PodSetup};
+pub use pod::{
+    non_loopback_addresses, non_loopback_interfaces, reroute_rules, PodSetup, WeirFilter,
+};
 pub use probe_source::{install_probe_source, remove_probe_source};
 pub use transport::Rtnl;
 

@@ -30,8 +30,10 @@ pub(super) const RT_TABLE_LOCAL: u32 = 255;
 
 /// weir's tc filter's place on a pod interface's ingress: fixed, so enrolling again replaces the
 /// program in place (also another agent version's) and unenrolling removes exactly it.
-const TC_PRIORITY: u16 = 1;
-const TC_HANDLE: u32 = 0x5745;
+/// Priority 1 is the first there is (0 asks the kernel to choose one): no filter of another
+/// priority runs before weir's.
+pub(super) const TC_PRIORITY: u16 = 1;
+pub(super) const TC_HANDLE: u32 = 0x5745;
 /// `ETH_P_ALL` in network order, as `tcm_info`'s protocol half wants it.
 const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
 

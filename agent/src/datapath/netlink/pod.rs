@@ -6,8 +6,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
     link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkMessage},
-    rule::{RuleAttribute, RuleMessage},
-    tc::{TcHandle, TcMessage},
+    route::{RouteAttribute, RouteMessage, RouteType},
+    rule::{RuleAction, RuleAttribute, RuleFlags, RuleMessage},
+    tc::{TcAttribute, TcFilterBpf, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
     AddressFamily, IpProtocol, RouteNetlinkMessage,
 };
 use weir_common::{PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
@@ -15,7 +16,7 @@ use weir_common::{PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
 use super::errno::Op;
 use super::objects::{
     clsact, local_route, loopback_address, reroute_rule, return_rule, tc_filter, Object, TcProgram,
-    LOOPBACK_IFINDEX, RETURN_RULE_PRIORITY,
+    LOOPBACK_IFINDEX, RETURN_RULE_PRIORITY, TC_HANDLE, TC_PRIORITY,
 };
 use super::transport::Rtnl;
 
@@ -29,6 +30,17 @@ pub struct PodSetup<'a> {
     pub inbound: TcProgram<'a>,
     /// The program for the rerouted interfaces.
     pub reroute: TcProgram<'a>,
+}
+
+/// Where weir's filter stands among the filters on an interface's ingress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeirFilter {
+    /// In its slot, with the program it should hold, and the first filter that runs.
+    First,
+    /// In its slot, with the program it should hold, but another filter runs before it.
+    Preceded,
+    /// Not on the interface, or its slot holds another program.
+    Missing,
 }
 
 /// The interfaces whose rerouting rules ([`reroute_rule`]) are in the current netns, sorted.
@@ -250,18 +262,158 @@ impl Rtnl {
     fn clsact_filters(&mut self, ifindex: u32) -> io::Result<usize> {
         let mut count = 0;
         for minor in [TcHandle::MIN_INGRESS, TcHandle::MIN_EGRESS] {
-            let mut request = TcMessage::default();
-            request.header.index = ifindex as i32;
-            request.header.parent = TcHandle {
-                major: TcHandle::CLSACT.major,
-                minor,
-            };
-            count += self
-                .dump(RouteNetlinkMessage::GetTrafficFilter(request))?
-                .into_iter()
-                .filter(|reply| matches!(reply, RouteNetlinkMessage::NewTrafficFilter(_)))
-                .count();
+            count += self.filters(ifindex, minor, None)?.len();
         }
         Ok(count)
     }
+
+    /// The filters under the interface's clsact qdisc in direction `minor`, of every chain or
+    /// only `chain`, as the kernel lists them: by chain, then by priority, each priority's
+    /// classifier itself (handle 0) before its filters, which come in the order they run.
+    fn filters(
+        &mut self,
+        ifindex: u32,
+        minor: u16,
+        chain: Option<u32>,
+    ) -> io::Result<Vec<TcMessage>> {
+        let mut request = TcMessage::default();
+        request.header.index = ifindex as i32;
+        request.header.parent = TcHandle {
+            major: TcHandle::CLSACT.major,
+            minor,
+        };
+        request.attributes.extend(chain.map(TcAttribute::Chain));
+        Ok(self
+            .dump(RouteNetlinkMessage::GetTrafficFilter(request))?
+            .into_iter()
+            .filter_map(|reply| match reply {
+                RouteNetlinkMessage::NewTrafficFilter(filter) => Some(filter),
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Where weir's filter stands on the interface's ingress (see [`WeirFilter`]);
+    /// `program_id` is the program its slot should hold. Only chain 0 counts: classification
+    /// starts there, and another chain runs only when a filter of chain 0 jumps to it.
+    pub fn weir_filter(&mut self, ifindex: u32, program_id: u32) -> io::Result<WeirFilter> {
+        let filters = self.filters(ifindex, TcHandle::MIN_INGRESS, Some(0))?;
+        let mut others_first = false;
+        for filter in filters
+            .iter()
+            .filter(|filter| filter.header.handle != TcHandle::UNSPEC)
+        {
+            if !is_weir_slot(filter) {
+                others_first = true;
+                continue;
+            }
+            return Ok(
+                match (bpf_program_id(filter) == Some(program_id), others_first) {
+                    (false, _) => WeirFilter::Missing,
+                    (true, false) => WeirFilter::First,
+                    (true, true) => WeirFilter::Preceded,
+                },
+            );
+        }
+        Ok(WeirFilter::Missing)
+    }
+
+    /// The objects of the return path (see [`return_path`]) of the families asked for that the
+    /// namespace lacks, described (`IPv4 rule`). Read with a rule and a route dump.
+    pub fn missing_return_path(&mut self, ipv4: bool, ipv6: bool) -> io::Result<Vec<String>> {
+        let rules: Vec<RuleMessage> = self
+            .dump(RouteNetlinkMessage::GetRule(RuleMessage::default()))?
+            .into_iter()
+            .filter_map(|reply| match reply {
+                RouteNetlinkMessage::NewRule(rule) => Some(rule),
+                _ => None,
+            })
+            .collect();
+        let routes: Vec<RouteMessage> = self
+            .dump(RouteNetlinkMessage::GetRoute(RouteMessage::default()))?
+            .into_iter()
+            .filter_map(|reply| match reply {
+                RouteNetlinkMessage::NewRoute(route) => Some(route),
+                _ => None,
+            })
+            .collect();
+        let wanted = |family| match family {
+            AddressFamily::Inet => ipv4,
+            AddressFamily::Inet6 => ipv6,
+            _ => false,
+        };
+        Ok(return_path()
+            .into_iter()
+            .filter(|object| wanted(object.family()))
+            .filter(|object| match object {
+                Object::Rule(ours) => !rules.iter().any(|rule| is_return_rule(rule, ours)),
+                Object::Route(ours) => !routes.iter().any(|route| is_return_route(route, ours)),
+                _ => false,
+            })
+            .map(|object| object.to_string())
+            .collect())
+    }
+}
+
+/// Whether a dumped filter is in weir's slot ([`tc_filter`]): its priority, handle and kind.
+fn is_weir_slot(filter: &TcMessage) -> bool {
+    filter.header.info >> 16 == u32::from(TC_PRIORITY)
+        && filter.header.handle == TcHandle::from(TC_HANDLE)
+        && filter
+            .attributes
+            .contains(&TcAttribute::Kind(TcFilterBpf::KIND.into()))
+}
+
+/// The eBPF program a dumped cls_bpf filter runs; `None` for a classic BPF one.
+fn bpf_program_id(filter: &TcMessage) -> Option<u32> {
+    filter
+        .attributes
+        .iter()
+        .find_map(|attribute| match attribute {
+            TcAttribute::Options(options) => options.iter().find_map(|option| match option {
+                TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => Some(*id),
+                _ => None,
+            }),
+            _ => None,
+        })
+}
+
+/// Whether a dumped rule is `ours` (a [`return_rule`]): the same selector and table, and
+/// nothing that narrows it to some packets, inverts it, or keeps its route from being used
+/// (a suppressor). Attributes the kernel adds to every rule (the protocol) do not matter.
+fn is_return_rule(rule: &RuleMessage, ours: &RuleMessage) -> bool {
+    let header = &rule.header;
+    let plain = header.family == ours.header.family
+        && header.action == RuleAction::ToTable
+        && (header.dst_len, header.src_len, header.tos) == (0, 0, 0)
+        && !header.flags.contains(RuleFlags::Invert);
+    let nothing_else = rule.attributes.iter().all(|attribute| match attribute {
+        RuleAttribute::SuppressPrefixLen(value) | RuleAttribute::SuppressIfGroup(value) => {
+            *value == u32::MAX
+        }
+        RuleAttribute::Protocol(_) | RuleAttribute::Realm(_) | RuleAttribute::Other(_) => true,
+        other => ours.attributes.contains(other),
+    });
+    plain
+        && nothing_else
+        && ours
+            .attributes
+            .iter()
+            .all(|wanted| rule.attributes.contains(wanted))
+}
+
+/// Whether a dumped route is `ours` (a [`local_route`] of the return path's table): a local
+/// route of every destination through `lo` in that table, whoever added it.
+fn is_return_route(route: &RouteMessage, ours: &RouteMessage) -> bool {
+    let header = &route.header;
+    header.address_family == ours.header.address_family
+        && header.kind == RouteType::Local
+        && header.destination_prefix_length == ours.header.destination_prefix_length
+        && (header.source_prefix_length, header.tos) == (0, 0)
+        && route
+            .attributes
+            .contains(&RouteAttribute::Table(RETURN_ROUTE_TABLE))
+        && route
+            .attributes
+            .contains(&RouteAttribute::Oif(LOOPBACK_IFINDEX))
 }
