@@ -38,9 +38,12 @@
 //! - Only when the API server cannot tell either (no kubeconfig, unreachable, an error, or it
 //!   does not have this very pod: none of that name, or another uid) does the verdict cache the
 //!   agent keeps on disk decide ([`protocol::VerdictCache`]): a pod it names ambient fails with
-//!   11, any other starts; a missing or unreadable cache fails every pod with 11 (the agent
-//!   writes the cache before it installs the plugin, so a missing cache means weir is broken,
-//!   and then nobody can tell which pods are ambient).
+//!   11, a pod it knows to be not ambient starts (with a warning), and a pod it does not know
+//!   fails with 11 too, since it may carry the ambient label itself (the agent names every pod
+//!   of the node it knows; a pod created since is unknown). A missing or unreadable cache fails
+//!   every pod with 11 (the agent writes the cache before it installs the plugin, so a missing
+//!   cache means weir is broken, and then nobody can tell which pods are ambient). Pods in
+//!   `exclude_namespaces` never get this far.
 //!
 //! An answer that is not a valid response (garbage, over 16 KiB) is a bug and fails with 999.
 //!

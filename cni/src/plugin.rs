@@ -10,7 +10,7 @@ use crate::config::{self, NetConf, PrevResult, LATEST_VERSION, SUPPORTED_VERSION
 use crate::env::{self, CniEnv};
 use crate::error::{self, code, CniError};
 use crate::log::Log;
-use crate::protocol::{Command, PodRef, Request, Response, VerdictCache};
+use crate::protocol::{CachedVerdict, Command, PodRef, Request, Response, VerdictCache};
 
 /// What to print on stdout and how to exit.
 #[derive(Debug, PartialEq, Eq)]
@@ -364,8 +364,9 @@ fn decide_without_agent(
 }
 
 /// Without the agent and the API server, only a pod the verdict cache knows to be non-ambient
-/// may go ahead. An ambient pod, or any pod when the cache cannot be read, fails with "try again
-/// later": it must not run unredirected, and the runtime retries until the agent is back.
+/// may go ahead. An ambient pod, a pod the cache does not know (it may carry the ambient label
+/// itself), or any pod when the cache cannot be read, fails with "try again later": it must not
+/// run unredirected, and the runtime retries until the agent is back.
 fn decide_offline(
     socket: &Path,
     why: &str,
@@ -381,22 +382,30 @@ fn decide_offline(
     } else {
         "cannot start without redirection"
     };
-    match cache {
-        Ok(cache) if !cache.is_ambient(&request.pod) => Ok(()),
-        Ok(_) => Err(CniError::new(
-            code::TRY_AGAIN_LATER,
-            format!("{unreachable}: ambient pod {namespace}/{name} {consequence}"),
-        )
-        .with_details(why)),
-        Err(cache_error) => Err(CniError::new(
-            code::TRY_AGAIN_LATER,
-            format!(
-                "{unreachable} and its verdict cache is unreadable: pod {namespace}/{name} \
-                 may be ambient and {consequence}"
-            ),
-        )
-        .with_details(format!("agent: {why}; verdict cache: {cache_error}"))),
-    }
+    let cache = match cache {
+        Ok(cache) => cache,
+        Err(cache_error) => {
+            return Err(CniError::new(
+                code::TRY_AGAIN_LATER,
+                format!(
+                    "{unreachable} and its verdict cache is unreadable: pod {namespace}/{name} \
+                     may be ambient and {consequence}"
+                ),
+            )
+            .with_details(format!("agent: {why}; verdict cache: {cache_error}")))
+        }
+    };
+    let msg = match cache.verdict(&request.pod) {
+        CachedVerdict::NotAmbient => return Ok(()),
+        CachedVerdict::Ambient => {
+            format!("{unreachable}: ambient pod {namespace}/{name} {consequence}")
+        }
+        CachedVerdict::Unknown => format!(
+            "{unreachable} and the API server cannot tell: pod {namespace}/{name} is unknown to \
+             the verdict cache, may be ambient and {consequence}"
+        ),
+    };
+    Err(CniError::new(code::TRY_AGAIN_LATER, msg).with_details(why))
 }
 
 #[cfg(test)]
@@ -430,6 +439,7 @@ mod tests {
             ambient_namespaces: vec!["mesh".into()],
             ambient_pods: vec!["plain/labelled".into()],
             opted_out_pods: vec!["mesh/opted-out".into()],
+            other_pods: vec!["plain/other".into()],
         };
         for (ns, name) in [("plain", "other"), ("mesh", "opted-out")] {
             assert_eq!(decide(Ok(cache.clone()), &add_request(ns, name)), Ok(()));
@@ -446,6 +456,84 @@ mod tests {
             );
             assert_eq!(err.details, "refused");
         }
+    }
+
+    /// The message a pod unknown to the verdict cache fails with.
+    fn unknown_pod_message(namespace: &str, name: &str) -> String {
+        format!(
+            "weir agent unreachable at /run/weir.sock and the API server cannot tell: pod \
+             {namespace}/{name} is unknown to the verdict cache, may be ambient and cannot start \
+             without redirection"
+        )
+    }
+
+    #[test]
+    fn offline_a_pod_the_cache_does_not_know_fails_closed() {
+        // Not ambient by its namespace, yet it may carry the ambient label itself.
+        let cache = VerdictCache {
+            ambient_namespaces: vec!["mesh".into()],
+            other_pods: vec!["plain/known".into()],
+            ..VerdictCache::default()
+        };
+        let err = decide(Ok(cache), &add_request("plain", "stranger")).unwrap_err();
+        assert_eq!(err.code, code::TRY_AGAIN_LATER);
+        assert_eq!(err.msg, unknown_pod_message("plain", "stranger"));
+        assert_eq!(err.details, "refused");
+    }
+
+    #[test]
+    fn offline_a_pod_the_cache_knows_as_not_ambient_starts() {
+        let cache = VerdictCache {
+            other_pods: vec!["plain/known".into()],
+            ..VerdictCache::default()
+        };
+        assert_eq!(decide(Ok(cache), &add_request("plain", "known")), Ok(()));
+    }
+
+    #[test]
+    fn offline_a_cache_without_other_pods_knows_no_plain_pod() {
+        let older: VerdictCache = serde_json::from_str(
+            r#"{"ambient_namespaces": ["mesh"], "ambient_pods": [], "opted_out_pods": ["mesh/out"]}"#,
+        )
+        .unwrap();
+        assert!(older.other_pods.is_empty());
+        let err = decide(Ok(older.clone()), &add_request("plain", "p")).unwrap_err();
+        assert_eq!(err.code, code::TRY_AGAIN_LATER);
+        assert_eq!(err.msg, unknown_pod_message("plain", "p"));
+        assert_eq!(decide(Ok(older), &add_request("mesh", "out")), Ok(()));
+    }
+
+    #[test]
+    fn offline_excluded_namespaces_start_without_the_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = dir.path().join("verdicts.json");
+        std::fs::write(
+            &cache,
+            serde_json::to_vec(&VerdictCache::default()).unwrap(),
+        )
+        .unwrap();
+        let conf = NetConf::parse(
+            serde_json::json!({
+                "cniVersion": "1.0.0",
+                "agent_socket": dir.path().join("absent.sock"),
+                "verdict_cache": cache,
+                "exclude_namespaces": ["kube-system", "infra"],
+            })
+            .to_string()
+            .as_bytes(),
+        )
+        .unwrap();
+        let log = Log::stderr();
+        for namespace in ["kube-system", "infra"] {
+            assert_eq!(ask_agent(&conf, &add_request(namespace, "p"), &log), Ok(()));
+        }
+        let err = ask_agent(&conf, &add_request("plain", "p"), &log).unwrap_err();
+        assert_eq!(err.code, code::TRY_AGAIN_LATER);
+        assert!(
+            err.msg.contains("unknown to the verdict cache"),
+            "{}",
+            err.msg
+        );
     }
 
     #[test]

@@ -85,9 +85,8 @@ pub enum Response {
     },
 }
 
-/// What the agent last knew of the ambient policy, for the plugin to decide alone when neither
-/// the agent nor the API server can be asked: pods it names as ambient (or in an ambient
-/// namespace, unless opted out) must not start; every other pod starts unredirected.
+/// What the agent last knew of this node's pods, for the plugin to decide alone when neither the
+/// agent nor the API server can be asked: only a pod it knows not to be ambient may start.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VerdictCache {
     pub ambient_namespaces: Vec<String>,
@@ -95,14 +94,34 @@ pub struct VerdictCache {
     pub ambient_pods: Vec<String>,
     /// `namespace/name` of pods opted out inside ambient namespaces.
     pub opted_out_pods: Vec<String>,
+    /// `namespace/name` of the node's other pods, none of them ambient: a pod outside ambient
+    /// namespaces that no list names may carry the ambient label itself. A cache without the
+    /// field knows none of them, so they wait for the agent rather than start unredirected.
+    #[serde(default)]
+    pub other_pods: Vec<String>,
+}
+
+/// What the verdict cache says of one pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CachedVerdict {
+    Ambient,
+    NotAmbient,
+    /// The agent did not know the pod when it wrote the cache.
+    Unknown,
 }
 
 impl VerdictCache {
-    pub fn is_ambient(&self, pod: &PodRef) -> bool {
+    pub fn verdict(&self, pod: &PodRef) -> CachedVerdict {
         let key = format!("{}/{}", pod.namespace, pod.name);
         if self.ambient_pods.contains(&key) {
-            return true;
+            CachedVerdict::Ambient
+        } else if self.opted_out_pods.contains(&key) || self.other_pods.contains(&key) {
+            CachedVerdict::NotAmbient
+        } else if self.ambient_namespaces.contains(&pod.namespace) {
+            // Known or not, a pod there is ambient unless opted out.
+            CachedVerdict::Ambient
+        } else {
+            CachedVerdict::Unknown
         }
-        self.ambient_namespaces.contains(&pod.namespace) && !self.opted_out_pods.contains(&key)
     }
 }

@@ -224,6 +224,15 @@ fn ambient_namespace_cache() -> VerdictCache {
     }
 }
 
+/// A verdict cache that knows the sample pod, not ambient, outside ambient namespaces.
+fn plain_pod_cache() -> VerdictCache {
+    VerdictCache {
+        ambient_namespaces: vec!["other".into()],
+        other_pods: vec!["node1-ns/pod-2".into()],
+        ..VerdictCache::default()
+    }
+}
+
 fn no_extra() -> Value {
     json!({})
 }
@@ -338,13 +347,30 @@ fn add_with_agent_down_starts_non_ambient_pods() {
         unreachable!()
     };
     let node = Node::new();
+    node.write_verdicts(&plain_pod_cache());
+
+    assert_eq!(success_json(&node.exec(add, no_extra())), prev_result(add));
+    assert!(node.log().contains("warn"), "log: {}", node.log());
+}
+
+#[test]
+fn add_with_agent_down_fails_pods_unknown_to_the_verdict_cache() {
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    let node = Node::new();
+    // Not in an ambient namespace, but the pod may carry the ambient label itself.
     node.write_verdicts(&VerdictCache {
         ambient_namespaces: vec!["other".into()],
         ..VerdictCache::default()
     });
 
-    assert_eq!(success_json(&node.exec(add, no_extra())), prev_result(add));
-    assert!(node.log().contains("warn"), "log: {}", node.log());
+    let err = cni_error(&node.exec(add, no_extra()), 11);
+    let msg = err["msg"].as_str().unwrap();
+    assert!(
+        msg.contains("pod node1-ns/pod-2 is unknown to the verdict cache"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -920,15 +946,11 @@ fn agent_away_and_a_pod_of_another_uid_is_decided_by_the_cache() {
         namespace_object("node1-ns", json!({"istio.io/dataplane-mode": "ambient"})),
         other,
     ];
-    let cache = VerdictCache {
-        ambient_namespaces: vec!["other".into()],
-        ..VerdictCache::default()
-    };
     let [add, ..] = &recorded_calls()[..] else {
         unreachable!()
     };
-    // The cache does not name the pod: it starts, although the other pod is ambient.
-    let (out, node, api) = add_with_the_agent_away(&objects, &cache);
+    // The cache knows the pod as not ambient: it starts, although the other pod is ambient.
+    let (out, node, api) = add_with_the_agent_away(&objects, &plain_pod_cache());
     assert_eq!(success_json(&out), prev_result(add));
     assert!(node.log().contains("uid"), "log: {}", node.log());
     assert_asked_for_the_pod(&api);
@@ -953,7 +975,7 @@ fn agent_away_and_api_server_over_https_with_the_kubeconfigs_ca() {
     ];
     let api = FakeApiServer::start_with(&objects, Some(tls_server_config()));
     let node = Node::new();
-    node.write_verdicts(&VerdictCache::default());
+    node.write_verdicts(&plain_pod_cache());
     let ca = include_bytes!("data/apiserver-ca.crt");
     let kubeconfig = node.write_kubeconfig(&api.url, Some(ca));
     let err = cni_error(&node.exec(add, json!({"kubeconfig": kubeconfig})), 11);
@@ -1006,6 +1028,11 @@ fn agent_and_api_server_away_the_cache_decides() {
     assert!(msg.contains("ambient pod node1-ns/pod-2 cannot start without redirection"));
 
     node.write_verdicts(&VerdictCache::default());
+    let err = cni_error(&node.exec(add, config.clone()), 11);
+    let msg = err["msg"].as_str().unwrap();
+    assert!(msg.contains("unknown to the verdict cache"), "{msg}");
+
+    node.write_verdicts(&plain_pod_cache());
     assert_eq!(
         success_json(&node.exec(add, config.clone())),
         prev_result(add)

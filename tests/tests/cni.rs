@@ -234,9 +234,16 @@ fn check_detects_missing_redirection() {
     agent.stop().unwrap();
 }
 
+/// The agent away and no API server: the verdict cache decides. A pod it does not know may carry
+/// the ambient label itself, so it waits like an ambient one.
 #[test]
 fn agent_down_fails_ambient_pods_and_starts_plain_ones() {
     let node = privileged!(Node::new());
+    let mut policy = ambient_policy();
+    policy
+        .pods
+        .insert("default/plain".into(), PolicyMeta::default());
+    node.files.write_policy(&policy).unwrap();
     let agent = node.start_agent();
     agent.stop().unwrap();
     // The plugin stays installed, as after an agent crash or during an upgrade.
@@ -248,6 +255,15 @@ fn agent_down_fails_ambient_pods_and_starts_plain_ones() {
     assert!(message.contains("11"), "try again later: {message}");
     let plain = node.pod("default", "plain").expect("a plain pod starts");
     assert!(plain.ipv4().is_private());
+    let error = node
+        .pod("default", "stranger")
+        .expect_err("a pod unknown to the verdict cache must not start unredirected");
+    let message = format!("{error:#}");
+    assert!(
+        message.contains("pod default/stranger is unknown to the verdict cache"),
+        "{message}"
+    );
+    assert!(message.contains("11"), "try again later: {message}");
 }
 
 /// The agent away, and a namespace labelled ambient after its verdict cache was written: the

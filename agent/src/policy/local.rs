@@ -180,6 +180,7 @@ mod tests {
             "namespaces": {"mesh": {"labels": {DATAPLANE_MODE_LABEL: "ambient"}}, "plain": {}},
             "pods": {
                 "mesh/out": {"labels": {DATAPLANE_MODE_LABEL: "none"}},
+                "plain/out": {},
                 "plain/in": {"labels": {DATAPLANE_MODE_LABEL: "ambient"},
                              "annotations": {SERVICE_ACCOUNT_ANNOTATION: "sa"}}
             }
@@ -191,6 +192,7 @@ mod tests {
         assert_eq!(written.ambient_namespaces, ["mesh"]);
         assert_eq!(written.ambient_pods, ["plain/in"]);
         assert_eq!(written.opted_out_pods, ["mesh/out"]);
+        assert_eq!(written.other_pods, ["plain/out"]);
 
         let decide = |namespace, name| {
             let (pod, runtime) = (PodName::new(namespace, name), Labels::new());

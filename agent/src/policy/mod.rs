@@ -138,7 +138,8 @@ impl PolicyConfig {
     }
 
     /// What the plugin needs to decide alone while the agent is down: namespaces whose pods are
-    /// ambient by default, and the pods that differ from their namespace.
+    /// ambient by default, the pods that differ from their namespace, and every other pod of
+    /// `pods`, so that the plugin can tell a pod known not to be ambient from one never seen.
     pub fn verdict_cache<'a>(
         &self,
         namespaces: impl IntoIterator<Item = (&'a str, &'a Labels)>,
@@ -161,12 +162,15 @@ impl PolicyConfig {
             match (self.is_ambient(&pod), namespace_ambient) {
                 (true, false) => cache.ambient_pods.push(key),
                 (false, true) => cache.opted_out_pods.push(key),
-                _ => {}
+                (false, false) => cache.other_pods.push(key),
+                (true, true) => {}
             }
         }
+        // Sorted, so that the same pods make the same cache and it is rewritten only on change.
         cache.ambient_namespaces.sort();
         cache.ambient_pods.sort();
         cache.opted_out_pods.sort();
+        cache.other_pods.sort();
         cache
     }
 }
@@ -344,13 +348,21 @@ mod tests {
         let cache = PolicyConfig::default().verdict_cache(
             [("mesh", &mesh), ("plain", &plain)],
             [
+                pod("plain", "unlabelled", &plain),
                 pod("mesh", "none", &mesh),
                 pod("plain", "ambient", &plain),
                 pod("mesh", "ambient", &mesh),
+                pod("plain", "none", &plain),
+                // Never ambient, whatever its label says.
+                pod("kube-system", "ambient", &plain),
             ],
         );
         assert_eq!(cache.ambient_namespaces, ["mesh"]);
         assert_eq!(cache.ambient_pods, ["plain/ambient"]);
         assert_eq!(cache.opted_out_pods, ["mesh/none"]);
+        assert_eq!(
+            cache.other_pods,
+            ["kube-system/ambient", "plain/none", "plain/unlabelled"]
+        );
     }
 }

@@ -43,3 +43,30 @@ fn write_verdict_cache(path: &Path, cache: &VerdictCache) -> Result<()> {
     root_only::replace_file(path, &serde_json::to_vec_pretty(cache)?)
         .with_context(|| format!("writing {}", path.display()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_is_rewritten_when_the_nodes_other_pods_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("verdicts.json");
+        let writer = VerdictWriter::new(path.clone());
+        let known = |pods: &[&str]| VerdictCache {
+            other_pods: pods.iter().map(|pod| pod.to_string()).collect(),
+            ..VerdictCache::default()
+        };
+        let read =
+            || -> VerdictCache { serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap() };
+        writer.write(known(&["plain/a"])).unwrap();
+        assert_eq!(read(), known(&["plain/a"]));
+
+        std::fs::remove_file(&path).unwrap();
+        writer.write(known(&["plain/a"])).unwrap();
+        assert!(!path.exists(), "an unchanged cache is not rewritten");
+
+        writer.write(known(&["plain/a", "plain/b"])).unwrap();
+        assert_eq!(read(), known(&["plain/a", "plain/b"]));
+    }
+}
