@@ -1,7 +1,7 @@
 //! The sections measured with weir's datapath in this process, as the agent runs it: cost to
-//! pods and host processes that are not enrolled, enrollment ([`crate::enrollment`]), the
-//! connection path, sidecar pods' enrollment and connection path ([`crate::sidecar`]) and bulk
-//! download.
+//! pods and host processes that are not enrolled, enrollment ([`crate::enrollment`]), also beside
+//! a pod flapping its addresses ([`crate::flapping`]), the connection path, sidecar pods'
+//! enrollment and connection path ([`crate::sidecar`]) and bulk download.
 
 use std::net::SocketAddr;
 
@@ -13,6 +13,7 @@ use weir_agent::workload::PodOptions;
 use weir_tests::{Pod, TestNode};
 
 use crate::enrollment::{enrollment, enrollment_steps, handoff_round_trips};
+use crate::flapping::enrollment_beside_flapping;
 use crate::load::Proxy;
 use crate::pods::make_pods;
 use crate::report::{self, micros, ratio, Report, Samples, Table};
@@ -71,6 +72,8 @@ fn with_datapath(
     report.push(enroll);
     let handoff = handoff_round_trips(datapath, &runtime)?;
     report.push(enrollment_steps(metrics, weir_median, &handoff)?);
+    println!("enrollment beside a pod flapping its addresses...");
+    report.push(enrollment_beside_flapping(datapath, &runtime, node, plan)?);
 
     let trace = TraceServer::start(&runtime, node)?;
     println!("connection path...");

@@ -3,7 +3,8 @@
 //! made pair by pair (alternating which variant goes first) and reported as medians and the
 //! median of the pairs' ratios, never as absolutes to compare across runs.
 //!
-//! Sections: cost to pods and host processes that are not enrolled; enrollment; connection path;
+//! Sections: cost to pods and host processes that are not enrolled; enrollment; enrollment
+//! beside a pod flapping its addresses ([`flapping`]); connection path;
 //! sidecar pods' enrollment and connection path, against istio-init's rules ([`sidecar`]); bulk
 //! download (these with weir's datapath in this process: [`in_process`]); then, on a node
 //! of their own with the real agent binary ([`node_scale`]): pod start (the whole CNI ADD with
@@ -15,6 +16,7 @@
 
 mod cluster;
 mod enrollment;
+mod flapping;
 mod floor;
 mod in_process;
 mod load;
@@ -75,6 +77,8 @@ enum Sections {
 struct Plan {
     /// Pods enrolled each way in the enrollment section.
     enroll_pairs: usize,
+    /// Pods enrolled each way per round beside a pod flapping its addresses, and without it.
+    flap_enrolls: usize,
     /// Pod pairs of the whole CNI ADD with and without weir-cni.
     chain_pairs: usize,
     sizes: Vec<usize>,
@@ -102,6 +106,7 @@ impl Plan {
         if args.quick {
             return Self {
                 enroll_pairs: 3,
+                flap_enrolls: 5,
                 chain_pairs: 1,
                 sizes: vec![2, 4],
                 enroll_samples: 3,
@@ -119,6 +124,7 @@ impl Plan {
         }
         Self {
             enroll_pairs: 40,
+            flap_enrolls: 10,
             chain_pairs: 40,
             sizes: args.sizes.clone(),
             enroll_samples: 100,

@@ -24,6 +24,11 @@ impl Samples {
         self.0.push(sample);
     }
 
+    /// Adds `other`'s samples to these.
+    pub fn append(&mut self, other: Samples) {
+        self.0.extend(other.0);
+    }
+
     fn quantile(&self, q: f64) -> Duration {
         let mut sorted = self.0.clone();
         sorted.sort();

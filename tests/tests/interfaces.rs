@@ -2,6 +2,7 @@
 //! `istio.io/reroute-virtual-interfaces` sends to ztunnel's outbound listener, and interfaces and
 //! addresses that appear (or go) after enrollment.
 use std::{
+    io::Write,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     time::Duration,
 };
@@ -425,4 +426,57 @@ fn a_pod_taken_back_after_a_restart_is_followed_for_new_addresses() {
         indexed_eventually(fixture.node(), &server, added.into(), true),
         "an address added after the restart is indexed for the pod"
     );
+}
+
+/// Changes `pod`'s eth0 addresses as fast as netlink takes them, as a container with
+/// CAP_NET_ADMIN in a loop would: `flapped` added and removed `times` times, then `kept` added
+/// and left. One `ip -batch`, so the changes come far faster than the owner re-reads the pod.
+fn flap_addresses(pod: &Pod, flapped: Ipv4Addr, times: usize, kept: Ipv4Addr) {
+    let mut batch = tempfile::NamedTempFile::new().unwrap();
+    for _ in 0..times {
+        writeln!(batch, "addr add {flapped}/32 dev eth0").unwrap();
+        writeln!(batch, "addr del {flapped}/32 dev eth0").unwrap();
+    }
+    writeln!(batch, "addr add {kept}/32 dev eth0").unwrap();
+    batch.flush().unwrap();
+    let path = batch.path().to_str().unwrap();
+    ip(&["-n", pod.netns().name(), "-batch", path]).unwrap();
+}
+
+/// A pod flapping its addresses costs the owner one pending re-read of that pod at a time,
+/// however many changes it makes: another pod enrolled right after thousands of changes is
+/// enrolled and indexed, and the flapping pod ends indexed as it left its addresses. (What the
+/// other pod's enrollment waits is measured by the bench, side by side with a quiet node.)
+#[test]
+fn a_pod_flapping_its_addresses_ends_indexed_as_it_left_them_and_others_still_enroll() {
+    let fixture = privileged!(DatapathNode::new());
+    let (flapping, other) = (fixture.pod("flapping"), fixture.pod("other"));
+    let [a, b, c, _] = flapping.ipv4().octets();
+    let (flapped, kept) = (Ipv4Addr::new(a, b, c, 252), Ipv4Addr::new(a, b, c, 253));
+    let datapath = fixture.enrolled(&flapping, PodOptions::default());
+
+    flap_addresses(&flapping, flapped, 2_000, kept);
+    datapath
+        .enroll(other.workload(PodOptions::default()))
+        .wait()
+        .unwrap();
+    assert!(indexed_eventually(
+        fixture.node(),
+        &flapping,
+        kept.into(),
+        true
+    ));
+    assert!(!indexed_eventually(
+        fixture.node(),
+        &flapping,
+        flapped.into(),
+        false
+    ));
+    assert!(indexed_eventually(
+        fixture.node(),
+        &other,
+        other.ipv4().into(),
+        true
+    ));
+    datapath.uninstall().wait().unwrap();
 }

@@ -73,6 +73,10 @@ pub struct Datapath {
 impl Datapath {
     /// Loads (or takes over) the datapath and starts its owner thread.
     pub fn start(config: DatapathConfig) -> Result<Self> {
+        // Unbounded, yet bounded by its producers: every command but the watcher's is a call
+        // whose caller awaits its answer (a CNI request the runtime made, a sweep, a scrape), or
+        // one per ZDS connection ended; the watcher's are at most one per followed pod
+        // (`watch::PendingRereads`).
         let (commands, inbox) = mpsc::channel();
         let (ready_tx, ready) = mpsc::sync_channel(1);
         let changes = commands.clone();

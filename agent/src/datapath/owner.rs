@@ -57,8 +57,9 @@ pub(super) struct Owner {
     ztunnels: ztunnels::ZtunnelCgroups,
     /// Where the kernel needs it (before 6.5): the per-pod socket lookup hand-off.
     pub(super) handoff: Option<handoff::Handoff>,
-    /// How the netns cookie is learnt on kernels without `SO_NETNS_COOKIE` (before 5.14).
-    pub(super) cookie_answers: netns::CookieAnswers,
+    /// How the netns cookie is learnt on kernels without `SO_NETNS_COOKIE` (before 5.14); shared
+    /// with the orphan walk's thread.
+    pub(super) cookie_answers: Arc<netns::CookieAnswers>,
     pub(super) enroll_steps: enroll_steps::EnrollSteps,
     pub(super) mismatches: audit::Mismatches,
     pub(super) sysctls: netns::ReplyMarkSysctls,
@@ -151,7 +152,7 @@ impl Owner {
             probe_bypass: config.probe_bypass,
             ztunnels,
             handoff,
-            cookie_answers,
+            cookie_answers: Arc::new(cookie_answers),
             enroll_steps,
             mismatches,
             sysctls: netns::ReplyMarkSysctls::new(),
@@ -211,9 +212,7 @@ impl Owner {
                 Command::IsRedirected(uid, reply) => {
                     let _ = reply.send(Ok(self.is_redirected(&uid)));
                 }
-                Command::Orphaned(only, reply) => {
-                    let _ = reply.send(Ok(self.orphaned(only.as_deref())));
-                }
+                Command::Orphaned(only, reply) => self.orphaned(only.as_deref(), reply),
                 Command::Audit(reply) => {
                     let _ = reply.send(Ok(self.audit()));
                 }

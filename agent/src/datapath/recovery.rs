@@ -6,16 +6,18 @@ use std::{
     fs::{self, File},
     os::fd::{AsFd, AsRawFd, OwnedFd},
     path::{Path, PathBuf},
+    sync::Arc,
+    thread,
 };
 
 use anyhow::{Context, Result};
 use aya::maps::{HashMap, MapData};
-use tracing::debug;
+use tracing::{debug, warn};
 use weir_common::{IpKey, PodConfig};
 
 use super::{
     discovery, pod_netns::prepare_pod_netns, sidecar_lists, snapshot, watch::Interfaces, Enrolled,
-    Owner,
+    Owner, Reply,
 };
 use super::{netlink::Rtnl, netns};
 use crate::workload::Workload;
@@ -66,27 +68,43 @@ impl Owner {
         Ok(Some(handle))
     }
 
-    /// The enrolled pods (all, or only `only`) whose DEL never came: no process but the agent
-    /// has their netns as its own, and no nsfs mount (the runtime's /var/run/netns/cni-…, in any
-    /// mount namespace) is of it. What holds it otherwise (this owner's handle, ztunnel's from
-    /// ZDS) keeps nothing alive that could send traffic. A pod whose netns this owner does not
-    /// hold (recovered without it) is looked for by cookie in the same places.
-    pub(super) fn orphaned(&self, only: Option<&str>) -> Orphans {
-        let held = held_namespaces();
-        let pods = self
+    /// Answers `reply` with the enrolled pods (all, or only `only`) whose DEL never came: no
+    /// process but the agent has their netns as its own, and no nsfs mount (the runtime's
+    /// /var/run/netns/cni-…, in any mount namespace) is of it. What holds it otherwise (this
+    /// owner's handle, ztunnel's from ZDS) keeps nothing alive that could send traffic. A pod
+    /// whose netns this owner does not hold (recovered without it) is looked for by cookie in
+    /// the same places.
+    ///
+    /// The walk over every process's namespaces and mounts takes long on a busy node, so it
+    /// runs on a thread of its own (started here, in the node's netns) from what it needs of
+    /// the owner, taken now: enrollments meanwhile are not held up. Its callers judge each pod
+    /// again in the pod's turn, so a pod enrolled anew meanwhile is not taken for its old self.
+    /// A thread that cannot start drops `reply`, which fails the request.
+    pub(super) fn orphaned(&self, only: Option<&str>, reply: Reply<Orphans>) {
+        let pods: Vec<(String, NetnsIdentity)> = self
             .pods
             .iter()
             .filter(|(uid, _)| only.is_none_or(|only| only == uid.as_str()))
-            .filter(|(_, pod)| match &pod.netns {
-                Some(netns) => nix::sys::stat::fstat(netns.as_raw_fd())
-                    .is_ok_and(|stat| !held.namespaces.contains(&(stat.st_dev, stat.st_ino))),
-                None => find_by_cookie(&self.cookie_answers, pod.netns_cookie, None).is_none(),
+            .filter_map(|(uid, pod)| {
+                let identity = match &pod.netns {
+                    // A held netns that cannot be looked at is never judged orphaned.
+                    Some(netns) => {
+                        let stat = nix::sys::stat::fstat(netns.as_raw_fd()).ok()?;
+                        NetnsIdentity::Inode(stat.st_dev, stat.st_ino)
+                    }
+                    None => NetnsIdentity::Cookie(pod.netns_cookie),
+                };
+                Some((uid.clone(), identity))
             })
-            .map(|(uid, _)| uid.clone())
             .collect();
-        Orphans {
-            pods,
-            unsure: held.unreadable,
+        let answers = Arc::clone(&self.cookie_answers);
+        let walk = thread::Builder::new()
+            .name("weir-orphans".into())
+            .spawn(move || {
+                let _ = reply.send(Ok(orphans_among(pods, &answers)));
+            });
+        if let Err(error) = walk {
+            warn!(%error, "starting the orphan walk");
         }
     }
 
@@ -126,6 +144,29 @@ impl Owner {
             self.watch(record, found, subscription);
         }
         Ok(())
+    }
+}
+
+/// An enrolled pod's netns as the orphan walk tells it apart: by the (device, inode) of the
+/// netns the owner holds, or by cookie for one it does not.
+enum NetnsIdentity {
+    Inode(u64, u64),
+    Cookie(u64),
+}
+
+fn orphans_among(pods: Vec<(String, NetnsIdentity)>, answers: &netns::CookieAnswers) -> Orphans {
+    let held = held_namespaces();
+    let pods = pods
+        .into_iter()
+        .filter(|(_, netns)| match *netns {
+            NetnsIdentity::Inode(device, inode) => !held.namespaces.contains(&(device, inode)),
+            NetnsIdentity::Cookie(cookie) => find_by_cookie(answers, cookie, None).is_none(),
+        })
+        .map(|(uid, _)| uid)
+        .collect();
+    Orphans {
+        pods,
+        unsure: held.unreadable,
     }
 }
 

@@ -5,7 +5,10 @@
 //! wakes the owner: when the pod's interfaces or addresses differ from what it was enrolled with,
 //! it enrolls the pod again, which indexes new addresses, drops gone ones and puts the tc
 //! programs on new interfaces, as idempotent enrollment does anyway. Other changes (an address
-//! finishing duplicate address detection, a link going up) cost two netlink dumps.
+//! finishing duplicate address detection, a link going up) cost two netlink dumps. However fast
+//! a pod changes (a container with CAP_NET_ADMIN can flap addresses in a loop), at most one
+//! re-read of it waits in the owner's queue ([`PendingRereads`]): other pods' commands never
+//! queue behind a backlog of its changes.
 use std::{
     collections::{HashMap, HashSet},
     io,
@@ -38,6 +41,33 @@ pub(super) struct Watcher {
     /// An rtnetlink socket in the node's netns: it names pods' namespaces by their ids there.
     node: Rtnl,
     followed: Followed,
+    pending: PendingRereads,
+}
+
+/// The pods, by `(uid, netns cookie)`, whose re-read is in the owner's queue and not yet begun.
+/// The watcher wakes the owner only for a pod it adds here; the owner takes the pod out just
+/// before it re-reads it, so a change during the re-read schedules exactly one more. Interface
+/// work queued is thus bounded by the number of followed pods, whatever the rate of changes or
+/// of lost-message overflows.
+#[derive(Clone, Default)]
+struct PendingRereads(Arc<Mutex<HashSet<(String, u64)>>>);
+
+impl PendingRereads {
+    /// Whether the pod was not pending yet: then the caller is to wake the owner for it.
+    fn schedule(&self, uid: &str, netns_cookie: u64) -> bool {
+        self.0
+            .lock()
+            .unwrap()
+            .insert((uid.to_owned(), netns_cookie))
+    }
+
+    /// The owner is about to re-read the pod: a change from now on needs another re-read.
+    fn begin(&self, uid: &str, netns_cookie: u64) {
+        self.0
+            .lock()
+            .unwrap()
+            .remove(&(uid.to_owned(), netns_cookie));
+    }
 }
 
 /// One pod's entry in the followed set, made before its interfaces are read so that no change
@@ -112,9 +142,11 @@ impl Watcher {
             .context("subscribing to the pods' interface changes")?;
         let followed = Followed::default();
         let reported = followed.clone();
+        let pending = PendingRereads::default();
+        let scheduled = pending.clone();
         alive.store(true, Ordering::Relaxed);
         let task = tasks.spawn(async move {
-            if let Err(error) = report_changes(socket, &owner, &reported).await {
+            if let Err(error) = report_changes(socket, &owner, &reported, &scheduled).await {
                 warn!(%error, "pod interface changes are no longer followed");
                 alive.store(false, Ordering::Relaxed);
             }
@@ -123,6 +155,7 @@ impl Watcher {
             _task: task,
             node: Rtnl::new().context("rtnetlink in the node netns")?,
             followed,
+            pending,
         })
     }
 }
@@ -131,11 +164,12 @@ impl Watcher {
 /// `/healthz` says so: a restarted agent subscribes afresh and re-reads every pod.
 const MAX_RECEIVE_ERRORS: u32 = 10;
 
-/// Wakes the owner once per burst of changes per pod, until the owner is gone.
+/// Wakes the owner for each changed pod that has no re-read pending, until the owner is gone.
 async fn report_changes(
     socket: Socket,
     owner: &mpsc::Sender<Traced>,
     followed: &Followed,
+    pending: &PendingRereads,
 ) -> io::Result<()> {
     // SAFETY: the socket owns its fd, open and the same until it is dropped with the AsyncFd.
     let socket = unsafe { AsyncFd::register(socket) }?;
@@ -185,6 +219,9 @@ async fn report_changes(
             }
         };
         for (uid, netns_cookie) in pods {
+            if !pending.schedule(&uid, netns_cookie) {
+                continue;
+            }
             if owner
                 .send((
                     tracing::Span::none(),
@@ -262,6 +299,7 @@ impl Owner {
     /// Something changed in a followed pod's links or addresses: when its interfaces or
     /// addresses are not those it was enrolled with, enroll it again as it was enrolled.
     pub(super) fn interfaces_changed(&mut self, uid: &str, netns_cookie: u64) {
+        self.watcher.pending.begin(uid, netns_cookie);
         let Some(watch) = self.watches.get(uid) else {
             return;
         };
@@ -289,5 +327,34 @@ impl Owner {
                 "re-enrolling after an interface change"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PendingRereads;
+
+    #[test]
+    fn a_pod_has_at_most_one_reread_pending_and_a_change_during_one_schedules_another() {
+        let pending = PendingRereads::default();
+        assert!(pending.schedule("a", 1), "the first change wakes the owner");
+        for _ in 0..1000 {
+            assert!(
+                !pending.schedule("a", 1),
+                "later ones wait for that re-read"
+            );
+        }
+        assert!(pending.schedule("b", 2), "another pod is not held back");
+        assert!(
+            pending.schedule("a", 3),
+            "the same pod in a new netns is another pod"
+        );
+
+        pending.begin("a", 1);
+        assert!(
+            pending.schedule("a", 1),
+            "a change once the re-read began needs one more"
+        );
+        assert!(!pending.schedule("a", 1));
     }
 }
