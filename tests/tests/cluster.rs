@@ -116,6 +116,18 @@ impl Cluster {
         self.start_agent_with(|_| {})
     }
 
+    /// An agent, a ztunnel connected to it, and pod `app` of the mesh namespace enrolled,
+    /// running and reported redirected.
+    fn running_ambient_app(&self) -> (Agent, ZdsZtunnel, weir_tests::Pod) {
+        let agent = self.start_agent();
+        let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+        let (uid, pod) = self.pod_with_object(MESH, "app");
+        ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+        self.set_running(MESH, "app", &ips_of(&pod));
+        self.wait_for_redirection(MESH, "app", Some("enabled"));
+        (agent, ztunnel, pod)
+    }
+
     /// The agent, configured as `edit` changes the usual configuration.
     fn start_agent_with(&self, edit: impl FnOnce(&mut AgentConfig)) -> Agent {
         let mut config = self.agent_config();
@@ -773,12 +785,7 @@ fn an_annotation_change_applies_to_a_running_pod() {
 #[test]
 fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
     let cluster = privileged!(Cluster::new());
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
-    let (uid, pod) = cluster.pod_with_object(MESH, "app");
-    ztunnel.wait_for_pod(&uid, WAIT).unwrap();
-    cluster.set_running(MESH, "app", &ips_of(&pod));
-    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    let (agent, _ztunnel, pod) = cluster.running_ambient_app();
     assert!(cluster.warnings("InvalidAmbientAnnotation").is_empty());
 
     let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
@@ -815,12 +822,7 @@ fn an_invalid_annotation_set_on_a_running_pod_is_one_warning_event() {
 #[test]
 fn each_invalid_annotation_of_a_running_pod_is_its_own_warning_event() {
     let cluster = privileged!(Cluster::new());
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
-    let (uid, pod) = cluster.pod_with_object(MESH, "app");
-    ztunnel.wait_for_pod(&uid, WAIT).unwrap();
-    cluster.set_running(MESH, "app", &ips_of(&pod));
-    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    let (agent, _ztunnel, pod) = cluster.running_ambient_app();
     let annotate = |annotations: &[(&str, &str)]| {
         let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
         object.metadata.annotations = map(annotations);
