@@ -480,10 +480,8 @@ fn give_probe_source(sa: &SockAddr, netns: u64, dst: &Endpoint) {
 /// Binds an unbound socket sent to a loopback listener to the pod's address of `like`'s family,
 /// as iptables REDIRECT keeps the source the app's connection had: its connection is then
 /// recorded under the pod's address, which is the pod's alone on the node, not under loopback,
-/// which every pod has. A socket already bound keeps its source. A function of its own, so the
-/// address it binds to takes no room in the connect hooks' frame: 5.10 counts the frames of the
-/// whole call chain, log records included, against 512 bytes.
-#[inline(never)]
+/// which every pod has. A socket already bound keeps its source.
+#[inline(always)]
 pub(crate) fn bind_to_pod_address(sa: &SockAddr, pod: &PodConfig, like: &IpKey) {
     if let Some(source) = pod_address_like(pod, like) {
         if !sa.v6 {
