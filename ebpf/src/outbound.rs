@@ -289,9 +289,6 @@ fn redirect(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decided {
         return Decided::pass(TraceVerdict::PassUncaptured);
     };
     let verdict = if is_dns {
-        if hook == Hook::Connect && sa.sock_type() == SOCK_STREAM {
-            bind_to_pod_address(sa, pod, &dst.ip);
-        }
         TraceVerdict::Dns
     } else {
         TraceVerdict::Outbound
@@ -475,21 +472,6 @@ fn give_probe_source(sa: &SockAddr, netns: u64, dst: &Endpoint) {
         dst.port,
         bound
     );
-}
-
-/// Binds an unbound socket sent to a loopback listener to the pod's address of `like`'s family,
-/// as iptables REDIRECT keeps the source the app's connection had: its connection is then
-/// recorded under the pod's address, which is the pod's alone on the node, not under loopback,
-/// which every pod has. A socket already bound keeps its source.
-#[inline(always)]
-pub(crate) fn bind_to_pod_address(sa: &SockAddr, pod: &PodConfig, like: &IpKey) {
-    if let Some(source) = pod_address_like(pod, like) {
-        if !sa.v6 {
-            bind(sa, &mut SockaddrIn::new(&source, 0));
-        } else {
-            bind(sa, &mut SockaddrIn6::new(&source, 0));
-        }
-    }
 }
 
 /// A socket that is already bound gets EINVAL here and keeps its source: it is then captured

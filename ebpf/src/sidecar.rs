@@ -38,11 +38,10 @@ use weir_common::{
 use crate::{
     maps::{pod, port_listed, range_listed},
     net::{
-        is_loopback, is_v4_mapped, loopback_like, same_ip, socket_addresses, SockAddr, SOCK_STREAM,
+        is_loopback, is_v4_mapped, loopback_like, same_ip, socket_addresses, SockAddr, SockaddrIn,
+        SockaddrIn6, SOCK_STREAM,
     },
-    outbound::{
-        bind_to_pod_address, pod_address_like, pod_owns, route_replies_back, Decided, Hook,
-    },
+    outbound::{bind, pod_address_like, pod_owns, route_replies_back, Decided, Hook},
 };
 
 /// The outbound decision for a socket in a sidecar pod.
@@ -108,9 +107,6 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
         return Decided::pass(TraceVerdict::PassProxy);
     }
     if dns_capture && dst.port == DNS_PORT {
-        if tcp {
-            bind_to_pod_address(sa, pod, &dst.ip);
-        }
         let target = Endpoint::new(loopback_like(&dst.ip), DNS_PROXY_PORT);
         return Decided::send_to(target, TraceVerdict::Dns);
     }
@@ -151,10 +147,17 @@ pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16) -> bool {
 }
 
 /// The proxy's connection to its own pod goes to its inbound listener, 127.0.0.1:15006 (::1),
-/// as iptables REDIRECT sends it, from the pod's address ([`bind_to_pod_address`]).
+/// as iptables REDIRECT sends it. An unbound socket is bound to the pod's address first, so the
+/// connection's record is the pod's alone; one already bound keeps its source.
 #[inline(always)]
 fn hairpin_to(sa: &SockAddr, pod: &PodConfig, dst: &Endpoint) -> Decided {
-    bind_to_pod_address(sa, pod, &dst.ip);
+    if let Some(source) = pod_address_like(pod, &dst.ip) {
+        if !sa.v6 {
+            bind(sa, &mut SockaddrIn::new(&source, 0));
+        } else {
+            bind(sa, &mut SockaddrIn6::new(&source, 0));
+        }
+    }
     Decided::send_to(
         Endpoint::new(loopback_like(&dst.ip), INBOUND_PORT),
         TraceVerdict::Hairpin,
