@@ -263,12 +263,14 @@ fn agent_away(node: &TestNode, files: &NodeFiles, weir: &WeirCni, plan: &Plan) -
         },
         ..Namespace::default()
     });
+    let names: Vec<String> = (0..plan.chain_pairs.clamp(1, 10))
+        .map(|i| format!("away{i}"))
+        .collect();
     let mut pods = Vec::new();
-    for i in 0..plan.chain_pairs.clamp(1, 10) {
-        let name = format!("away{i}");
+    for name in &names {
         pods.push(node.add_pod_primary(PodSpec {
-            uid: Some(api.create_pod("default", &name)),
-            ..PodSpec::new(&name)
+            uid: Some(api.create_pod("default", name)),
+            ..PodSpec::new(name)
         })?);
     }
     let kubeconfig = files.run_dir().join("weir-kubeconfig");
@@ -282,6 +284,18 @@ fn agent_away(node: &TestNode, files: &NodeFiles, weir: &WeirCni, plan: &Plan) -
         .to_string(),
     )?;
     let nowhere = files.run_dir().join("no-agent.sock");
+    // The cache the agent would have written: it names the node's pods that are not ambient (a
+    // pod it does not know waits for the agent).
+    let verdict_cache = files.run_dir().join("bench-verdicts.json");
+    let other_pods: Vec<String> = (0..pods.len())
+        .map(|i| format!("default/away{i}"))
+        .collect();
+    std::fs::write(
+        &verdict_cache,
+        json!({"ambient_namespaces": [], "ambient_pods": [], "opted_out_pods": [],
+               "other_pods": other_pods})
+        .to_string(),
+    )?;
     let variants = [
         ("the agent answers", weir.clone()),
         (
@@ -290,7 +304,7 @@ fn agent_away(node: &TestNode, files: &NodeFiles, weir: &WeirCni, plan: &Plan) -
         ),
         (
             "agent and API server away: the verdict cache decides",
-            weir.with(json!({"agent_socket": nowhere})),
+            weir.with(json!({"agent_socket": nowhere, "verdict_cache": verdict_cache})),
         ),
     ];
     let mut samples: Vec<Samples> = variants.iter().map(|_| Samples::new()).collect();
