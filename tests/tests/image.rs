@@ -12,13 +12,17 @@
 //! cgroup2) and the network namespaces are the machine's; the datapath is pinned under a pin root
 //! of the test node's.
 //!
+//! The weir-cni the image carries is also run alone in an empty root, as on a node without glibc.
+//!
 //! Needs root, containerd and runc (Debian's `containerd`, which `cargo xtask test` installs), and
 //! the archive: `WEIR_IMAGE_ARCHIVE` (`cargo xtask test` builds it and passes it on), else
 //! `image/weir-agent.tar` in cargo's target directory (`cargo xtask image`). Under `CI=true` a
 //! missing one fails the test.
 
-use std::fs::File;
+use std::fs::{self, File};
+use std::io::{Read, Write};
 use std::net::SocketAddr;
+use std::os::unix::{fs::PermissionsExt, process::CommandExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
@@ -132,6 +136,101 @@ fn daemonset() -> DaemonSet {
         .find(|object| object["kind"] == "DaemonSet")
         .unwrap_or_else(|| panic!("no DaemonSet in {}", file.display()));
     serde_json::from_value(daemonset).unwrap()
+}
+
+/// The runtime runs weir-cni on the node, whatever its libc: the image's copy, alone in an empty
+/// root (no loader, no libc, no /proc), answers the runtime's VERSION and turns a malformed ADD
+/// into a CNI error, as it does on a glibc node.
+#[test]
+fn the_images_weir_cni_runs_in_a_root_without_libc() {
+    weir_tests::privileged!();
+    let Some(archive) = image_archive() else {
+        return;
+    };
+    let root = TempDir::new().unwrap();
+    let plugin = root.path().join("weir-cni");
+    fs::write(&plugin, file_in_image(&archive, "usr/local/bin/weir-cni")).unwrap();
+    fs::set_permissions(&plugin, fs::Permissions::from_mode(0o755)).unwrap();
+
+    let (succeeded, version) = run_chrooted(root.path(), "VERSION", br#"{"cniVersion":"1.1.0"}"#);
+    assert!(succeeded, "{version}");
+    assert_eq!(version["cniVersion"], "1.1.0", "{version}");
+    assert!(
+        version["supportedVersions"]
+            .as_array()
+            .is_some_and(|versions| versions.contains(&"0.3.1".into())),
+        "{version}"
+    );
+
+    let (succeeded, error) = run_chrooted(root.path(), "ADD", b"{\"cniVersion\": ");
+    assert!(!succeeded, "{error}");
+    assert_eq!(error["code"], 6, "a decoding failure: {error}");
+    assert!(
+        error["msg"].as_str().is_some_and(|msg| !msg.is_empty()),
+        "{error}"
+    );
+}
+
+/// The file at `path` in the image's layer.
+fn file_in_image(archive: &Path, path: &str) -> Vec<u8> {
+    let mut outer = tar::Archive::new(File::open(archive).unwrap());
+    let mut blobs = std::collections::BTreeMap::new();
+    for entry in outer.entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let name = entry.path().unwrap().to_string_lossy().into_owned();
+        let mut bytes = Vec::new();
+        entry.read_to_end(&mut bytes).unwrap();
+        blobs.insert(name, bytes);
+    }
+    let manifest: serde_json::Value = serde_json::from_slice(&blobs["manifest.json"]).unwrap();
+    let layer = manifest[0]["Layers"][0].as_str().unwrap();
+    let mut layer = tar::Archive::new(flate2::read::GzDecoder::new(blobs[layer].as_slice()));
+    for entry in layer.entries().unwrap() {
+        let mut entry = entry.unwrap();
+        if entry.path().unwrap() == Path::new(path) {
+            let mut bytes = Vec::new();
+            entry.read_to_end(&mut bytes).unwrap();
+            return bytes;
+        }
+    }
+    panic!("no {path} in the image");
+}
+
+/// Runs `/weir-cni` with `root` as its root, as the runtime runs a plugin for `command` (on a
+/// pod that does not exist); returns whether it succeeded and what it printed.
+fn run_chrooted(root: &Path, command: &str, config: &[u8]) -> (bool, serde_json::Value) {
+    let root = root.to_owned();
+    let mut child = Command::new("/weir-cni");
+    child
+        .env_clear()
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", "0123456789abcdef")
+        .env("CNI_NETNS", "/var/run/netns/none")
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", "/")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: between fork and exec, only async-signal-safe calls (chroot, chdir).
+    unsafe {
+        child.pre_exec(move || {
+            std::os::unix::fs::chroot(&root)?;
+            std::env::set_current_dir("/")
+        });
+    }
+    let mut child = child
+        .spawn()
+        .expect("weir-cni runs with no libc in its root");
+    child.stdin.take().unwrap().write_all(config).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let printed = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "weir-cni printed no JSON ({e}): {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (out.status.success(), printed)
 }
 
 /// The archive `cargo xtask image` wrote; `None` (after a skip line) when there is none, which

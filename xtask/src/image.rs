@@ -1,8 +1,9 @@
 //! `cargo xtask image`: weir's container image, written here from the release binaries, with no
 //! base image and no container engine. Its one layer holds weir-agent (the entrypoint), weir-cni
 //! beside it (the agent installs the plugin from next to itself), both without debug info, and
-//! the shared libraries the two load, at the paths where ldd finds them on this machine. Nothing
-//! else: the agent runs no other program.
+//! the shared libraries weir-agent loads, at the paths where ldd finds them on this machine.
+//! Nothing else: the agent runs no other program. weir-cni is linked statically against musl: the
+//! runtime runs it on the node, whose libc (glibc of any age, musl, none) is not the image's.
 //!
 //! The archive is an OCI image layout and a docker-archive at once, over the same blobs, as
 //! `docker save` writes it since Docker 25: `ctr images import`, `docker load` and `podman load`
@@ -28,8 +29,8 @@ use crate::{ebpf, step, system};
 pub const REPOSITORY: &str = "localhost/weir-agent";
 /// Where `cargo xtask test` tells the image test to find the archive.
 pub const ARCHIVE_ENV: &str = "WEIR_IMAGE_ARCHIVE";
-/// The binaries, in the image's `/usr/local/bin`.
-const BINARIES: [&str; 2] = ["weir-agent", "weir-cni"];
+const AGENT: &str = "weir-agent";
+const PLUGIN: &str = "weir-cni";
 const BIN_DIR: &str = "usr/local/bin";
 const ENTRYPOINT: &str = "/usr/local/bin/weir-agent";
 /// The Unix epoch, for every time the archive records.
@@ -68,25 +69,19 @@ pub fn build(object: &Path) -> Result<PathBuf> {
     system::run(
         system::cargo()
             .current_dir(crate::workspace_root())
-            .args([
-                "build",
-                "--release",
-                "-p",
-                "weir-agent",
-                "-p",
-                "weir-cni",
-                "--bins",
-            ])
+            .args(["build", "--release", "-p", AGENT, "--bins"])
             .env("WEIR_EBPF_OBJECT", object),
     )?;
     let target = crate::target_dir()?;
-    let release = target.join("release");
+    let binaries = [
+        (AGENT, target.join("release").join(AGENT)),
+        (PLUGIN, build_static_plugin(&target)?),
+    ];
     let image_dir = target.join("image");
     let stripped_dir = image_dir.join("bin");
     fs::create_dir_all(&stripped_dir)?;
     let mut files = BTreeMap::new();
-    for binary in BINARIES {
-        let built = release.join(binary);
+    for (binary, built) in binaries {
         for library in shared_libraries(&built)? {
             files.insert(image_path(&library)?, library);
         }
@@ -103,6 +98,24 @@ pub fn build(object: &Path) -> Result<PathBuf> {
         .with_context(|| format!("writing {}", partial.display()))?;
     fs::rename(&partial, &archive)?;
     Ok(archive)
+}
+
+/// Builds weir-cni for this machine's architecture with musl, statically linked; returns its path.
+/// Needs the Rust target (added with rustup) and a C compiler for musl (ring's C code): Debian's
+/// musl-tools.
+pub fn build_static_plugin(target_dir: &Path) -> Result<PathBuf> {
+    let triple = format!("{}-unknown-linux-musl", std::env::consts::ARCH);
+    step(&format!("building {PLUGIN} (release, static, {triple})"));
+    system::ensure_packages(&["musl-tools"], "weir-cni cannot be built for musl")?;
+    system::run(Command::new("rustup").args(["target", "add", &triple]))
+        .with_context(|| format!("adding the Rust target {triple}"))?;
+    system::run(
+        system::cargo()
+            .current_dir(crate::workspace_root())
+            .args(["build", "--release", "-p", PLUGIN, "--bin", PLUGIN])
+            .args(["--target", &triple]),
+    )?;
+    Ok(target_dir.join(triple).join("release").join(PLUGIN))
 }
 
 /// A copy of `binary` without the debug info that the release profile keeps (most of the file),
