@@ -119,6 +119,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     // enrolled that should not be, or missing.
     let (first_pass_tx, mut first_pass) = tokio::sync::watch::channel(in_cluster.is_none());
     let reconciler = in_cluster.as_ref().map(|in_cluster| {
+        in_cluster.reflectors.register_metrics(&mut registry);
         let repair = Repair::new(in_cluster.client.clone(), in_cluster.broken_pods.action);
         let sidecars = SidecarRepair::new(
             enroller.clone(),
@@ -143,6 +144,8 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     let installer = Arc::new(Installer::new(InstallConfig {
         cni_bin_dir: config.cni_bin_dir.clone(),
         cni_net_dir: config.cni_net_dir.clone(),
+        owned_config: config.owned_cni_config,
+        owned_config_file: config.owned_cni_config_file.clone(),
         plugin_binary: config.cni_plugin.clone(),
         plugin_name: PLUGIN_NAME.into(),
         plugin_config: plugin_config(&config),

@@ -21,6 +21,9 @@ pub struct AgentConfig {
     pub zds_socket: PathBuf,
     pub cni_bin_dir: PathBuf,
     pub cni_net_dir: PathBuf,
+    /// Chain weir in a file of its own, `owned_cni_config_file`, not in the primary CNI's.
+    pub owned_cni_config: bool,
+    pub owned_cni_config_file: String,
     pub cni_plugin: PathBuf,
     pub cni_plugin_log: Option<PathBuf>,
     /// What the plugin reads the API server with while the agent is away (its kubeconfig);

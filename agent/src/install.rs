@@ -12,6 +12,13 @@
 //! plugins keep their order. Key order and formatting are not kept (the file is re-serialized,
 //! pretty-printed), as with istio-cni.
 //!
+//! With [`InstallConfig::owned_config`], the primary CNI's file is not edited: weir writes a file
+//! of its own (`02-weir-cni.conflist` by default) holding the primary's config with weir appended,
+//! named to sort first so the runtime loads it instead, and rewrites it whenever the primary's
+//! changes. A primary CNI that rewrites its own file (on every start, for some) then cannot drop
+//! weir from the chain, even while no agent runs: after a node reboot, pods start through weir-cni
+//! (which fails closed for ambient pods until the agent is back) rather than around it.
+//!
 //! In a pod, it also writes the plugin's kubeconfig (`weir-kubeconfig` in the net dir, 0600,
 //! [`kubeconfig`]) from the agent's service account, names it in weir's entry, rewrites it when
 //! the token rotates, and removes it on uninstall.
@@ -30,7 +37,7 @@ use std::{
     },
 };
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge},
@@ -41,11 +48,16 @@ use tokio::sync::watch as status_channel;
 use tracing::{error, info, warn};
 
 use self::{
-    conflist::{NetworkConfig, Object},
+    conflist::{Format, NetworkConfig, Object},
+    files::FileAttrs,
     kubeconfig::KUBECONFIG_FILE,
     net_dir::{config_files, rewrite_list, to_json, wrap_into_list},
 };
-pub use self::{kubeconfig::ServiceAccount, net_dir::active_config};
+pub use self::{kubeconfig::ServiceAccount, net_dir::primary_config};
+
+/// The default name of weir's own conflist: as istio-cni's `02-istio-cni.conflist`, it sorts
+/// before the `05-`, `10-` files primary CNIs write.
+pub const DEFAULT_OWNED_CONFIG_FILE: &str = "02-weir-cni.conflist";
 
 /// Where and what to install.
 #[derive(Clone, Debug)]
@@ -62,6 +74,12 @@ pub struct InstallConfig {
     /// or null. The installer sets `type`, a default `name`, and the pod-annotations capability
     /// (merged into any `capabilities` given); a `cniVersion` is dropped (the list's applies).
     pub plugin_config: Value,
+    /// Put the chain in weir's own file, `owned_config_file`, instead of the primary CNI's file.
+    pub owned_config: bool,
+    /// The name of weir's own file in `cni_net_dir`: a `.conflist` that must sort before the
+    /// primary CNI's file. Known even when `owned_config` is off, so that an install without it
+    /// removes the file an earlier one with it left, and the runtime goes back to the primary's.
+    pub owned_config_file: String,
     /// Credentials for the plugin's kubeconfig; `None` writes none (no API server, or the agent
     /// is not in a pod).
     pub service_account: Option<ServiceAccount>,
@@ -80,6 +98,8 @@ pub enum InstallOutcome {
         config_changed: bool,
         /// The binary was (re)written.
         binary_changed: bool,
+        /// The file that should hold weir's entry had none (or was missing).
+        entry_restored: bool,
         /// weir's entry was missing from a config that had it: weir was installed on this node
         /// (its binary was in place) and another component rewrote the config meanwhile, while
         /// no agent ran.
@@ -182,7 +202,8 @@ impl Installer {
         self.inner.status.subscribe()
     }
 
-    /// Removes weir's entry from every conflist in the net dir that holds one, leaving the rest
+    /// Removes weir's own file (see [`InstallConfig::owned_config`]), then weir's entry from every
+    /// conflist in the net dir that holds one, leaving the rest
     /// of each as it was, then the binary. A conflist left with no plugin (it held only weir) is
     /// deleted, since runtimes reject an empty list. A conflist that install made out of a lone
     /// `.conf` stays a conflist (with the original plugin as its only entry, which libcni loads
@@ -240,6 +261,7 @@ impl Inner {
                 file,
                 config_changed,
                 binary_changed,
+                entry_restored: entry_was_missing,
                 reinstated: on_node_before && entry_was_missing,
             }
         } else {
@@ -271,10 +293,8 @@ impl Inner {
         Ok(())
     }
 
-    /// Puts weir's entry last in the active config; returns the file holding it and whether it
-    /// was written.
-    /// Puts weir's entry last in the active config; returns the file, whether it was written,
-    /// and whether the config had no entry of weir's at all.
+    /// Puts weir's entry last in the config the runtime loads; returns the file, whether it was
+    /// written, and whether the config had no entry of weir's at all.
     fn insert_entry(&self) -> Result<(PathBuf, bool, bool)> {
         let mut entry =
             conflist::plugin_entry(&self.config.plugin_name, &self.config.plugin_config)?;
@@ -284,7 +304,11 @@ impl Inner {
                 Value::from(self.kubeconfig_path().to_string_lossy()),
             );
         }
-        let (path, config) = active_config(&self.config.cni_net_dir)?;
+        let (path, config) = primary_config(&self.config.cni_net_dir, self.owned_file_name())?;
+        if self.config.owned_config {
+            return self.write_owned_config(&path, config, entry);
+        }
+        self.remove_owned_config()?;
         if config.holds_last(&entry) {
             return Ok((path, false, false));
         }
@@ -300,11 +324,62 @@ impl Inner {
         Ok((file, true, entry_was_missing))
     }
 
+    /// Makes weir's own file the primary's config (at `primary`) with `entry` last. The primary's
+    /// file is left as its CNI wrote it, except for an entry of weir's, which an install without
+    /// an owned file put there.
+    fn write_owned_config(
+        &self,
+        primary: &Path,
+        config: NetworkConfig,
+        entry: Object,
+    ) -> Result<(PathBuf, bool, bool)> {
+        let owned = self.owned_config_path();
+        let primary_name = primary.file_name().unwrap_or_default();
+        ensure!(
+            self.owned_file_name() < primary_name.to_string_lossy().as_ref(),
+            "weir's CNI config {} would not be loaded: the runtime loads the first file in lexical              order and the primary CNI's {} sorts before it; give --owned-cni-config-filename              (WEIR_OWNED_CNI_CONFIG_FILENAME) a name that sorts first, e.g. 01-weir-cni.conflist",
+            owned.display(),
+            primary.display(),
+        );
+        if let NetworkConfig::List(mut list) = config.clone() {
+            self.remove_entry(primary, &mut list)?;
+        }
+        let contents = to_json(&config.with_last(entry));
+        let previous = std::fs::read(&owned).ok();
+        if previous.as_deref() == Some(contents.as_slice()) {
+            return Ok((owned, false, false));
+        }
+        let entry_was_missing = !previous.is_some_and(|bytes| {
+            NetworkConfig::parse(Format::List, &bytes)
+                .is_ok_and(|old| old.holds_type(&self.config.plugin_name))
+        });
+        let attrs =
+            FileAttrs::of(primary).with_context(|| format!("reading {}", primary.display()))?;
+        files::write_atomically(&owned, contents.as_slice(), &attrs)
+            .with_context(|| format!("writing {}", owned.display()))?;
+        Ok((owned, true, entry_was_missing))
+    }
+
+    /// Removes weir's own file, when it is weir's (it holds weir's entry).
+    fn remove_owned_config(&self) -> Result<()> {
+        let owned = self.owned_config_path();
+        let is_weirs = files::read_config(&owned, Format::List)
+            .is_ok_and(|config| config.holds_type(&self.config.plugin_name));
+        if is_weirs
+            && files::remove_if_present(&owned)
+                .with_context(|| format!("removing {}", owned.display()))?
+        {
+            info!(file = %owned.display(), "removed weir's own CNI config");
+        }
+        Ok(())
+    }
+
     fn uninstall(&self) -> Result<()> {
         let _guard = self.file_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.remove_owned_config()?;
         for (path, format) in config_files(&self.config.cni_net_dir)? {
             match files::read_config(&path, format) {
-                Ok(NetworkConfig::List(list)) => self.remove_entry(&path, list)?,
+                Ok(NetworkConfig::List(mut list)) => self.remove_entry(&path, &mut list)?,
                 Ok(NetworkConfig::Single(_)) => {}
                 Err(e) => error!("cannot check an invalid CNI config file for weir's entry: {e:#}"),
             }
@@ -328,19 +403,27 @@ impl Inner {
         Ok(())
     }
 
-    fn remove_entry(&self, path: &Path, mut list: Object) -> Result<()> {
-        if conflist::remove_plugins(&mut list, &self.config.plugin_name) == 0 {
+    fn remove_entry(&self, path: &Path, list: &mut Object) -> Result<()> {
+        if conflist::remove_plugins(list, &self.config.plugin_name) == 0 {
             return Ok(());
         }
-        if conflist::plugin_count(&list) == 0 {
+        if conflist::plugin_count(list) == 0 {
             files::remove_if_present(path)
                 .with_context(|| format!("removing {}", path.display()))?;
             info!(file = %path.display(), "removed a CNI config that held only weir's entry");
         } else {
-            rewrite_list(path, &to_json(&list))?;
+            rewrite_list(path, &to_json(list))?;
             info!(file = %path.display(), "removed weir's entry from the CNI config");
         }
         Ok(())
+    }
+
+    fn owned_file_name(&self) -> &str {
+        &self.config.owned_config_file
+    }
+
+    fn owned_config_path(&self) -> PathBuf {
+        self.config.cni_net_dir.join(self.owned_file_name())
     }
 
     fn binary_path(&self) -> PathBuf {

@@ -1,17 +1,17 @@
 //! weir-agent: the node agent binary. Its command line is [`weir_agent::cli`].
-use std::{path::PathBuf, process::ExitCode};
+use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::Parser;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info};
 use weir_agent::{
-    app::{self, PLUGIN_NAME},
+    app,
     check::{self, CheckConfig},
     cli::{Cli, Command, Output},
     datapath::Datapath,
     inspect,
-    install::{InstallConfig, Installer},
+    install::Installer,
     logging, trace,
 };
 
@@ -38,15 +38,7 @@ fn run(cli: Cli) -> Result<()> {
             tokio::runtime::Runtime::new()?.block_on(app::run(config, terminated()))
         }
         Command::Uninstall(dirs) => {
-            Installer::new(InstallConfig {
-                cni_bin_dir: dirs.cni_bin_dir,
-                cni_net_dir: dirs.cni_net_dir,
-                plugin_binary: PathBuf::new(),
-                plugin_name: PLUGIN_NAME.into(),
-                plugin_config: serde_json::Value::Null,
-                service_account: None,
-            })
-            .uninstall()?;
+            Installer::new(dirs.install_config()).uninstall()?;
             Datapath::start(cli.datapath.config())?.uninstall().wait()
         }
         Command::Pods(args) => {

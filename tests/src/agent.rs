@@ -115,6 +115,8 @@ pub fn agent_config_at(
         zds_socket: run.join("ztunnel.sock"),
         cni_bin_dir: dir.join("bin"),
         cni_net_dir: dir.join("net.d"),
+        owned_cni_config: false,
+        owned_cni_config_file: weir_agent::install::DEFAULT_OWNED_CONFIG_FILE.into(),
         cni_plugin: workspace_binary("weir-cni"),
         cni_plugin_log: Some(run.join("weir-cni.log")),
         service_account: None,
@@ -333,6 +335,8 @@ fn run_command(config: &AgentConfig) -> std::process::Command {
         .arg(&config.cni_bin_dir)
         .arg("--cni-net-dir")
         .arg(&config.cni_net_dir)
+        .arg("--owned-cni-config-filename")
+        .arg(&config.owned_cni_config_file)
         .arg("--cni-plugin")
         .arg(&config.cni_plugin)
         .arg("--health-addr")

@@ -50,6 +50,21 @@ impl Metrics {
             .map(|sample| sample.value)
     }
 
+    /// The label names of each sample `name`, sorted, without duplicates.
+    pub fn label_names(&self, name: &str) -> std::collections::BTreeSet<Vec<&str>> {
+        self.text
+            .lines()
+            .filter(|line| !line.starts_with('#'))
+            .filter_map(Sample::parse)
+            .filter(|sample| sample.name == name)
+            .map(|sample| {
+                let mut names: Vec<&str> = sample.labels.iter().map(|(key, _)| *key).collect();
+                names.sort_unstable();
+                names
+            })
+            .collect()
+    }
+
     /// Waits until the agent at `addr` serves the sample `name` with `labels` at `value`.
     pub fn wait_for(
         addr: SocketAddr,

@@ -531,6 +531,60 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
     agent.stop().unwrap();
 }
 
+/// The metrics istio's dashboards and alerts read keep istio-cni's names, label names (as its
+/// node agent registers them) and meaning: plugin ADDs by the status its agent answers, and the
+/// informers' pod and namespace events by type.
+#[test]
+fn istio_cni_metrics_keep_istios_names_labels_and_meaning() {
+    const ISTIO_CNI: &[(&str, &[&str])] = &[
+        ("istio_cni_install_ready", &[]),
+        ("istio_cni_installs_total", &["result"]),
+        ("istio_cni_plugin_requests_total", &["response_code"]),
+        ("nodeagent_reconcile_events_total", &["type"]),
+        ("ztunnel_connected", &[]),
+    ];
+    let cluster = privileged!(Cluster::new());
+    let agent = cluster.start_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let events = |kind| {
+        agent
+            .metrics()
+            .value("nodeagent_reconcile_events_total", &[("type", kind)])
+            .unwrap_or_default()
+    };
+    let (adds, updates, deletes) = (events("add"), events("update"), events("delete"));
+    assert!(adds >= 2.0, "the initial lists' namespaces: {adds}");
+
+    let (uid, _pod) = cluster.pod_with_object(MESH, "dashboarded");
+    ztunnel.wait_for_pod(&uid, WAIT).unwrap();
+    cluster.wait_for_redirection(MESH, "dashboarded", Some("enabled"));
+    cluster
+        .api
+        .delete::<PodObject>(MESH, "dashboarded")
+        .expect("the pod existed");
+    assert!(ztunnel.wait_for_del(&uid, WAIT), "ztunnel gets the Del");
+
+    let metrics = agent.metrics();
+    for (name, labels) in ISTIO_CNI {
+        assert_eq!(
+            metrics.label_names(name),
+            [labels.to_vec()].into(),
+            "{name}: {metrics}"
+        );
+    }
+    assert!(
+        metrics.value(
+            "istio_cni_plugin_requests_total",
+            &[("response_code", "200")]
+        ) >= Some(1.0),
+        "{metrics}"
+    );
+    assert!(events("add") > adds, "the pod created");
+    assert!(events("update") > updates, "its status annotation");
+    assert_eq!(events("delete"), deletes + 1.0, "the pod deleted");
+    agent.stop().unwrap();
+}
+
 /// kubelet's order for a pod going away: deletionTimestamp, then the sandbox stops (CNI DEL)
 /// while the object still says Running with its IPs. Likewise a sandbox that died and waits for
 /// its successor's ADD. Neither is a broken pod: nothing is repaired or reported.

@@ -266,6 +266,41 @@ fn agent_down_fails_ambient_pods_and_starts_plain_ones() {
     assert!(message.contains("11"), "try again later: {message}");
 }
 
+/// With weir's own CNI config, the primary CNI writing its file again while the agent is away (as
+/// on a node reboot, before the agent is back) does not take weir out of the chain: the runtime
+/// still loads weir's file, and an ambient pod waits instead of starting unredirected.
+#[test]
+fn an_owned_config_keeps_weir_chained_when_the_primary_rewrites_its_file() {
+    let node = privileged!(Node::new());
+    let owning_agent = || {
+        let mut config = node.files.agent_config(node.netns()).unwrap();
+        config.owned_cni_config = true;
+        Agent::start(config).unwrap()
+    };
+    let primary = node.files.net_dir().join("10-weir-test.conflist");
+    let primary_as_written = std::fs::read(&primary).unwrap();
+    let agent = owning_agent();
+    assert_eq!(
+        std::fs::read(&primary).unwrap(),
+        primary_as_written,
+        "the primary's file is its CNI's"
+    );
+    agent.stop().unwrap();
+
+    std::fs::write(&primary, &primary_as_written).unwrap();
+    let error = node
+        .pod(MESH, "app")
+        .expect_err("an ambient pod must not start unredirected");
+    let message = format!("{error:#}");
+    assert!(message.contains("unreachable"), "{message}");
+
+    let agent = owning_agent();
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (server, echo, pod, stand_in) = node.server_and_ambient_pod(&ztunnel, "app-again");
+    assert_through_ztunnel(&pod, &stand_in, &server, &echo, "hello");
+    agent.stop().unwrap();
+}
+
 /// The agent away, and a namespace labelled ambient after its verdict cache was written: the
 /// plugin asks the API server with the kubeconfig the agent's installer wrote, and the pod waits;
 /// a pod the API server says is not ambient starts.
@@ -370,8 +405,16 @@ fn hundred_concurrent_adds_all_enroll() {
     let metrics = agent.metrics();
     assert_eq!(
         metrics.value(
-            "nodeagent_reconcile_events_total",
+            "weir_cni_requests_total",
             &[("event", "add"), ("result", "ok")]
+        ),
+        Some(100.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        metrics.value(
+            "istio_cni_plugin_requests_total",
+            &[("response_code", "200")]
         ),
         Some(100.0),
         "{metrics}"

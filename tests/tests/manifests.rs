@@ -747,8 +747,8 @@ fn every_host_path_the_agent_uses_is_mounted_from_the_same_host_path() {
     for (long, env, default, dir) in expected::HOST_PATH_FLAGS {
         same_path(default, dir);
         assert!(
-            env_value(container, env).is_none(),
-            "the DaemonSet keeps {long}'s default: {env} must not be set"
+            env_value(container, env).is_none_or(|var| var.value.as_deref() == Some(*default)),
+            "the DaemonSet keeps {long}'s default: {env}, when set, must name it"
         );
     }
     let privileged = container
@@ -1041,7 +1041,11 @@ fn the_daemonset_runs_on_every_node_before_other_pods_and_upgrades_one_node_at_a
                 && t.effect.is_none()),
         "tolerates every taint: {tolerations:?}"
     );
-    assert_eq!(pod.node_selector, None, "no node is left out");
+    assert_eq!(
+        pod.node_selector,
+        Some([("kubernetes.io/os".to_owned(), "linux".to_owned())].into()),
+        "every Linux node, and only those"
+    );
     assert_eq!(pod.affinity, None, "no node is left out");
     assert_eq!(
         pod.priority_class_name.as_deref(),

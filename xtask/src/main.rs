@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod ebpf;
+mod helm;
 mod image;
 mod run;
 mod sweep;

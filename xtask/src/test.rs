@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use crate::system::{self, cargo};
 use crate::vm::{self, Kernel, Series, Vm};
-use crate::{bench, demo, ebpf, image, step, sweep};
+use crate::{bench, demo, ebpf, helm, image, step, sweep};
 
 /// What the privileged tests run besides a throwaway node's packages: istio's iptables rules, and
 /// containerd, which runs weir's image in the image test.
@@ -61,10 +61,13 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     system::run(with_object(cargo(), &object).args(["build", "--workspace", "--bins"]))?;
     // The image test runs the image as a node would.
     let image = image::build(&object)?;
+    // The chart test renders deploy/chart.
+    let helm = helm::ensure()?;
 
     let mut test = with_object(cargo(), &object);
     test.args(["test", "--workspace"])
-        .env(image::ARCHIVE_ENV, &image);
+        .env(image::ARCHIVE_ENV, &image)
+        .env(helm::HELM_ENV, &helm);
     privileged_test_runner(&mut test)?;
     test.args(test_args);
 

@@ -114,6 +114,8 @@ pub struct CheckConfig {
     /// `--cgroup`; `None`: the cgroup2 mount's root.
     pub cgroup: Option<PathBuf>,
     pub cni_net_dir: PathBuf,
+    /// weir's own conflist there, which is not the primary's.
+    pub owned_cni_config_file: String,
     pub zds_socket: PathBuf,
     /// The cluster the agent follows, and its own DaemonSet there; `None`: a node without an API
     /// server (a policy file), whose checks are the node's alone.
@@ -129,6 +131,7 @@ impl CheckConfig {
                 pin_root: datapath.pin_root,
                 cgroup: datapath.cgroup,
                 cni_net_dir: args.cni_dirs.cni_net_dir,
+                owned_cni_config_file: args.cni_dirs.owned_cni_config_filename,
                 zds_socket: args.zds_socket,
                 cluster: None,
             });
@@ -142,6 +145,7 @@ impl CheckConfig {
             pin_root: config.datapath.pin_root.clone(),
             cgroup: config.datapath.cgroup.clone(),
             cni_net_dir: config.cni_net_dir.clone(),
+            owned_cni_config_file: config.owned_cni_config_file.clone(),
             zds_socket: config.zds_socket.clone(),
             cluster: match &config.source {
                 SourceConfig::Cluster(cluster) => {

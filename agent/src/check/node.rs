@@ -19,7 +19,10 @@ pub(super) fn findings(config: &CheckConfig) -> Vec<Finding> {
     findings.extend(bpf_features());
     findings.push(cgroup(config.cgroup.as_deref()));
     findings.push(bpffs(&config.pin_root));
-    findings.push(cni_config(&config.cni_net_dir));
+    findings.push(cni_config(
+        &config.cni_net_dir,
+        &config.owned_cni_config_file,
+    ));
     findings.push(zds_socket_dir(&config.zds_socket));
     findings
 }
@@ -127,9 +130,9 @@ fn bpffs(pin_root: &Path) -> Finding {
     }
 }
 
-fn cni_config(net_dir: &Path) -> Finding {
+fn cni_config(net_dir: &Path, owned_file: &str) -> Finding {
     let requirement = "primary CNI network config";
-    match install::active_config(net_dir) {
+    match install::primary_config(net_dir, owned_file) {
         Ok((file, _)) => Finding::met(requirement, file.display().to_string()),
         Err(error) if error.is::<NoNetworkConfig>() => Finding::pending(
             requirement,

@@ -12,6 +12,7 @@ mod reference;
 pub use reference::markdown;
 
 use crate::{
+    app::PLUGIN_NAME,
     cluster::{
         repair::{BrokenPodAction, BrokenPods},
         ClusterConfig,
@@ -19,7 +20,7 @@ use crate::{
     config::{AgentConfig, SourceConfig},
     datapath::DatapathConfig,
     inspect,
-    install::ServiceAccount,
+    install::{InstallConfig, ServiceAccount, DEFAULT_OWNED_CONFIG_FILE},
     logging::LogFormat,
     policy::{
         enablement::{default_selectors, parse_selectors, EnablementSelector},
@@ -133,8 +134,10 @@ pub struct RunArgs {
     /// Which pods are ambient: a list of {podSelector, namespaceSelector} label selectors, YAML
     /// or JSON, as istio's AMBIENT_ENABLEMENT_SELECTOR (default: istio's rule on the
     /// `istio.io/dataplane-mode` labels).
+    // One value holding the whole list: the fully qualified Vec keeps clap from taking it for
+    // a repeated flag.
     #[arg(long, env = "WEIR_AMBIENT_ENABLEMENT_SELECTOR", value_parser = selectors)]
-    pub ambient_enablement_selector: Option<Vec<EnablementSelector>>,
+    pub ambient_enablement_selector: Option<::std::vec::Vec<EnablementSelector>>,
     /// Namespaces never enrolled.
     #[arg(
         long,
@@ -230,6 +233,47 @@ pub struct CniDirs {
     /// Host CNI network configuration directory.
     #[arg(long, env = "WEIR_CNI_NET_DIR", default_value = "/etc/cni/net.d")]
     pub cni_net_dir: PathBuf,
+    /// Write the chain (the primary CNI's config with weir-cni appended) to a file of weir's own
+    /// that the runtime loads first, instead of appending weir-cni to the primary's file: a
+    /// primary CNI rewriting its file cannot then drop weir, even while no agent runs (as
+    /// istio-cni's ISTIO_OWNED_CNI_CONFIG).
+    #[arg(long, env = "WEIR_OWNED_CNI_CONFIG")]
+    pub owned_cni_config: bool,
+    /// The name of that file in the CNI net dir: a `.conflist` sorting before the primary's.
+    #[arg(
+        long,
+        env = "WEIR_OWNED_CNI_CONFIG_FILENAME",
+        default_value = DEFAULT_OWNED_CONFIG_FILE,
+        value_parser = owned_config_file
+    )]
+    pub owned_cni_config_filename: String,
+}
+
+impl CniDirs {
+    /// What the installer needs to find, write and remove weir's files; `plugin_binary` and
+    /// `plugin_config` are empty: enough to uninstall.
+    pub fn install_config(&self) -> InstallConfig {
+        InstallConfig {
+            cni_bin_dir: self.cni_bin_dir.clone(),
+            cni_net_dir: self.cni_net_dir.clone(),
+            plugin_binary: PathBuf::new(),
+            plugin_name: PLUGIN_NAME.into(),
+            plugin_config: serde_json::Value::Null,
+            owned_config: self.owned_cni_config,
+            owned_config_file: self.owned_cni_config_filename.clone(),
+            service_account: None,
+        }
+    }
+}
+
+/// A file name in the CNI net dir that libcni loads as a list.
+fn owned_config_file(name: &str) -> Result<String, String> {
+    if name.contains('/') || name.starts_with('.') || !name.ends_with(".conflist") {
+        return Err(format!(
+            "{name:?} must be a file name (no directory) ending in .conflist"
+        ));
+    }
+    Ok(name.to_owned())
 }
 
 #[derive(Subcommand)]
@@ -305,6 +349,8 @@ impl RunArgs {
             zds_socket: self.zds_socket,
             cni_bin_dir: self.cni_dirs.cni_bin_dir,
             cni_net_dir: self.cni_dirs.cni_net_dir,
+            owned_cni_config: self.cni_dirs.owned_cni_config,
+            owned_cni_config_file: self.cni_dirs.owned_cni_config_filename,
             cni_plugin: match self.cni_plugin {
                 Some(path) => path,
                 None => std::env::current_exe()?.with_file_name("weir-cni"),

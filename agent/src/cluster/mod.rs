@@ -12,7 +12,7 @@ pub mod report;
 pub mod shutdown;
 pub mod sidecar_repair;
 
-use std::{fmt::Debug, path::PathBuf, time::Duration};
+use std::{collections::HashSet, fmt::Debug, hash::Hash, path::PathBuf, time::Duration};
 
 use anyhow::{Context, Result};
 use futures::{future::join3, StreamExt};
@@ -28,6 +28,11 @@ use kube::{
         watcher, WatchStreamExt,
     },
     Client, Resource, ResourceExt,
+};
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family},
+    registry::Registry,
 };
 use serde::de::DeserializeOwned;
 use tokio::{
@@ -92,6 +97,7 @@ pub struct Reflectors {
     pub daemonsets: Store<DaemonSet>,
     changes: broadcast::Sender<Change>,
     synced: watch::Receiver<bool>,
+    informer_events: InformerEvents,
 }
 
 impl Reflectors {
@@ -105,6 +111,7 @@ impl Reflectors {
         tasks: &mut JoinSet<()>,
     ) -> Self {
         let (changes, _) = broadcast::channel(1024);
+        let informer_events = InformerEvents::default();
         let pods = reflect(
             Api::all(client.clone()),
             watcher::Config::default().fields(&format!("spec.nodeName={node_name}")),
@@ -116,6 +123,7 @@ impl Reflectors {
                 ))
             },
             &changes,
+            Some(&informer_events),
             tasks,
         );
         let namespaces = reflect(
@@ -124,6 +132,7 @@ impl Reflectors {
             prune::namespace,
             |namespace: &Namespace| Change::Namespace(namespace.name_any()),
             &changes,
+            Some(&informer_events),
             tasks,
         );
         let daemonsets = reflect(
@@ -132,6 +141,7 @@ impl Reflectors {
             prune::daemonset,
             |_: &DaemonSet| Change::DaemonSet,
             &changes,
+            None,
             tasks,
         );
         // A store's `wait_until_ready` wakes only its latest waiter (one oneshot underneath), so
@@ -154,7 +164,18 @@ impl Reflectors {
             daemonsets,
             changes,
             synced,
+            informer_events,
         }
+    }
+
+    /// Registers `nodeagent_reconcile_events_total{type}`, istio-cni's count of its informers'
+    /// pod and namespace events.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        registry.register(
+            "nodeagent_reconcile_events",
+            "The total number of node agent reconcile events.",
+            self.informer_events.0.clone(),
+        );
     }
 
     /// Every change from now on (a lagging receiver should re-read the stores).
@@ -190,6 +211,7 @@ fn reflect<K>(
     prune: fn(&mut K),
     change_of: fn(&K) -> Change,
     changes: &broadcast::Sender<Change>,
+    informer_events: Option<&InformerEvents>,
     tasks: &mut JoinSet<()>,
 ) -> Store<K>
 where
@@ -197,10 +219,14 @@ where
 {
     let (reader, writer) = reflector::store();
     let changes = changes.clone();
+    let mut event_types = informer_events.map(|events| EventTypes::new(events.clone()));
     let events = reflector::reflector(writer, watcher(api, config).modify(prune)).default_backoff();
     // The first list is the initial sync, which the reconciler's first full pass covers.
     let mut listed = false;
     tasks.spawn(events.for_each(move |event| {
+        if let (Some(types), Ok(event)) = (&mut event_types, &event) {
+            types.count(event);
+        }
         // Nobody listening yet is fine: the stores hold the state.
         match event {
             Ok(watcher::Event::Apply(object) | watcher::Event::Delete(object)) => {
@@ -220,6 +246,73 @@ where
         futures::future::ready(())
     }));
     reader
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EventTypeLabel {
+    r#type: &'static str,
+}
+
+/// The events of the pod and namespace reflectors, by `type` as an informer tells them:
+/// `add` (an object first seen, the initial list's included), `update` (a change to one seen
+/// before), `delete` (gone, also when a relist no longer holds it).
+#[derive(Clone, Default)]
+struct InformerEvents(Family<EventTypeLabel, Counter>);
+
+/// What one reflector has seen, to tell an add from an update as an informer does.
+struct EventTypes<K: Resource<DynamicType = ()>> {
+    known: HashSet<ObjectRef<K>>,
+    relisted: HashSet<ObjectRef<K>>,
+    events: InformerEvents,
+}
+
+impl<K> EventTypes<K>
+where
+    K: Resource<DynamicType = ()>,
+    ObjectRef<K>: Hash + Eq,
+{
+    fn new(events: InformerEvents) -> Self {
+        Self {
+            known: HashSet::new(),
+            relisted: HashSet::new(),
+            events,
+        }
+    }
+
+    fn count(&mut self, event: &watcher::Event<K>) {
+        match event {
+            watcher::Event::Apply(object) => self.applied(ObjectRef::from_obj(object)),
+            watcher::Event::Delete(object) => {
+                self.known.remove(&ObjectRef::from_obj(object));
+                self.inc("delete");
+            }
+            watcher::Event::Init => self.relisted.clear(),
+            watcher::Event::InitApply(object) => {
+                let key = ObjectRef::from_obj(object);
+                self.relisted.insert(key.clone());
+                self.applied(key);
+            }
+            watcher::Event::InitDone => {
+                let gone = self.known.difference(&self.relisted).count();
+                for _ in 0..gone {
+                    self.inc("delete");
+                }
+                self.known = std::mem::take(&mut self.relisted);
+            }
+        }
+    }
+
+    fn applied(&mut self, key: ObjectRef<K>) {
+        let first_seen = self.known.insert(key);
+        self.inc(if first_seen { "add" } else { "update" });
+    }
+
+    fn inc(&self, r#type: &'static str) {
+        self.events
+            .0
+            .get_or_create(&EventTypeLabel { r#type })
+            .inc();
+    }
 }
 
 /// A list's objects arrive whole and are kept pruned: what they freed lies in the allocator's
@@ -284,4 +377,60 @@ fn containers_of(spec: &PodSpec) -> Vec<ContainerFacts> {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn namespace(name: &str) -> Namespace {
+        let mut namespace = Namespace::default();
+        namespace.metadata.name = Some(name.into());
+        namespace
+    }
+
+    fn counted(events: &InformerEvents) -> [u64; 3] {
+        ["add", "update", "delete"]
+            .map(|r#type| events.0.get_or_create(&EventTypeLabel { r#type }).get())
+    }
+
+    #[test]
+    fn events_are_told_apart_as_an_informer_tells_them() {
+        let events = InformerEvents::default();
+        let mut types = EventTypes::new(events.clone());
+        let (a, b, c) = (namespace("a"), namespace("b"), namespace("c"));
+        types.count(&watcher::Event::Init);
+        types.count(&watcher::Event::InitApply(a.clone()));
+        types.count(&watcher::Event::InitApply(b.clone()));
+        types.count(&watcher::Event::InitDone);
+        assert_eq!(counted(&events), [2, 0, 0], "the first list: adds");
+        types.count(&watcher::Event::Apply(a.clone()));
+        types.count(&watcher::Event::Apply(c.clone()));
+        types.count(&watcher::Event::Delete(c));
+        assert_eq!(counted(&events), [3, 1, 1]);
+        // A relist: a is still there, b is gone.
+        types.count(&watcher::Event::Init);
+        types.count(&watcher::Event::InitApply(a));
+        types.count(&watcher::Event::InitDone);
+        assert_eq!(counted(&events), [3, 2, 2]);
+        types.count(&watcher::Event::Apply(b));
+        assert_eq!(counted(&events), [4, 2, 2], "b is new again");
+    }
+
+    #[test]
+    fn the_type_label_is_named_type() {
+        let events = InformerEvents::default();
+        let mut registry = Registry::default();
+        registry.register("nodeagent_reconcile_events", "", events.0.clone());
+        events
+            .0
+            .get_or_create(&EventTypeLabel { r#type: "add" })
+            .inc();
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(r#"nodeagent_reconcile_events_total{type="add"} 1"#),
+            "{text}"
+        );
+    }
 }

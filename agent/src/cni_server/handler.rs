@@ -8,7 +8,7 @@ use prometheus_client::{
 };
 use tracing::Instrument;
 use weir_cni::{
-    code::{INVALID_CONFIG, PLUGIN_SPECIFIC, TRY_AGAIN_LATER},
+    code::{DECODE_FAILURE, INVALID_CONFIG, PLUGIN_SPECIFIC, TRY_AGAIN_LATER},
     protocol::{Attachment, Command, Request, Response},
 };
 
@@ -29,6 +29,12 @@ struct EventLabels {
     result: &'static str,
 }
 
+/// istio-cni's label for the outcome of a plugin's ADD: the HTTP status its agent answers with.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResponseCodeLabel {
+    response_code: &'static str,
+}
+
 /// Plugin requests decided from policy and turned into enrollment steps, and the steps' outcomes
 /// into CNI responses and error codes.
 pub struct CniHandler {
@@ -36,6 +42,7 @@ pub struct CniHandler {
     policy: Arc<dyn Policy>,
     reporter: Arc<dyn Reporter>,
     events: Family<EventLabels, Counter>,
+    adds: Family<ResponseCodeLabel, Counter>,
 }
 
 impl CniHandler {
@@ -49,14 +56,20 @@ impl CniHandler {
             policy,
             reporter,
             events: Family::default(),
+            adds: Family::default(),
         })
     }
 
     pub fn register_metrics(&self, registry: &mut Registry) {
         registry.register(
-            "nodeagent_reconcile_events",
-            "Pod events handled by the node agent, by event and result",
+            "weir_cni_requests",
+            "Plugin requests handled by the node agent, by event and result",
             self.events.clone(),
+        );
+        registry.register(
+            "istio_cni_plugin_requests",
+            "CNI plugin ADD requests handled by the node agent, by response code",
+            self.adds.clone(),
         );
     }
 
@@ -96,6 +109,12 @@ impl CniHandler {
                 result: outcome,
             })
             .inc();
+        if request.command == Command::Add {
+            let response_code = response_code(&result);
+            self.adds
+                .get_or_create(&ResponseCodeLabel { response_code })
+                .inc();
+        }
         result
     }
 
@@ -223,5 +242,15 @@ impl CniHandler {
             },
             Err(response) => response,
         }
+    }
+}
+
+/// The status istio-cni's agent would answer an ADD with: 400 for a request it cannot take as
+/// given (undecodable, or invalid for the pod), 500 for one it took and failed, 200 otherwise.
+fn response_code(response: &Response) -> &'static str {
+    match response {
+        Response::Error { code, .. } if matches!(*code, DECODE_FAILURE | INVALID_CONFIG) => "400",
+        Response::Error { .. } => "500",
+        _ => "200",
     }
 }

@@ -14,10 +14,14 @@ use super::{
     NoNetworkConfig,
 };
 
-/// The network config the runtime loads from the net dir `dir`, as libcni picks it: the first
-/// file in lexical order that parses. Fails with [`NoNetworkConfig`] while there is none.
-pub fn active_config(dir: &Path) -> Result<(PathBuf, NetworkConfig)> {
+/// The primary CNI's network config in the net dir `dir`: what the runtime would load without
+/// weir's own file (named `owned_file`), as libcni picks it: the first file in lexical order that
+/// parses. Fails with [`NoNetworkConfig`] while there is none.
+pub fn primary_config(dir: &Path, owned_file: &str) -> Result<(PathBuf, NetworkConfig)> {
     for (path, format) in config_files(dir)? {
+        if path.file_name().is_some_and(|name| name == owned_file) {
+            continue;
+        }
         match files::read_config(&path, format) {
             Ok(config) => return Ok((path, config)),
             // The runtime does not load this file either; it is its owner's to fix, so

@@ -112,7 +112,8 @@ async fn settle(inner: &Inner, events: &mut Events) {
     }
 }
 
-/// Installs what is missing, and accounts for it when it is a repair.
+/// Installs what is missing, and accounts for it when it is a repair: something put back that
+/// another component removed, not weir's own file following the primary CNI's changes.
 async fn check(inner: &Arc<Inner>, rewrites: &mut RewriteHistory) {
     let was_installed = inner.ever_installed.load(Ordering::Relaxed);
     let installer = Arc::clone(inner);
@@ -127,9 +128,15 @@ async fn check(inner: &Arc<Inner>, rewrites: &mut RewriteHistory) {
         Ok(InstallOutcome::Installed {
             file,
             config_changed,
+            binary_changed,
+            entry_restored,
             reinstated,
-            ..
-        }) if was_installed || reinstated => repaired(inner, &file, config_changed, rewrites),
+        }) if reinstated
+            || was_installed
+                && (binary_changed || entry_restored || !inner.config.owned_config) =>
+        {
+            repaired(inner, &file, config_changed, rewrites)
+        }
         Ok(_) => {}
         Err(e) if e.is::<NoNetworkConfig>() => info!("{e}; waiting"),
         Err(e) => warn!("weir's CNI plugin is not installed; retrying on the next change: {e:#}"),

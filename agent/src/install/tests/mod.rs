@@ -2,6 +2,7 @@
 //! the tests by topic.
 mod conflist;
 mod kubeconfig;
+mod owned;
 mod watch;
 
 use std::{
@@ -52,7 +53,17 @@ impl Node {
             plugin_binary: self.plugin.clone(),
             plugin_name: PLUGIN.into(),
             plugin_config: plugin_config(),
+            owned_config: false,
+            owned_config_file: DEFAULT_OWNED_CONFIG_FILE.into(),
             service_account: None,
+        })
+    }
+
+    /// An installer that chains weir in its own file, `02-weir-cni.conflist`.
+    fn owning_installer(&self) -> Installer {
+        Installer::new(InstallConfig {
+            owned_config: true,
+            ..self.installer().inner.config.clone()
         })
     }
 
@@ -167,6 +178,7 @@ fn installed(file: PathBuf) -> InstallOutcome {
         file,
         config_changed: true,
         binary_changed: true,
+        entry_restored: true,
         reinstated: false,
     }
 }

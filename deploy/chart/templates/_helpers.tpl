@@ -1,0 +1,19 @@
+{{/* The objects' name: the agent looks up its own DaemonSet by it (WEIR_DAEMONSET_NAME), and the
+Role grants that one name alone. */}}
+{{- define "weir.name" -}}weir{{- end }}
+
+{{- define "weir.labels" -}}
+app.kubernetes.io/name: {{ include "weir.name" . }}
+app.kubernetes.io/component: node-agent
+{{- end }}
+
+{{- define "weir.repairAction" -}}
+{{- if and .Values.repair.deletePods .Values.repair.labelPods -}}
+{{- fail "repair.deletePods and repair.labelPods: set at most one" -}}
+{{- end -}}
+{{- if not .Values.repair.enabled -}}none
+{{- else if .Values.repair.deletePods -}}delete
+{{- else if .Values.repair.labelPods -}}label
+{{- else -}}none
+{{- end -}}
+{{- end }}

@@ -1,0 +1,301 @@
+//! deploy/chart, rendered by helm as `helm install` renders it: with its defaults it is
+//! deploy/weir.yaml, object for object; each platform profile and each value an operator sets
+//! reaches the agent as a setting it parses, with the node paths mounted where the agent looks.
+//!
+//! Needs helm: `WEIR_HELM` (`cargo xtask test` fetches it and passes it on), else `helm` on PATH.
+//! Under `CI=true` a missing one fails the tests.
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use clap::{CommandFactory, Parser};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use weir_agent::cli::Cli;
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
+}
+
+fn helm() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("WEIR_HELM") {
+        return Some(PathBuf::from(path));
+    }
+    let on_path = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("helm"))
+            .find(|file| file.is_file())
+    });
+    if on_path.is_none() {
+        let reason = "no helm: set WEIR_HELM or put helm on PATH (`cargo xtask test` fetches it)";
+        if std::env::var("CI").is_ok_and(|ci| ci == "true") {
+            panic!("{reason}");
+        }
+        eprintln!("skipping: {reason}");
+    }
+    on_path
+}
+
+/// `helm template weir deploy/chart --namespace istio-system` with `args` (`-f`, `--set`): the
+/// objects by `(kind, name)`, or helm's error.
+fn render(helm: &Path, args: &[&str]) -> Result<BTreeMap<(String, String), Value>, String> {
+    let out = Command::new(helm)
+        .args(["template", "weir"])
+        .arg(deploy_dir().join("chart"))
+        .args(["--namespace", "istio-system"])
+        .args(args)
+        .current_dir(deploy_dir())
+        .output()
+        .expect("helm runs");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(objects(&String::from_utf8(out.stdout).unwrap()))
+}
+
+fn objects(yaml: &str) -> BTreeMap<(String, String), Value> {
+    serde_norway::Deserializer::from_str(yaml)
+        .map(|document| Value::deserialize(document).unwrap())
+        .filter(|object| !object.is_null())
+        .map(|object| {
+            let key = (
+                object["kind"].as_str().unwrap().to_owned(),
+                object["metadata"]["name"].as_str().unwrap().to_owned(),
+            );
+            (key, object)
+        })
+        .collect()
+}
+
+fn daemonset(objects: &BTreeMap<(String, String), Value>) -> &Value {
+    &objects[&("DaemonSet".into(), "weir".into())]
+}
+
+fn container(objects: &BTreeMap<(String, String), Value>) -> &Value {
+    &daemonset(objects)["spec"]["template"]["spec"]["containers"][0]
+}
+
+/// The container's env with plain values (not the Downward API's).
+fn env(objects: &BTreeMap<(String, String), Value>) -> BTreeMap<String, String> {
+    container(objects)["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|env| Some((env["name"].as_str()?.into(), env["value"].as_str()?.into())))
+        .collect()
+}
+
+/// `weir-agent run` as this env configures it: every variable but RUST_LOG is one of its flags', and every
+/// value parses. The flags are given on the command line (the env of this test process is not
+/// the container's).
+fn parse_as_agent(env: &BTreeMap<String, String>) -> Cli {
+    let command = Cli::command();
+    let run = command.find_subcommand("run").unwrap();
+    let flags: BTreeMap<String, (String, bool)> = command
+        .get_arguments()
+        .chain(run.get_arguments())
+        .filter_map(|arg| {
+            let env = arg.get_env()?.to_str()?.to_owned();
+            let takes_value = arg.get_action().takes_values();
+            Some((env, (arg.get_long()?.to_owned(), takes_value)))
+        })
+        .collect();
+    let mut args = vec!["weir-agent".to_owned(), "run".to_owned()];
+    // RUST_LOG is the log filter's, read before the flags.
+    for (name, value) in env.iter().filter(|(name, _)| *name != "RUST_LOG") {
+        let (long, takes_value) = flags
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} is no flag's env of weir-agent run"));
+        if *takes_value {
+            args.push(format!("--{long}={value}"));
+        } else if value == "true" {
+            // A switch: clap reads its env as set unless it is false-like.
+            args.push(format!("--{long}"));
+        } else {
+            assert_eq!(value, "false", "{name}: a switch is true or false");
+        }
+    }
+    Cli::try_parse_from(&args).unwrap_or_else(|e| panic!("{args:?}: {e}"))
+}
+
+/// The host path of the volume mounted at `mount_path`, which must be mounted at its own path.
+fn host_path_mounted_at(objects: &BTreeMap<(String, String), Value>, mount_path: &str) -> String {
+    let pod = &daemonset(objects)["spec"]["template"]["spec"];
+    let mount = container(objects)["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|mount| mount["mountPath"] == mount_path)
+        .unwrap_or_else(|| panic!("nothing mounted at {mount_path}"));
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|volume| volume["name"] == mount["name"])
+        .unwrap();
+    volume["hostPath"]["path"].as_str().unwrap().to_owned()
+}
+
+#[test]
+fn the_defaults_render_deploy_weir_yaml() {
+    let Some(helm) = helm() else { return };
+    let rendered = render(&helm, &[]).unwrap();
+    let manifest = objects(&std::fs::read_to_string(deploy_dir().join("weir.yaml")).unwrap());
+    assert_eq!(
+        rendered.keys().collect::<Vec<_>>(),
+        manifest.keys().collect::<Vec<_>>(),
+        "the same objects"
+    );
+    for (key, object) in &manifest {
+        assert_eq!(&rendered[key], object, "{key:?}");
+    }
+    let chart: Value = serde_norway::from_str(
+        &std::fs::read_to_string(deploy_dir().join("chart/Chart.yaml")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(chart["appVersion"], env!("CARGO_PKG_VERSION"));
+    parse_as_agent(&env(&rendered));
+}
+
+/// Each profile: the paths it names are the ones the agent is told and the ones mounted, at the
+/// same path; plus what the platform needs besides.
+#[test]
+fn every_platform_profile_mounts_and_configures_its_cni_paths() {
+    let Some(helm) = helm() else { return };
+    for (profile, bin_dir, conf_dir) in [
+        ("gke", "/home/kubernetes/bin", "/etc/cni/net.d"),
+        (
+            "k3s",
+            "/var/lib/rancher/k3s/data/current/bin",
+            "/var/lib/rancher/k3s/agent/etc/cni/net.d",
+        ),
+        ("rke2", "/opt/cni/bin", "/etc/cni/net.d"),
+        ("eks", "/opt/cni/bin", "/etc/cni/net.d"),
+        ("openshift", "/var/lib/cni/bin", "/etc/cni/multus/net.d"),
+    ] {
+        let file = format!("chart/profiles/{profile}.yaml");
+        let objects = render(&helm, &["-f", &file]).unwrap();
+        let cli = parse_as_agent(&env(&objects));
+        let weir_agent::cli::Command::Run(run) = cli.command else {
+            unreachable!()
+        };
+        assert_eq!(run.cni_dirs.cni_bin_dir, Path::new(bin_dir), "{profile}");
+        assert_eq!(run.cni_dirs.cni_net_dir, Path::new(conf_dir), "{profile}");
+        assert_eq!(
+            host_path_mounted_at(&objects, bin_dir),
+            bin_dir,
+            "{profile}"
+        );
+        assert_eq!(
+            host_path_mounted_at(&objects, conf_dir),
+            conf_dir,
+            "{profile}"
+        );
+        let pod = &daemonset(&objects)["spec"]["template"]["spec"];
+        assert_eq!(
+            pod["nodeSelector"],
+            json!({"kubernetes.io/os": "linux"}),
+            "{profile}"
+        );
+
+        let quota = objects.get(&("ResourceQuota".into(), "weir-resource-quota".into()));
+        assert_eq!(quota.is_some(), profile == "gke", "{profile}");
+        if let Some(quota) = quota {
+            assert_eq!(
+                quota["spec"]["scopeSelector"]["matchExpressions"][0]["values"],
+                json!(["system-node-critical"])
+            );
+            assert_eq!(pod["priorityClassName"], "system-node-critical");
+        }
+        let scc = objects.get(&("RoleBinding".into(), "weir-privileged-scc".into()));
+        assert_eq!(scc.is_some(), profile == "openshift", "{profile}");
+        if let Some(scc) = scc {
+            assert_eq!(scc["roleRef"]["name"], "system:openshift:scc:privileged");
+            assert_eq!(scc["subjects"][0]["name"], pod["serviceAccountName"]);
+            assert_eq!(
+                container(&objects)["securityContext"]["seLinuxOptions"],
+                json!({"type": "spc_t"})
+            );
+        }
+    }
+}
+
+/// istio-cni's values, set as an operator sets them, reach the agent with the same meaning.
+#[test]
+fn istio_cni_values_configure_the_agent() {
+    let Some(helm) = helm() else { return };
+    let objects = render(
+        &helm,
+        &[
+            "--set",
+            "istioOwnedCNIConfig=true,istioOwnedCNIConfigFileName=01-weir.conflist",
+            "--set",
+            "excludeNamespaces={kube-system,monitoring},ambient.dnsCapture=false",
+            "--set",
+            "repair.labelPods=true,repair.repairPods=false,logging.level=debug",
+            "--set-json",
+            r#"ambient.enablementSelectors=[{"podSelector":{"matchLabels":{"mesh":"yes"}}}]"#,
+            "--set",
+            "env.WEIR_RESYNC_INTERVAL=5m,hub=registry.example.com/istio,tag=1.2.3",
+        ],
+    )
+    .unwrap();
+    let env = env(&objects);
+    let weir_agent::cli::Command::Run(run) = parse_as_agent(&env).command else {
+        unreachable!()
+    };
+    assert!(run.cni_dirs.owned_cni_config);
+    assert_eq!(run.cni_dirs.owned_cni_config_filename, "01-weir.conflist");
+    assert_eq!(run.exclude_namespaces, ["kube-system", "monitoring"]);
+    assert!(!run.dns_capture);
+    assert!(!run.repair_pods);
+    assert_eq!(env["WEIR_REPAIR_BROKEN_PODS"], "label");
+    assert_eq!(env["RUST_LOG"], "debug");
+    assert_eq!(run.ambient_enablement_selector.map(|s| s.len()), Some(1));
+    assert_eq!(run.resync_interval, std::time::Duration::from_secs(300));
+    assert_eq!(
+        container(&objects)["image"],
+        "registry.example.com/istio/weir-agent:1.2.3"
+    );
+}
+
+/// Pod deletion is granted exactly when it is configured, and as deploy/repair-delete grants it.
+#[test]
+fn delete_pods_grants_pod_deletion_and_conflicting_actions_are_refused() {
+    let Some(helm) = helm() else { return };
+    let pods_verbs = |objects: &BTreeMap<(String, String), Value>| {
+        objects[&("ClusterRole".into(), "weir".into())]["rules"][0]["verbs"].clone()
+    };
+    let default = render(&helm, &[]).unwrap();
+    assert_eq!(pods_verbs(&default), json!(["get", "list", "watch"]));
+
+    let deleting = render(&helm, &["--set", "repair.deletePods=true"]).unwrap();
+    assert_eq!(env(&deleting)["WEIR_REPAIR_BROKEN_PODS"], "delete");
+    assert_eq!(
+        pods_verbs(&deleting),
+        json!(["get", "list", "watch", "delete"])
+    );
+    let grant =
+        objects(&std::fs::read_to_string(deploy_dir().join("repair-delete/rbac.yaml")).unwrap());
+    let grant = &grant[&("ClusterRole".into(), "weir-repair-delete".into())]["rules"];
+    assert_eq!(
+        grant,
+        &json!([{"apiGroups": [""], "resources": ["pods"], "verbs": ["delete"]}])
+    );
+
+    let disabled = render(
+        &helm,
+        &["--set", "repair.enabled=false,repair.deletePods=true"],
+    )
+    .unwrap();
+    assert_eq!(env(&disabled)["WEIR_REPAIR_BROKEN_PODS"], "none");
+    assert_eq!(env(&disabled)["REPAIR_REPAIR_PODS"], "false");
+    assert_eq!(pods_verbs(&disabled), json!(["get", "list", "watch"]));
+
+    let error = render(
+        &helm,
+        &["--set", "repair.deletePods=true,repair.labelPods=true"],
+    )
+    .expect_err("both actions at once");
+    assert!(error.contains("set at most one"), "{error}");
+}
