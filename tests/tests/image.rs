@@ -19,6 +19,7 @@
 //! `image/weir-agent.tar` in cargo's target directory (`cargo xtask image`). Under `CI=true` a
 //! missing one fails the test.
 
+use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -149,7 +150,7 @@ fn the_images_weir_cni_runs_in_a_root_without_libc() {
     };
     let root = TempDir::new().unwrap();
     let plugin = root.path().join("weir-cni");
-    fs::write(&plugin, file_in_image(&archive, "usr/local/bin/weir-cni")).unwrap();
+    fs::write(&plugin, native_binary(&archive, "weir-cni")).unwrap();
     fs::set_permissions(&plugin, fs::Permissions::from_mode(0o755)).unwrap();
 
     let (succeeded, version) = run_chrooted(root.path(), "VERSION", br#"{"cniVersion":"1.1.0"}"#);
@@ -171,29 +172,134 @@ fn the_images_weir_cni_runs_in_a_root_without_libc() {
     );
 }
 
-/// The file at `path` in the image's layer.
-fn file_in_image(archive: &Path, path: &str) -> Vec<u8> {
-    let mut outer = tar::Archive::new(File::open(archive).unwrap());
-    let mut blobs = std::collections::BTreeMap::new();
-    for entry in outer.entries().unwrap() {
+/// The files (path → mode and content) of the image's layer for `architecture`, found as a
+/// runtime finds them: the OCI layout's index names the image index, which names each platform's
+/// manifest.
+fn layer_files(archive: &Path, architecture: &str) -> BTreeMap<String, (u32, Vec<u8>)> {
+    let blobs = tar_files(File::open(archive).unwrap());
+    let blob = |descriptor: &serde_json::Value| -> &[u8] {
+        let digest = descriptor["digest"].as_str().unwrap();
+        &blobs[&format!("blobs/{}", digest.replacen(':', "/", 1))].1
+    };
+    let json = |bytes: &[u8]| -> serde_json::Value { serde_json::from_slice(bytes).unwrap() };
+    let layout = json(&blobs["index.json"].1);
+    let index = json(blob(&layout["manifests"][0]));
+    let descriptor = index["manifests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|descriptor| descriptor["platform"]["architecture"] == architecture)
+        .unwrap_or_else(|| panic!("no {architecture} image in the index: {index}"));
+    let manifest = json(blob(descriptor));
+    tar_files(flate2::read::GzDecoder::new(blob(&manifest["layers"][0])))
+}
+
+/// A tar's regular files: path → mode and content.
+fn tar_files(tar: impl Read) -> BTreeMap<String, (u32, Vec<u8>)> {
+    let mut files = BTreeMap::new();
+    for entry in tar::Archive::new(tar).entries().unwrap() {
         let mut entry = entry.unwrap();
-        let name = entry.path().unwrap().to_string_lossy().into_owned();
+        if entry.header().entry_type() != tar::EntryType::Regular {
+            continue;
+        }
+        let path = entry.path().unwrap().to_string_lossy().into_owned();
+        let mode = entry.header().mode().unwrap();
         let mut bytes = Vec::new();
         entry.read_to_end(&mut bytes).unwrap();
-        blobs.insert(name, bytes);
+        files.insert(path, (mode, bytes));
     }
-    let manifest: serde_json::Value = serde_json::from_slice(&blobs["manifest.json"]).unwrap();
-    let layer = manifest[0]["Layers"][0].as_str().unwrap();
-    let mut layer = tar::Archive::new(flate2::read::GzDecoder::new(blobs[layer].as_slice()));
-    for entry in layer.entries().unwrap() {
-        let mut entry = entry.unwrap();
-        if entry.path().unwrap() == Path::new(path) {
-            let mut bytes = Vec::new();
-            entry.read_to_end(&mut bytes).unwrap();
-            return bytes;
+    files
+}
+
+/// This machine's architecture, as OCI names it.
+fn native_architecture() -> &'static str {
+    match std::env::consts::ARCH {
+        "aarch64" => "arm64",
+        _ => "amd64",
+    }
+}
+
+/// The image's binary `name`, for this machine's architecture.
+fn native_binary(archive: &Path, name: &str) -> Vec<u8> {
+    let mut files = layer_files(archive, native_architecture());
+    files
+        .remove(&format!("usr/local/bin/{name}"))
+        .unwrap_or_else(|| panic!("no {name} in the image"))
+        .1
+}
+
+/// The image is for arm64 nodes too: its index has an arm64 image whose binaries are arm64's,
+/// and they run (under qemu): weir-cni alone, and weir-agent with the loader and libraries of
+/// its own layer, nothing of this machine's.
+#[test]
+fn the_images_arm64_binaries_are_arm64s_and_run_with_their_own_layer() {
+    let Some(archive) = image_archive() else {
+        return;
+    };
+    const EM_AARCH64: u16 = 183;
+    let root = TempDir::new().unwrap();
+    for (path, (mode, bytes)) in layer_files(&archive, "arm64") {
+        let file = root.path().join(&path);
+        fs::create_dir_all(file.parent().unwrap()).unwrap();
+        fs::write(&file, &bytes).unwrap();
+        fs::set_permissions(&file, fs::Permissions::from_mode(mode)).unwrap();
+        if path.starts_with("usr/local/bin/") {
+            let machine = u16::from_le_bytes([bytes[18], bytes[19]]);
+            assert_eq!(machine, EM_AARCH64, "{path} is an arm64 ELF");
         }
     }
-    panic!("no {path} in the image");
+    let Some(qemu) = qemu_aarch64() else {
+        return;
+    };
+    let bin = root.path().join("usr/local/bin");
+    let mut plugin = Command::new(&qemu);
+    plugin
+        .arg(bin.join("weir-cni"))
+        .env_clear()
+        .env("CNI_COMMAND", "VERSION")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    let mut plugin = plugin.spawn().unwrap();
+    plugin
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(br#"{"cniVersion":"1.1.0"}"#)
+        .unwrap();
+    let out = plugin.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let version: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(version["cniVersion"], "1.1.0");
+
+    // -L: the loader named in the binary, and the libraries, are looked up under the layer.
+    let out = Command::new(&qemu)
+        .arg("-L")
+        .arg(root.path())
+        .arg(bin.join("weir-agent"))
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let version = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        version.trim(),
+        format!("weir-agent {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+/// qemu's user-mode emulator for arm64 (Debian's qemu-user-static, which `cargo xtask test`
+/// installs); `None` after a skip line when missing, which under CI fails the test instead.
+fn qemu_aarch64() -> Option<PathBuf> {
+    let qemu = PathBuf::from("/usr/bin/qemu-aarch64-static");
+    if qemu.exists() {
+        return Some(qemu);
+    }
+    skip_or_fail("qemu-aarch64-static is needed: apt-get install qemu-user-static");
+    None
 }
 
 /// Runs `/weir-cni` with `root` as its root, as the runtime runs a plugin for `command` (on a
@@ -425,15 +531,23 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
     /// The entrypoint in the configuration of `image`, as containerd holds it: `ctr run` takes a
     /// command line whole, where kubelet puts a container's args after the image's entrypoint.
     fn entrypoint(&self, image: &str) -> anyhow::Result<Vec<String>> {
-        // REF TYPE DIGEST ...: the digest of its manifest.
+        // REF TYPE DIGEST ...: the digest of its index (or of its one manifest).
         let listed = run(self.ctr().args(["images", "list"]))?;
-        let manifest_digest = listed
+        let digest = listed
             .lines()
             .map(|line| line.split_whitespace().collect::<Vec<_>>())
             .find(|columns| columns.first() == Some(&image))
             .and_then(|columns| columns.get(2).map(|digest| digest.to_string()))
             .ok_or_else(|| anyhow::anyhow!("no image {image} in\n{listed}"))?;
-        let manifest = self.content(&manifest_digest)?;
+        let mut manifest = self.content(&digest)?;
+        if let Some(manifests) = manifest["manifests"].as_array() {
+            let own = manifests
+                .iter()
+                .find(|descriptor| descriptor["platform"]["architecture"] == native_architecture())
+                .and_then(|descriptor| descriptor["digest"].as_str())
+                .ok_or_else(|| anyhow::anyhow!("{image}: no image for this machine"))?;
+            manifest = self.content(own)?;
+        }
         let config_digest = manifest["config"]["digest"]
             .as_str()
             .ok_or_else(|| anyhow::anyhow!("{image}: a manifest without a config"))?;

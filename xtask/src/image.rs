@@ -1,13 +1,17 @@
 //! `cargo xtask image`: weir's container image, written here from the release binaries, with no
-//! base image and no container engine. Its one layer holds weir-agent (the entrypoint), weir-cni
+//! base image and no container engine, for amd64 and arm64 under one image index (this machine's
+//! architecture built natively, the other cross-compiled with Debian's cross toolchain; the eBPF
+//! object is the same). Each platform's one layer holds weir-agent (the entrypoint), weir-cni
 //! beside it (the agent installs the plugin from next to itself), both without debug info, and
-//! the shared libraries weir-agent loads, at the paths where ldd finds them on this machine.
-//! Nothing else: the agent runs no other program. weir-cni is linked statically against musl: the
-//! runtime runs it on the node, whose libc (glibc of any age, musl, none) is not the image's.
+//! the shared libraries weir-agent loads, where that platform's loader finds them. Nothing else:
+//! the agent runs no other program. weir-cni is linked statically against musl: the runtime runs
+//! it on the node, whose libc (glibc of any age, musl, none) is not the image's.
 //!
 //! The archive is an OCI image layout and a docker-archive at once, over the same blobs, as
-//! `docker save` writes it since Docker 25: `ctr images import`, `docker load` and `podman load`
-//! all read it. Every time in it is the Unix epoch, so the same binaries make the same archive.
+//! `docker save` writes it since Docker 25: `ctr images import` reads the index (and unpacks its
+//! own platform's image), `docker load` and `podman load` the docker-archive, which names this
+//! machine's image. Every time in it is the Unix
+//! epoch, so the same binaries make the same archive.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -60,122 +64,284 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
-/// Builds weir-agent and weir-cni (release, with the eBPF `object` embedded) and writes the image
-/// archive, `<target dir>/image/weir-agent.tar`; returns its path.
-pub fn build(object: &Path) -> Result<PathBuf> {
-    step("building weir-agent and weir-cni (release) for the image");
-    // Only these two packages: built with the test harness, weir-agent would get its
-    // fault-injection points (cargo unifies features).
-    system::run(
-        system::cargo()
-            .current_dir(crate::workspace_root())
-            .args(["build", "--release", "-p", AGENT, "--bins"])
-            .env("WEIR_EBPF_OBJECT", object),
-    )?;
-    let target = crate::target_dir()?;
-    let binaries = [
-        (AGENT, target.join("release").join(AGENT)),
-        (PLUGIN, build_static_plugin(&target)?),
-    ];
-    let image_dir = target.join("image");
-    let stripped_dir = image_dir.join("bin");
-    fs::create_dir_all(&stripped_dir)?;
-    let mut files = BTreeMap::new();
-    for (binary, built) in binaries {
-        for library in shared_libraries(&built)? {
-            files.insert(image_path(&library)?, library);
+/// An architecture the image holds binaries for.
+#[derive(Clone, Copy, Debug)]
+pub struct Platform {
+    /// Rust's name, which is also the first part of Debian's multiarch triple.
+    pub arch: &'static str,
+    /// The OCI name (also Debian's).
+    pub oci: &'static str,
+}
+
+/// Every platform of the image; this machine's is built natively, the others cross-compiled
+/// (the eBPF object is the same for all).
+pub const PLATFORMS: [Platform; 2] = [
+    Platform {
+        arch: "x86_64",
+        oci: "amd64",
+    },
+    Platform {
+        arch: "aarch64",
+        oci: "arm64",
+    },
+];
+
+impl Platform {
+    fn is_native(self) -> bool {
+        self.arch == std::env::consts::ARCH
+    }
+
+    /// Debian's multiarch triple: `x86_64-linux-gnu`.
+    fn multiarch(self) -> String {
+        format!("{}-linux-gnu", self.arch)
+    }
+
+    /// Where this machine keeps the platform's glibc: its own, or Debian's cross copy.
+    fn library_dirs(self) -> Vec<PathBuf> {
+        let multiarch = self.multiarch();
+        if self.is_native() {
+            vec![
+                Path::new("/lib").join(&multiarch),
+                Path::new("/usr/lib").join(&multiarch),
+            ]
+        } else {
+            vec![Path::new("/usr").join(&multiarch).join("lib")]
         }
-        let stripped = stripped_dir.join(binary);
-        strip_debug_info(&built, &stripped)?;
-        files.insert(format!("{BIN_DIR}/{binary}"), stripped);
+    }
+
+    /// Builds weir-agent for the platform (release, with the eBPF `object` embedded).
+    fn build_agent(self, object: &Path, target_dir: &Path) -> Result<PathBuf> {
+        // Only this package: built with the test harness, weir-agent would get its
+        // fault-injection points (cargo unifies features).
+        let mut cargo = system::cargo();
+        cargo
+            .current_dir(crate::workspace_root())
+            .args(["build", "--release", "-p", AGENT, "--bin", AGENT])
+            .env("WEIR_EBPF_OBJECT", object);
+        if self.is_native() {
+            system::run(&mut cargo)?;
+            return Ok(target_dir.join("release").join(AGENT));
+        }
+        let triple = format!("{}-unknown-linux-gnu", self.arch);
+        let gcc = format!("{}-gcc", self.multiarch());
+        system::ensure_packages(
+            &[
+                &format!("gcc-{}", self.multiarch().replace('_', "-")),
+                &format!("libc6-dev-{}-cross", self.oci),
+            ],
+            "weir-agent cannot be cross-compiled",
+        )?;
+        add_rust_target(&triple)?;
+        system::run(
+            cargo
+                .args(["--target", &triple])
+                .env(NO_DEBUG_INFO.0, NO_DEBUG_INFO.1)
+                .env(cargo_target_env(&triple, "LINKER"), &gcc)
+                .env(format!("CC_{}", triple.replace('-', "_")), &gcc),
+        )?;
+        Ok(target_dir.join(&triple).join("release").join(AGENT))
+    }
+
+    /// Builds weir-cni for the platform with musl, statically linked: the runtime runs it on the
+    /// node, whatever the node's libc. ring's C code needs a C compiler for the platform (musl's
+    /// for this machine, Debian's cross gcc otherwise); rust-lld links with Rust's own musl.
+    fn build_static_plugin(self, target_dir: &Path) -> Result<PathBuf> {
+        let triple = format!("{}-unknown-linux-musl", self.arch);
+        step(&format!("building {PLUGIN} (release, static, {triple})"));
+        let (package, cc) = if self.is_native() {
+            (
+                "musl-tools".to_owned(),
+                format!("{}-linux-musl-gcc", self.arch),
+            )
+        } else {
+            (
+                format!("gcc-{}", self.multiarch().replace('_', "-")),
+                format!("{}-gcc", self.multiarch()),
+            )
+        };
+        system::ensure_packages(&[&package], "weir-cni cannot be built for musl")?;
+        add_rust_target(&triple)?;
+        system::run(
+            system::cargo()
+                .current_dir(crate::workspace_root())
+                .args(["build", "--release", "-p", PLUGIN, "--bin", PLUGIN])
+                .args(["--target", &triple])
+                .env(NO_DEBUG_INFO.0, NO_DEBUG_INFO.1)
+                .env(cargo_target_env(&triple, "LINKER"), "rust-lld")
+                .env(format!("CC_{}", triple.replace('-', "_")), cc),
+        )?;
+        Ok(target_dir.join(triple).join("release").join(PLUGIN))
+    }
+
+    /// The files of the platform's image: the two binaries without debug info, and the shared
+    /// libraries weir-agent loads.
+    fn files(self, object: &Path, target_dir: &Path) -> Result<BTreeMap<String, PathBuf>> {
+        step(&format!(
+            "building weir-agent and weir-cni (release) for {}",
+            self.oci
+        ));
+        let binaries = [
+            (AGENT, self.build_agent(object, target_dir)?),
+            (PLUGIN, self.build_static_plugin(target_dir)?),
+        ];
+        let stripped_dir = target_dir.join("image").join(self.oci);
+        fs::create_dir_all(&stripped_dir)?;
+        let mut files = BTreeMap::new();
+        for (binary, built) in binaries {
+            files.extend(self.shared_libraries(&built)?);
+            let stripped = stripped_dir.join(binary);
+            self.strip_debug_info(&built, &stripped)?;
+            files.insert(format!("{BIN_DIR}/{binary}"), stripped);
+        }
+        Ok(files)
+    }
+
+    /// A copy of `binary` without the debug info that the release profile keeps (most of the
+    /// file), with its symbols, so that a backtrace still names functions. objcopy handles only
+    /// its own architecture: a cross-compiled binary takes the cross binutils' (which come with
+    /// the cross gcc).
+    fn strip_debug_info(self, binary: &Path, copy: &Path) -> Result<()> {
+        let objcopy = match self.is_native() {
+            true => "objcopy".to_owned(),
+            false => format!("{}-objcopy", self.multiarch()),
+        };
+        system::run(
+            Command::new(&objcopy)
+                .arg("--strip-debug")
+                .arg(binary)
+                .arg(copy),
+        )
+        .with_context(|| format!("stripping debug info with {objcopy} (Debian's binutils)"))
+    }
+
+    /// The dynamic loader and the shared libraries `binary` needs, and theirs (path in the
+    /// image → file on this machine), found where the platform's loader looks: in
+    /// `/lib/<multiarch>`, the dynamic loader at the path the binary names. None for a static
+    /// binary.
+    fn shared_libraries(self, binary: &Path) -> Result<BTreeMap<String, PathBuf>> {
+        let mut files = BTreeMap::new();
+        let Some(interpreter) = interpreter(binary)? else {
+            return Ok(files);
+        };
+        let interpreter_name = file_name(&interpreter)?;
+        let source = if self.is_native() {
+            interpreter.clone()
+        } else {
+            self.library_dirs()[0].join(&interpreter_name)
+        };
+        files.insert(image_path(&interpreter)?, source);
+        let mut pending = needed(binary)?;
+        while let Some(library) = pending.pop() {
+            let image_path = format!("lib/{}/{library}", self.multiarch());
+            if library == interpreter_name || files.contains_key(&image_path) {
+                continue;
+            }
+            let source = self
+                .library_dirs()
+                .iter()
+                .map(|dir| dir.join(&library))
+                .find(|path| path.exists())
+                .with_context(|| {
+                    format!("{library}, which {} needs, is not found", binary.display())
+                })?;
+            pending.extend(needed(&source)?);
+            files.insert(image_path, source);
+        }
+        Ok(files)
+    }
+}
+
+/// For the builds only the image uses, in target dirs of their own: the image strips debug info
+/// anyway, and not making it is a good part of a release build's time. (This machine's weir-agent
+/// is built as the workspace's release profile says, in the target dir other builds share.)
+const NO_DEBUG_INFO: (&str, &str) = ("CARGO_PROFILE_RELEASE_DEBUG", "0");
+
+/// `CARGO_TARGET_<TRIPLE>_<key>`.
+fn cargo_target_env(triple: &str, key: &str) -> String {
+    format!(
+        "CARGO_TARGET_{}_{key}",
+        triple.to_uppercase().replace('-', "_")
+    )
+}
+
+fn add_rust_target(triple: &str) -> Result<()> {
+    system::run(Command::new("rustup").args(["target", "add", triple]))
+        .with_context(|| format!("adding the Rust target {triple}"))
+}
+
+fn file_name(path: &Path) -> Result<String> {
+    path.file_name()
+        .and_then(|name| name.to_str())
+        .map(str::to_owned)
+        .with_context(|| format!("{} has no file name", path.display()))
+}
+
+/// Builds weir-agent and weir-cni for every platform and writes the image archive,
+/// `<target dir>/image/weir-agent.tar`; returns its path.
+pub fn build(object: &Path) -> Result<PathBuf> {
+    let target = crate::target_dir()?;
+    // This machine's first: docker-archive's manifest names one image, the one that runs here.
+    let mut platforms = PLATFORMS.to_vec();
+    platforms.sort_by_key(|platform| !platform.is_native());
+    let mut images = Vec::new();
+    for platform in platforms {
+        images.push(PlatformImage::new(
+            &platform.files(object, &target)?,
+            platform.oci,
+        )?);
     }
     step(&format!("writing the image {}", reference()));
-    let archive = image_dir.join("weir-agent.tar");
+    let archive = target.join("image").join("weir-agent.tar");
     let partial = archive.with_extension("tar.partial");
-    let image = Image::new(&files, &reference(), oci_architecture()?)?;
-    image
+    Image::new(images, &reference())
         .write(std::io::BufWriter::new(fs::File::create(&partial)?))
         .with_context(|| format!("writing {}", partial.display()))?;
     fs::rename(&partial, &archive)?;
     Ok(archive)
 }
 
-/// Builds weir-cni for this machine's architecture with musl, statically linked; returns its path.
-/// Needs the Rust target (added with rustup) and a C compiler for musl (ring's C code): Debian's
-/// musl-tools.
-pub fn build_static_plugin(target_dir: &Path) -> Result<PathBuf> {
-    let triple = format!("{}-unknown-linux-musl", std::env::consts::ARCH);
-    step(&format!("building {PLUGIN} (release, static, {triple})"));
-    system::ensure_packages(&["musl-tools"], "weir-cni cannot be built for musl")?;
-    system::run(Command::new("rustup").args(["target", "add", &triple]))
-        .with_context(|| format!("adding the Rust target {triple}"))?;
-    system::run(
-        system::cargo()
-            .current_dir(crate::workspace_root())
-            .args(["build", "--release", "-p", PLUGIN, "--bin", PLUGIN])
-            .args(["--target", &triple]),
-    )?;
-    Ok(target_dir.join(triple).join("release").join(PLUGIN))
-}
-
-/// A copy of `binary` without the debug info that the release profile keeps (most of the file),
-/// with its symbols, so that a backtrace still names functions.
-fn strip_debug_info(binary: &Path, copy: &Path) -> Result<()> {
-    system::run(
-        Command::new("objcopy")
-            .arg("--strip-debug")
-            .arg(binary)
-            .arg(copy),
-    )
-    .context("stripping debug info with objcopy (Debian's binutils)")
-}
-
-/// The shared libraries `binary` loads, the dynamic loader among them, as ldd resolves them on
-/// this machine; none for a static binary.
-fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>> {
-    let out = Command::new("ldd")
-        .arg(binary)
+/// `readelf` (Debian's binutils, any architecture's ELF) on `file`.
+fn readelf(option: &str, file: &Path) -> Result<String> {
+    let out = Command::new("readelf")
+        .args([option, "-W"])
+        .arg(file)
         .output()
-        .context("cannot run ldd (Debian's libc-bin)")?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
+        .context("cannot run readelf (Debian's binutils)")?;
     if !out.status.success() {
-        if String::from_utf8_lossy(&out.stderr).contains("not a dynamic executable") {
-            return Ok(Vec::new());
-        }
         bail!(
-            "ldd {} failed: {}\n{}",
-            binary.display(),
-            out.status,
+            "readelf {option} {} failed: {}",
+            file.display(),
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    parse_ldd(&stdout).with_context(|| format!("the libraries of {}", binary.display()))
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// The files in ldd's listing: `libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)` and
-/// `/lib64/ld-linux-x86-64.so.2 (0x...)` name one; `linux-vdso.so.1 (0x...)` is the kernel's.
-fn parse_ldd(listing: &str) -> Result<Vec<PathBuf>> {
-    let mut files = Vec::new();
-    for line in listing
+/// The dynamic loader `binary` names (`PT_INTERP`); none for a static binary.
+fn interpreter(binary: &Path) -> Result<Option<PathBuf>> {
+    Ok(parse_interpreter(&readelf("-l", binary)?))
+}
+
+fn parse_interpreter(program_headers: &str) -> Option<PathBuf> {
+    let (_, rest) = program_headers.split_once("[Requesting program interpreter: ")?;
+    let (path, _) = rest.split_once(']')?;
+    Some(PathBuf::from(path))
+}
+
+/// The libraries `file` names as `DT_NEEDED`.
+fn needed(file: &Path) -> Result<Vec<String>> {
+    Ok(parse_needed(&readelf("-d", file)?))
+}
+
+fn parse_needed(dynamic_section: &str) -> Vec<String> {
+    dynamic_section
         .lines()
-        .map(str::trim)
-        .filter(|line| !line.is_empty())
-    {
-        let loaded = match line.split_once("=>") {
-            Some((name, target)) => {
-                if target.trim() == "not found" {
-                    bail!("{} is not found", name.trim());
-                }
-                target
-            }
-            None => line,
-        };
-        let path = loaded.split_whitespace().next().unwrap_or_default();
-        if path.starts_with('/') {
-            files.push(PathBuf::from(path));
-        }
-    }
-    Ok(files)
+        .filter(|line| line.contains("(NEEDED)"))
+        .filter_map(|line| {
+            let (_, rest) = line.split_once("Shared library: [")?;
+            Some(rest.split_once(']')?.0.to_owned())
+        })
+        .collect()
 }
 
 /// Where a file of this machine goes in the image: at the same path, relative to the layer's root.
@@ -187,15 +353,6 @@ fn image_path(file: &Path) -> Result<String> {
         .to_str()
         .map(str::to_owned)
         .with_context(|| format!("{} is not UTF-8", file.display()))
-}
-
-/// The OCI name of this machine's architecture, which the binaries are built for.
-fn oci_architecture() -> Result<&'static str> {
-    match std::env::consts::ARCH {
-        "x86_64" => Ok("amd64"),
-        "aarch64" => Ok("arm64"),
-        other => bail!("no OCI architecture name for {other}"),
-    }
 }
 
 /// Content, named by its digest.
@@ -232,22 +389,17 @@ fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{hex}")
 }
 
-/// The image's blobs: its layer, configuration and manifest.
-struct Image {
-    reference: String,
+/// One platform's image: its layer, configuration and manifest.
+struct PlatformImage {
     architecture: &'static str,
     layer: Blob,
     config: Blob,
     manifest: Blob,
 }
 
-impl Image {
-    /// The image of `files` (path in the image → file on this machine), named `reference`.
-    fn new(
-        files: &BTreeMap<String, PathBuf>,
-        reference: &str,
-        architecture: &'static str,
-    ) -> Result<Self> {
+impl PlatformImage {
+    /// The image of `files` (path in the image → file on this machine) for `architecture`.
+    fn new(files: &BTreeMap<String, PathBuf>, architecture: &'static str) -> Result<Self> {
         let layer_tar = layer_tar(files)?;
         let diff_id = sha256(&layer_tar);
         let mut gzip = GzEncoder::new(Vec::new(), Compression::best());
@@ -268,40 +420,71 @@ impl Image {
             "layers": [layer.descriptor(LAYER_MEDIA_TYPE)],
         }));
         Ok(Self {
-            reference: reference.to_owned(),
             architecture,
             layer,
             config,
             manifest,
         })
     }
+}
 
-    /// The archive: the OCI layout's `oci-layout` and `index.json`, docker-archive's
-    /// `manifest.json` and `repositories`, and the blobs both point to.
+/// The multi-platform image: each platform's, under one image index, which the name points to.
+struct Image {
+    reference: String,
+    /// This machine's first.
+    platforms: Vec<PlatformImage>,
+    index: Blob,
+}
+
+impl Image {
+    fn new(platforms: Vec<PlatformImage>, reference: &str) -> Self {
+        let manifests: Vec<Value> = platforms
+            .iter()
+            .map(|image| {
+                let mut descriptor = image.manifest.descriptor(MANIFEST_MEDIA_TYPE);
+                descriptor["platform"] = json!({"architecture": image.architecture, "os": "linux"});
+                descriptor
+            })
+            .collect();
+        let index = Blob::of_json(&json!({
+            "schemaVersion": 2,
+            "mediaType": INDEX_MEDIA_TYPE,
+            "manifests": manifests,
+        }));
+        Self {
+            reference: reference.to_owned(),
+            platforms,
+            index,
+        }
+    }
+
+    /// The archive: the OCI layout's `oci-layout` and `index.json` (naming the image index),
+    /// docker-archive's `manifest.json` and `repositories` (naming the first platform's image:
+    /// docker-archive has no index), and the blobs they point to.
     fn write(&self, out: impl Write) -> Result<()> {
         let (repository, tag) = self
             .reference
             .rsplit_once(':')
             .context("the image reference has no tag")?;
-        let mut manifest_descriptor = self.manifest.descriptor(MANIFEST_MEDIA_TYPE);
-        manifest_descriptor["platform"] = json!({"architecture": self.architecture, "os": "linux"});
+        let mut index_descriptor = self.index.descriptor(INDEX_MEDIA_TYPE);
         // containerd names the image by the first, podman by the second; both the full name.
-        manifest_descriptor["annotations"] = json!({
+        index_descriptor["annotations"] = json!({
             "io.containerd.image.name": self.reference,
             "org.opencontainers.image.ref.name": self.reference,
         });
-        let index = json!({
+        let layout_index = json!({
             "schemaVersion": 2,
             "mediaType": INDEX_MEDIA_TYPE,
-            "manifests": [manifest_descriptor],
+            "manifests": [index_descriptor],
         });
+        let first = self.platforms.first().context("an image of no platform")?;
         let docker_manifest = json!([{
-            "Config": self.config.path(),
+            "Config": first.config.path(),
             "RepoTags": [self.reference],
-            "Layers": [self.layer.path()],
+            "Layers": [first.layer.path()],
         }]);
         // The legacy name → top layer map, as Docker still writes it.
-        let layer_hex = self.layer.digest.trim_start_matches("sha256:");
+        let layer_hex = first.layer.digest.trim_start_matches("sha256:");
         let repositories = json!({repository: {tag: layer_hex}});
 
         let mut archive = tar::Builder::new(out);
@@ -309,13 +492,18 @@ impl Image {
         for dir in ["blobs/", "blobs/sha256/"] {
             append(&mut archive, dir, None)?;
         }
-        for blob in [&self.layer, &self.config, &self.manifest] {
+        let blobs = self
+            .platforms
+            .iter()
+            .flat_map(|image| [&image.layer, &image.config, &image.manifest])
+            .chain([&self.index]);
+        for blob in blobs {
             append(&mut archive, &blob.path(), Some((0o644, &blob.bytes)))?;
         }
         let oci_layout = json_file(&json!({"imageLayoutVersion": "1.0.0"}));
         for (path, bytes) in [
             ("oci-layout", oci_layout),
-            ("index.json", json_file(&index)),
+            ("index.json", json_file(&layout_index)),
             ("manifest.json", json_file(&docker_manifest)),
             ("repositories", json_file(&repositories)),
         ] {
@@ -420,7 +608,7 @@ mod tests {
         bytes
     }
 
-    /// The image of a fake agent and libc.
+    /// The image of a fake agent and libc, for amd64 and arm64.
     fn test_image() -> Vec<u8> {
         let dir = tempfile::tempdir().unwrap();
         let file = |name: &str, content: &[u8], mode: u32| {
@@ -429,37 +617,59 @@ mod tests {
             fs::set_permissions(&path, fs::Permissions::from_mode(mode)).unwrap();
             path
         };
-        let files = BTreeMap::from([
-            (
-                "usr/local/bin/weir-agent".to_owned(),
-                file("weir-agent", b"agent", 0o755),
-            ),
-            (
-                "lib/x86_64-linux-gnu/libc.so.6".to_owned(),
-                file("libc.so.6", b"libc", 0o644),
-            ),
-        ]);
+        let platform = |architecture, multiarch: &str| {
+            let files = BTreeMap::from([
+                (
+                    "usr/local/bin/weir-agent".to_owned(),
+                    file(&format!("agent-{architecture}"), b"agent", 0o755),
+                ),
+                (
+                    format!("lib/{multiarch}/libc.so.6"),
+                    file(&format!("libc-{architecture}"), b"libc", 0o644),
+                ),
+            ]);
+            PlatformImage::new(&files, architecture).unwrap()
+        };
+        let images = vec![
+            platform("amd64", "x86_64-linux-gnu"),
+            platform("arm64", "aarch64-linux-gnu"),
+        ];
         let mut archive = Vec::new();
-        Image::new(&files, "localhost/weir-agent:1.2.3", "amd64")
-            .unwrap()
+        Image::new(images, "localhost/weir-agent:1.2.3")
             .write(&mut archive)
             .unwrap();
         archive
     }
 
+    /// The image index the archive's `index.json` names, and each platform's manifest.
+    fn manifests(entries: &BTreeMap<String, (tar::Header, Vec<u8>)>) -> BTreeMap<String, Value> {
+        let layout = json_at(entries, "index.json");
+        let descriptors = layout["manifests"].as_array().unwrap();
+        assert_eq!(descriptors.len(), 1);
+        assert_eq!(descriptors[0]["mediaType"], INDEX_MEDIA_TYPE);
+        let index: Value = serde_json::from_slice(blob(entries, &descriptors[0])).unwrap();
+        index["manifests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|descriptor| {
+                assert_eq!(descriptor["platform"]["os"], "linux");
+                let architecture = descriptor["platform"]["architecture"].as_str().unwrap();
+                let manifest = serde_json::from_slice(blob(entries, descriptor)).unwrap();
+                (architecture.to_owned(), manifest)
+            })
+            .collect()
+    }
+
     #[test]
-    fn the_oci_layout_and_the_docker_archive_name_the_same_blobs() {
+    fn the_oci_layout_indexes_every_platform_and_the_docker_archive_names_the_first() {
         let archive = test_image();
         let entries = entries(&archive);
         assert_eq!(
             json_at(&entries, "oci-layout"),
             json!({"imageLayoutVersion": "1.0.0"})
         );
-
-        let index = json_at(&entries, "index.json");
-        let descriptors = index["manifests"].as_array().unwrap();
-        assert_eq!(descriptors.len(), 1);
-        let annotations = &descriptors[0]["annotations"];
+        let annotations = &json_at(&entries, "index.json")["manifests"][0]["annotations"];
         assert_eq!(
             annotations["io.containerd.image.name"],
             "localhost/weir-agent:1.2.3"
@@ -468,34 +678,43 @@ mod tests {
             annotations["org.opencontainers.image.ref.name"],
             "localhost/weir-agent:1.2.3"
         );
-        let manifest: Value = serde_json::from_slice(blob(&entries, &descriptors[0])).unwrap();
-        assert_eq!(manifest["mediaType"], MANIFEST_MEDIA_TYPE);
-        let config_bytes = blob(&entries, &manifest["config"]);
-        let config: Value = serde_json::from_slice(config_bytes).unwrap();
-        let layers = manifest["layers"].as_array().unwrap();
-        assert_eq!(layers.len(), 1);
-        let layer = blob(&entries, &layers[0]);
-
-        // The layer's diff_id is the digest of the uncompressed tar.
-        let mut layer_tar = Vec::new();
-        GzDecoder::new(layer).read_to_end(&mut layer_tar).unwrap();
-        assert_eq!(config["rootfs"]["diff_ids"], json!([sha256(&layer_tar)]));
+        let manifests = manifests(&entries);
         assert_eq!(
-            config["config"]["Entrypoint"],
-            json!(["/usr/local/bin/weir-agent"])
+            manifests.keys().collect::<Vec<_>>(),
+            ["amd64", "arm64"],
+            "a multi-platform index"
         );
-        assert_eq!(config["architecture"], "amd64");
+        for (architecture, manifest) in &manifests {
+            assert_eq!(manifest["mediaType"], MANIFEST_MEDIA_TYPE);
+            let config: Value =
+                serde_json::from_slice(blob(&entries, &manifest["config"])).unwrap();
+            let layers = manifest["layers"].as_array().unwrap();
+            assert_eq!(layers.len(), 1);
+            // The layer's diff_id is the digest of the uncompressed tar.
+            let mut layer_tar = Vec::new();
+            GzDecoder::new(blob(&entries, &layers[0]))
+                .read_to_end(&mut layer_tar)
+                .unwrap();
+            assert_eq!(config["rootfs"]["diff_ids"], json!([sha256(&layer_tar)]));
+            assert_eq!(
+                config["config"]["Entrypoint"],
+                json!(["/usr/local/bin/weir-agent"])
+            );
+            assert_eq!(&config["architecture"], architecture);
+        }
 
+        let first = &manifests["amd64"];
         let docker = json_at(&entries, "manifest.json");
-        let config_path = format!("blobs/{}", manifest["config"]["digest"].as_str().unwrap());
-        assert_eq!(docker[0]["Config"], config_path.replacen(':', "/", 1));
-        let layer_path = format!("blobs/{}", layers[0]["digest"].as_str().unwrap());
-        assert_eq!(
-            docker[0]["Layers"],
-            json!([layer_path.replacen(':', "/", 1)])
-        );
+        let path = |descriptor: &Value| {
+            format!("blobs/{}", descriptor["digest"].as_str().unwrap()).replacen(':', "/", 1)
+        };
+        assert_eq!(docker[0]["Config"], path(&first["config"]));
+        assert_eq!(docker[0]["Layers"], json!([path(&first["layers"][0])]));
         assert_eq!(docker[0]["RepoTags"], json!(["localhost/weir-agent:1.2.3"]));
-        let layer_hex = layers[0]["digest"].as_str().unwrap().replace("sha256:", "");
+        let layer_hex = first["layers"][0]["digest"]
+            .as_str()
+            .unwrap()
+            .replace("sha256:", "");
         assert_eq!(
             json_at(&entries, "repositories"),
             json!({"localhost/weir-agent": {"1.2.3": layer_hex}})
@@ -506,9 +725,7 @@ mod tests {
     fn the_layer_holds_the_files_and_their_directories_owned_by_root_at_the_epoch() {
         let archive = test_image();
         let entries = entries(&archive);
-        let index = json_at(&entries, "index.json");
-        let manifest: Value =
-            serde_json::from_slice(blob(&entries, &index["manifests"][0])).unwrap();
+        let manifest = &manifests(&entries)["arm64"];
         let mut layer_tar = Vec::new();
         GzDecoder::new(blob(&entries, &manifest["layers"][0]))
             .read_to_end(&mut layer_tar)
@@ -531,8 +748,8 @@ mod tests {
         }
         let expected = [
             ("lib/", 0o755, ""),
-            ("lib/x86_64-linux-gnu/", 0o755, ""),
-            ("lib/x86_64-linux-gnu/libc.so.6", 0o644, "libc"),
+            ("lib/aarch64-linux-gnu/", 0o755, ""),
+            ("lib/aarch64-linux-gnu/libc.so.6", 0o644, "libc"),
             ("usr/", 0o755, ""),
             ("usr/local/", 0o755, ""),
             ("usr/local/bin/", 0o755, ""),
@@ -548,22 +765,26 @@ mod tests {
     }
 
     #[test]
-    fn ldd_listing_names_the_loader_and_the_libraries_not_the_vdso() {
-        let listing = "\tlinux-vdso.so.1 (0x00007ffc2b5f4000)
-\tlibgcc_s.so.1 => /lib/x86_64-linux-gnu/libgcc_s.so.1 (0x00007f0b1c6a0000)
-\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f0b1c4bf000)
-\t/lib64/ld-linux-x86-64.so.2 (0x00007f0b1c6e9000)
+    fn readelf_names_the_loader_and_the_needed_libraries() {
+        let program_headers = "
+Program Headers:
+  Type           Offset   VirtAddr           PhysAddr           FileSiz  MemSiz   Flg Align
+  PHDR           0x000040 0x0000000000000040 0x0000000000000040 0x0002d8 0x0002d8 R   0x8
+  INTERP         0x000318 0x0000000000000318 0x0000000000000318 0x00001b 0x00001b R   0x1
+      [Requesting program interpreter: /lib/ld-linux-aarch64.so.1]
 ";
         assert_eq!(
-            parse_ldd(listing).unwrap(),
-            [
-                "/lib/x86_64-linux-gnu/libgcc_s.so.1",
-                "/lib/x86_64-linux-gnu/libc.so.6",
-                "/lib64/ld-linux-x86-64.so.2",
-            ]
-            .map(PathBuf::from)
+            parse_interpreter(program_headers),
+            Some(PathBuf::from("/lib/ld-linux-aarch64.so.1"))
         );
-        let missing = "\tlibfoo.so.1 => not found\n";
-        assert!(parse_ldd(missing).is_err());
+        assert_eq!(parse_interpreter("There are no program headers"), None);
+        let dynamic = "
+Dynamic section at offset 0x1d8 contains 30 entries:
+  Tag        Type                         Name/Value
+ 0x0000000000000001 (NEEDED)             Shared library: [libgcc_s.so.1]
+ 0x0000000000000001 (NEEDED)             Shared library: [libc.so.6]
+ 0x000000000000000c (INIT)               0x2a000
+";
+        assert_eq!(parse_needed(dynamic), ["libgcc_s.so.1", "libc.so.6"]);
     }
 }

@@ -11,9 +11,10 @@ use crate::system::{self, cargo};
 use crate::vm::{self, Kernel, Series, Vm};
 use crate::{bench, demo, ebpf, helm, image, step, sweep};
 
-/// What the privileged tests run besides a throwaway node's packages: istio's iptables rules, and
-/// containerd, which runs weir's image in the image test.
-const TEST_PACKAGES: &[&str] = &["iptables", "containerd"];
+/// What the privileged tests run besides a throwaway node's packages: istio's iptables rules,
+/// containerd, which runs weir's image in the image test, and qemu, which runs its arm64 binaries
+/// there.
+const TEST_PACKAGES: &[&str] = &["iptables", "containerd", "qemu-user-static"];
 
 /// The test targets that drive the kernel (program loading and attaching, packet paths, the
 /// kernel's answers to faults): what runs on the other kernels. `kernel_compat` is optional.
