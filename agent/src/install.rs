@@ -202,13 +202,13 @@ impl Installer {
         self.inner.status.subscribe()
     }
 
-    /// Removes weir's own file (see [`InstallConfig::owned_config`]), then weir's entry from every
-    /// conflist in the net dir that holds one, leaving the rest
-    /// of each as it was, then the binary. A conflist left with no plugin (it held only weir) is
-    /// deleted, since runtimes reject an empty list. A conflist that install made out of a lone
-    /// `.conf` stays a conflist (with the original plugin as its only entry, which libcni loads
-    /// exactly as it loaded the `.conf`): nothing records that it was wrapped. Idempotent. Stop
-    /// [`Installer::watch`] first, or it puts everything back.
+    /// Removes weir's own file (see [`InstallConfig::owned_config`]), then weir's entry from
+    /// every conflist in the net dir that holds one, leaving the rest of each as it was, then the
+    /// binary. A conflist left with no plugin (it held only weir) is deleted, since runtimes
+    /// reject an empty list. A conflist that install made out of a lone `.conf` stays a conflist
+    /// (with the original plugin as its only entry, which libcni loads exactly as it loaded the
+    /// `.conf`): nothing records that it was wrapped. Idempotent. Stop [`Installer::watch`]
+    /// first, or it puts everything back.
     pub fn uninstall(&self) -> Result<()> {
         self.inner.uninstall()
     }

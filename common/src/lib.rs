@@ -7,7 +7,7 @@
 #![no_std]
 
 /// Version of the map layouts below; part of the pin path (`<pin root>/abi-<N>`).
-pub const ABI_VERSION: u32 = 5;
+pub const ABI_VERSION: u32 = 6;
 
 /// ztunnel marks every socket it opens inside a pod with this `SO_MARK`...
 pub const ZTUNNEL_MARK: u32 = 0x539;
@@ -36,9 +36,11 @@ pub const DNS_PORT: u16 = 53;
 pub const PASSTHROUGH_SOURCE_V4: [u8; 4] = [127, 0, 0, 6];
 pub const PASSTHROUGH_SOURCE_V6: [u8; 16] = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 6];
 
-/// Source address of node-local TCP to enrolled pods (kubelet probes); the pod lets it through.
+/// Source address of node-local TCP to enrolled pods (kubelet probes), by default (istio's
+/// `HOST_PROBE_SNAT_IP`); the pod lets it through. Also the address of the agent's netns-cookie
+/// question, whatever the probe source is.
 pub const PROBE_SOURCE_V4: [u8; 4] = [169, 254, 7, 127];
-/// fd16:9254:7127:1337:ffff:ffff:ffff:ffff
+/// fd16:9254:7127:1337:ffff:ffff:ffff:ffff, by default (istio's `HOST_PROBE_SNAT_IPV6`).
 pub const PROBE_SOURCE_V6: [u8; 16] = [
     0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
 ];
@@ -234,6 +236,12 @@ pub struct NodeConfig {
     /// Cookie of the node's own network namespace: TCP from there to an enrolled pod is a probe
     /// and gets the probe source. Zero turns the probe bypass off.
     pub host_netns_cookie: u64,
+    /// When not zero, only sockets of this cgroup (v2 id: kubelet's) get the probe source.
+    pub probe_cgroup: u64,
+    /// The probe source addresses.
+    pub probe_source_v6: [u8; 16],
+    pub probe_source_v4: [u8; 4],
+    pub _pad: [u8; 4],
 }
 
 /// One redirect decision, written to the `TRACE_EVENTS` ring buffer while tracing is on.

@@ -40,15 +40,14 @@ use aya_ebpf::{
 };
 use weir_common::{
     ConnectionKey, Endpoint, IpKey, PodCounters, TraceHook, TraceVerdict, HBONE_PORT, INBOUND_PORT,
-    OUTBOUND_PORT, POD_INBOUND_BYPASS, POD_SIDECAR, POD_SOCKET_LOOKUP_HANDOFF, PROBE_SOURCE_V4,
-    PROBE_SOURCE_V6,
+    OUTBOUND_PORT, POD_INBOUND_BYPASS, POD_SIDECAR, POD_SOCKET_LOOKUP_HANDOFF,
 };
 
 use crate::{
     diag::{diag, ip, ip_fixed},
     handoff,
-    maps::{count, original_destination, pod, pod_with_ip, CONN_ORIG_DST},
-    net::{ctx_read, ip_from_v4_word, same_ip, v6_words},
+    maps::{count, is_probe_source, original_destination, pod, pod_with_ip, CONN_ORIG_DST},
+    net::{ctx_read, ip_from_v4_word, v6_words},
     sidecar,
     trace::{trace, NOWHERE, TCP},
     ztunnel,
@@ -344,8 +343,7 @@ fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()
         return Ok(drop_counted(netns));
     }
     // The node's probes and bypassing pods: whole packets and fragments alike, as istio's ACCEPT.
-    let from_node_probe = same_ip(&packet.source, &IpKey::from_v4(PROBE_SOURCE_V4))
-        || same_ip(&packet.source, &IpKey::from_v6(PROBE_SOURCE_V6));
+    let from_node_probe = is_probe_source(&packet.source);
     let bypass = from_node_probe || pod.has(POD_INBOUND_BYPASS);
 
     let (mut tuple, tuple_len) = sock_tuple(packet, sport, dport);

@@ -19,6 +19,8 @@ use weir_common::{
     ANY_CGROUP,
 };
 
+use crate::net::same_ip;
+
 const BPF_SK_STORAGE_GET_F_CREATE: u64 = 1;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
@@ -244,10 +246,21 @@ pub fn original_destination(connection: &ConnectionKey) -> Option<Endpoint> {
     unsafe { CONN_ORIG_DST.get(connection).copied() }
 }
 
-/// The node's own netns cookie, zero when the probe bypass is off.
+/// The node's settings: its netns cookie (zero when the probe bypass is off) and the probe
+/// source. All zero until the agent writes them.
 #[inline(always)]
-pub fn host_netns_cookie() -> u64 {
-    NODE_CONFIG.get(0).map_or(0, |node| node.host_netns_cookie)
+pub fn node_config() -> Option<&'static NodeConfig> {
+    NODE_CONFIG.get(0)
+}
+
+/// Whether `ip` is the probe source address of its family (never while the bypass is off).
+#[inline(always)]
+pub fn is_probe_source(ip: &IpKey) -> bool {
+    node_config().is_some_and(|node| {
+        node.host_netns_cookie != 0
+            && (same_ip(ip, &IpKey::from_v4(node.probe_source_v4))
+                || same_ip(ip, &IpKey::from_v6(node.probe_source_v6)))
+    })
 }
 
 /// Bumps one of a pod's per-CPU counters.

@@ -3,19 +3,21 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::sockaddr,
-    helpers::generated::{bpf_bind, bpf_get_netns_cookie, bpf_setsockopt},
+    helpers::generated::{
+        bpf_bind, bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_setsockopt,
+    },
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 use weir_common::{
     Endpoint, IpKey, PodConfig, TraceHook, TraceVerdict, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT,
     NETNS_COOKIE_PORT, OUTBOUND_PORT, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_SIDECAR,
-    PROBE_SOURCE_V4, PROBE_SOURCE_V6, RETURN_MARK,
+    PROBE_SOURCE_V4, RETURN_MARK,
 };
 
 use crate::{
     diag::{diag, ip},
-    maps::{count, host_netns_cookie, pod, pod_with_ip, NETNS_COOKIES, SOCKET_ORIG_DST},
+    maps::{count, is_probe_source, node_config, pod, pod_with_ip, NETNS_COOKIES, SOCKET_ORIG_DST},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, SockaddrIn, SockaddrIn6,
         ALLOW, DENY, SOCK_DGRAM, SOCK_STREAM,
@@ -153,8 +155,8 @@ fn outside_pods(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> i32 {
         }
         return ALLOW;
     }
-    let host = host_netns_cookie();
-    if host == 0 || host == netns {
+    // A probe source address is one only while the bypass is on.
+    if node_config().is_some_and(|node| node.host_netns_cookie == netns) {
         return ALLOW;
     }
     log_probe_address_refused(sa, netns, dst);
@@ -410,15 +412,22 @@ pub(crate) fn trace_outbound(
 }
 
 /// Node side: TCP from the node's own netns to an enrolled pod (kubelet probes) is bound to the
-/// probe source address, which the pod's inbound program lets through to the app. Traffic from
-/// other pods or forwarded through the node keeps its source and is captured.
+/// probe source address, which the pod's inbound program lets through to the app; where the agent
+/// names kubelet's cgroup, only TCP from kubelet's sockets. Traffic from other pods or forwarded
+/// through the node keeps its source and is captured.
 #[inline(always)]
 fn give_probe_source(sa: &SockAddr, netns: u64, dst: &Endpoint) {
     if sa.sock_type() != SOCK_STREAM {
         return;
     }
-    let host = host_netns_cookie();
-    if host == 0 || host != netns {
+    let Some(node) = node_config() else {
+        return;
+    };
+    if node.host_netns_cookie == 0 || node.host_netns_cookie != netns {
+        return;
+    }
+    // SAFETY: a helper without arguments, allowed in the socket address hooks.
+    if node.probe_cgroup != 0 && unsafe { bpf_get_current_cgroup_id() } != node.probe_cgroup {
         return;
     }
     // Only toward an address the runtime gave the pod, which is what kubelet probes: one the
@@ -436,24 +445,16 @@ fn give_probe_source(sa: &SockAddr, netns: u64, dst: &Endpoint) {
     if !given {
         return;
     }
+    let probe_source = if is_v4_mapped(&dst.ip) {
+        IpKey::from_v4(node.probe_source_v4)
+    } else {
+        IpKey::from_v6(node.probe_source_v6)
+    };
     // Counted as bypassed by the pod's inbound program when the SYN arrives.
     let bound = if !sa.v6 {
-        bind(
-            sa,
-            &mut SockaddrIn::new(&IpKey::from_v4(PROBE_SOURCE_V4), 0),
-        )
+        bind(sa, &mut SockaddrIn::new(&probe_source, 0))
     } else {
-        let source = if is_v4_mapped(&dst.ip) {
-            IpKey::from_v4(PROBE_SOURCE_V4)
-        } else {
-            IpKey::from_v6(PROBE_SOURCE_V6)
-        };
-        bind(sa, &mut SockaddrIn6::new(&source, 0))
-    };
-    let probe_source = if is_v4_mapped(&dst.ip) {
-        IpKey::from_v4(PROBE_SOURCE_V4)
-    } else {
-        IpKey::from_v6(PROBE_SOURCE_V6)
+        bind(sa, &mut SockaddrIn6::new(&probe_source, 0))
     };
     trace!(
         TraceHook::Connect,
@@ -545,9 +546,4 @@ pub(crate) fn pod_address_like(pod: &PodConfig, like: &IpKey) -> Option<IpKey> {
     } else {
         pod.has(POD_HAS_IPV6).then(|| IpKey::from_v6(pod.ipv6))
     }
-}
-
-#[inline(always)]
-fn is_probe_source(ip: &IpKey) -> bool {
-    same_ip(ip, &IpKey::from_v4(PROBE_SOURCE_V4)) || same_ip(ip, &IpKey::from_v6(PROBE_SOURCE_V6))
 }

@@ -135,8 +135,7 @@ pub fn datapath_config(node_netns: &str) -> DatapathConfig {
         pin_root: Path::new("/sys/fs/bpf").join(node_netns),
         cgroup: None,
         node_netns: Some(Path::new(NETNS_DIR).join(node_netns)),
-        probe_bypass: true,
-        bpf_log: false,
+        ..DatapathConfig::default()
     }
 }
 
@@ -179,9 +178,8 @@ pub(crate) fn remove_datapath(pin_root: &Path) {
     let config = DatapathConfig {
         pin_root: pin_root.to_path_buf(),
         cgroup: None,
-        node_netns: None,
         probe_bypass: false,
-        bpf_log: false,
+        ..DatapathConfig::default()
     };
     if let Err(error) = Datapath::start(config).and_then(|datapath| datapath.uninstall().wait()) {
         eprintln!("removing the datapath at {}: {error:#}", pin_root.display());

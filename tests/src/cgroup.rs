@@ -7,7 +7,7 @@ use std::fs;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::ffi::OsStringExt;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 
 use anyhow::{Context, Result};
@@ -103,10 +103,41 @@ impl Drop for PodProcess {
 
 /// Runs `command` to its end inside `netns` and in a cgroup of its own, as a pod's process runs:
 /// apart from this test process, whose cgroup its ztunnel stand-ins make ztunnel's.
-pub fn output_apart_from_ztunnel(netns: &NetNs, mut command: Command) -> Result<Output> {
-    let dir = cgroup2_root()?.join(ids::unique_name("cgroup"));
-    fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let procs = CString::new(dir.join("cgroup.procs").into_os_string().into_vec())?;
+pub fn output_apart_from_ztunnel(netns: &NetNs, command: Command) -> Result<Output> {
+    let cgroup = TestCgroup::new()?;
+    output_in_cgroup(netns, &cgroup.dir, command)
+}
+
+/// A cgroup (v2) directory of the test's own, removed on drop (it must be empty by then).
+pub struct TestCgroup {
+    pub dir: PathBuf,
+}
+
+impl TestCgroup {
+    pub fn new() -> Result<Self> {
+        let dir = cgroup2_root()?.join(ids::unique_name("cgroup"));
+        fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(Self { dir })
+    }
+
+    /// Its path as `/proc/<pid>/cgroup` shows it for a process in it.
+    pub fn path(&self) -> String {
+        let name = self.dir.file_name().unwrap().to_string_lossy();
+        format!("/{name}")
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        if let Err(err) = fs::remove_dir(&self.dir) {
+            eprintln!("warning: cannot remove {}: {err}", self.dir.display());
+        }
+    }
+}
+
+/// Runs `command` to its end inside `netns` and in the cgroup (v2) directory `cgroup`.
+pub fn output_in_cgroup(netns: &NetNs, cgroup: &Path, mut command: Command) -> Result<Output> {
+    let procs = CString::new(cgroup.join("cgroup.procs").into_os_string().into_vec())?;
     let netns_fd = netns.as_fd().as_raw_fd();
     // SAFETY: the child makes only async-signal-safe syscalls before exec, on memory prepared
     // before the fork; the netns fd stays open in the parent until the child has exec'd.
@@ -121,10 +152,7 @@ pub fn output_apart_from_ztunnel(netns: &NetNs, mut command: Command) -> Result<
             Ok(())
         });
     }
-    let output = command
+    command
         .output()
-        .context("running the command in its own cgroup");
-    // The process has exited: the cgroup is empty and goes.
-    fs::remove_dir(&dir).with_context(|| format!("removing {}", dir.display()))?;
-    output
+        .with_context(|| format!("running the command in {}", cgroup.display()))
 }

@@ -11,14 +11,14 @@ use std::{
 };
 
 use weir_agent::{
-    datapath::{Datapath, DatapathConfig},
+    datapath::{Datapath, DatapathConfig, ProbeSource},
     workload::{PodOptions, Workload},
 };
 use weir_common::{
     maps, PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
     PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
-use weir_tests::privileged;
+use weir_tests::{cgroup, privileged};
 use weir_tests::{
     netns::{ip, ip_output},
     raw::{self, Answer},
@@ -468,6 +468,103 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
         .is_some());
     datapath.uninstall().wait().unwrap();
+}
+
+/// The probe source is the operator's to choose (istio's HOST_PROBE_SNAT_IP and
+/// HOST_PROBE_SNAT_IPV6), and can be kept to kubelet's cgroup: a probe from kubelet's cgroup
+/// leaves from the configured address and reaches the app; the same connection from another
+/// process of the node is captured like a pod's. The address an earlier agent made local goes.
+#[test]
+fn a_configured_probe_source_goes_only_to_kubelets_cgroup() {
+    let fixture = privileged!(DatapathNode::new());
+    let pod = fixture.pod("app");
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let echo = EchoServer::app(&pod).unwrap();
+    fixture.start_datapath().shutdown().wait().unwrap();
+    let local_table = |address: &str| {
+        ip_output(&[
+            "-n",
+            fixture.node().netns().name(),
+            "route",
+            "show",
+            "table",
+            "local",
+            address,
+        ])
+        .unwrap()
+    };
+    assert!(
+        !local_table("169.254.7.127").is_empty(),
+        "the default is local"
+    );
+
+    let kubelet = cgroup::TestCgroup::new().unwrap();
+    let probe_source = ProbeSource {
+        v4: Ipv4Addr::new(169, 254, 99, 7),
+        v6: "fd16:9254:99::7".parse().unwrap(),
+        cgroup: Some(kubelet.path()),
+    };
+    let datapath = Datapath::start(DatapathConfig {
+        probe_source: probe_source.clone(),
+        ..fixture.node().datapath_config()
+    })
+    .unwrap();
+    datapath
+        .ztunnel_connected(std::process::id())
+        .wait()
+        .unwrap();
+    datapath
+        .enroll(pod.workload(PodOptions::default()))
+        .wait()
+        .unwrap();
+    assert!(
+        local_table("169.254.7.127").is_empty(),
+        "the earlier default is gone"
+    );
+    assert!(!local_table("169.254.99.7").is_empty());
+
+    for (destination, source) in [
+        (IpAddr::V4(pod.ipv4()), IpAddr::V4(probe_source.v4)),
+        (IpAddr::V6(pod.ipv6()), IpAddr::V6(probe_source.v6)),
+    ] {
+        let line = format!("kubelet-{destination}");
+        let mut probe = Command::new("bash");
+        probe.arg("-c").arg(format!(
+            "exec 3<>/dev/tcp/{destination}/{APP_PORT} && echo {line} >&3 && head -n1 <&3"
+        ));
+        let out = cgroup::output_in_cgroup(fixture.node().netns(), &kubelet.dir, probe).unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            echo.reply_to(&line)
+        );
+        let received = echo.wait_for(|r| r.line == line, WAIT).unwrap();
+        assert_eq!(
+            received.peer.ip(),
+            source,
+            "kubelet's probe leaves from the probe source"
+        );
+    }
+    assert!(ztunnel.seen().iter().all(|s| s.listener != INBOUND_PORT));
+
+    // This test process is not in kubelet's cgroup: its connection is captured.
+    let target = pod.app_v4();
+    fixture
+        .node()
+        .run(|| tcp_request(target, "not kubelet"))
+        .unwrap();
+    assert!(ztunnel
+        .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
+        .is_some());
+    datapath.uninstall().wait().unwrap();
+    assert!(
+        local_table("169.254.99.7").is_empty(),
+        "uninstall removes it"
+    );
 }
 
 /// A pod with CAP_NET_ADMIN may put any address on its interfaces, the API server's among them:

@@ -1,11 +1,16 @@
 //! `weir-agent`'s command line: its subcommands and flags (each with its environment variable),
 //! turned into the agent's configuration. Defined here, in the library, so that the tests and
 //! [`markdown`] (docs/configuration.md) read the same definition the binary parses.
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
 
 use anyhow::Result;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
+use weir_common::{PROBE_SOURCE_V4, PROBE_SOURCE_V6};
 
 mod reference;
 
@@ -18,7 +23,7 @@ use crate::{
         ClusterConfig,
     },
     config::{AgentConfig, SourceConfig},
-    datapath::DatapathConfig,
+    datapath::{DatapathConfig, ProbeSource},
     inspect,
     install::{InstallConfig, ServiceAccount, DEFAULT_OWNED_CONFIG_FILE},
     logging::LogFormat,
@@ -69,6 +74,20 @@ pub struct DatapathArgs {
     /// Do not give node-local TCP to enrolled pods (kubelet probes) the probe source address.
     #[arg(long, env = "WEIR_NO_PROBE_BYPASS", global = true)]
     pub no_probe_bypass: bool,
+    /// The IPv4 source of the node's probes to enrolled pods, which the pods let through: an
+    /// address the node does not otherwise use (weir makes it local). istio-cni's
+    /// HOST_PROBE_SNAT_IP.
+    #[arg(long, env = "HOST_PROBE_SNAT_IP", default_value_t = PROBE_SOURCE_V4.into(), global = true)]
+    pub probe_source_ipv4: Ipv4Addr,
+    /// The IPv6 source of the node's probes (istio-cni's HOST_PROBE_SNAT_IPV6).
+    #[arg(long, env = "HOST_PROBE_SNAT_IPV6", default_value_t = PROBE_SOURCE_V6.into(), global = true)]
+    pub probe_source_ipv6: Ipv6Addr,
+    /// Give the probe source only to connections from this cgroup v2, as kubelet's process shows
+    /// it in /proc/<pid>/cgroup (e.g. `/system.slice/kubelet.service`): other node processes'
+    /// connections to pods are then captured like any other. Default: every TCP connection from
+    /// the node's network namespace to a pod's address.
+    #[arg(long, env = "WEIR_PROBE_SOURCE_CGROUP", global = true)]
+    pub probe_source_cgroup: Option<String>,
     /// Log the eBPF programs' decisions (redirects, inbound assignments and drops, original
     /// destinations, probe sources) at debug level, target `weir_ebpf`. Costs a record per
     /// decision: for debugging, not for production.
@@ -83,6 +102,11 @@ impl DatapathArgs {
             cgroup: self.cgroup.clone(),
             node_netns: None,
             probe_bypass: !self.no_probe_bypass,
+            probe_source: ProbeSource {
+                v4: self.probe_source_ipv4,
+                v6: self.probe_source_ipv6,
+                cgroup: self.probe_source_cgroup.clone(),
+            },
             bpf_log: self.bpf_log,
         }
     }

@@ -42,12 +42,13 @@ mod watch;
 mod ztunnels;
 
 use std::{
+    net::{Ipv4Addr, Ipv6Addr},
     os::fd::OwnedFd,
     path::{Path, PathBuf},
     time::Duration,
 };
 
-use weir_common::ABI_VERSION;
+use weir_common::{ABI_VERSION, PROBE_SOURCE_V4, PROBE_SOURCE_V6};
 
 use handle::{Command, Reply, Traced};
 use owner::{Enrolled, Owner};
@@ -70,6 +71,8 @@ pub struct DatapathConfig {
     pub node_netns: Option<PathBuf>,
     /// Give TCP from the node to enrolled pods the probe source, so kubelet probes reach the app.
     pub probe_bypass: bool,
+    /// The probe source, and whose connections get it.
+    pub probe_source: ProbeSource,
     /// Turn on the programs' diagnostics (aya-log): their records go to the `log` crate, at
     /// target `weir_ebpf::<module>`. Off, they cost one load and one branch.
     pub bpf_log: bool,
@@ -82,7 +85,30 @@ impl Default for DatapathConfig {
             cgroup: None,
             node_netns: None,
             probe_bypass: true,
+            probe_source: ProbeSource::default(),
             bpf_log: false,
+        }
+    }
+}
+
+/// The addresses the node's probes to enrolled pods leave from (istio's `HOST_PROBE_SNAT_IP` and
+/// `HOST_PROBE_SNAT_IPV6`), which the pods let through to the app, and whose connections get them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeSource {
+    pub v4: Ipv4Addr,
+    pub v6: Ipv6Addr,
+    /// Only sockets of this cgroup get the probe source: kubelet's, as `/proc/<kubelet
+    /// pid>/cgroup` shows it (`/system.slice/kubelet.service`, or `/kubelet.slice/...`).
+    /// `None`: every TCP connection from the node's netns to a pod's address.
+    pub cgroup: Option<String>,
+}
+
+impl Default for ProbeSource {
+    fn default() -> Self {
+        Self {
+            v4: PROBE_SOURCE_V4.into(),
+            v6: PROBE_SOURCE_V6.into(),
+            cgroup: None,
         }
     }
 }

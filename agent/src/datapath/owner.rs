@@ -3,6 +3,7 @@
 use std::{
     collections::HashMap as StdHashMap,
     fs::{self, File},
+    net::{Ipv4Addr, Ipv6Addr},
     os::{fd::AsFd, unix::fs::PermissionsExt},
     path::PathBuf,
     sync::{atomic::AtomicBool, mpsc, Arc},
@@ -19,8 +20,8 @@ use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters};
 
 use super::{
     audit, bpf_log, discovery, enroll_steps, handoff, kernel, maps_dir, mounts, netlink, netns,
-    programs, recovery, sidecar_lists, tasks, watch, ztunnels, Command, DatapathConfig, Reply,
-    Traced, AUDIT_INTERVAL,
+    programs, recovery, sidecar_lists, tasks, watch, ztunnels, Command, DatapathConfig,
+    ProbeSource, Reply, Traced, AUDIT_INTERVAL,
 };
 
 /// One enrolled pod as the owner tracks it.
@@ -52,7 +53,8 @@ pub(super) struct Owner {
     pub(super) watches: StdHashMap<String, watch::Watch>,
     pub(super) watcher: watch::Watcher,
     pub(super) pin_root: PathBuf,
-    probe_bypass: bool,
+    /// The probe source addresses this agent made local, to remove on uninstall.
+    probe_source: Option<(Ipv4Addr, Ipv6Addr)>,
     /// The connected ztunnels' cgroups, by which the programs know ztunnel's sockets.
     ztunnels: ztunnels::ZtunnelCgroups,
     /// Where the kernel needs it (before 6.5): the per-pod socket lookup hand-off.
@@ -118,13 +120,26 @@ impl Owner {
         let mut node_config: Array<MapData, NodeConfig> =
             programs::take_map(&mut ebpf, maps::NODE_CONFIG)?;
         let node_netns_cookie = netns::current_cookie(Some(&cookie_answers))?;
-        let host_netns_cookie = if config.probe_bypass {
-            netlink::install_probe_source().context("making the probe source address local")?;
-            node_netns_cookie
-        } else {
-            0
-        };
-        node_config.set(0, NodeConfig { host_netns_cookie }, 0)?;
+        let probe_source = config.probe_bypass.then_some(&config.probe_source);
+        let node = node_settings(node_netns_cookie, probe_source)?;
+        if let Some(probe) = probe_source {
+            netlink::install_probe_source(probe.v4, probe.v6)
+                .context("making the probe source address local")?;
+        }
+        // An earlier agent's probe source that this one does not use is the node's no more.
+        let earlier = node_config.get(&0, 0).ok().filter(|earlier| {
+            earlier.host_netns_cookie != 0
+                && (earlier.probe_source_v4, earlier.probe_source_v6)
+                    != (node.probe_source_v4, node.probe_source_v6)
+        });
+        if let Some(earlier) = earlier {
+            netlink::remove_probe_source(
+                earlier.probe_source_v4.into(),
+                earlier.probe_source_v6.into(),
+            )
+            .context("removing an earlier probe source address")?;
+        }
+        node_config.set(0, node, 0)?;
 
         let pods_map: HashMap<MapData, u64, PodConfig> = programs::take_map(&mut ebpf, maps::PODS)?;
         let pod_ips: HashMap<MapData, IpKey, u64> = programs::take_map(&mut ebpf, maps::POD_IPS)?;
@@ -149,7 +164,7 @@ impl Owner {
             watches: StdHashMap::new(),
             watcher: watch::Watcher::start(changes, watching, &tasks)?,
             pin_root: config.pin_root.clone(),
-            probe_bypass: config.probe_bypass,
+            probe_source: probe_source.map(|probe| (probe.v4, probe.v6)),
             ztunnels,
             handoff,
             cookie_answers: Arc::new(cookie_answers),
@@ -239,8 +254,8 @@ impl Owner {
         for uid in uids {
             self.unenroll(&uid)?;
         }
-        if self.probe_bypass {
-            if let Err(error) = netlink::remove_probe_source() {
+        if let Some((v4, v6)) = self.probe_source {
+            if let Err(error) = netlink::remove_probe_source(v4, v6) {
                 warn!(%error, "removing the probe source address");
             }
         }
@@ -251,4 +266,24 @@ impl Owner {
         info!(pin_root = %self.pin_root.display(), "datapath uninstalled");
         Ok(())
     }
+}
+
+/// What the programs read of the node: its netns cookie and the probe source (`None`: the
+/// bypass is off, all zero), with the id of the cgroup the probe source is kept to.
+fn node_settings(node_netns_cookie: u64, probe: Option<&ProbeSource>) -> Result<NodeConfig> {
+    let Some(probe) = probe else {
+        return Ok(NodeConfig::default());
+    };
+    let probe_cgroup = match &probe.cgroup {
+        Some(path) => ztunnels::cgroup_id(&mounts::cgroup2_root()?, path)
+            .with_context(|| format!("the probe source's cgroup {path}"))?,
+        None => 0,
+    };
+    Ok(NodeConfig {
+        host_netns_cookie: node_netns_cookie,
+        probe_cgroup,
+        probe_source_v6: probe.v6.octets(),
+        probe_source_v4: probe.v4.octets(),
+        _pad: [0; 4],
+    })
 }

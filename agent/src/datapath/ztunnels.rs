@@ -118,6 +118,12 @@ fn cgroup_of(pid: u32, hierarchy: &Path) -> Result<u64> {
             .join()
             .map_err(|_| anyhow!("reading the cgroup of {pid} panicked"))?
     })?;
+    cgroup_id(hierarchy, &path)
+}
+
+/// The id of the cgroup at `path` (as `/proc/<pid>/cgroup` shows it, from the hierarchy's root)
+/// in the cgroup v2 `hierarchy`: its directory's inode number.
+pub(super) fn cgroup_id(hierarchy: &Path, path: &str) -> Result<u64> {
     let dir = hierarchy.join(path.trim_start_matches('/'));
     let metadata = fs::metadata(&dir).with_context(|| format!("{}", dir.display()))?;
     Ok(metadata.ino())

@@ -1,15 +1,16 @@
 //! The probe source address in the node's netns: kubelet's probes leave from it, so the
 //! programs can tell them from other traffic of the node.
-use std::io;
-
-use weir_common::{PROBE_SOURCE_V4, PROBE_SOURCE_V6};
+use std::{
+    io,
+    net::{Ipv4Addr, Ipv6Addr},
+};
 
 use super::errno::Op;
 use super::objects::{local_route, loopback_address, Object, RT_TABLE_LOCAL};
 use super::transport::Rtnl;
 
 /// Makes the probe source addresses local in the current (the node's) netns, so that a socket, and
-/// the connect programs' `bpf_bind`, can bind to them:
+/// the connect programs' `bpf_bind`, can bind to them; for the default addresses:
 /// `ip route add local 169.254.7.127/32 dev lo table local`, and
 /// `ip addr add fd16:9254:7127:1337:ffff:ffff:ffff:ffff/128 dev lo nodad preferred_lft 0`.
 /// IPv4 needs only the route (an IPv4 socket binds to any address the `local` table has, and the
@@ -18,18 +19,18 @@ use super::transport::Rtnl;
 /// passes over it when the node has another global address: a ULA on `lo` would otherwise win the
 /// longest-prefix rule for the node's own connections to other ULA destinations. Binding to a
 /// deprecated address still works. Idempotent; IPv6 is skipped where it is disabled.
-pub fn install_probe_source() -> io::Result<()> {
-    Rtnl::new()?.apply(probe_source().map(|object| (Op::Add, object)))
+pub fn install_probe_source(v4: Ipv4Addr, v6: Ipv6Addr) -> io::Result<()> {
+    Rtnl::new()?.apply(probe_source(v4, v6).map(|object| (Op::Add, object)))
 }
 
 /// Undoes [`install_probe_source`]; what is already gone is success.
-pub fn remove_probe_source() -> io::Result<()> {
-    Rtnl::new()?.apply(probe_source().map(|object| (Op::Delete, object)))
+pub fn remove_probe_source(v4: Ipv4Addr, v6: Ipv6Addr) -> io::Result<()> {
+    Rtnl::new()?.apply(probe_source(v4, v6).map(|object| (Op::Delete, object)))
 }
 
-pub(super) fn probe_source() -> [Object; 2] {
+pub(super) fn probe_source(v4: Ipv4Addr, v6: Ipv6Addr) -> [Object; 2] {
     [
-        Object::Route(local_route(PROBE_SOURCE_V4.into(), 32, RT_TABLE_LOCAL)),
-        Object::Address(loopback_address(PROBE_SOURCE_V6.into())),
+        Object::Route(local_route(v4.into(), 32, RT_TABLE_LOCAL)),
+        Object::Address(loopback_address(v6)),
     ]
 }

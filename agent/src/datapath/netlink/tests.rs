@@ -98,7 +98,7 @@ fn probe_source_is_bindable_and_removable() {
     let _guard = enter(netns.as_fd()).unwrap();
     assert_eq!(bindable(), [false, false]);
     for _ in 0..2 {
-        install_probe_source().unwrap();
+        install_probe_source(PROBE_SOURCE_V4.into(), PROBE_SOURCE_V6.into()).unwrap();
         assert_eq!(bindable(), [true, true]);
         let route = ip(&["route", "show", "table", "local", "169.254.7.127"]);
         assert_eq!(route.lines().count(), 1, "{route}");
@@ -115,7 +115,7 @@ fn probe_source_is_bindable_and_removable() {
         assert!(address.contains("deprecated"), "{address}");
     }
     for _ in 0..2 {
-        remove_probe_source().unwrap();
+        remove_probe_source(PROBE_SOURCE_V4.into(), PROBE_SOURCE_V6.into()).unwrap();
         assert_eq!(bindable(), [false, false]);
     }
 }
@@ -136,7 +136,7 @@ fn probe_source_is_not_a_source_address_candidate() {
     }
     ip(&["addr", "add", "fc00:f853::2/64", "dev", "weir-n0", "nodad"]);
     ip(&["route", "add", "fd00:10:244::/56", "dev", "weir-p0"]);
-    install_probe_source().unwrap();
+    install_probe_source(PROBE_SOURCE_V4.into(), PROBE_SOURCE_V6.into()).unwrap();
     let route = ip(&["-6", "route", "get", "fd00:10:244::5"]);
     assert!(route.contains("src fc00:f853::2 "), "{route}");
 }
@@ -148,7 +148,7 @@ fn empty_namespace_has_nothing_to_remove() {
     };
     let _guard = enter(netns.as_fd()).unwrap();
     remove_return_path().unwrap();
-    remove_probe_source().unwrap();
+    remove_probe_source(PROBE_SOURCE_V4.into(), PROBE_SOURCE_V6.into()).unwrap();
 }
 
 #[test]
