@@ -259,9 +259,10 @@ fn istio_cni_values_configure_the_agent() {
     );
 }
 
-/// Pod deletion is granted exactly when it is configured, and as deploy/repair-delete grants it.
+/// Pod deletion is granted exactly when it is configured, and as deploy/repair-delete grants it;
+/// values weir cannot honour are refused with a message, not ignored.
 #[test]
-fn delete_pods_grants_pod_deletion_and_conflicting_actions_are_refused() {
+fn pod_deletion_is_granted_as_configured_and_values_weir_cannot_honour_are_refused() {
     let Some(helm) = helm() else { return };
     let pods_verbs = |objects: &BTreeMap<(String, String), Value>| {
         objects[&("ClusterRole".into(), "weir".into())]["rules"][0]["verbs"].clone()
@@ -298,4 +299,7 @@ fn delete_pods_grants_pod_deletion_and_conflicting_actions_are_refused() {
     )
     .expect_err("both actions at once");
     assert!(error.contains("set at most one"), "{error}");
+    let error =
+        render(&helm, &["--set", "chained=false"]).expect_err("istio-cni's standalone mode");
+    assert!(error.contains("runs only chained"), "{error}");
 }

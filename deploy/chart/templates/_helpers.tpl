@@ -7,6 +7,12 @@ app.kubernetes.io/name: {{ include "weir.name" . }}
 app.kubernetes.io/component: node-agent
 {{- end }}
 
+{{- define "weir.chained" -}}
+{{- if not .Values.chained -}}
+{{- fail "chained=false: weir-cni runs only chained after the primary CNI (no standalone Multus attachment); leave chained=true" -}}
+{{- end -}}
+{{- end }}
+
 {{- define "weir.repairAction" -}}
 {{- if and .Values.repair.deletePods .Values.repair.labelPods -}}
 {{- fail "repair.deletePods and repair.labelPods: set at most one" -}}
