@@ -73,13 +73,9 @@ fn reroute_rules_of(op: Op, interface: &str) -> [(Op, Object); 2] {
 
 /// The rerouted interfaces' rules in the current netns (by their shape, see [`reroute_rule`]).
 fn installed_reroute_rules(rtnl: &mut Rtnl) -> io::Result<Vec<RuleMessage>> {
-    let replies = rtnl.dump(RouteNetlinkMessage::GetRule(RuleMessage::default()))?;
-    Ok(replies
+    Ok(rtnl
+        .rules()?
         .into_iter()
-        .filter_map(|reply| match reply {
-            RouteNetlinkMessage::NewRule(rule) => Some(rule),
-            _ => None,
-        })
         .filter_map(|rule| {
             let has = |wanted: &RuleAttribute| rule.attributes.contains(wanted);
             let ours = has(&RuleAttribute::Table(RETURN_ROUTE_TABLE))
@@ -318,17 +314,22 @@ impl Rtnl {
         Ok(WeirFilter::Missing)
     }
 
-    /// The objects of the return path (see [`return_path`]) of the families asked for that the
-    /// namespace lacks, described (`IPv4 rule`). Read with a rule and a route dump.
-    pub fn missing_return_path(&mut self, ipv4: bool, ipv6: bool) -> io::Result<Vec<String>> {
-        let rules: Vec<RuleMessage> = self
+    /// Every policy routing rule of the namespace (`RTM_GETRULE` dump).
+    fn rules(&mut self) -> io::Result<Vec<RuleMessage>> {
+        Ok(self
             .dump(RouteNetlinkMessage::GetRule(RuleMessage::default()))?
             .into_iter()
             .filter_map(|reply| match reply {
                 RouteNetlinkMessage::NewRule(rule) => Some(rule),
                 _ => None,
             })
-            .collect();
+            .collect())
+    }
+
+    /// The objects of the return path (see [`return_path`]) of the families asked for that the
+    /// namespace lacks, described (`IPv4 rule`). Read with a rule and a route dump.
+    pub fn missing_return_path(&mut self, ipv4: bool, ipv6: bool) -> io::Result<Vec<String>> {
+        let rules = self.rules()?;
         let routes: Vec<RouteMessage> = self
             .dump(RouteNetlinkMessage::GetRoute(RouteMessage::default()))?
             .into_iter()
