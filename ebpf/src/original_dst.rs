@@ -6,7 +6,7 @@ use aya_ebpf::{
     macros::{cgroup_sockopt, sock_ops},
     programs::{SockOpsContext, SockoptContext},
 };
-use weir_common::{ConnectionKey, Endpoint, TraceHook, TraceVerdict};
+use weir_common::{ConnectionKey, Endpoint, TraceHook, TraceVerdict, DNS_PROXY_PORT};
 
 use crate::{
     diag::{diag, ip},
@@ -56,6 +56,12 @@ fn remember_connection(ctx: &SockOpsContext) {
             ),
         }
     };
+    // ztunnel's DNS proxy never asks: it answers from the query. An entry for a connection to it
+    // would only sit in the map, under a loopback tuple another pod's can equal, and push out
+    // the entries ztunnel does ask for.
+    if key.listener.port == DNS_PROXY_PORT {
+        return;
+    }
     let _ = CONN_ORIG_DST.insert(key, original, 0);
 }
 

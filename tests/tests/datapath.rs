@@ -15,7 +15,7 @@ use weir_agent::{
     workload::{PodOptions, Workload},
 };
 use weir_common::{
-    maps, PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
+    maps, ConnectionKey, Endpoint, PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
     PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 use weir_tests::{cgroup, privileged};
@@ -197,6 +197,17 @@ fn dns_goes_to_the_dns_proxy_and_answers_come_from_the_resolver() {
     assert_eq!(at_proxy, 6);
     assert_eq!(counters(&datapath, &pod).dns, 6);
     assert!(real_resolver.received().is_empty());
+    // ztunnel's DNS proxy never asks for an original destination, so the TCP queries leave no
+    // entry where the ones ztunnel asks for would be pushed out by them.
+    let pinned = fixture.node().pinned_map(maps::CONN_ORIG_DST).unwrap();
+    let original_destinations: aya::maps::HashMap<_, ConnectionKey, Endpoint> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(pinned)).unwrap();
+    let to_the_dns_proxy: Vec<ConnectionKey> = original_destinations
+        .keys()
+        .map(Result::unwrap)
+        .filter(|key| key.listener.port == DNS_PROXY_PORT)
+        .collect();
+    assert!(to_the_dns_proxy.is_empty(), "{to_the_dns_proxy:?}");
 
     // DNS capture off for this pod: the query reaches the real resolver.
     datapath
