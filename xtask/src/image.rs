@@ -109,88 +109,40 @@ impl Platform {
         }
     }
 
-    /// Builds weir-agent for the platform (release, with the eBPF `object` embedded).
-    fn build_agent(self, object: &Path, target_dir: &Path) -> Result<PathBuf> {
-        // Only this package: built with the test harness, weir-agent would get its
-        // fault-injection points (cargo unifies features).
-        let mut cargo = system::cargo();
-        cargo
-            .current_dir(crate::workspace_root())
-            .args(["build", "--release", "-p", AGENT, "--bin", AGENT])
-            .env("WEIR_EBPF_OBJECT", object);
-        if self.is_native() {
-            system::run(&mut cargo)?;
-            return Ok(target_dir.join("release").join(AGENT));
-        }
-        let triple = format!("{}-unknown-linux-gnu", self.arch);
-        let gcc = format!("{}-gcc", self.multiarch());
-        system::ensure_packages(
-            &[
-                &format!("gcc-{}", self.multiarch().replace('_', "-")),
-                &format!("libc6-dev-{}-cross", self.oci),
-            ],
-            "weir-agent cannot be cross-compiled",
-        )?;
-        add_rust_target(&triple)?;
-        system::run(
-            cargo
-                .args(["--target", &triple])
-                .env(NO_DEBUG_INFO.0, NO_DEBUG_INFO.1)
-                .env(cargo_target_env(&triple, "LINKER"), &gcc)
-                .env(format!("CC_{}", triple.replace('-', "_")), &gcc),
-        )?;
-        Ok(target_dir.join(&triple).join("release").join(AGENT))
+    fn triple(self, libc: Libc) -> String {
+        format!("{}-unknown-linux-{}", self.arch, libc.name())
     }
 
-    /// Builds weir-cni for the platform with musl, statically linked: the runtime runs it on the
-    /// node, whatever the node's libc. ring's C code needs a C compiler for the platform (musl's
-    /// for this machine, Debian's cross gcc otherwise); rust-lld links with Rust's own musl.
-    fn build_static_plugin(self, target_dir: &Path) -> Result<PathBuf> {
-        let triple = format!("{}-unknown-linux-musl", self.arch);
-        step(&format!("building {PLUGIN} (release, static, {triple})"));
-        let (package, cc) = if self.is_native() {
-            (
-                "musl-tools".to_owned(),
-                format!("{}-linux-musl-gcc", self.arch),
-            )
-        } else {
-            (
-                format!("gcc-{}", self.multiarch().replace('_', "-")),
-                format!("{}-gcc", self.multiarch()),
-            )
-        };
-        system::ensure_packages(&[&package], "weir-cni cannot be built for musl")?;
-        add_rust_target(&triple)?;
-        system::run(
-            system::cargo()
-                .current_dir(crate::workspace_root())
-                .args(["build", "--release", "-p", PLUGIN, "--bin", PLUGIN])
-                .args(["--target", &triple])
-                .env(NO_DEBUG_INFO.0, NO_DEBUG_INFO.1)
-                .env(cargo_target_env(&triple, "LINKER"), "rust-lld")
-                .env(format!("CC_{}", triple.replace('-', "_")), cc),
-        )?;
-        Ok(target_dir.join(triple).join("release").join(PLUGIN))
+    /// The C compiler for the platform's `libc` target (ring's C code needs one), and the Debian
+    /// packages it takes; none for this machine's glibc. weir-agent links with it too; weir-cni
+    /// links with rust-lld, against Rust's own musl.
+    fn c_compiler(self, libc: Libc) -> Option<(String, Vec<String>)> {
+        if self.is_native() {
+            return match libc {
+                Libc::Gnu => None,
+                Libc::Musl => Some((
+                    format!("{}-linux-musl-gcc", self.arch),
+                    vec!["musl-tools".to_owned()],
+                )),
+            };
+        }
+        let mut packages = vec![format!("gcc-{}", self.multiarch().replace('_', "-"))];
+        if let Libc::Gnu = libc {
+            packages.push(format!("libc6-dev-{}-cross", self.oci));
+        }
+        Some((format!("{}-gcc", self.multiarch()), packages))
     }
 
     /// The files of the platform's image: the two binaries without debug info, and the shared
     /// libraries weir-agent loads.
-    fn files(self, object: &Path, target_dir: &Path) -> Result<BTreeMap<String, PathBuf>> {
-        step(&format!(
-            "building weir-agent and weir-cni (release) for {}",
-            self.oci
-        ));
-        let binaries = [
-            (AGENT, self.build_agent(object, target_dir)?),
-            (PLUGIN, self.build_static_plugin(target_dir)?),
-        ];
-        let stripped_dir = target_dir.join("image").join(self.oci);
+    fn files(self, binaries: [(&str, &Path); 2]) -> Result<BTreeMap<String, PathBuf>> {
+        let stripped_dir = crate::target_dir()?.join("image").join(self.oci);
         fs::create_dir_all(&stripped_dir)?;
         let mut files = BTreeMap::new();
         for (binary, built) in binaries {
-            files.extend(self.shared_libraries(&built)?);
+            files.extend(self.shared_libraries(built)?);
             let stripped = stripped_dir.join(binary);
-            self.strip_debug_info(&built, &stripped)?;
+            self.strip_debug_info(built, &stripped)?;
             files.insert(format!("{BIN_DIR}/{binary}"), stripped);
         }
         Ok(files)
@@ -251,10 +203,72 @@ impl Platform {
     }
 }
 
-/// For the builds only the image uses, in target dirs of their own: the image strips debug info
-/// anyway, and not making it is a good part of a release build's time. (This machine's weir-agent
-/// is built as the workspace's release profile says, in the target dir other builds share.)
-const NO_DEBUG_INFO: (&str, &str) = ("CARGO_PROFILE_RELEASE_DEBUG", "0");
+/// The C library a binary of the image is linked with.
+#[derive(Clone, Copy, Debug)]
+enum Libc {
+    /// weir-agent: the image carries the glibc it was linked with.
+    Gnu,
+    /// weir-cni, linked statically: the runtime runs it on the node, whatever the node's libc.
+    Musl,
+}
+
+impl Libc {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Gnu => "gnu",
+            Self::Musl => "musl",
+        }
+    }
+}
+
+/// Builds `package` (release) for every platform in one cargo run, in target dirs the image's
+/// builds have to themselves; returns each platform's binary. One run, because then the
+/// platforms' builds share the cores (one build alone leaves a core idle through its largest
+/// crates and its link) and build scripts and proc macros are built once. `env` is for every
+/// platform (the eBPF object weir-agent embeds).
+fn build_for_platforms(
+    platforms: &[Platform],
+    package: &str,
+    libc: Libc,
+    env: &[(&str, &Path)],
+) -> Result<Vec<PathBuf>> {
+    let mut cargo = system::cargo();
+    cargo
+        .current_dir(crate::workspace_root())
+        .args(["build", "--release", "-p", package, "--bin", package])
+        // The image strips debug info anyway, and not making it is a good part of the build.
+        .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
+        .envs(env.iter().copied());
+    for platform in platforms {
+        let triple = platform.triple(libc);
+        add_rust_target(&triple)?;
+        cargo.args(["--target", &triple]);
+        if let Some((cc, packages)) = platform.c_compiler(libc) {
+            let packages = packages.iter().map(String::as_str).collect::<Vec<_>>();
+            system::ensure_packages(
+                &packages,
+                &format!("{package} cannot be built for {triple}"),
+            )?;
+            cargo.env(format!("CC_{}", triple.replace('-', "_")), &cc);
+            let linker = match libc {
+                Libc::Gnu => cc.as_str(),
+                Libc::Musl => "rust-lld",
+            };
+            cargo.env(cargo_target_env(&triple, "LINKER"), linker);
+        }
+    }
+    system::run(&mut cargo)?;
+    let target_dir = crate::target_dir()?;
+    Ok(platforms
+        .iter()
+        .map(|platform| {
+            target_dir
+                .join(platform.triple(libc))
+                .join("release")
+                .join(package)
+        })
+        .collect())
+}
 
 /// `CARGO_TARGET_<TRIPLE>_<key>`.
 fn cargo_target_env(triple: &str, key: &str) -> String {
@@ -279,17 +293,35 @@ fn file_name(path: &Path) -> Result<String> {
 /// Builds weir-agent and weir-cni for every platform and writes the image archive,
 /// `<target dir>/image/weir-agent.tar`; returns its path.
 pub fn build(object: &Path) -> Result<PathBuf> {
-    let target = crate::target_dir()?;
     // This machine's first: docker-archive's manifest names one image, the one that runs here.
     let mut platforms = PLATFORMS.to_vec();
     platforms.sort_by_key(|platform| !platform.is_native());
+    let names = platforms
+        .iter()
+        .map(|p| p.oci)
+        .collect::<Vec<_>>()
+        .join(", ");
+    step(&format!("building {AGENT} (release) for {names}"));
+    // Only this package: built with the test harness, weir-agent would get its fault-injection
+    // points (cargo unifies features).
+    let agents = build_for_platforms(
+        &platforms,
+        AGENT,
+        Libc::Gnu,
+        &[("WEIR_EBPF_OBJECT", object)],
+    )?;
+    step(&format!(
+        "building {PLUGIN} (release, static with musl) for {names}"
+    ));
+    let plugins = build_for_platforms(&platforms, PLUGIN, Libc::Musl, &[])?;
     let mut images = Vec::new();
-    for platform in platforms {
+    for ((platform, agent), plugin) in platforms.iter().zip(&agents).zip(&plugins) {
         images.push(PlatformImage::new(
-            &platform.files(object, &target)?,
+            &platform.files([(AGENT, agent), (PLUGIN, plugin)])?,
             platform.oci,
         )?);
     }
+    let target = crate::target_dir()?;
     step(&format!("writing the image {}", reference()));
     let archive = target.join("image").join("weir-agent.tar");
     let partial = archive.with_extension("tar.partial");
