@@ -144,8 +144,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     let installer = Arc::new(Installer::new(InstallConfig {
         cni_bin_dir: config.cni_bin_dir.clone(),
         cni_net_dir: config.cni_net_dir.clone(),
-        owned_config: config.owned_cni_config,
-        owned_config_file: config.owned_cni_config_file.clone(),
+        placement: config.cni_placement.clone(),
         plugin_binary: config.cni_plugin.clone(),
         plugin_name: PLUGIN_NAME.into(),
         plugin_config: plugin_config(&config),

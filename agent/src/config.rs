@@ -3,7 +3,10 @@
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use crate::{
-    cluster::ClusterConfig, datapath::DatapathConfig, install::ServiceAccount, policy::PolicyConfig,
+    cluster::ClusterConfig,
+    datapath::DatapathConfig,
+    install::{CniPlacement, ServiceAccount},
+    policy::PolicyConfig,
 };
 
 /// Everything the agent is told; `weir-agent run` fills it from flags and environment.
@@ -21,9 +24,8 @@ pub struct AgentConfig {
     pub zds_socket: PathBuf,
     pub cni_bin_dir: PathBuf,
     pub cni_net_dir: PathBuf,
-    /// Chain weir in a file of its own, `owned_cni_config_file`, not in the primary CNI's.
-    pub owned_cni_config: bool,
-    pub owned_cni_config_file: String,
+    /// Where weir-cni goes in the node's CNI configuration.
+    pub cni_placement: CniPlacement,
     pub cni_plugin: PathBuf,
     pub cni_plugin_log: Option<PathBuf>,
     /// What the plugin reads the API server with while the agent is away (its kubeconfig);

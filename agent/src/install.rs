@@ -12,12 +12,18 @@
 //! plugins keep their order. Key order and formatting are not kept (the file is re-serialized,
 //! pretty-printed), as with istio-cni.
 //!
-//! With [`InstallConfig::owned_config`], the primary CNI's file is not edited: weir writes a file
+//! With [`Placement::Owned`], the primary CNI's file is not edited: weir writes a file
 //! of its own (`02-weir-cni.conflist` by default) holding the primary's config with weir appended,
 //! named to sort first so the runtime loads it instead, and rewrites it whenever the primary's
 //! changes. A primary CNI that rewrites its own file (on every start, for some) then cannot drop
 //! weir from the chain, even while no agent runs: after a node reboot, pods start through weir-cni
 //! (which fails closed for ambient pods until the agent is back) rather than around it.
+//!
+//! With [`Placement::Standalone`], weir-cni is not chained at all: weir writes a network config
+//! of its own, named `istio-cni` (`YYY-istio-cni.conf` by default), for Multus to run as an extra
+//! attachment of the pods whose `k8s.v1.cni.cncf.io/networks` name it, as istio-cni's
+//! `chained: false` does on OpenShift. The plugin then gets no `prevResult` and the agent reads
+//! the pod's addresses from its netns.
 //!
 //! In a pod, it also writes the plugin's kubeconfig (`weir-kubeconfig` in the net dir, 0600,
 //! [`kubeconfig`]) from the agent's service account, names it in weir's entry, rewrites it when
@@ -59,6 +65,52 @@ pub use self::{kubeconfig::ServiceAccount, net_dir::primary_config};
 /// before the `05-`, `10-` files primary CNIs write.
 pub const DEFAULT_OWNED_CONFIG_FILE: &str = "02-weir-cni.conflist";
 
+/// The default name of the standalone network config: as istio-cni's, it sorts after the configs
+/// a runtime might load as the pod network.
+pub const DEFAULT_STANDALONE_CONFIG_FILE: &str = "YYY-istio-cni.conf";
+
+/// The standalone network's name: the NetworkAttachmentDefinition istio's injector names in a
+/// sidecar pod's `k8s.v1.cni.cncf.io/networks` (with `pilot.cni.provider=multus`) is
+/// `istio-cni`, and Multus finds the config of a definition without one by this name.
+pub const STANDALONE_NETWORK_NAME: &str = "istio-cni";
+
+/// The CNI version of the standalone config: the newest Multus runs delegates with.
+const STANDALONE_CNI_VERSION: &str = "1.0.0";
+
+/// Where weir-cni goes in the node's CNI configuration.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Appended to the chain in the primary CNI's own file.
+    #[default]
+    Chained,
+    /// Appended to a copy of the primary's chain, in weir's own file that sorts first.
+    Owned,
+    /// A network of its own, which Multus runs as an extra attachment.
+    Standalone,
+}
+
+/// Where weir-cni goes, and the names of weir's own files in the net dir. Both names are known
+/// in every placement, so that an install in one removes the file an earlier one in another
+/// left, and the runtime never loads a config weir no longer keeps.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CniPlacement {
+    pub placement: Placement,
+    /// weir's own conflist ([`Placement::Owned`]): it must sort before the primary's.
+    pub owned_file: String,
+    /// The standalone network config ([`Placement::Standalone`]).
+    pub standalone_file: String,
+}
+
+impl Default for CniPlacement {
+    fn default() -> Self {
+        Self {
+            placement: Placement::Chained,
+            owned_file: DEFAULT_OWNED_CONFIG_FILE.into(),
+            standalone_file: DEFAULT_STANDALONE_CONFIG_FILE.into(),
+        }
+    }
+}
+
 /// Where and what to install.
 #[derive(Clone, Debug)]
 pub struct InstallConfig {
@@ -74,12 +126,8 @@ pub struct InstallConfig {
     /// or null. The installer sets `type`, a default `name`, and the pod-annotations capability
     /// (merged into any `capabilities` given); a `cniVersion` is dropped (the list's applies).
     pub plugin_config: Value,
-    /// Put the chain in weir's own file, `owned_config_file`, instead of the primary CNI's file.
-    pub owned_config: bool,
-    /// The name of weir's own file in `cni_net_dir`: a `.conflist` that must sort before the
-    /// primary CNI's file. Known even when `owned_config` is off, so that an install without it
-    /// removes the file an earlier one with it left, and the runtime goes back to the primary's.
-    pub owned_config_file: String,
+    /// Where weir-cni goes: the primary's chain, weir's own copy of it, or a network of its own.
+    pub placement: CniPlacement,
     /// Credentials for the plugin's kubeconfig; `None` writes none (no API server, or the agent
     /// is not in a pod).
     pub service_account: Option<ServiceAccount>,
@@ -202,7 +250,7 @@ impl Installer {
         self.inner.status.subscribe()
     }
 
-    /// Removes weir's own file (see [`InstallConfig::owned_config`]), then weir's entry from
+    /// Removes weir's own files (see [`Placement`]), then weir's entry from
     /// every conflist in the net dir that holds one, leaving the rest of each as it was, then the
     /// binary. A conflist left with no plugin (it held only weir) is deleted, since runtimes
     /// reject an empty list. A conflist that install made out of a lone `.conf` stays a conflist
@@ -304,11 +352,15 @@ impl Inner {
                 Value::from(self.kubeconfig_path().to_string_lossy()),
             );
         }
+        if self.config.placement.placement == Placement::Standalone {
+            return self.write_standalone_config(entry);
+        }
+        self.remove_own_file(&self.standalone_config_path(), Format::Single)?;
         let (path, config) = primary_config(&self.config.cni_net_dir, self.owned_file_name())?;
-        if self.config.owned_config {
+        if self.config.placement.placement == Placement::Owned {
             return self.write_owned_config(&path, config, entry);
         }
-        self.remove_owned_config()?;
+        self.remove_own_file(&self.owned_config_path(), Format::List)?;
         if config.holds_last(&entry) {
             return Ok((path, false, false));
         }
@@ -360,23 +412,68 @@ impl Inner {
         Ok((owned, true, entry_was_missing))
     }
 
-    /// Removes weir's own file, when it is weir's (it holds weir's entry).
-    fn remove_owned_config(&self) -> Result<()> {
-        let owned = self.owned_config_path();
-        let is_weirs = files::read_config(&owned, Format::List)
+    /// Writes the standalone network config, with `entry` as its plugin, and takes weir out of
+    /// the chains and files another placement put it in. Needs no primary config: Multus's
+    /// directory holds none. Refuses a name that would make it the config the runtime loads for
+    /// the pod network, ahead of the files already there.
+    fn write_standalone_config(&self, mut entry: Object) -> Result<(PathBuf, bool, bool)> {
+        let path = self.standalone_config_path();
+        self.remove_own_file(&self.owned_config_path(), Format::List)?;
+        let others = config_files(&self.config.cni_net_dir)?
+            .into_iter()
+            .filter(|(other, _)| *other != path)
+            .collect::<Vec<_>>();
+        for (other, format) in &others {
+            if let Ok(NetworkConfig::List(mut list)) = files::read_config(other, *format) {
+                self.remove_entry(other, &mut list)?;
+            }
+        }
+        if let Some((first, _)) = others.first() {
+            ensure!(
+                path.file_name() > first.file_name(),
+                "weir's standalone CNI config {} would sort before {}, so a runtime reading this \
+                 directory would load it as the pod network; give \
+                 --standalone-cni-config-filename (WEIR_STANDALONE_CNI_CONFIG_FILENAME) a name \
+                 that sorts last, e.g. {DEFAULT_STANDALONE_CONFIG_FILE}",
+                path.display(),
+                first.display(),
+            );
+        }
+        entry.insert("name".into(), Value::from(STANDALONE_NETWORK_NAME));
+        entry.insert("cniVersion".into(), Value::from(STANDALONE_CNI_VERSION));
+        let contents = to_json(&entry);
+        let previous = std::fs::read(&path).ok();
+        if previous.as_deref() == Some(contents.as_slice()) {
+            return Ok((path, false, false));
+        }
+        let entry_was_missing = !previous.is_some_and(|bytes| {
+            NetworkConfig::parse(Format::Single, &bytes)
+                .is_ok_and(|old| old.holds_type(&self.config.plugin_name))
+        });
+        std::fs::create_dir_all(&self.config.cni_net_dir)
+            .with_context(|| format!("creating {}", self.config.cni_net_dir.display()))?;
+        files::write_atomically(&path, contents.as_slice(), &FileAttrs::config())
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok((path, true, entry_was_missing))
+    }
+
+    /// Removes one of weir's own files, when it is weir's (it holds weir's entry).
+    fn remove_own_file(&self, path: &Path, format: Format) -> Result<()> {
+        let is_weirs = files::read_config(path, format)
             .is_ok_and(|config| config.holds_type(&self.config.plugin_name));
         if is_weirs
-            && files::remove_if_present(&owned)
-                .with_context(|| format!("removing {}", owned.display()))?
+            && files::remove_if_present(path)
+                .with_context(|| format!("removing {}", path.display()))?
         {
-            info!(file = %owned.display(), "removed weir's own CNI config");
+            info!(file = %path.display(), "removed weir's own CNI config");
         }
         Ok(())
     }
 
     fn uninstall(&self) -> Result<()> {
         let _guard = self.file_lock.lock().unwrap_or_else(|e| e.into_inner());
-        self.remove_owned_config()?;
+        self.remove_own_file(&self.owned_config_path(), Format::List)?;
+        self.remove_own_file(&self.standalone_config_path(), Format::Single)?;
         for (path, format) in config_files(&self.config.cni_net_dir)? {
             match files::read_config(&path, format) {
                 Ok(NetworkConfig::List(mut list)) => self.remove_entry(&path, &mut list)?,
@@ -419,11 +516,17 @@ impl Inner {
     }
 
     fn owned_file_name(&self) -> &str {
-        &self.config.owned_config_file
+        &self.config.placement.owned_file
     }
 
     fn owned_config_path(&self) -> PathBuf {
         self.config.cni_net_dir.join(self.owned_file_name())
+    }
+
+    fn standalone_config_path(&self) -> PathBuf {
+        self.config
+            .cni_net_dir
+            .join(&self.config.placement.standalone_file)
     }
 
     fn binary_path(&self) -> PathBuf {

@@ -38,7 +38,7 @@ fn run(cli: Cli) -> Result<()> {
             tokio::runtime::Runtime::new()?.block_on(app::run(config, terminated()))
         }
         Command::Uninstall(dirs) => {
-            Installer::new(dirs.install_config()).uninstall()?;
+            Installer::new(dirs.install_config()?).uninstall()?;
             Datapath::start(cli.datapath.config())?.uninstall().wait()
         }
         Command::Pods(args) => {

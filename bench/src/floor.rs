@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use weir_agent::datapath::{
-    netlink::{PodSetup, Rtnl, TcProgram},
+    netlink::{Link, PodSetup, Rtnl, TcProgram},
     netns::{Home, ReplyMarkSysctls},
 };
 use weir_tests::Pod;
@@ -48,9 +48,14 @@ impl KernelFloor {
             name: "pass",
         };
         rtnl.attach_programs(&PodSetup {
-            interfaces: &[(eth0, "eth0".to_owned())],
+            interfaces: &[Link {
+                index: eth0,
+                name: "eth0".to_owned(),
+                ethernet: true,
+            }],
             rerouted: &[],
             inbound: program,
+            inbound_l3: program,
             reroute: program,
         })?;
         Ok(())

@@ -236,6 +236,12 @@ impl<'a> PrevResult<'a> {
     }
 }
 
+/// The result of an ADD that sets up nothing (weir-cni as a network of its own): every field but
+/// `cniVersion` is optional in each supported version.
+pub fn empty_result(version: &str) -> String {
+    serde_json::json!({ "cniVersion": version }).to_string()
+}
+
 /// The supported versions share one result shape except for the per-address `version` ("4" or
 /// "6"), which 0.3.x and 0.4.0 require and 1.0.0 dropped.
 fn set_ip_family(ip: &mut serde_json::Map<String, Value>, version: &str) {
@@ -388,6 +394,14 @@ mod tests {
             .in_version("1.0.0")
             .unwrap_err();
         assert_eq!(err.code, code::INCOMPATIBLE_VERSION);
+    }
+
+    #[test]
+    fn the_empty_result_is_in_the_configs_version() {
+        for version in SUPPORTED_VERSIONS {
+            let result: Value = serde_json::from_str(&empty_result(version)).unwrap();
+            assert_eq!(result, json!({ "cniVersion": version }));
+        }
     }
 
     #[test]

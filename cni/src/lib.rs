@@ -1,7 +1,8 @@
 //! weir's chained CNI plugin: tells the node agent about pod network events so it can put
 //! ambient pods into the mesh, and otherwise stays out of the way.
 //!
-//! The runtime runs the plugin last in the chain (the installer appends it to the conflist). It
+//! The runtime runs the plugin last in the chain (the installer appends it to the conflist), or
+//! Multus runs it as a network of its own (see `ADD` below). It
 //! speaks CNI 0.3.0 to 1.1.0 and keeps no state: each run reads `CNI_*` from the environment
 //! and the network config from stdin, asks the agent over its unix socket
 //! ([`protocol`]: one JSON request line, one JSON response line) and prints the result on
@@ -13,7 +14,10 @@
 //!   `prevResult` and the pod annotations (from `runtimeConfig`, capability
 //!   `io.kubernetes.cri.pod-annotations`) to the agent. On `ok` it prints `prevResult`
 //!   unchanged; an agent `error` becomes a CNI error. Pods in `exclude_namespaces` are passed
-//!   through without asking the agent.
+//!   through without asking the agent. Without `prevResult` (weir-cni as a network of its own,
+//!   which Multus runs as an extra attachment, as istio-cni with `chained: false`) it sends no
+//!   addresses, the agent reads them from the pod's `eth0`, and it prints an empty result,
+//!   `{"cniVersion": <the config's>}`, as istio-cni does.
 //! - `DEL`: tells the agent; works from the container id and pod alone (the runtime's second
 //!   DEL has no netns and no `prevResult`). Only malformed input fails a DEL: never the agent.
 //! - `CHECK`: asks the agent, like ADD, and prints nothing on success.
@@ -75,8 +79,9 @@
 //! pod or unable to read its policy, a kernel that is busy or short of memory. What can never
 //! succeed as asked gets the spec's code for it: 1 incompatible version, 4 bad `CNI_*` variable
 //! (also a `CNI_NETNS` with no network namespace there, or an ambient pod without
-//! `K8S_POD_UID`), 5 stdin unreadable, 6 undecodable JSON, 7 invalid config (ADD without
-//! `prevResult`, or an ambient pod's without a valid address), and 999 for the rest (the node's
+//! `K8S_POD_UID`), 5 stdin unreadable, 6 undecodable JSON, 7 invalid config (an ambient pod's
+//! `prevResult` with an invalid address, or no address there nor on the pod's `eth0`), and 999
+//! for the rest (the node's
 //! own netns as an ambient pod's, a kernel without a feature weir needs, an agent answer that is
 //! not one). An agent `error` keeps the agent's code.
 pub mod ambient;

@@ -138,16 +138,21 @@ fn version_info(stdin: &[u8]) -> Result<String, CniError> {
     Ok(info.to_string() + "\n")
 }
 
+/// Without `prevResult` weir-cni runs as a network of its own (a Multus attachment, as
+/// istio-cni with `chained: false`): the agent gets no addresses and reads them in the pod, and
+/// the result is empty, as istio-cni's.
 fn add(conf: &NetConf, env: &CniEnv, log: &mut Log) -> Result<String, CniError> {
-    let raw = conf.prev_result.as_deref().ok_or_else(|| {
-        CniError::new(code::INVALID_CONFIG, "ADD without prevResult").with_details(
-            "weir-cni is a chained plugin: list it after the plugin that sets up the pod network",
-        )
-    })?;
-    let prev = PrevResult::parse(raw)?;
-    let request = request(Command::Add, conf, env, Some(&prev), log)?;
+    let prev = conf
+        .prev_result
+        .as_deref()
+        .map(PrevResult::parse)
+        .transpose()?;
+    let request = request(Command::Add, conf, env, prev.as_ref(), log)?;
     // Converted before the agent is asked, so a result that cannot be printed enrolls nothing.
-    let result = prev.in_version(&conf.cni_version)? + "\n";
+    let result = match &prev {
+        Some(prev) => prev.in_version(&conf.cni_version)?,
+        None => config::empty_result(&conf.cni_version),
+    } + "\n";
     if request.pod.namespace.is_empty() || request.pod.name.is_empty() {
         // Not a Kubernetes pod (no K8S_POD_* in CNI_ARGS): never ambient, never blocked.
         log.info("not a Kubernetes pod: passed through");

@@ -278,6 +278,52 @@ fn add_forwards_the_pod_and_passes_prev_result_through() {
     );
 }
 
+/// A network of its own (a Multus attachment, as istio-cni with `chained: false`): no
+/// `prevResult`, so the agent gets no addresses (it reads them in the pod) and the result is
+/// empty, in the config's version.
+#[test]
+fn add_without_prev_result_asks_the_agent_without_addresses_and_prints_an_empty_result() {
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    let node = Node::new();
+    let agent = FakeAgent::ok(&node.socket());
+    let env: Vec<(String, String)> = add
+        .env
+        .iter()
+        .map(|(key, value)| match key.as_str() {
+            "CNI_IFNAME" => (key.clone(), "net1".to_owned()),
+            _ => (key.clone(), value.clone()),
+        })
+        .collect();
+    for version in ["0.3.1", "1.0.0", "1.1.0"] {
+        let mut conf: Value = serde_json::from_str(&node.config(&add.stdin, no_extra())).unwrap();
+        let conf = conf.as_object_mut().unwrap();
+        conf.remove("prevResult");
+        conf.insert("name".into(), "istio-cni".into());
+        conf.insert("cniVersion".into(), version.into());
+        let out = exec(&env, &Value::from(conf.clone()).to_string());
+        assert_eq!(success_json(&out), json!({ "cniVersion": version }));
+        let request = agent.next_request();
+        assert_eq!(request.command, protocol::Command::Add);
+        assert_eq!(request.ips, []);
+        assert_eq!(request.ifname, "net1");
+        assert_eq!(request.pod, sample_pod());
+    }
+
+    // Not a Kubernetes pod: passed through without the agent, as with a prevResult.
+    let mut conf: Value = serde_json::from_str(&node.config(&add.stdin, no_extra())).unwrap();
+    conf.as_object_mut().unwrap().remove("prevResult");
+    let not_a_pod: Vec<(String, String)> = env
+        .iter()
+        .filter(|(key, _)| key != "CNI_ARGS")
+        .cloned()
+        .collect();
+    let out = exec(&not_a_pod, &conf.to_string());
+    assert_eq!(success_json(&out), json!({ "cniVersion": "1.0.0" }));
+    agent.assert_no_request();
+}
+
 #[test]
 fn add_prints_prev_result_byte_for_byte() {
     let [add, ..] = &recorded_calls()[..] else {
@@ -576,11 +622,6 @@ fn malformed_input_gets_the_spec_error_codes() {
         env.push((name.into(), value.into()));
         env
     };
-    let without_prev_result = {
-        let mut conf: Value = serde_json::from_str(&config).unwrap();
-        conf.as_object_mut().unwrap().remove("prevResult");
-        conf.to_string()
-    };
 
     cni_error(&exec(&add.env, "{not json"), 6);
     cni_error(&exec(&add.env, ""), 6);
@@ -592,7 +633,6 @@ fn malformed_input_gets_the_spec_error_codes() {
     let passed = exec(&env_with("CNI_ARGS", "K8S_POD_NAMESPACE=a"), &config);
     assert_eq!(passed.status.code(), Some(0));
     cni_error(&exec(&env_with("CNI_ARGS", "no-equals"), &config), 4);
-    cni_error(&exec(&add.env, &without_prev_result), 7);
     let err = cni_error(&exec(&add.env, &config.replace("1.0.0", "0.2.0")), 1);
     assert_eq!(err["cniVersion"], "0.2.0");
 }

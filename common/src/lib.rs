@@ -446,6 +446,8 @@ pub mod programs {
     pub const SOCKOPS: &str = "weir_sockops";
     pub const GETSOCKOPT: &str = "weir_getsockopt";
     pub const INBOUND: &str = "weir_inbound";
+    /// In place of `INBOUND` on interfaces without an Ethernet header.
+    pub const INBOUND_L3: &str = "weir_inbound_l3";
     /// In place of `INBOUND` on a pod's `istio.io/reroute-virtual-interfaces`.
     pub const REROUTE: &str = "weir_reroute";
     /// sk_lookup, attached to a pod's netns on kernels before 6.5.

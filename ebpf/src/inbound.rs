@@ -16,6 +16,8 @@
 //!
 //! Every drop is counted in the pod's `dropped` counter.
 //!
+//! [`weir_inbound_l3`] is the same program for interfaces whose packets have no Ethernet header.
+//!
 //! [`weir_reroute`] takes the inbound program's place on an interface named in the pod's
 //! `istio.io/reroute-virtual-interfaces` (a VM behind a tap or bridge in the pod): not an
 //! entrance to the pod but to its outbound. Every new TCP connection arriving there goes to
@@ -98,7 +100,27 @@ const DROP: i32 = TC_ACT_SHOT as i32;
 
 #[classifier]
 pub fn weir_inbound(ctx: TcContext) -> i32 {
-    let packet = match network_header(&ctx) {
+    inbound::<true>(&ctx)
+}
+
+/// [`weir_inbound`] for interfaces without a link-layer header (tun, wireguard, ipip, gre, sit,
+/// netkit in L3 mode): the packet starts with its IP header, whose version the kernel's protocol
+/// field gives. Read as an Ethernet frame, such a packet would be taken for one that is not IP,
+/// and pass around ztunnel.
+#[classifier]
+pub fn weir_inbound_l3(ctx: TcContext) -> i32 {
+    inbound::<false>(&ctx)
+}
+
+/// The packet's IP header found behind an Ethernet header (and VLAN tags), or at the start.
+#[inline(always)]
+fn inbound<const ETHERNET: bool>(ctx: &TcContext) -> i32 {
+    let payload = if ETHERNET {
+        network_header(ctx)
+    } else {
+        ip_header(ctx, u16::from_be(ctx.skb.protocol() as u16), 0)
+    };
+    let packet = match payload {
         Payload::Ip(packet) => packet,
         // Not IP, or an IP header too short to hold the addresses: the kernel drops the latter.
         Payload::Other => return PASS,
@@ -107,7 +129,7 @@ pub fn weir_inbound(ctx: TcContext) -> i32 {
     let Some(netns) = pod_with_ip(&packet.destination) else {
         return PASS;
     };
-    match decide(&ctx, &packet, netns) {
+    match decide(ctx, &packet, netns) {
         Ok(verdict) => verdict,
         Err(()) => {
             diag!(
@@ -195,6 +217,15 @@ fn network_header(ctx: &TcContext) -> Payload {
         ethertype = inner;
         offset += VLAN_HLEN;
     }
+    if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
+        return Payload::TooManyTags;
+    }
+    ip_header(ctx, ethertype, offset)
+}
+
+/// The IP header at `offset`, of the version `ethertype` names.
+#[inline(always)]
+fn ip_header(ctx: &TcContext, ethertype: u16, offset: usize) -> Payload {
     let header = match ethertype {
         ETH_P_IP => (|| {
             let saddr: u32 = ctx.load(offset + 12).ok()?;
@@ -214,7 +245,6 @@ fn network_header(ctx: &TcContext) -> Payload {
                 destination: IpKey::from_v6(ctx.load(offset + 24).ok()?),
             })
         })(),
-        ETH_P_8021Q | ETH_P_8021AD => return Payload::TooManyTags,
         _ => None,
     };
     header.map_or(Payload::Other, Payload::Ip)

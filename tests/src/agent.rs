@@ -115,8 +115,7 @@ pub fn agent_config_at(
         zds_socket: run.join("ztunnel.sock"),
         cni_bin_dir: dir.join("bin"),
         cni_net_dir: dir.join("net.d"),
-        owned_cni_config: false,
-        owned_cni_config_file: weir_agent::install::DEFAULT_OWNED_CONFIG_FILE.into(),
+        cni_placement: weir_agent::install::CniPlacement::default(),
         cni_plugin: workspace_binary("weir-cni"),
         cni_plugin_log: Some(run.join("weir-cni.log")),
         service_account: None,
@@ -334,7 +333,7 @@ fn run_command(config: &AgentConfig) -> std::process::Command {
         .arg("--cni-net-dir")
         .arg(&config.cni_net_dir)
         .arg("--owned-cni-config-filename")
-        .arg(&config.owned_cni_config_file)
+        .arg(&config.cni_placement.owned_file)
         .arg("--cni-plugin")
         .arg(&config.cni_plugin)
         .arg("--health-addr")

@@ -33,6 +33,7 @@ pub mod sidecar;
 pub mod sockopt;
 pub mod traffic;
 pub mod traffic_loop;
+pub mod tunnel;
 pub mod wait;
 pub mod zds_client;
 pub mod ztunnel;

@@ -11,7 +11,7 @@ use std::process::Command;
 use clap::{CommandFactory, Parser};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use weir_agent::cli::Cli;
+use weir_agent::{cli::Cli, install::Placement};
 
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
@@ -181,6 +181,13 @@ fn every_platform_profile_mounts_and_configures_its_cni_paths() {
         };
         assert_eq!(run.cni_dirs.cni_bin_dir, Path::new(bin_dir), "{profile}");
         assert_eq!(run.cni_dirs.cni_net_dir, Path::new(conf_dir), "{profile}");
+        let placement = run.cni_dirs.placement().unwrap();
+        if profile == "openshift" {
+            assert_eq!(placement.placement, Placement::Standalone);
+            assert_eq!(placement.standalone_file, "istio-cni.conf");
+        } else {
+            assert_eq!(placement.placement, Placement::Chained, "{profile}");
+        }
         assert_eq!(
             host_path_mounted_at(&objects, bin_dir),
             bin_dir,
@@ -299,7 +306,10 @@ fn pod_deletion_is_granted_as_configured_and_values_weir_cannot_honour_are_refus
     )
     .expect_err("both actions at once");
     assert!(error.contains("set at most one"), "{error}");
-    let error =
-        render(&helm, &["--set", "chained=false"]).expect_err("istio-cni's standalone mode");
-    assert!(error.contains("runs only chained"), "{error}");
+    let error = render(&helm, &["--set", "chained=false,istioOwnedCNIConfig=true"])
+        .expect_err("a standalone plugin in a chain of its own");
+    assert!(error.contains("an owned config is a chain"), "{error}");
+    let error = render(&helm, &["--set", "cniConfFileName=10-calico.conflist"])
+        .expect_err("chaining into a chosen file");
+    assert!(error.contains("names the standalone config"), "{error}");
 }

@@ -26,9 +26,9 @@ use weir_tests::{
     agent::{http_get, Agent},
     chain::{
         ambient_policy, assert_direct, assert_through_ztunnel, pods_command, wait_for_metric,
-        weir_only, CniChainNode as Node, MESH, WAIT,
+        weir_conflist, weir_only, CniChainNode as Node, MESH, WAIT,
     },
-    cni::{Command, RuntimeConf},
+    cni::{Command, NetworkConfigList, RuntimeConf},
     raw, tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
     ApiServer, EchoServer, Pod, PodSpec, ZtunnelStandIn,
@@ -162,6 +162,71 @@ fn del_unenrolls_and_is_idempotent() {
     agent.stop().unwrap();
 }
 
+/// Multus runs weir-cni as a network of its own, as istio-cni with `chained: false` (OpenShift):
+/// a NetworkAttachmentDefinition's extra attachment, after the node's primary network, with no
+/// `prevResult`. The plugin prints an empty result, the agent takes the pod's IPs from its eth0,
+/// and the attachment's DEL takes the pod out again.
+#[test]
+fn a_standalone_attachment_without_prev_result_enrolls_an_ambient_pod() {
+    let node = privileged!(Node::new());
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let server = node.pod("default", "server").unwrap();
+    let echo = EchoServer::app(&server).unwrap();
+    let client = unenrolled_ambient_pod(&node, "client");
+    // Multus passes the pod's own CNI_ARGS and no pod annotations.
+    let attachment = RuntimeConf {
+        ifname: "net1".into(),
+        capability_args: Default::default(),
+        ..client.runtime_conf().clone()
+    };
+
+    let result = standalone_weir(&node, Command::Add, &attachment).expect("the attachment's ADD");
+    assert_eq!(result, json!({ "cniVersion": "1.0.0" }));
+    let stand_in = ztunnel
+        .wait_for_pod(client.uid(), WAIT)
+        .expect("ztunnel got the pod's netns over ZDS");
+    assert_through_ztunnel(&client, &stand_in, &server, &echo, "mesh");
+    let records = weir_agent::state::read(&agent.config.state_file).unwrap();
+    let enrolled = &records[client.uid()].workload;
+    assert_eq!(
+        enrolled.ips,
+        client.ips(),
+        "eth0's addresses, not link-local"
+    );
+    assert_eq!(
+        enrolled.attachment.as_ref().map(|a| a.ifname.as_str()),
+        Some("net1")
+    );
+
+    standalone_weir(&node, Command::Del, &attachment).expect("the attachment's DEL");
+    assert!(
+        ztunnel.wait_for_del(client.uid(), WAIT),
+        "ztunnel was told to drop the pod"
+    );
+    let before = stand_in.seen().len();
+    assert_direct(&client, &server, &echo, "direct");
+    assert_eq!(stand_in.seen().len(), before);
+    agent.stop().unwrap();
+}
+
+/// weir-cni alone as a network named `istio-cni`, as a NetworkAttachmentDefinition configures it
+/// (version 1.0.0, the installed entry's fields), run by Multus without `prevResult`.
+fn standalone_weir(
+    node: &Node,
+    command: Command,
+    runtime: &RuntimeConf,
+) -> Result<serde_json::Value, weir_tests::cni::CniError> {
+    let weir = weir_conflist(node).plugins.last().unwrap().clone();
+    let network = NetworkConfigList {
+        name: "istio-cni".into(),
+        cni_version: "1.0.0".into(),
+        plugins: vec![weir.clone()],
+    };
+    let config = network.plugin_config(&weir, runtime, None);
+    let binary = weir_tests::cni::find_plugin(&weir, &runtime.path).unwrap();
+    weir_tests::cni::invoke(&binary, command, runtime, &config, node.netns())
+}
+
 /// kubelet gives a pod a new sandbox (after a reboot, or when pause dies): it stops the old one,
 /// runs the new one through ADD, then removes the old one, whose second DEL has no netns. That DEL
 /// names the old sandbox only, and must leave the live one redirected.
@@ -274,7 +339,7 @@ fn an_owned_config_keeps_weir_chained_when_the_primary_rewrites_its_file() {
     let node = privileged!(Node::new());
     let owning_agent = || {
         let mut config = node.files.agent_config(node.netns()).unwrap();
-        config.owned_cni_config = true;
+        config.cni_placement.placement = weir_agent::install::Placement::Owned;
         Agent::start(config).unwrap()
     };
     let primary = node.files.net_dir().join("10-weir-test.conflist");
@@ -502,6 +567,18 @@ fn malformed_requests_get_the_specs_code_for_what_is_wrong() {
     };
     let mut without_addresses = prev.clone();
     without_addresses["ips"] = json!([]);
+    // Without them in prevResult the agent looks on eth0, where only link-local ones are left.
+    let flush = [
+        "-n",
+        pod.netns().name(),
+        "addr",
+        "flush",
+        "dev",
+        "eth0",
+        "scope",
+        "global",
+    ];
+    weir_tests::netns::ip(&flush).unwrap();
     let mut bad_address = prev.clone();
     bad_address["ips"][0]["address"] = "10.244.0.300/24".into();
     let add = |runtime: &RuntimeConf, prev: &serde_json::Value| {
@@ -516,7 +593,8 @@ fn malformed_requests_get_the_specs_code_for_what_is_wrong() {
         (
             add(runtime, &without_addresses),
             7,
-            "prevResult has no IP address: ambient pod mesh/app cannot be enrolled",
+            "neither prevResult nor the pod's eth0 has an IP address: ambient pod mesh/app \
+             cannot be enrolled",
         ),
         (
             add(runtime, &bad_address),

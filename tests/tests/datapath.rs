@@ -15,8 +15,8 @@ use weir_agent::{
     workload::{PodOptions, Workload},
 };
 use weir_common::{
-    maps, ConnectionKey, Endpoint, PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT,
-    PROBE_SOURCE_V4, PROBE_SOURCE_V6,
+    maps, ConnectionKey, Endpoint, PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT,
+    OUTBOUND_PORT, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 use weir_tests::{cgroup, privileged};
 use weir_tests::{

@@ -17,7 +17,9 @@ use weir_tests::privileged;
 use weir_tests::try_wait_until;
 use weir_tests::{
     netns::{ip, NetNs},
-    tcp_request, DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
+    tcp_request,
+    tunnel::Tunnel,
+    DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
@@ -401,6 +403,35 @@ fn addresses_and_interfaces_added_after_enrollment_are_captured() {
         server.ipv4().into(),
         true
     ));
+    datapath.uninstall().wait().unwrap();
+}
+
+/// A pod with a tunnel of its own (wireguard, ipip, a VPN client's tun): packets arrive there
+/// with no Ethernet header, and a new connection over it goes through ztunnel as one over eth0
+/// does.
+#[test]
+fn inbound_over_an_interface_without_an_ethernet_header_goes_through_ztunnel() {
+    let fixture = privileged!(DatapathNode::new());
+    let server = fixture.pod("server");
+    let peer = NetNs::create("tunpeer").unwrap();
+    let (peer_ip, server_tunnel_ip) = (Ipv4Addr::new(10, 99, 0, 1), Ipv4Addr::new(10, 99, 0, 2));
+    let _tunnel =
+        Tunnel::between("tun0", (&peer, peer_ip), (server.netns(), server_tunnel_ip)).unwrap();
+    let app = EchoServer::app(&server).unwrap();
+    let ztunnel = ZtunnelStandIn::start_in_netns(
+        server.netns().open().unwrap(),
+        &[server.ips().as_slice(), &[server_tunnel_ip.into()]].concat(),
+    )
+    .unwrap();
+    let datapath = fixture.enrolled(&server, PodOptions::default());
+    inbound_through_ztunnel(
+        &peer,
+        SocketAddr::new(server_tunnel_ip.into(), APP_PORT),
+        &ztunnel,
+        &app,
+    );
+    // The audit expects that program there, and puts nothing back.
+    assert_eq!(datapath.audit().wait().unwrap(), Vec::<&str>::new());
     datapath.uninstall().wait().unwrap();
 }
 

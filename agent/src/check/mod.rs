@@ -34,6 +34,7 @@ use crate::{
     cluster::ClusterConfig,
     config::{AgentConfig, SourceConfig},
     datapath::DatapathConfig,
+    install::CniPlacement,
     policy::OwnPods,
 };
 pub use cluster::{Access, AccessScope, REQUIRED_ACCESS};
@@ -114,8 +115,8 @@ pub struct CheckConfig {
     /// `--cgroup`; `None`: the cgroup2 mount's root.
     pub cgroup: Option<PathBuf>,
     pub cni_net_dir: PathBuf,
-    /// weir's own conflist there, which is not the primary's.
-    pub owned_cni_config_file: String,
+    /// Where weir-cni goes there: a standalone network needs no primary config beside it.
+    pub cni_placement: CniPlacement,
     pub zds_socket: PathBuf,
     /// The cluster the agent follows, and its own DaemonSet there; `None`: a node without an API
     /// server (a policy file), whose checks are the node's alone.
@@ -130,8 +131,8 @@ impl CheckConfig {
             return Ok(Self {
                 pin_root: datapath.pin_root,
                 cgroup: datapath.cgroup,
+                cni_placement: args.cni_dirs.placement()?,
                 cni_net_dir: args.cni_dirs.cni_net_dir,
-                owned_cni_config_file: args.cni_dirs.owned_cni_config_filename,
                 zds_socket: args.zds_socket,
                 cluster: None,
             });
@@ -145,7 +146,7 @@ impl CheckConfig {
             pin_root: config.datapath.pin_root.clone(),
             cgroup: config.datapath.cgroup.clone(),
             cni_net_dir: config.cni_net_dir.clone(),
-            owned_cni_config_file: config.owned_cni_config_file.clone(),
+            cni_placement: config.cni_placement.clone(),
             zds_socket: config.zds_socket.clone(),
             cluster: match &config.source {
                 SourceConfig::Cluster(cluster) => {

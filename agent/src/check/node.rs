@@ -10,7 +10,7 @@ use crate::{
         kernel::{BpfType, Kernel, BPF_FEATURES, OLDEST, OLDEST_BECAUSE},
         mounts::{self, PinRootFs, DEFAULT_BPF_FS},
     },
-    install::{self, NoNetworkConfig},
+    install::{self, NoNetworkConfig, Placement},
 };
 
 /// Everything the node itself must have.
@@ -19,10 +19,13 @@ pub(super) fn findings(config: &CheckConfig) -> Vec<Finding> {
     findings.extend(bpf_features());
     findings.push(cgroup(config.cgroup.as_deref()));
     findings.push(bpffs(&config.pin_root));
-    findings.push(cni_config(
-        &config.cni_net_dir,
-        &config.owned_cni_config_file,
-    ));
+    // A standalone network needs none: Multus's directory holds only extra networks.
+    if config.cni_placement.placement != Placement::Standalone {
+        findings.push(cni_config(
+            &config.cni_net_dir,
+            &config.cni_placement.owned_file,
+        ));
+    }
     findings.push(zds_socket_dir(&config.zds_socket));
     findings
 }

@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
 use weir_common::{PROBE_SOURCE_V4, PROBE_SOURCE_V6};
@@ -25,7 +25,10 @@ use crate::{
     config::{AgentConfig, SourceConfig},
     datapath::{DatapathConfig, ProbeSource},
     inspect,
-    install::{InstallConfig, ServiceAccount, DEFAULT_OWNED_CONFIG_FILE},
+    install::{
+        CniPlacement, InstallConfig, Placement, ServiceAccount, DEFAULT_OWNED_CONFIG_FILE,
+        DEFAULT_STANDALONE_CONFIG_FILE,
+    },
     logging::LogFormat,
     policy::{
         enablement::{default_selectors, parse_selectors, EnablementSelector},
@@ -268,36 +271,71 @@ pub struct CniDirs {
         long,
         env = "WEIR_OWNED_CNI_CONFIG_FILENAME",
         default_value = DEFAULT_OWNED_CONFIG_FILE,
-        value_parser = owned_config_file
+        value_parser = config_file(".conflist")
     )]
     pub owned_cni_config_filename: String,
+    /// Chain weir-cni after the primary CNI (true), or write it as a network of its own, named
+    /// istio-cni, that Multus runs as an extra attachment of the pods that name it in
+    /// k8s.v1.cni.cncf.io/networks (false; as istio-cni's CHAINED_CNI_PLUGIN=false on
+    /// OpenShift).
+    #[arg(long, env = "WEIR_CHAINED_CNI_PLUGIN", default_value_t = true, action = ArgAction::Set)]
+    pub chained_cni_plugin: bool,
+    /// The name of the standalone network config in the CNI net dir: a `.conf` sorting after the
+    /// files there.
+    #[arg(
+        long,
+        env = "WEIR_STANDALONE_CNI_CONFIG_FILENAME",
+        default_value = DEFAULT_STANDALONE_CONFIG_FILE,
+        value_parser = config_file(".conf")
+    )]
+    pub standalone_cni_config_filename: String,
 }
 
 impl CniDirs {
+    /// Where weir-cni goes, from the flags; an owned chain is a chain, so it is refused with a
+    /// standalone plugin.
+    pub fn placement(&self) -> Result<CniPlacement> {
+        let placement = match (self.chained_cni_plugin, self.owned_cni_config) {
+            (true, false) => Placement::Chained,
+            (true, true) => Placement::Owned,
+            (false, false) => Placement::Standalone,
+            (false, true) => bail!(
+                "--owned-cni-config (WEIR_OWNED_CNI_CONFIG) puts weir-cni in a chain of its own, \
+                 and --chained-cni-plugin=false (WEIR_CHAINED_CNI_PLUGIN) in no chain: choose one"
+            ),
+        };
+        Ok(CniPlacement {
+            placement,
+            owned_file: self.owned_cni_config_filename.clone(),
+            standalone_file: self.standalone_cni_config_filename.clone(),
+        })
+    }
+
     /// What the installer needs to find, write and remove weir's files; `plugin_binary` and
     /// `plugin_config` are empty: enough to uninstall.
-    pub fn install_config(&self) -> InstallConfig {
-        InstallConfig {
+    pub fn install_config(&self) -> Result<InstallConfig> {
+        Ok(InstallConfig {
             cni_bin_dir: self.cni_bin_dir.clone(),
             cni_net_dir: self.cni_net_dir.clone(),
             plugin_binary: PathBuf::new(),
             plugin_name: PLUGIN_NAME.into(),
             plugin_config: serde_json::Value::Null,
-            owned_config: self.owned_cni_config,
-            owned_config_file: self.owned_cni_config_filename.clone(),
+            placement: self.placement()?,
             service_account: None,
-        }
+        })
     }
 }
 
-/// A file name in the CNI net dir that libcni loads as a list.
-fn owned_config_file(name: &str) -> Result<String, String> {
-    if name.contains('/') || name.starts_with('.') || !name.ends_with(".conflist") {
-        return Err(format!(
-            "{name:?} must be a file name (no directory) ending in .conflist"
-        ));
+/// A file name in the CNI net dir that libcni loads, by its extension.
+fn config_file(extension: &'static str) -> impl Fn(&str) -> Result<String, String> + Clone {
+    move |name: &str| {
+        if name.contains('/') || name.starts_with('.') || !name.ends_with(extension) {
+            return Err(format!(
+                "{name:?} must be a file name (no directory) ending in {extension}"
+            ));
+        }
+        Ok(name.to_owned())
     }
-    Ok(name.to_owned())
 }
 
 #[derive(Subcommand)]
@@ -371,10 +409,9 @@ impl RunArgs {
             state_file: self.state.state_file,
             trace_socket: self.trace.trace_socket,
             zds_socket: self.zds_socket,
+            cni_placement: self.cni_dirs.placement()?,
             cni_bin_dir: self.cni_dirs.cni_bin_dir,
             cni_net_dir: self.cni_dirs.cni_net_dir,
-            owned_cni_config: self.cni_dirs.owned_cni_config,
-            owned_cni_config_file: self.cni_dirs.owned_cni_config_filename,
             cni_plugin: match self.cni_plugin {
                 Some(path) => path,
                 None => std::env::current_exe()?.with_file_name("weir-cni"),

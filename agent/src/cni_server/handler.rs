@@ -16,6 +16,7 @@ use super::responses::{
     decision_error, enrollment_failure, error_response, incomplete_add, pod_ip,
 };
 use crate::{
+    datapath::netns,
     enroll::Enroller,
     logging::pod_span,
     policy::{Decision, Labels, Policy, PolicyError},
@@ -150,11 +151,20 @@ impl CniHandler {
             }
             Decision::Sidecar(sidecar) => (sidecar.options(), None, Some(sidecar)),
         };
-        let ips = request
+        let mut ips = request
             .ips
             .iter()
             .map(|ip| pod_ip(&name, ip))
             .collect::<Result<Vec<IpAddr>, Response>>()?;
+        if ips.is_empty() && !request.netns.is_empty() {
+            // weir-cni as a network of its own (a Multus attachment) has no prevResult.
+            let path = PathBuf::from(&request.netns);
+            ips = tokio::task::spawn_blocking(move || netns::pod_ips(&path))
+                .await
+                .map_err(anyhow::Error::from)
+                .and_then(|found| found)
+                .map_err(|error| enrollment_failure(&name, &error))?;
+        }
         Ok(Some(Workload {
             uid: request.pod.uid.clone(),
             name: request.pod.name.clone(),

@@ -57,8 +57,9 @@ pub(super) fn incomplete_add(pod: &Workload) -> Option<Response> {
     } else if pod.ips.is_empty() {
         (
             INVALID_CONFIG,
-            "prevResult has no IP address",
-            "weir-cni comes after the plugin that gives the pod its addresses",
+            "neither prevResult nor the pod's eth0 has an IP address",
+            "chained, weir-cni comes after the plugin that gives the pod its addresses; on its \
+             own, after the pod's default network on eth0",
         )
     } else {
         return None;

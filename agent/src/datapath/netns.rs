@@ -2,18 +2,23 @@
 //!
 //! `setns(CLONE_NEWNET)` changes the namespace of the calling thread only. Everything here acts on
 //! the calling thread's current namespace, so the datapath thread enters a pod with [`enter`] and
-//! calls these (and [`super::netlink`]) while the guard lives.
+//! calls these (and [`super::netlink`]) while the guard lives; only [`pod_ips`] enters the pod on
+//! a thread of its own.
 
 use std::fs::File;
 use std::io::{self, Write};
-use std::net::SocketAddrV4;
+use std::net::{IpAddr, SocketAddrV4};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::Path;
 use std::rc::Rc;
 
+use anyhow::Context;
 use aya::maps::{MapData, SkStorage};
 use weir_common::{NETNS_COOKIE_PORT, PROBE_SOURCE_V4};
 
 use nix::sched::{setns, CloneFlags};
+
+use super::{netlink::Rtnl, Unenrollable};
 
 /// The calling thread's network namespace, as a path that resolves per thread (`/proc/self` would
 /// name the main thread's).
@@ -68,6 +73,32 @@ impl Drop for NetnsGuard {
             std::process::abort();
         }
     }
+}
+
+/// The interface of a pod's default network: runtimes name it so, kubelet reports its addresses
+/// as the pod's IPs, and Multus names the default network so too.
+pub const POD_INTERFACE: &str = "eth0";
+
+/// The pod's IPs as its network namespace at `path` holds them: the addresses on
+/// [`POD_INTERFACE`], loopback and link-local ones left out, for a CNI request that names none
+/// (weir-cni as a network of its own has no `prevResult`). Read on a thread made for it, so no
+/// pooled thread is ever left in a pod's namespace. No namespace at the path is an
+/// [`Unenrollable`] error.
+pub fn pod_ips(path: &Path) -> anyhow::Result<Vec<IpAddr>> {
+    let netns = File::open(path).map_err(|error| Unenrollable::on_open(path, error))?;
+    let path = path.to_owned();
+    std::thread::Builder::new()
+        .name("weir-pod-ips".into())
+        .spawn(move || {
+            let _inside =
+                enter(netns.as_fd()).map_err(|error| Unenrollable::on_enter(&path, error))?;
+            Rtnl::new()
+                .and_then(|mut rtnl| rtnl.routable_addresses_of(POD_INTERFACE))
+                .with_context(|| format!("listing the addresses on the pod's {POD_INTERFACE}"))
+        })
+        .context("starting a thread to read the pod's addresses")?
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread reading the pod's addresses panicked"))?
 }
 
 /// Where weir's connect hook answers the netns cookie question: the datapath's `NETNS_COOKIES`.
@@ -325,7 +356,7 @@ mod tests {
     use std::os::fd::AsFd;
     use std::os::unix::fs::MetadataExt;
 
-    use super::testing::{privileged, scratch_netns};
+    use super::testing::{self, privileged, scratch_netns};
     use super::*;
 
     fn reply_mark_sysctls() -> Vec<String> {
@@ -374,6 +405,36 @@ mod tests {
         let not_netns = File::open("/").unwrap();
         assert!(enter(not_netns.as_fd()).is_err());
         assert_eq!(current_cookie(None).unwrap(), home);
+    }
+
+    #[test]
+    fn pod_ips_are_the_routable_addresses_on_the_pods_eth0() {
+        let Some(pod) = privileged(scratch_netns) else {
+            return;
+        };
+        {
+            let _inside = enter(pod.as_fd()).unwrap();
+            testing::ip(&[
+                "link", "add", "eth0", "type", "veth", "peer", "name", "weir-t1",
+            ]);
+            testing::ip(&["addr", "add", "10.1.0.5/24", "dev", "eth0"]);
+            testing::ip(&["addr", "add", "169.254.1.5/16", "dev", "eth0"]);
+        }
+        let home = current_cookie(None).unwrap();
+        let path = format!("/proc/self/fd/{}", pod.as_raw_fd());
+        let ips = pod_ips(Path::new(&path)).unwrap();
+        assert_eq!(ips, [IpAddr::from([10, 1, 0, 5])]);
+        assert_eq!(current_cookie(None).unwrap(), home);
+
+        let unenrollable = |path: &str| {
+            let error = pod_ips(Path::new(path)).unwrap_err();
+            error.downcast::<Unenrollable>().unwrap()
+        };
+        assert!(matches!(
+            unenrollable("/var/run/netns/weir-no-such-netns"),
+            Unenrollable::NetnsMissing(_)
+        ));
+        assert!(matches!(unenrollable("/"), Unenrollable::NotANetns(_)));
     }
 
     #[test]

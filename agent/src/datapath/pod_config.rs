@@ -1,7 +1,11 @@
 //! A pod as the maps hold it: its `PODS` entry from the workload (and the options back from
 //! it), its addresses as map keys, its counters summed over CPUs; and what makes a pod
 //! impossible to enroll.
-use std::{net::IpAddr, path::PathBuf};
+use std::{
+    io,
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
 
 use anyhow::Result;
 use aya::maps::PerCpuValues;
@@ -31,6 +35,28 @@ pub enum Unenrollable {
     InvalidUid(String),
     #[error("pod {uid} has no IP")]
     NoIp { uid: String },
+}
+
+impl Unenrollable {
+    /// An error opening the pod netns at `path`: with nothing there, the pod can never be
+    /// enrolled.
+    pub(super) fn on_open(path: &Path, error: io::Error) -> anyhow::Error {
+        if error.kind() == io::ErrorKind::NotFound {
+            Self::NetnsMissing(path.to_owned()).into()
+        } else {
+            anyhow::Error::new(error).context(format!("opening pod netns {}", path.display()))
+        }
+    }
+
+    /// An error entering the pod netns opened from `path`: setns takes namespaces only, so
+    /// anything else there is EINVAL.
+    pub(super) fn on_enter(path: &Path, error: io::Error) -> anyhow::Error {
+        if error.raw_os_error() == Some(libc::EINVAL) {
+            Self::NotANetns(path.to_owned()).into()
+        } else {
+            anyhow::Error::new(error).context("entering the pod netns")
+        }
+    }
 }
 
 pub(super) fn pod_config(pod: &Workload, handoff: bool) -> Result<PodConfig> {

@@ -6,7 +6,7 @@ use tracing::{debug, warn};
 
 use super::{
     handoff::Handoff,
-    netlink::{self, PodSetup, Rtnl, WeirFilter},
+    netlink::{self, Link, PodSetup, Rtnl, WeirFilter},
     netns::ReplyMarkSysctls,
     programs,
 };
@@ -19,7 +19,7 @@ pub(super) fn prepare_pod_netns(
     sysctls: &mut ReplyMarkSysctls,
     ebpf: &Ebpf,
     handoff: Option<(&Handoff, u64)>,
-    interfaces: &[(u32, String)],
+    interfaces: &[Link],
 ) -> Result<()> {
     let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
     // Its IPs are not known here: both families.
@@ -36,7 +36,7 @@ pub(super) fn prepare_pod_netns(
 /// What a pod's netns is set up with.
 pub(super) struct PodNetnsSetup<'a> {
     /// The pod's interfaces but loopback.
-    pub(super) interfaces: &'a [(u32, String)],
+    pub(super) interfaces: &'a [Link],
     /// Those whose incoming TCP goes to the outbound listener.
     pub(super) rerouted: &'a [String],
     /// `::6` on `lo`, the IPv6 passthrough source of a sidecar pod whose IPv6 is captured.
@@ -69,6 +69,7 @@ pub(super) fn set_up_pod_netns(
         interfaces,
         rerouted,
         inbound: programs::tc_program(ebpf, weir_common::programs::INBOUND)?,
+        inbound_l3: programs::tc_program(ebpf, weir_common::programs::INBOUND_L3)?,
         reroute: programs::tc_program(ebpf, weir_common::programs::REROUTE)?,
     };
     rtnl.attach_programs(&setup)
@@ -80,6 +81,7 @@ pub(super) fn set_up_pod_netns(
 /// The ids of weir's tc programs, which the slot of weir's filter should hold.
 pub(super) struct TcProgramIds {
     inbound: u32,
+    inbound_l3: u32,
     reroute: u32,
 }
 
@@ -94,6 +96,7 @@ impl TcProgramIds {
         };
         Ok(Self {
             inbound: id(weir_common::programs::INBOUND)?,
+            inbound_l3: id(weir_common::programs::INBOUND_L3)?,
             reroute: id(weir_common::programs::REROUTE)?,
         })
     }
@@ -137,26 +140,27 @@ pub(super) fn restore_pod_netns(
     let present = rtnl
         .non_loopback_interfaces()
         .context("listing the pod's interfaces")?;
-    let interfaces: Vec<(u32, String)> = pod
+    let interfaces: Vec<Link> = pod
         .interfaces
         .iter()
         .filter(|interface| present.contains(interface))
         .cloned()
         .collect();
-    let filter_of = |rtnl: &mut Rtnl, (ifindex, name): &(u32, String)| {
-        let program = match pod.rerouted.contains(name) {
-            true => program_ids.reroute,
-            false => program_ids.inbound,
+    let filter_of = |rtnl: &mut Rtnl, link: &Link| {
+        let program = match (pod.rerouted.contains(&link.name), link.ethernet) {
+            (true, _) => program_ids.reroute,
+            (false, true) => program_ids.inbound,
+            (false, false) => program_ids.inbound_l3,
         };
-        rtnl.weir_filter(*ifindex, program)
-            .with_context(|| format!("reading the tc filters on {name}"))
+        rtnl.weir_filter(link.index, program)
+            .with_context(|| format!("reading the tc filters on {}", link.name))
     };
     let mut drifts = Vec::new();
     let mut filters_missing = Vec::new();
     for interface in &interfaces {
         match filter_of(rtnl, interface)? {
             WeirFilter::First => {}
-            WeirFilter::Preceded => drifts.push(Drift::FilterPreceded(interface.1.clone())),
+            WeirFilter::Preceded => drifts.push(Drift::FilterPreceded(interface.name.clone())),
             WeirFilter::Missing => filters_missing.push(interface),
         }
     }
@@ -183,10 +187,10 @@ pub(super) fn restore_pod_netns(
         );
     }
     for interface in filters_missing {
-        drifts.push(Drift::FilterMissing(interface.1.clone()));
+        drifts.push(Drift::FilterMissing(interface.name.clone()));
         // Even put back it may run after another filter, or be kept out by one at its priority.
         if filter_of(rtnl, interface).is_ok_and(|filter| filter != WeirFilter::First) {
-            drifts.push(Drift::FilterPreceded(interface.1.clone()));
+            drifts.push(Drift::FilterPreceded(interface.name.clone()));
         }
     }
     Ok(drifts)

@@ -14,7 +14,7 @@ use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6, POD
 
 use super::{
     enroll_steps::Stopwatch,
-    netlink::Rtnl,
+    netlink::{Link, Rtnl},
     netns,
     pod_config::{ip_key, pod_config, sum_over_cpus, Unenrollable},
     pod_netns::{set_up_pod_netns, undo_pod_netns, PodNetnsSetup},
@@ -52,14 +52,10 @@ impl Owner {
         // the map entries went in would leave them to nobody.
         let handle: OwnedFd = netns_file.try_clone()?.into();
         // Map writes do not depend on the calling thread's netns, so every step runs in the pod.
-        let inside = self.home.enter(netns_file.as_fd()).map_err(|error| {
-            // setns takes namespaces only: anything else at the path is EINVAL.
-            if error.raw_os_error() == Some(libc::EINVAL) {
-                Unenrollable::NotANetns(pod.netns.clone()).into()
-            } else {
-                anyhow::Error::new(error).context("entering the pod netns")
-            }
-        })?;
+        let inside = self
+            .home
+            .enter(netns_file.as_fd())
+            .map_err(|error| Unenrollable::on_enter(&pod.netns, error))?;
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
         let netns_cookie = netns::cookie_of(rtnl.as_fd(), Some(&self.cookie_answers))
             .context("the pod's netns cookie")?;
@@ -157,14 +153,9 @@ impl Owner {
 
     fn open_netns(&self, pod: &Workload, netns: EnrollNetns) -> Result<File> {
         match netns {
-            EnrollNetns::Path => File::open(&pod.netns).map_err(|error| {
-                if error.kind() == io::ErrorKind::NotFound {
-                    Unenrollable::NetnsMissing(pod.netns.clone()).into()
-                } else {
-                    anyhow::Error::new(error)
-                        .context(format!("opening pod netns {}", pod.netns.display()))
-                }
-            }),
+            EnrollNetns::Path => {
+                File::open(&pod.netns).map_err(|error| Unenrollable::on_open(&pod.netns, error))
+            }
             EnrollNetns::Held => self
                 .pods
                 .get(&pod.uid)
@@ -407,10 +398,7 @@ impl Owner {
 
 /// The pod's interfaces (`links`) that get weir's programs: all but a sidecar pod's excluded ones
 /// (istio's `excludeInterfaces`: never captured inbound there).
-pub(super) fn captured_interfaces<'a>(
-    pod: &Workload,
-    links: &'a [(u32, String)],
-) -> Cow<'a, [(u32, String)]> {
+pub(super) fn captured_interfaces<'a>(pod: &Workload, links: &'a [Link]) -> Cow<'a, [Link]> {
     let excluded = pod
         .sidecar
         .as_ref()
@@ -418,7 +406,7 @@ pub(super) fn captured_interfaces<'a>(
     if excluded.is_empty() {
         return Cow::Borrowed(links);
     }
-    let kept = links.iter().filter(|(_, name)| !excluded.contains(name));
+    let kept = links.iter().filter(|link| !excluded.contains(&link.name));
     Cow::Owned(kept.cloned().collect())
 }
 
@@ -426,7 +414,7 @@ pub(super) fn captured_interfaces<'a>(
 pub(super) fn netns_setup<'a>(
     pod: &'a Workload,
     config: &PodConfig,
-    interfaces: &'a [(u32, String)],
+    interfaces: &'a [Link],
 ) -> PodNetnsSetup<'a> {
     PodNetnsSetup {
         interfaces,

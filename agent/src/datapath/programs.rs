@@ -87,6 +87,9 @@ pub(super) fn attach(ebpf: &mut Ebpf, cgroup_path: &Path, links_dir: &Path) -> R
         .with_context(|| format!("attaching {name} to {}", cgroup_path.display()))?;
     }
     inbound(ebpf)?.load().context("loading the tc program")?;
+    classifier(ebpf, programs::INBOUND_L3)?
+        .load()
+        .context("loading the tc program for interfaces without an Ethernet header")?;
     reroute(ebpf)?
         .load()
         .context("loading the rerouted interfaces' tc program")?;

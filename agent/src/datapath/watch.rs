@@ -26,7 +26,7 @@ use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
 use super::{
-    netlink::{self, Rtnl},
+    netlink::{self, Link, Rtnl},
     tasks::{Task, Tasks},
     Command, EnrollNetns, Owner, Traced,
 };
@@ -106,7 +106,7 @@ pub(super) struct Watch {
 impl Watch {
     /// What the pod was last enrolled with: its workload and its interfaces but loopback, from
     /// which the audit knows how its netns was set up.
-    pub(super) fn enrolled_as(&self) -> (&Workload, &[(u32, String)]) {
+    pub(super) fn enrolled_as(&self) -> (&Workload, &[Link]) {
         (&self.workload, &self.enrolled_with.links)
     }
 }
@@ -115,7 +115,7 @@ impl Watch {
 #[derive(PartialEq, Eq)]
 pub(super) struct Interfaces {
     /// `(ifindex, name)`.
-    pub links: Vec<(u32, String)>,
+    pub links: Vec<Link>,
     pub addresses: Vec<IpAddr>,
 }
 

@@ -59,6 +59,14 @@ impl FileAttrs {
         }
     }
 
+    /// A network config weir writes from nothing: readable by all, as CNIs write theirs.
+    pub fn config() -> Self {
+        Self {
+            mode: 0o644,
+            owner: None,
+        }
+    }
+
     /// A plugin binary: the runtime executes it, everyone may read it.
     pub fn executable() -> Self {
         Self {

@@ -18,7 +18,7 @@ use tracing::{error, info, warn};
 
 use super::{
     conflist::Format, kubeconfig::KUBECONFIG_FILE, Inner, InstallConfig, InstallOutcome, Installer,
-    NoNetworkConfig,
+    NoNetworkConfig, Placement,
 };
 
 /// How long the dirs must stay quiet before a check: CNIs and editors write a file in several
@@ -133,7 +133,9 @@ async fn check(inner: &Arc<Inner>, rewrites: &mut RewriteHistory) {
             reinstated,
         }) if reinstated
             || was_installed
-                && (binary_changed || entry_restored || !inner.config.owned_config) =>
+                && (binary_changed
+                    || entry_restored
+                    || inner.config.placement.placement != Placement::Owned) =>
         {
             repaired(inner, &file, config_changed, rewrites)
         }

@@ -7,9 +7,12 @@ app.kubernetes.io/name: {{ include "weir.name" . }}
 app.kubernetes.io/component: node-agent
 {{- end }}
 
-{{- define "weir.chained" -}}
-{{- if not .Values.chained -}}
-{{- fail "chained=false: weir-cni runs only chained after the primary CNI (no standalone Multus attachment); leave chained=true" -}}
+{{- define "weir.placement" -}}
+{{- if and (not .Values.chained) .Values.istioOwnedCNIConfig -}}
+{{- fail "chained=false and istioOwnedCNIConfig=true: an owned config is a chain; set one" -}}
+{{- end -}}
+{{- if and .Values.chained .Values.cniConfFileName -}}
+{{- fail "cniConfFileName names the standalone config (chained=false); chained, weir-cni joins the config the runtime loads" -}}
 {{- end -}}
 {{- end }}
 

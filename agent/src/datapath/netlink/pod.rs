@@ -5,7 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
-    link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkMessage},
+    link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkLayerType, LinkMessage},
     route::{RouteAttribute, RouteMessage, RouteType},
     rule::{RuleAction, RuleAttribute, RuleFlags, RuleMessage},
     tc::{TcAttribute, TcFilterBpf, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
@@ -20,14 +20,26 @@ use super::objects::{
 };
 use super::transport::Rtnl;
 
+/// An interface of a pod's (not loopback), as weir's programs go on it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Link {
+    pub index: u32,
+    pub name: String,
+    /// Its packets begin with an Ethernet header (veth, macvlan, tap); without one (tun,
+    /// wireguard, ipip, gre, sit, netkit in L3 mode) they begin with the IP header.
+    pub ethernet: bool,
+}
+
 /// weir's programs on a pod's interfaces, for [`Rtnl::attach_programs`].
 pub struct PodSetup<'a> {
-    /// The pod's interfaces but loopback, `(ifindex, name)`.
-    pub interfaces: &'a [(u32, String)],
+    /// The pod's interfaces but loopback.
+    pub interfaces: &'a [Link],
     /// Those whose TCP goes to ztunnel's outbound port (`istio.io/reroute-virtual-interfaces`).
     pub rerouted: &'a [String],
-    /// The program for every other interface.
+    /// The program for every other interface with an Ethernet header.
     pub inbound: TcProgram<'a>,
+    /// The program for every other interface without one.
+    pub inbound_l3: TcProgram<'a>,
     /// The program for the rerouted interfaces.
     pub reroute: TcProgram<'a>,
 }
@@ -61,7 +73,7 @@ pub fn non_loopback_addresses() -> io::Result<Vec<IpAddr>> {
 }
 
 /// See [`Rtnl::non_loopback_interfaces`], for the calling thread's network namespace.
-pub fn non_loopback_interfaces() -> io::Result<Vec<(u32, String)>> {
+pub fn non_loopback_interfaces() -> io::Result<Vec<Link>> {
     Rtnl::new()?.non_loopback_interfaces()
 }
 
@@ -119,8 +131,9 @@ pub(super) fn return_path() -> [Object; 4] {
 }
 
 impl Rtnl {
-    /// which shows the namespace `/sys` was mounted in).
-    pub fn non_loopback_interfaces(&mut self) -> io::Result<Vec<(u32, String)>> {
+    /// Every link but loopback (`RTM_GETLINK` dump; not `/sys/class/net`, which shows the
+    /// namespace `/sys` was mounted in).
+    pub fn non_loopback_interfaces(&mut self) -> io::Result<Vec<Link>> {
         let mut request = LinkMessage::default();
         // Without the interfaces' statistics: the kernel folds each one's per-CPU counters into
         // the reply and the parser walks them, on every enrollment, for nothing read here.
@@ -143,7 +156,11 @@ impl Rtnl {
                         LinkAttribute::IfName(name) => Some(name),
                         _ => None,
                     })?;
-                Some((link.header.index, name))
+                Some(Link {
+                    index: link.header.index,
+                    name,
+                    ethernet: link.header.link_layer_type == LinkLayerType::Ether,
+                })
             })
             .collect())
     }
@@ -153,6 +170,36 @@ impl Rtnl {
     /// link-local ones, through which a neighbour on the same segment reaches the pod's
     /// listeners too.
     pub fn non_loopback_addresses(&mut self) -> io::Result<Vec<IpAddr>> {
+        Ok(self
+            .addresses()?
+            .into_iter()
+            .filter(|(ifindex, ip)| *ifindex != LOOPBACK_IFINDEX && !ip.is_loopback())
+            .map(|(_, ip)| ip)
+            .collect())
+    }
+
+    /// The addresses on the interface named `interface` but loopback and link-local ones
+    /// (`fe80::/10`, `169.254.0.0/16`): those its network gave it, as a CNI result names them.
+    /// None when there is no such interface.
+    pub fn routable_addresses_of(&mut self, interface: &str) -> io::Result<Vec<IpAddr>> {
+        let found = self
+            .non_loopback_interfaces()?
+            .into_iter()
+            .find(|link| link.name == interface);
+        let Some(Link { index: wanted, .. }) = found else {
+            return Ok(Vec::new());
+        };
+        Ok(self
+            .addresses()?
+            .into_iter()
+            .filter(|(ifindex, ip)| *ifindex == wanted && !ip.is_loopback() && !is_link_local(ip))
+            .map(|(_, ip)| ip)
+            .collect())
+    }
+
+    /// Every address of the namespace with its interface's index (`RTM_GETADDR` dump), in the
+    /// kernel's order (a primary IPv4 address before its secondaries).
+    fn addresses(&mut self) -> io::Result<Vec<(u32, IpAddr)>> {
         let replies = self.dump(RouteNetlinkMessage::GetAddress(AddressMessage::default()))?;
         Ok(replies
             .into_iter()
@@ -174,8 +221,6 @@ impl Rtnl {
                 }
                 _ => None,
             })
-            .filter(|(ifindex, ip)| *ifindex != LOOPBACK_IFINDEX && !ip.is_loopback())
-            .map(|(_, ip)| ip)
             .collect())
     }
 
@@ -202,21 +247,25 @@ impl Rtnl {
     /// times them apart: a clsact qdisc made on an interface that is up costs an RCU grace
     /// period (`qdisc_graft` deactivates the device), the largest single wait of an enrollment.
     pub fn attach_programs(&mut self, pod: &PodSetup) -> io::Result<()> {
-        let tc = pod.interfaces.iter().flat_map(|(ifindex, name)| {
-            let program = match pod.rerouted.contains(name) {
-                true => pod.reroute,
-                false => pod.inbound,
+        let tc = pod.interfaces.iter().flat_map(|link| {
+            let program = match (pod.rerouted.contains(&link.name), link.ethernet) {
+                (true, _) => pod.reroute,
+                (false, true) => pod.inbound,
+                (false, false) => pod.inbound_l3,
             };
             [
-                (Op::Add, Object::Clsact(clsact(*ifindex))),
-                (Op::Add, Object::Filter(tc_filter(*ifindex, Some(program)))),
+                (Op::Add, Object::Clsact(clsact(link.index))),
+                (
+                    Op::Add,
+                    Object::Filter(tc_filter(link.index, Some(program))),
+                ),
             ]
         });
         let unrouted = pod
             .interfaces
             .iter()
-            .filter(|(_, name)| !pod.rerouted.contains(name))
-            .flat_map(|(_, name)| reroute_rules_of(Op::Delete, name));
+            .filter(|link| !pod.rerouted.contains(&link.name))
+            .flat_map(|link| reroute_rules_of(Op::Delete, &link.name));
         let rerouted = pod
             .rerouted
             .iter()
@@ -227,10 +276,10 @@ impl Rtnl {
     /// Undoes [`Self::set_up_return_path`] and [`Self::attach_programs`] on `interfaces`, in one
     /// datagram: weir's filters, every rerouting rule, the return path. Best effort: what is
     /// already gone is success.
-    pub fn tear_down_pod(&mut self, interfaces: &[(u32, String)]) -> io::Result<()> {
+    pub fn tear_down_pod(&mut self, interfaces: &[Link]) -> io::Result<()> {
         let filters = interfaces
             .iter()
-            .map(|(ifindex, _)| (Op::Delete, Object::Filter(tc_filter(*ifindex, None))));
+            .map(|link| (Op::Delete, Object::Filter(tc_filter(link.index, None))));
         let rules: Vec<(Op, Object)> = installed_reroute_rules(self)?
             .into_iter()
             .map(|rule| (Op::Delete, Object::Rule(rule)))
@@ -243,12 +292,12 @@ impl Rtnl {
         // The clsact qdisc goes too once no filter is left on it, weir's or another's: one that
         // still holds another tool's filters stays.
         let mut unused = Vec::new();
-        for (ifindex, _) in interfaces {
+        for link in interfaces {
             if self
-                .clsact_filters(*ifindex)
+                .clsact_filters(link.index)
                 .is_ok_and(|filters| filters == 0)
             {
-                unused.push((Op::Delete, Object::Clsact(clsact(*ifindex))));
+                unused.push((Op::Delete, Object::Clsact(clsact(link.index))));
             }
         }
         self.apply(unused)
@@ -353,6 +402,13 @@ impl Rtnl {
             })
             .map(|object| object.to_string())
             .collect())
+    }
+}
+
+fn is_link_local(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(ip) => ip.is_link_local(),
+        IpAddr::V6(ip) => ip.is_unicast_link_local(),
     }
 }
 

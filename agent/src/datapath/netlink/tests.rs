@@ -1,5 +1,5 @@
 //! The rtnetlink client against a scratch network namespace.
-use std::net::{SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::os::fd::AsFd;
 
 use std::io;
@@ -162,13 +162,63 @@ fn non_loopback_interfaces_are_this_namespaces() {
     ip(&[
         "link", "add", "weir-t0", "type", "veth", "peer", "name", "weir-t1",
     ]);
+    // Without an Ethernet header: its packets begin with the IP header.
+    ip(&[
+        "link",
+        "add",
+        "weir-t2",
+        "type",
+        "ipip",
+        "remote",
+        "192.0.2.1",
+    ]);
     let index = |name: &str| -> u32 {
         let line = ip(&["-o", "link", "show", "dev", name]);
         line.split(':').next().unwrap().parse().unwrap()
     };
     let mut found = non_loopback_interfaces().unwrap();
-    let mut expected = ["weir-t0", "weir-t1"].map(|name| (index(name), name.to_owned()));
+    // The ipip module's fallback device, tunl0, may be there too.
+    found.retain(|link| link.name.starts_with("weir-"));
+    let mut expected =
+        [("weir-t0", true), ("weir-t1", true), ("weir-t2", false)].map(|(name, ethernet)| Link {
+            index: index(name),
+            name: name.to_owned(),
+            ethernet,
+        });
     found.sort();
     expected.sort();
     assert_eq!(found, expected);
+}
+
+#[test]
+fn routable_addresses_of_an_interface_leave_out_link_local_ones() {
+    let Some(netns) = privileged(scratch_netns) else {
+        return;
+    };
+    let _guard = enter(netns.as_fd()).unwrap();
+    let mut rtnl = Rtnl::new().unwrap();
+    assert!(rtnl.routable_addresses_of("eth0").unwrap().is_empty());
+
+    ip(&[
+        "link", "add", "eth0", "type", "veth", "peer", "name", "weir-t1",
+    ]);
+    for (address, dev) in [
+        ("10.1.0.5/24", "eth0"),
+        ("10.1.0.6/24", "eth0"),
+        ("169.254.1.5/16", "eth0"),
+        ("10.2.0.5/24", "weir-t1"),
+    ] {
+        ip(&["addr", "add", address, "dev", dev]);
+    }
+    for address in ["fd00::5/64", "fe80::5/64"] {
+        ip(&["addr", "add", address, "dev", "eth0", "nodad"]);
+    }
+    // Up, eth0 gets the kernel's own link-local address too.
+    ip(&["link", "set", "weir-t1", "up"]);
+    ip(&["link", "set", "eth0", "up"]);
+    let expected: Vec<IpAddr> = ["10.1.0.5", "10.1.0.6", "fd00::5"]
+        .map(|ip| ip.parse().unwrap())
+        .into();
+    assert_eq!(rtnl.routable_addresses_of("eth0").unwrap(), expected);
+    assert!(rtnl.routable_addresses_of("weir-t2").unwrap().is_empty());
 }

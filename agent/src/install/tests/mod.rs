@@ -3,6 +3,7 @@
 mod conflist;
 mod kubeconfig;
 mod owned;
+mod standalone;
 mod watch;
 
 use std::{
@@ -53,17 +54,29 @@ impl Node {
             plugin_binary: self.plugin.clone(),
             plugin_name: PLUGIN.into(),
             plugin_config: plugin_config(),
-            owned_config: false,
-            owned_config_file: DEFAULT_OWNED_CONFIG_FILE.into(),
+            placement: CniPlacement::default(),
             service_account: None,
         })
     }
 
     /// An installer that chains weir in its own file, `02-weir-cni.conflist`.
     fn owning_installer(&self) -> Installer {
+        self.placed_installer(Placement::Owned)
+    }
+
+    /// An installer that writes weir-cni as a standalone network, `YYY-istio-cni.conf`.
+    fn standalone_installer(&self) -> Installer {
+        self.placed_installer(Placement::Standalone)
+    }
+
+    fn placed_installer(&self, placement: Placement) -> Installer {
+        let config = self.installer().inner.config.clone();
         Installer::new(InstallConfig {
-            owned_config: true,
-            ..self.installer().inner.config.clone()
+            placement: CniPlacement {
+                placement,
+                ..config.placement.clone()
+            },
+            ..config
         })
     }
 
