@@ -397,19 +397,9 @@ impl Inner {
             self.remove_entry(primary, &mut list)?;
         }
         let contents = to_json(&config.with_last(entry));
-        let previous = std::fs::read(&owned).ok();
-        if previous.as_deref() == Some(contents.as_slice()) {
-            return Ok((owned, false, false));
-        }
-        let entry_was_missing = !previous.is_some_and(|bytes| {
-            NetworkConfig::parse(Format::List, &bytes)
-                .is_ok_and(|old| old.holds_type(&self.config.plugin_name))
-        });
-        let attrs =
-            FileAttrs::of(primary).with_context(|| format!("reading {}", primary.display()))?;
-        files::write_atomically(&owned, contents.as_slice(), &attrs)
-            .with_context(|| format!("writing {}", owned.display()))?;
-        Ok((owned, true, entry_was_missing))
+        self.write_own_file(owned, Format::List, &contents, || {
+            FileAttrs::of(primary).with_context(|| format!("reading {}", primary.display()))
+        })
     }
 
     /// Writes the standalone network config, with `entry` as its plugin, and takes weir out of
@@ -441,18 +431,32 @@ impl Inner {
         }
         entry.insert("name".into(), Value::from(STANDALONE_NETWORK_NAME));
         entry.insert("cniVersion".into(), Value::from(STANDALONE_CNI_VERSION));
-        let contents = to_json(&entry);
+        std::fs::create_dir_all(&self.config.cni_net_dir)
+            .with_context(|| format!("creating {}", self.config.cni_net_dir.display()))?;
+        self.write_own_file(path, Format::Single, &to_json(&entry), || {
+            Ok(FileAttrs::config())
+        })
+    }
+
+    /// Writes `contents` to one of weir's own files, at `path`, unless it holds them already;
+    /// returns the path, whether it was written, and whether it held no entry of weir's before.
+    /// `attrs` gives the mode and owner of a file that is written.
+    fn write_own_file(
+        &self,
+        path: PathBuf,
+        format: Format,
+        contents: &[u8],
+        attrs: impl FnOnce() -> Result<FileAttrs>,
+    ) -> Result<(PathBuf, bool, bool)> {
         let previous = std::fs::read(&path).ok();
-        if previous.as_deref() == Some(contents.as_slice()) {
+        if previous.as_deref() == Some(contents) {
             return Ok((path, false, false));
         }
         let entry_was_missing = !previous.is_some_and(|bytes| {
-            NetworkConfig::parse(Format::Single, &bytes)
+            NetworkConfig::parse(format, &bytes)
                 .is_ok_and(|old| old.holds_type(&self.config.plugin_name))
         });
-        std::fs::create_dir_all(&self.config.cni_net_dir)
-            .with_context(|| format!("creating {}", self.config.cni_net_dir.display()))?;
-        files::write_atomically(&path, contents.as_slice(), &FileAttrs::config())
+        files::write_atomically(&path, contents, &attrs()?)
             .with_context(|| format!("writing {}", path.display()))?;
         Ok((path, true, entry_was_missing))
     }
