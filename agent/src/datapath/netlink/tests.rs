@@ -163,22 +163,12 @@ fn non_loopback_interfaces_are_this_namespaces() {
         "link", "add", "weir-t0", "type", "veth", "peer", "name", "weir-t1",
     ]);
     // Without an Ethernet header: its packets begin with the IP header.
-    ip(&[
-        "link",
-        "add",
-        "weir-t2",
-        "type",
-        "ipip",
-        "remote",
-        "192.0.2.1",
-    ]);
+    ip(&["tuntap", "add", "dev", "weir-t2", "mode", "tun"]);
     let index = |name: &str| -> u32 {
         let line = ip(&["-o", "link", "show", "dev", name]);
         line.split(':').next().unwrap().parse().unwrap()
     };
     let mut found = non_loopback_interfaces().unwrap();
-    // The ipip module's fallback device, tunl0, may be there too.
-    found.retain(|link| link.name.starts_with("weir-"));
     let mut expected =
         [("weir-t0", true), ("weir-t1", true), ("weir-t2", false)].map(|(name, ethernet)| Link {
             index: index(name),
