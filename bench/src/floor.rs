@@ -57,6 +57,7 @@ impl KernelFloor {
             inbound: program,
             inbound_l3: program,
             reroute: program,
+            slot: 1,
         })?;
         Ok(())
     }

@@ -7,7 +7,7 @@
 #![no_std]
 
 /// Version of the map layouts below; part of the pin path (`<pin root>/abi-<N>`).
-pub const ABI_VERSION: u32 = 6;
+pub const ABI_VERSION: u32 = 7;
 
 /// ztunnel marks every socket it opens inside a pod with this `SO_MARK`...
 pub const ZTUNNEL_MARK: u32 = 0x539;
@@ -23,6 +23,13 @@ pub const ANY_CGROUP: u64 = 0;
 pub const RETURN_MARK: u32 = 0x1000;
 /// The policy routing table holding `local 0.0.0.0/0 dev lo` (and `::/0`) inside enrolled pods.
 pub const RETURN_ROUTE_TABLE: u32 = 100;
+
+/// The highest slot a pod is given. weir's tc filters on a pod's interfaces carry the pod's slot
+/// as their classid, which the kernel hands the program in `skb->tc_classid` (16 bits): the
+/// attachment, not a packet's destination address, tells the inbound program whose interface it
+/// runs on. Below the clsact qdisc's own minors (0xfff2, 0xfff3), and above the most pods a node
+/// can enroll, with room for a pod that holds two slots for a moment (a sandbox recreated).
+pub const MAX_POD_SLOT: u32 = 0x7fff;
 
 /// ztunnel's in-pod listeners.
 pub const OUTBOUND_PORT: u16 = 15001;
@@ -382,6 +389,8 @@ pub mod maps {
     /// newer agent retires an older layout by deleting the pods it migrated from it.
     pub const PODS: &str = "PODS";
     pub const POD_IPS: &str = "POD_IPS";
+    /// An enrolled pod's slot (`u32`, see [`super::MAX_POD_SLOT`]) to its netns cookie (`u64`).
+    pub const POD_SLOTS: &str = "POD_SLOTS";
     pub const POD_COUNTERS: &str = "POD_COUNTERS";
     pub const SOCKET_ORIG_DST: &str = "SOCKET_ORIG_DST";
     pub const CONN_ORIG_DST: &str = "CONN_ORIG_DST";
@@ -406,9 +415,10 @@ pub mod maps {
     /// Sidecar pods' IP range lists, an LPM trie of [`super::RangeKey`].
     pub const SIDECAR_RANGES: &str = "SIDECAR_RANGES";
     /// Every map, each pinned under its name.
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         PODS,
         POD_IPS,
+        POD_SLOTS,
         POD_COUNTERS,
         SOCKET_ORIG_DST,
         CONN_ORIG_DST,

@@ -2,7 +2,10 @@
 //! handed to ztunnel's 15006 listener with `bpf_sk_assign`, keeping the packet's destination, so
 //! ztunnel's accepted socket has the original destination as its local address (TPROXY
 //! semantics; no NAT, no conntrack). Established connections, HBONE (15008) and the node's probes
-//! pass untouched.
+//! pass untouched. The pod is the one whose interface the program runs on, told by the slot the
+//! agent gave weir's filter there as its classid, not by the packet's destination: a pod with
+//! more addresses than the index holds, or an address another pod holds too, is decided as
+//! itself.
 //!
 //! Nothing addressed to the pod may reach it around ztunnel, and this program sees packets before
 //! the kernel reassembles them, where an `sk_assign` would not survive reassembly. So for a pod:
@@ -48,7 +51,7 @@ use weir_common::{
 use crate::{
     diag::{diag, ip, ip_fixed},
     handoff,
-    maps::{count, is_probe_source, original_destination, pod, pod_with_ip, CONN_ORIG_DST},
+    maps::{count, is_probe_source, original_destination, pod, pod_in_slot, CONN_ORIG_DST},
     net::{ctx_read, ip_from_v4_word, v6_words},
     sidecar,
     trace::{trace, NOWHERE, TCP},
@@ -126,10 +129,14 @@ fn inbound<const ETHERNET: bool>(ctx: &TcContext) -> i32 {
         Payload::Other => return PASS,
         Payload::TooManyTags => return drop_vlan(TraceHook::TcIngress),
     };
-    let Some(netns) = pod_with_ip(&packet.destination) else {
+    // The pod whose interface this is, told by the filter's classid: a packet for an address
+    // the pod added beyond those indexed, or one another pod holds too, is still the pod's.
+    // SAFETY: a field of the context the kernel hands tc programs.
+    let slot = unsafe { (*ctx.skb.skb).tc_classid };
+    let Some(netns) = pod_in_slot(slot) else {
         return PASS;
     };
-    match decide(ctx, &packet, netns) {
+    match decide::<ETHERNET>(ctx, &packet, netns) {
         Ok(verdict) => verdict,
         Err(()) => {
             diag!(
@@ -329,8 +336,16 @@ fn transport(ctx: &TcContext, packet: &NetworkHeader) -> Result<Transport, ()> {
 
 /// The verdict on a packet for the pod whose netns cookie is `netns`; `Err` when its headers
 /// cannot be read, which drops it.
+///
+/// One copy per program (`ETHERNET` is the caller's): shared by both, the log records' closures
+/// would be subprograms of their own, whose frames the verifier adds to the program's, past
+/// the 512 bytes it allows when logging is on.
 #[inline(always)]
-fn decide(ctx: &TcContext, packet: &NetworkHeader, netns: u64) -> Result<i32, ()> {
+fn decide<const ETHERNET: bool>(
+    ctx: &TcContext,
+    packet: &NetworkHeader,
+    netns: u64,
+) -> Result<i32, ()> {
     let transport = transport(ctx, packet)?;
     // Payload-only fragments need their first fragment, which is judged below; other protocols
     // are not captured inbound (istio redirects TCP only).

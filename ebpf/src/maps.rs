@@ -165,9 +165,15 @@ impl<K, const MAX: usize> SocketHash<K, MAX> {
 static PODS: HashMap<u64, PodConfig, MAX_PODS, NO_PREALLOC> = HashMap::new();
 
 /// Enrolled pods' addresses (v4-mapped for IPv4; link-local ones too) to their netns cookie: how
-/// packets on the wire and sockets on the node find the pod.
+/// sockets on the node find the pod they connect to.
 #[btf_map]
 static POD_IPS: HashMap<IpKey, u64, { MAX_PODS * 4 }, NO_PREALLOC> = HashMap::new();
+
+/// Enrolled pods' slots (the classid of weir's filters on their interfaces, `skb->tc_classid`)
+/// to their netns cookie: how the inbound program knows whose interface it runs on, whatever
+/// address a packet is for.
+#[btf_map]
+static POD_SLOTS: HashMap<u32, u64, MAX_PODS, NO_PREALLOC> = HashMap::new();
 
 #[btf_map]
 static POD_COUNTERS: PerCpuHashMap<u64, PodCounters, MAX_PODS, NO_PREALLOC> = PerCpuHashMap::new();
@@ -237,6 +243,13 @@ pub fn pod(netns_cookie: u64) -> Option<&'static PodConfig> {
 pub fn pod_with_ip(ip: &IpKey) -> Option<u64> {
     // SAFETY: see above.
     unsafe { POD_IPS.get(ip).copied() }
+}
+
+/// The netns cookie of the enrolled pod given this slot.
+#[inline(always)]
+pub fn pod_in_slot(slot: u32) -> Option<u64> {
+    // SAFETY: see above.
+    unsafe { POD_SLOTS.get(slot).copied() }
 }
 
 /// The original destination ztunnel's side of a redirected connection asks for.

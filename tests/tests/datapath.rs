@@ -667,6 +667,93 @@ fn a_pod_adding_addresses_gets_a_bounded_share_of_the_index() {
     datapath.uninstall().wait().unwrap();
 }
 
+/// Inbound is decided for the pod whose interface it arrives on, whatever address it is for: an
+/// address beyond those indexed for the pod, and one another pod (with its inbound bypass) held
+/// first, both go to the pod's ztunnel, which refuses destinations that are no workload's. The
+/// app sees neither.
+#[test]
+fn inbound_is_decided_for_the_pod_it_arrives_at_whatever_its_address() {
+    let fixture = privileged!(DatapathNode::new());
+    let (first, pod, neighbour) = (
+        fixture.pod("first"),
+        fixture.pod("app"),
+        fixture.pod("neighbour"),
+    );
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let echo = EchoServer::app(&pod).unwrap();
+    let shared = Ipv4Addr::new(10, 98, 0, 1);
+    let added: Vec<Ipv4Addr> = (1..=20).map(|n| Ipv4Addr::new(10, 99, 0, n)).collect();
+    let add = |pod: &Pod, address: &Ipv4Addr| {
+        let address = format!("{address}/32");
+        ip(&[
+            "-n",
+            pod.netns().name(),
+            "address",
+            "add",
+            &address,
+            "dev",
+            "eth0",
+        ])
+        .unwrap();
+    };
+    add(&first, &shared);
+    add(&pod, &shared);
+    for address in &added {
+        add(&pod, address);
+    }
+    let datapath = fixture.start_datapath();
+    let bypass = PodOptions {
+        inbound_bypass: true,
+        ..PodOptions::default()
+    };
+    datapath.enroll(first.workload(bypass)).wait().unwrap();
+    datapath
+        .enroll(pod.workload(PodOptions::default()))
+        .wait()
+        .unwrap();
+    let pod_ips = fixture.node().pinned_pod_ips().unwrap();
+    let indexed = |address: &Ipv4Addr| {
+        pod_ips
+            .get(&weir_common::IpKey::from_v4(address.octets()), 0)
+            .ok()
+    };
+    assert_eq!(indexed(&shared), Some(first.netns().cookie().unwrap()));
+    let unindexed = *added
+        .iter()
+        .find(|address| indexed(address).is_none())
+        .expect("the pod has more addresses than are indexed for it");
+
+    for (n, address) in [shared, unindexed].into_iter().enumerate() {
+        let route = format!("{address}/32");
+        let via = pod.ipv4().to_string();
+        ip(&[
+            "-n",
+            neighbour.netns().name(),
+            "route",
+            "add",
+            &route,
+            "via",
+            &via,
+        ])
+        .unwrap();
+        let target = SocketAddr::new(IpAddr::V4(address), APP_PORT);
+        let line = format!("to {address}");
+        let result = neighbour.run(|| tcp_request(target, &line));
+        assert!(result.is_err(), "ztunnel refuses it: {result:?}");
+        let seen = ztunnel
+            .wait_for(|s| s.listener == INBOUND_PORT && s.local == target, WAIT)
+            .unwrap_or_else(|| panic!("the connection to {target} never reached 15006"));
+        assert_eq!(seen.peer.ip(), IpAddr::V4(neighbour.ipv4()));
+        assert!(
+            echo.received().iter().all(|r| r.line != line),
+            "the app got {line}: {:?}",
+            echo.received()
+        );
+        assert_eq!(counters(&datapath, &pod).inbound, n as u64 + 1);
+    }
+    datapath.uninstall().wait().unwrap();
+}
+
 #[test]
 fn inbound_bypass_lets_inbound_through_and_still_captures_outbound() {
     let fixture = privileged!(DatapathNode::new());

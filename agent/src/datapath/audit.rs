@@ -175,7 +175,11 @@ impl Owner {
         pod: &Enrolled,
         program_ids: &TcProgramIds,
     ) -> Result<Vec<Drift>> {
-        let (Some(netns), Some(watch)) = (&pod.netns, self.watches.get(uid)) else {
+        let (Some(netns), Some(watch), Some(slot)) = (
+            &pod.netns,
+            self.watches.get(uid),
+            self.pod_slots.slot(pod.netns_cookie),
+        ) else {
             return Ok(Vec::new());
         };
         let (workload, links) = watch.enrolled_as();
@@ -192,7 +196,7 @@ impl Owner {
             self.handoff
                 .as_ref()
                 .map(|handoff| (handoff, pod.netns_cookie)),
-            &netns_setup(workload, &pod.config, &interfaces),
+            &netns_setup(workload, &pod.config, &interfaces, slot),
             (program_ids, families),
         )
     }

@@ -31,6 +31,7 @@ pub mod netns;
 mod owner;
 mod pod_config;
 mod pod_netns;
+mod pod_slots;
 mod pods;
 mod programs;
 mod recovery;

@@ -20,7 +20,7 @@ use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters};
 
 use super::{
     audit, bpf_log, discovery, enroll_steps, handoff, kernel, maps_dir, mounts, netlink, netns,
-    programs, recovery, sidecar_lists, tasks, watch, ztunnels, Command, DatapathConfig,
+    pod_slots, programs, recovery, sidecar_lists, tasks, watch, ztunnels, Command, DatapathConfig,
     ProbeSource, Reply, Traced, AUDIT_INTERVAL,
 };
 
@@ -45,6 +45,7 @@ pub(super) struct Owner {
     _bpf_log: Option<tasks::Task>,
     pub(super) pods_map: HashMap<MapData, u64, PodConfig>,
     pub(super) pod_ips: HashMap<MapData, IpKey, u64>,
+    pub(super) pod_slots: pod_slots::PodSlots,
     pub(super) counters: PerCpuHashMap<MapData, u64, PodCounters>,
     pub(super) sidecar_lists: sidecar_lists::SidecarLists,
     pub(super) pods: StdHashMap<String, Enrolled>,
@@ -143,6 +144,7 @@ impl Owner {
 
         let pods_map: HashMap<MapData, u64, PodConfig> = programs::take_map(&mut ebpf, maps::PODS)?;
         let pod_ips: HashMap<MapData, IpKey, u64> = programs::take_map(&mut ebpf, maps::POD_IPS)?;
+        let pod_slots = pod_slots::PodSlots::take(&mut ebpf, &pods_map)?;
         let counters = programs::take_map(&mut ebpf, maps::POD_COUNTERS)?;
         let sidecar_lists = sidecar_lists::SidecarLists::take(&mut ebpf)?;
         let ztunnels = ztunnels::ZtunnelCgroups::take(&mut ebpf, mounts::cgroup2_root()?)?;
@@ -158,6 +160,7 @@ impl Owner {
             _bpf_log: bpf_log,
             pods_map,
             pod_ips,
+            pod_slots,
             counters,
             sidecar_lists,
             pods,

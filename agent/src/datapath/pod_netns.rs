@@ -20,6 +20,7 @@ pub(super) fn prepare_pod_netns(
     ebpf: &Ebpf,
     handoff: Option<(&Handoff, u64)>,
     interfaces: &[Link],
+    slot: u32,
 ) -> Result<()> {
     let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
     // Its IPs are not known here: both families.
@@ -29,6 +30,7 @@ pub(super) fn prepare_pod_netns(
         interfaces,
         rerouted: &rerouted,
         passthrough_v6: false,
+        slot,
     };
     set_up_pod_netns(rtnl, ebpf, handoff, &setup, |_| {})
 }
@@ -41,6 +43,8 @@ pub(super) struct PodNetnsSetup<'a> {
     pub(super) rerouted: &'a [String],
     /// `::6` on `lo`, the IPv6 passthrough source of a sidecar pod whose IPv6 is captured.
     pub(super) passthrough_v6: bool,
+    /// The pod's slot (see [`super::pod_slots`]).
+    pub(super) slot: u32,
 }
 
 /// The return path, the socket lookup hand-off where the kernel needs it (before the tc program
@@ -58,6 +62,7 @@ pub(super) fn set_up_pod_netns(
         interfaces,
         rerouted,
         passthrough_v6,
+        slot,
     } = *pod;
     rtnl.set_up_return_path(passthrough_v6)
         .context("return path")?;
@@ -71,6 +76,7 @@ pub(super) fn set_up_pod_netns(
         inbound: programs::tc_program(ebpf, weir_common::programs::INBOUND)?,
         inbound_l3: programs::tc_program(ebpf, weir_common::programs::INBOUND_L3)?,
         reroute: programs::tc_program(ebpf, weir_common::programs::REROUTE)?,
+        slot,
     };
     rtnl.attach_programs(&setup)
         .context("tc programs and rerouting rules")?;

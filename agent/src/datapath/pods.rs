@@ -252,6 +252,11 @@ impl Owner {
         let ips = self
             .write_map_entries(netns_cookie, config, pod_ips, other_ips)
             .context("writing the maps")?;
+        // Before the filters that carry it: the tc program finds the pod through it.
+        let slot = self
+            .pod_slots
+            .slot_of(netns_cookie)
+            .context("giving the pod a slot")?;
         fail::fail_point!("enroll-maps-written");
         stopwatch.lap("maps");
         let interfaces = captured_interfaces(pod, &found.links);
@@ -259,14 +264,14 @@ impl Owner {
             rtnl,
             &self.ebpf,
             self.handoff.as_ref().map(|handoff| (handoff, netns_cookie)),
-            &netns_setup(pod, config, &interfaces),
+            &netns_setup(pod, config, &interfaces, slot),
             |step| stopwatch.lap(step),
         )?;
         Ok(ips)
     }
 
-    /// Counters first so no event is lost, the address index last since the tc program looks
-    /// pods up through it. Returns the addresses indexed for the pod.
+    /// Counters first so no event is lost, the address index last since the socket programs
+    /// look pods up through it. Returns the addresses indexed for the pod.
     fn write_map_entries(
         &mut self,
         netns_cookie: u64,
@@ -358,6 +363,7 @@ impl Owner {
         let _ = self.pods_map.remove(&netns_cookie);
         self.sidecar_lists.remove(lists, netns_cookie);
         let _ = self.counters.remove(&netns_cookie);
+        self.pod_slots.free(netns_cookie);
         if let Some(handoff) = &self.handoff {
             handoff.detach(netns_cookie);
         }
@@ -410,16 +416,19 @@ pub(super) fn captured_interfaces<'a>(pod: &Workload, links: &'a [Link]) -> Cow<
     Cow::Owned(kept.cloned().collect())
 }
 
-/// What enrollment sets the pod's netns up with, on `interfaces` (see [`captured_interfaces`]).
+/// What enrollment sets the pod's netns up with, on `interfaces` (see [`captured_interfaces`]),
+/// with its filters carrying `slot`.
 pub(super) fn netns_setup<'a>(
     pod: &'a Workload,
     config: &PodConfig,
     interfaces: &'a [Link],
+    slot: u32,
 ) -> PodNetnsSetup<'a> {
     PodNetnsSetup {
         interfaces,
         rerouted: &pod.options.reroute_interfaces,
         passthrough_v6: config.has(POD_SIDECAR_IPV6),
+        slot,
     }
 }
 

@@ -132,6 +132,10 @@ impl Owner {
         };
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
         let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces")?;
+        let slot = self
+            .pod_slots
+            .slot_of(netns_cookie)
+            .context("giving the pod a slot")?;
         let handoff = self.handoff.as_ref().map(|handoff| (handoff, netns_cookie));
         prepare_pod_netns(
             &mut rtnl,
@@ -139,6 +143,7 @@ impl Owner {
             &self.ebpf,
             handoff,
             &found.links,
+            slot,
         )?;
         if let Some(record) = record {
             self.watch(record, found, subscription);

@@ -124,8 +124,10 @@ pub(super) fn clsact(ifindex: u32) -> TcMessage {
 }
 
 /// weir's filter on `ifindex`'s ingress: `tc filter add dev <ifindex> ingress prio 1 handle
-/// 0x5745 bpf direct-action fd <program>`; without a program, the slot itself (to delete it).
-pub(super) fn tc_filter(ifindex: u32, program: Option<TcProgram>) -> TcMessage {
+/// 0x5745 bpf direct-action fd <program> classid :<pod slot>` (the pod's slot, by which the
+/// program knows the pod: see `weir_common::MAX_POD_SLOT`); without a program, the slot itself
+/// (to delete it).
+pub(super) fn tc_filter(ifindex: u32, program: Option<(TcProgram, u32)>) -> TcMessage {
     let mut filter = TcMessage::default();
     filter.header.index = ifindex as i32;
     filter.header.handle = TC_HANDLE.into();
@@ -135,8 +137,9 @@ pub(super) fn tc_filter(ifindex: u32, program: Option<TcProgram>) -> TcMessage {
     };
     filter.header.info = (u32::from(TC_PRIORITY) << 16) | u32::from(ETH_P_ALL_BE);
     filter.attributes = vec![TcAttribute::Kind(TcFilterBpf::KIND.into())];
-    if let Some(program) = program {
+    if let Some((program, pod_slot)) = program {
         filter.attributes.push(TcAttribute::Options(vec![
+            TcOption::Bpf(TcFilterBpfOption::ClassId(pod_slot.into())),
             TcOption::Bpf(TcFilterBpfOption::ProgFd(program.fd.as_raw_fd() as u32)),
             TcOption::Bpf(TcFilterBpfOption::ProgName(program.name.into())),
             TcOption::Bpf(TcFilterBpfOption::Flags(TcBpfFlags::DirectAction)),

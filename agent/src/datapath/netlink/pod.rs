@@ -42,6 +42,8 @@ pub struct PodSetup<'a> {
     pub inbound_l3: TcProgram<'a>,
     /// The program for the rerouted interfaces.
     pub reroute: TcProgram<'a>,
+    /// The pod's slot, which its filters carry as their classid.
+    pub slot: u32,
 }
 
 /// Where weir's filter stands among the filters on an interface's ingress.
@@ -257,7 +259,7 @@ impl Rtnl {
                 (Op::Add, Object::Clsact(clsact(link.index))),
                 (
                     Op::Add,
-                    Object::Filter(tc_filter(link.index, Some(program))),
+                    Object::Filter(tc_filter(link.index, Some((program, pod.slot)))),
                 ),
             ]
         });
