@@ -1,7 +1,7 @@
-//! `cargo xtask image`: weir's container image, written here from the release binaries, with no
-//! base image and no container engine, for amd64 and arm64 under one image index (this machine's
-//! architecture built natively, the other cross-compiled with Debian's cross toolchain; the eBPF
-//! object is the same). Each platform's one layer holds weir-agent (the entrypoint), weir-cni
+//! `cargo xtask image`: weir's container image, written here from the release binaries (the
+//! tests' image from the same sources unoptimized), with no base image and no container engine,
+//! for amd64 and arm64 under one image index (this machine's architecture built natively, the
+//! other cross-compiled with Debian's cross toolchain; the eBPF object is the same). Each platform's one layer holds weir-agent (the entrypoint), weir-cni
 //! beside it (the agent installs the plugin from next to itself), both without debug info, and
 //! the shared libraries weir-agent loads, where that platform's loader finds them. Nothing else:
 //! the agent runs no other program. weir-cni is linked statically against musl: the runtime runs
@@ -53,7 +53,7 @@ pub fn reference() -> String {
 /// `cargo xtask image`.
 pub fn run() -> Result<()> {
     let object = ebpf::build(false)?;
-    let archive = build(&object)?;
+    let archive = build(&object, Profile::Release)?;
     let size = fs::metadata(&archive)?.len();
     println!(
         "{}: {} ({:.1} MiB)",
@@ -203,6 +203,25 @@ impl Platform {
     }
 }
 
+/// The cargo profile the image's binaries are built with.
+#[derive(Clone, Copy, Debug)]
+pub enum Profile {
+    /// As shipped (`cargo xtask image`).
+    Release,
+    /// For the tests: the same binaries unoptimized (see the `image-test` profile).
+    Test,
+}
+
+impl Profile {
+    /// Its name, which is also its directory under a target's.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Release => "release",
+            Self::Test => "image-test",
+        }
+    }
+}
+
 /// The C library a binary of the image is linked with.
 #[derive(Clone, Copy, Debug)]
 enum Libc {
@@ -221,21 +240,29 @@ impl Libc {
     }
 }
 
-/// Builds `package` (release) for every platform in one cargo run, in target dirs the image's
-/// builds have to themselves; returns each platform's binary. One run, because then the
+/// Builds `package` with `profile` for every platform in one cargo run, in target dirs the
+/// image's builds have to themselves; returns each platform's binary. One run, because then the
 /// platforms' builds share the cores (one build alone leaves a core idle through its largest
 /// crates and its link) and build scripts and proc macros are built once. `env` is for every
 /// platform (the eBPF object weir-agent embeds).
 fn build_for_platforms(
     platforms: &[Platform],
-    package: &str,
+    (package, profile): (&str, Profile),
     libc: Libc,
     env: &[(&str, &Path)],
 ) -> Result<Vec<PathBuf>> {
     let mut cargo = system::cargo();
     cargo
         .current_dir(crate::workspace_root())
-        .args(["build", "--release", "-p", package, "--bin", package])
+        .args([
+            "build",
+            "--profile",
+            profile.name(),
+            "-p",
+            package,
+            "--bin",
+            package,
+        ])
         // The image strips debug info anyway, and not making it is a good part of the build.
         .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
         .envs(env.iter().copied());
@@ -264,7 +291,7 @@ fn build_for_platforms(
         .map(|platform| {
             target_dir
                 .join(platform.triple(libc))
-                .join("release")
+                .join(profile.name())
                 .join(package)
         })
         .collect())
@@ -290,9 +317,9 @@ fn file_name(path: &Path) -> Result<String> {
         .with_context(|| format!("{} has no file name", path.display()))
 }
 
-/// Builds weir-agent and weir-cni for every platform and writes the image archive,
-/// `<target dir>/image/weir-agent.tar`; returns its path.
-pub fn build(object: &Path) -> Result<PathBuf> {
+/// Builds weir-agent and weir-cni with `profile` for every platform and writes the image
+/// archive, `<target dir>/image/weir-agent.tar`; returns its path.
+pub fn build(object: &Path, profile: Profile) -> Result<PathBuf> {
     // This machine's first: docker-archive's manifest names one image, the one that runs here.
     let mut platforms = PLATFORMS.to_vec();
     platforms.sort_by_key(|platform| !platform.is_native());
@@ -301,19 +328,20 @@ pub fn build(object: &Path) -> Result<PathBuf> {
         .map(|p| p.oci)
         .collect::<Vec<_>>()
         .join(", ");
-    step(&format!("building {AGENT} (release) for {names}"));
+    let name = profile.name();
+    step(&format!("building {AGENT} ({name}) for {names}"));
     // Only this package: built with the test harness, weir-agent would get its fault-injection
     // points (cargo unifies features).
     let agents = build_for_platforms(
         &platforms,
-        AGENT,
+        (AGENT, profile),
         Libc::Gnu,
         &[("WEIR_EBPF_OBJECT", object)],
     )?;
     step(&format!(
-        "building {PLUGIN} (release, static with musl) for {names}"
+        "building {PLUGIN} ({name}, static with musl) for {names}"
     ));
-    let plugins = build_for_platforms(&platforms, PLUGIN, Libc::Musl, &[])?;
+    let plugins = build_for_platforms(&platforms, (PLUGIN, profile), Libc::Musl, &[])?;
     let mut images = Vec::new();
     for ((platform, agent), plugin) in platforms.iter().zip(&agents).zip(&plugins) {
         images.push(PlatformImage::new(

@@ -61,7 +61,7 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
     system::run(with_object(cargo(), &object).args(["build", "--workspace", "--bins"]))?;
     // The image test runs the image as a node would.
-    let image = image::build(&object)?;
+    let image = image::build(&object, image::Profile::Test)?;
     // The chart test renders deploy/chart.
     let helm = helm::ensure()?;
 
