@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use weir_agent::datapath::{
-    netlink::{Link, PodSetup, Rtnl, TcProgram},
+    netlink::{Link, PodSetup, Reroute, Rtnl, TcProgram},
     netns::{Home, ReplyMarkSysctls},
 };
 use weir_tests::Pod;
@@ -53,7 +53,7 @@ impl KernelFloor {
                 name: "eth0".to_owned(),
                 ethernet: true,
             }],
-            rerouted: &[],
+            rerouted: Reroute::NONE,
             inbound: program,
             inbound_l3: program,
             reroute: program,

@@ -24,14 +24,14 @@
 //! [`weir_reroute`] takes the inbound program's place on an interface named in the pod's
 //! `istio.io/reroute-virtual-interfaces` (a VM behind a tap or bridge in the pod): not an
 //! entrance to the pod but to its outbound. Every new TCP connection arriving there goes to
-//! ztunnel's 15001 listener, as if the pod had opened it (istio's
-//! `-i <interface> -p tcp -j REDIRECT --to-ports 15001`). The packet keeps its destination (the
-//! accepted socket's local address is the original destination), and the connection is recorded
-//! for `SO_ORIGINAL_DST` exactly as the pod's own outbound is. A routing rule the agent adds per
-//! such interface (`iif <interface> ipproto tcp lookup 100`) delivers that TCP locally instead
-//! of forwarding it. A program of its own, because the attachment is the only thing that tells
-//! which pod a packet for a remote address belongs to (`bpf_get_netns_cookie` in tc answers the
-//! initial namespace for a packet without a socket); so its connections are not counted.
+//! the outbound listener 15001, ztunnel's or a sidecar pod's proxy's, as if the pod had opened it
+//! (istio's `-i <interface> -p tcp -j REDIRECT --to-ports 15001`; for a sidecar pod only to its
+//! included ranges, and IPv6 only where istio captures it). The packet keeps its destination
+//! (the accepted socket's local address is the original destination), and the connection is
+//! recorded for `SO_ORIGINAL_DST` exactly as the pod's own outbound is. The routing rules the
+//! agent adds per such interface (`iif <interface> [to <range>] ipproto tcp lookup 100`) deliver
+//! that TCP locally instead of forwarding it; the program passes what they do not deliver. The
+//! pod is told by the filter's slot, as for inbound.
 use core::ffi::c_void;
 
 use aya_ebpf::{
@@ -542,6 +542,18 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
     if transport.fragment == Fragment::Later || transport.protocol != IPPROTO_TCP {
         return Ok(PASS);
     }
+    // SAFETY: a field of the context the kernel hands tc programs.
+    let netns = pod_in_slot(unsafe { (*ctx.skb.skb).tc_classid }).unwrap_or(0);
+    let proxy = match pod(netns) {
+        Some(pod) if pod.has(POD_SIDECAR) => {
+            // Not rerouted: forwarded, as the agent's rules leave it.
+            if !sidecar::reroutes(netns, pod, &packet.destination) {
+                return Ok(PASS);
+            }
+            Proxy::Sidecar
+        }
+        _ => Proxy::Ztunnel,
+    };
     let (sport, dport): (u16, u16) = (
         ctx.load(transport.offset).map_err(|_| ())?,
         ctx.load(transport.offset + 2).map_err(|_| ())?,
@@ -557,7 +569,7 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
         trace!(
             TraceHook::Reroute,
             TraceVerdict::DropFragment,
-            0,
+            netns,
             TCP,
             (&packet.source, u16::from_be(sport)),
             (&packet.destination, u16::from_be(dport)),
@@ -594,7 +606,7 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
                 &mut tuple,
                 tuple_len,
                 OUTBOUND_PORT,
-                Proxy::Ztunnel,
+                proxy,
                 &connection,
                 true,
             ) {
@@ -609,12 +621,13 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
                 trace!(
                     TraceHook::Reroute,
                     TraceVerdict::Outbound,
-                    0,
+                    netns,
                     TCP,
                     (&packet.source, u16::from_be(sport)),
                     (&packet.destination, u16::from_be(dport)),
                     (&packet.destination, OUTBOUND_PORT)
                 );
+                count(netns, |c: &mut PodCounters| &mut c.outbound);
                 return Ok(PASS);
             }
             if inserted.is_ok() {
@@ -638,7 +651,7 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
     trace!(
         TraceHook::Reroute,
         verdict,
-        0,
+        netns,
         TCP,
         (&packet.source, u16::from_be(sport)),
         (&packet.destination, u16::from_be(dport)),

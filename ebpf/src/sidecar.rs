@@ -146,6 +146,16 @@ pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16) -> bool {
     }
 }
 
+/// Whether TCP to `destination` arriving on one of a sidecar pod's rerouted interfaces goes to
+/// its outbound listener: istio's `-i <interface> [-d <included range>] -j ISTIO_REDIRECT`, above
+/// every exclusion, for IPv6 only where its ip6tables rules are installed.
+#[inline(always)]
+pub fn reroutes(netns: u64, pod: &PodConfig, destination: &IpKey) -> bool {
+    (is_v4_mapped(destination) || pod.has(POD_SIDECAR_IPV6))
+        && (pod.has(POD_OUTBOUND_ALL_RANGES)
+            || range_listed(netns, list::OUTBOUND_INCLUDE, destination))
+}
+
 /// The proxy's connection to its own pod goes to its inbound listener, 127.0.0.1:15006 (::1),
 /// as iptables REDIRECT sends it. An unbound socket is bound to the pod's address first, so the
 /// connection's record is the pod's alone; one already bound keeps its source.

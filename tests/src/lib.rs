@@ -34,6 +34,7 @@ pub mod sockopt;
 pub mod traffic;
 pub mod traffic_loop;
 pub mod tunnel;
+pub mod virtual_machine;
 pub mod wait;
 pub mod zds_client;
 pub mod ztunnel;

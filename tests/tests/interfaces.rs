@@ -3,7 +3,7 @@
 //! addresses that appear (or go) after enrollment.
 use std::{
     io::Write,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     time::Duration,
 };
 
@@ -19,91 +19,11 @@ use weir_tests::{
     netns::{ip, NetNs},
     tcp_request,
     tunnel::Tunnel,
+    virtual_machine::VirtualMachine,
     DatapathNode, EchoServer, Pod, TestNode, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(2);
-
-/// A VM behind a veth in a pod, as KubeVirt puts one behind a tap: its end is in a network
-/// namespace of its own, and its default route is the pod.
-struct VirtualMachine {
-    netns: NetNs,
-    /// The pod's end.
-    interface: &'static str,
-    ipv4: Ipv4Addr,
-    ipv6: Ipv6Addr,
-}
-
-impl VirtualMachine {
-    fn behind(pod: &Pod, interface: &'static str) -> Self {
-        let netns = NetNs::create("vm").unwrap();
-        let (pod_ns, vm_ns) = (pod.netns().name(), netns.name());
-        let commands: [&[&str]; 10] = [
-            &[
-                "-n", pod_ns, "link", "add", interface, "type", "veth", "peer", "name", "eth0",
-                "netns", vm_ns,
-            ],
-            &[
-                "-n",
-                pod_ns,
-                "addr",
-                "add",
-                "192.168.77.1/24",
-                "dev",
-                interface,
-            ],
-            &[
-                "-n",
-                pod_ns,
-                "addr",
-                "add",
-                "fd77::1/64",
-                "dev",
-                interface,
-                "nodad",
-            ],
-            &["-n", pod_ns, "link", "set", interface, "up"],
-            &["-n", vm_ns, "addr", "add", "192.168.77.2/24", "dev", "eth0"],
-            &[
-                "-n",
-                vm_ns,
-                "addr",
-                "add",
-                "fd77::2/64",
-                "dev",
-                "eth0",
-                "nodad",
-            ],
-            &["-n", vm_ns, "link", "set", "eth0", "up"],
-            &["-n", vm_ns, "link", "set", "lo", "up"],
-            &[
-                "-n",
-                vm_ns,
-                "route",
-                "add",
-                "default",
-                "via",
-                "192.168.77.1",
-            ],
-            &[
-                "-n", vm_ns, "-6", "route", "add", "default", "via", "fd77::1",
-            ],
-        ];
-        for command in commands {
-            ip(command).unwrap();
-        }
-        Self {
-            netns,
-            interface,
-            ipv4: Ipv4Addr::new(192, 168, 77, 2),
-            ipv6: "fd77::2".parse().unwrap(),
-        }
-    }
-
-    fn ips(&self) -> [IpAddr; 2] {
-        [self.ipv4.into(), self.ipv6.into()]
-    }
-}
 
 fn rerouting(interfaces: &[&str]) -> PodOptions {
     PodOptions {

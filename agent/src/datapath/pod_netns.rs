@@ -2,11 +2,12 @@
 //! programs, put in place and taken out through the rtnetlink socket made in the pod.
 use anyhow::{anyhow, Context, Result};
 use aya::{programs::SchedClassifier, Ebpf};
+use ipnet::IpNet;
 use tracing::{debug, warn};
 
 use super::{
     handoff::Handoff,
-    netlink::{self, Link, PodSetup, Rtnl, WeirFilter},
+    netlink::{self, Link, PodSetup, Reroute, Rtnl, WeirFilter},
     netns::ReplyMarkSysctls,
     programs,
 };
@@ -22,13 +23,22 @@ pub(super) fn prepare_pod_netns(
     interfaces: &[Link],
     slot: u32,
 ) -> Result<()> {
-    let rerouted = netlink::reroute_rules().context("reading the rerouted interfaces")?;
+    // The rules are kept as they are: every rerouted interface has the same destinations.
+    let rules = netlink::reroute_rules().context("reading the rerouted interfaces")?;
+    let (mut names, mut ranges): (Vec<String>, Vec<IpNet>) = rules.into_iter().unzip();
+    names.dedup();
+    ranges.sort();
+    ranges.dedup();
     // Its IPs are not known here: both families.
     sysctls.set(true, true).context("reply-mark sysctls")?;
     // What was put in its netns before the restart is still there (the passthrough address).
     let setup = PodNetnsSetup {
         interfaces,
-        rerouted: &rerouted,
+        rerouted: Reroute {
+            interfaces: &names,
+            ranges: Some(&ranges),
+            ipv6: true,
+        },
         passthrough_v6: false,
         slot,
     };
@@ -39,8 +49,8 @@ pub(super) fn prepare_pod_netns(
 pub(super) struct PodNetnsSetup<'a> {
     /// The pod's interfaces but loopback.
     pub(super) interfaces: &'a [Link],
-    /// Those whose incoming TCP goes to the outbound listener.
-    pub(super) rerouted: &'a [String],
+    /// Those whose incoming TCP goes to the outbound listener, and for which destinations.
+    pub(super) rerouted: Reroute<'a>,
     /// `::6` on `lo`, the IPv6 passthrough source of a sidecar pod whose IPv6 is captured.
     pub(super) passthrough_v6: bool,
     /// The pod's slot (see [`super::pod_slots`]).
@@ -153,7 +163,7 @@ pub(super) fn restore_pod_netns(
         .cloned()
         .collect();
     let filter_of = |rtnl: &mut Rtnl, link: &Link| {
-        let program = match (pod.rerouted.contains(&link.name), link.ethernet) {
+        let program = match (pod.rerouted.interfaces.contains(&link.name), link.ethernet) {
             (true, _) => program_ids.reroute,
             (false, true) => program_ids.inbound,
             (false, false) => program_ids.inbound_l3,

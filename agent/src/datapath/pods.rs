@@ -14,7 +14,7 @@ use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6, POD
 
 use super::{
     enroll_steps::Stopwatch,
-    netlink::{Link, Rtnl},
+    netlink::{Link, Reroute, Rtnl},
     netns,
     pod_config::{ip_key, pod_config, sum_over_cpus, Unenrollable},
     pod_netns::{set_up_pod_netns, undo_pod_netns, PodNetnsSetup},
@@ -22,7 +22,10 @@ use super::{
     watch::Interfaces,
     EnrollNetns, Enrolled, Owner,
 };
-use crate::{logging::chain, workload::Workload};
+use crate::{
+    logging::chain,
+    workload::{AllOr, Workload},
+};
 
 const BPF_NOEXIST: u64 = 1;
 
@@ -403,7 +406,8 @@ impl Owner {
 }
 
 /// The pod's interfaces (`links`) that get weir's programs: all but a sidecar pod's excluded ones
-/// (istio's `excludeInterfaces`: never captured inbound there).
+/// (istio's `excludeInterfaces`: never captured inbound there), unless rerouted too (istio puts
+/// the rerouting rules above the exclusions).
 pub(super) fn captured_interfaces<'a>(pod: &Workload, links: &'a [Link]) -> Cow<'a, [Link]> {
     let excluded = pod
         .sidecar
@@ -412,7 +416,10 @@ pub(super) fn captured_interfaces<'a>(pod: &Workload, links: &'a [Link]) -> Cow<
     if excluded.is_empty() {
         return Cow::Borrowed(links);
     }
-    let kept = links.iter().filter(|link| !excluded.contains(&link.name));
+    let rerouted = &pod.options.reroute_interfaces;
+    let kept = links
+        .iter()
+        .filter(|link| !excluded.contains(&link.name) || rerouted.contains(&link.name));
     Cow::Owned(kept.cloned().collect())
 }
 
@@ -426,9 +433,31 @@ pub(super) fn netns_setup<'a>(
 ) -> PodNetnsSetup<'a> {
     PodNetnsSetup {
         interfaces,
-        rerouted: &pod.options.reroute_interfaces,
+        rerouted: reroute(pod, config),
         passthrough_v6: config.has(POD_SIDECAR_IPV6),
         slot,
+    }
+}
+
+/// Where the TCP arriving on the pod's rerouted interfaces goes to the outbound listener: every
+/// destination for an ambient pod; for a sidecar pod its included outbound ranges, IPv6 only
+/// where it is captured (istio's `-i <interface> [-d <range>] -j ISTIO_REDIRECT` rules).
+fn reroute<'a>(pod: &'a Workload, config: &PodConfig) -> Reroute<'a> {
+    let interfaces = &pod.options.reroute_interfaces[..];
+    match &pod.sidecar {
+        None => Reroute {
+            interfaces,
+            ranges: None,
+            ipv6: true,
+        },
+        Some(sidecar) => Reroute {
+            interfaces,
+            ranges: match &sidecar.include_outbound_ranges {
+                AllOr::All => None,
+                AllOr::Only(ranges) => Some(ranges),
+            },
+            ipv6: config.has(POD_SIDECAR_IPV6),
+        },
     }
 }
 

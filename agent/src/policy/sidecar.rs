@@ -848,6 +848,20 @@ mod tests {
     }
 
     #[test]
+    fn only_tproxy_pods_have_their_interfaces_rerouted_and_never_lo() {
+        let rerouted = |mode: &str| {
+            annotated(&[
+                (INTERCEPTION_MODE_ANNOTATION, mode),
+                (REROUTE_VIRTUAL_INTERFACES_ANNOTATION, "tap0,lo"),
+            ])
+            .options()
+            .reroute_interfaces
+        };
+        assert_eq!(rerouted("TPROXY"), ["tap0"]);
+        assert!(rerouted("REDIRECT").is_empty());
+    }
+
+    #[test]
     fn proxy_ids_come_from_its_security_context_with_0_meaning_1337() {
         let ids = |uid: Option<i64>, gid: Option<i64>| {
             let redirect = redirect_of(&with_proxy(|p| {

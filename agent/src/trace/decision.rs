@@ -15,8 +15,8 @@ use crate::{inspect, workload::Mode};
 /// One decision of the programs, with its pod's name.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Decision {
-    /// The pod's namespace and name; absent when the agent does not know the pod (a rerouted
-    /// interface, a frame dropped before its addresses were read).
+    /// The pod's namespace and name; absent when the agent does not know the pod (a frame
+    /// dropped before its addresses were read).
     pub namespace: Option<String>,
     pub pod: Option<String>,
     /// `ambient` or `sidecar`; absent when the agent does not know the pod.

@@ -29,7 +29,8 @@ mod transport;
 pub use changes::{recv_namespace_id, subscribe_interface_changes};
 pub use objects::TcProgram;
 pub use pod::{
-    non_loopback_addresses, non_loopback_interfaces, reroute_rules, Link, PodSetup, WeirFilter,
+    non_loopback_addresses, non_loopback_interfaces, reroute_rules, Link, PodSetup, Reroute,
+    WeirFilter,
 };
 pub use probe_source::{install_probe_source, remove_probe_source};
 pub use transport::Rtnl;

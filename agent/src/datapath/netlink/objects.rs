@@ -4,6 +4,8 @@ use std::fmt;
 use std::net::{IpAddr, Ipv6Addr};
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+use ipnet::IpNet;
+
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_EXCL};
 use netlink_packet_route::{
     address::{AddressAttribute, AddressFlags, AddressHeaderFlags, AddressMessage, CacheInfo},
@@ -72,14 +74,14 @@ pub(super) fn return_rule(any: IpAddr) -> RuleMessage {
     rule
 }
 
-/// `iif <interface> ipproto tcp lookup RETURN_ROUTE_TABLE priority 32764`, for the family of
-/// `any`: the TCP arriving on `interface` takes the `local` route of the return path's table, so
-/// it is delivered to ztunnel's outbound listener (the tc program assigns it) instead of being
-/// forwarded. A rule names its interface, so it applies as soon as an interface of that name
-/// appears.
-pub(super) fn reroute_rule(any: IpAddr, interface: &str) -> RuleMessage {
+/// `iif <interface> [to <destination>] ipproto tcp lookup RETURN_ROUTE_TABLE priority 32764`,
+/// in the family of `destination` (a `/0` names none): the TCP arriving on `interface` for it
+/// takes the `local` route of the return path's table, so it is delivered to the outbound
+/// listener (the tc program assigns it) instead of being forwarded. A rule names its interface,
+/// so it applies as soon as an interface of that name appears.
+pub(super) fn reroute_rule(destination: IpNet, interface: &str) -> RuleMessage {
     let mut rule = RuleMessage::default();
-    rule.header.family = family_of(any);
+    rule.header.family = family_of(destination.addr());
     rule.header.table = header_table(RETURN_ROUTE_TABLE);
     rule.header.action = RuleAction::ToTable;
     rule.attributes = vec![
@@ -88,6 +90,11 @@ pub(super) fn reroute_rule(any: IpAddr, interface: &str) -> RuleMessage {
         RuleAttribute::Table(RETURN_ROUTE_TABLE),
         RuleAttribute::IpProtocol(IpProtocol::Tcp),
     ];
+    if destination.prefix_len() > 0 {
+        rule.header.dst_len = destination.prefix_len();
+        rule.attributes
+            .push(RuleAttribute::Destination(destination.trunc().addr()));
+    }
     rule
 }
 

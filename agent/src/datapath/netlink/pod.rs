@@ -3,6 +3,8 @@
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+
 use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
     link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkLayerType, LinkMessage},
@@ -34,8 +36,8 @@ pub struct Link {
 pub struct PodSetup<'a> {
     /// The pod's interfaces but loopback.
     pub interfaces: &'a [Link],
-    /// Those whose TCP goes to ztunnel's outbound port (`istio.io/reroute-virtual-interfaces`).
-    pub rerouted: &'a [String],
+    /// Those whose TCP goes to the outbound listener (`istio.io/reroute-virtual-interfaces`).
+    pub rerouted: Reroute<'a>,
     /// The program for every other interface with an Ethernet header.
     pub inbound: TcProgram<'a>,
     /// The program for every other interface without one.
@@ -44,6 +46,49 @@ pub struct PodSetup<'a> {
     pub reroute: TcProgram<'a>,
     /// The pod's slot, which its filters carry as their classid.
     pub slot: u32,
+}
+
+/// The interfaces whose incoming TCP goes to the outbound listener, and for which destinations.
+#[derive(Clone, Copy, Debug)]
+pub struct Reroute<'a> {
+    pub interfaces: &'a [String],
+    /// The destinations rerouted; `None`: every one (an ambient pod's, or a sidecar pod's that
+    /// includes every outbound range).
+    pub ranges: Option<&'a [IpNet]>,
+    /// Whether IPv6 is rerouted at all.
+    pub ipv6: bool,
+}
+
+impl Reroute<'_> {
+    /// No interface rerouted.
+    pub const NONE: Reroute<'static> = Reroute {
+        interfaces: &[],
+        ranges: None,
+        ipv6: false,
+    };
+
+    /// Each rerouted interface with each rerouted destination, sorted.
+    fn rules(&self) -> Vec<(String, IpNet)> {
+        let everywhere = [
+            IpNet::from(Ipv4Net::default()),
+            IpNet::from(Ipv6Net::default()),
+        ];
+        let destinations: Vec<IpNet> = self
+            .ranges
+            .unwrap_or(&everywhere)
+            .iter()
+            .filter(|range| self.ipv6 || matches!(range, IpNet::V4(_)))
+            .map(IpNet::trunc)
+            .collect();
+        let mut rules: Vec<(String, IpNet)> = self
+            .interfaces
+            .iter()
+            .flat_map(|name| destinations.iter().map(|d| (name.clone(), *d)))
+            .collect();
+        rules.sort();
+        rules.dedup();
+        rules
+    }
 }
 
 /// Where weir's filter stands among the filters on an interface's ingress.
@@ -57,16 +102,10 @@ pub enum WeirFilter {
     Missing,
 }
 
-/// The interfaces whose rerouting rules ([`reroute_rule`]) are in the current netns, sorted.
-pub fn reroute_rules() -> io::Result<Vec<String>> {
-    let mut names: Vec<String> = installed_reroute_rules(&mut Rtnl::new()?)?
-        .iter()
-        .filter_map(reroute_interface)
-        .cloned()
-        .collect();
-    names.sort();
-    names.dedup();
-    Ok(names)
+/// The rerouting rules ([`reroute_rule`]) in the current netns: each one's interface and
+/// destination, sorted.
+pub fn reroute_rules() -> io::Result<Vec<(String, IpNet)>> {
+    installed_reroutes(&mut Rtnl::new()?)
 }
 
 /// See [`Rtnl::non_loopback_addresses`], for the calling thread's network namespace.
@@ -79,15 +118,10 @@ pub fn non_loopback_interfaces() -> io::Result<Vec<Link>> {
     Rtnl::new()?.non_loopback_interfaces()
 }
 
-/// `op` on an interface's rerouting rules, IPv4 and IPv6.
-fn reroute_rules_of(op: Op, interface: &str) -> [(Op, Object); 2] {
-    [Ipv4Addr::UNSPECIFIED.into(), Ipv6Addr::UNSPECIFIED.into()]
-        .map(|any| (op, Object::Rule(reroute_rule(any, interface))))
-}
-
-/// The rerouted interfaces' rules in the current netns (by their shape, see [`reroute_rule`]).
-fn installed_reroute_rules(rtnl: &mut Rtnl) -> io::Result<Vec<RuleMessage>> {
-    Ok(rtnl
+/// The interface and destination of each rerouting rule in the netns (by their shape, see
+/// [`reroute_rule`]), sorted.
+fn installed_reroutes(rtnl: &mut Rtnl) -> io::Result<Vec<(String, IpNet)>> {
+    let mut reroutes: Vec<(String, IpNet)> = rtnl
         .rules()?
         .into_iter()
         .filter_map(|rule| {
@@ -95,24 +129,28 @@ fn installed_reroute_rules(rtnl: &mut Rtnl) -> io::Result<Vec<RuleMessage>> {
             let ours = has(&RuleAttribute::Table(RETURN_ROUTE_TABLE))
                 && has(&RuleAttribute::Priority(RETURN_RULE_PRIORITY))
                 && has(&RuleAttribute::IpProtocol(IpProtocol::Tcp));
-            let any = match rule.header.family {
-                AddressFamily::Inet6 => Ipv6Addr::UNSPECIFIED.into(),
+            if !ours {
+                return None;
+            }
+            let mut interface = None;
+            let mut destination = match rule.header.family {
+                AddressFamily::Inet6 => IpAddr::from(Ipv6Addr::UNSPECIFIED),
                 _ => Ipv4Addr::UNSPECIFIED.into(),
             };
-            // Deleted as built, not as dumped: the dump carries attributes a delete must not
-            // name.
-            ours.then(|| reroute_interface(&rule).map(|name| reroute_rule(any, name)))?
+            for attribute in &rule.attributes {
+                match attribute {
+                    RuleAttribute::Iifname(name) => interface = Some(name.clone()),
+                    RuleAttribute::Destination(ip) => destination = *ip,
+                    _ => {}
+                }
+            }
+            let destination = IpNet::new(destination, rule.header.dst_len).ok()?;
+            Some((interface?, destination))
         })
-        .collect())
-}
-
-fn reroute_interface(rule: &RuleMessage) -> Option<&String> {
-    rule.attributes
-        .iter()
-        .find_map(|attribute| match attribute {
-            RuleAttribute::Iifname(name) => Some(name),
-            _ => None,
-        })
+        .collect();
+    reroutes.sort();
+    reroutes.dedup();
+    Ok(reroutes)
 }
 
 /// What makes `RETURN_MARK`-marked replies in a netns take the `local` route in table
@@ -239,18 +277,18 @@ impl Rtnl {
 
     /// weir's programs on the pod's interfaces, in one datagram and in this order: on every
     /// interface the clsact qdisc and weir's filter with the interface's program, replacing
-    /// whatever program held the slot; then the rerouted interfaces' rules (see
-    /// [`reroute_rule`]), last, since until the tc program assigns a rerouted SYN to ztunnel
-    /// local delivery would hand it to whatever listens on its port. The pod's other interfaces
-    /// lose any rerouting rule; one naming an interface the pod no longer has stays inert until
-    /// such an interface appears, which sets the pod up again. Idempotent.
+    /// whatever program held the slot; then the rerouting rules (see [`reroute_rule`]): those
+    /// no longer wanted go, the wanted ones come last, since until the tc program assigns a
+    /// rerouted SYN to its listener local delivery would hand it to whatever listens on its
+    /// port. A rule naming an interface the pod does not have yet stays inert until such an
+    /// interface appears, which sets the pod up again. Idempotent.
     ///
     /// Apart from [`Self::set_up_return_path`] (one round trip more) so that a pod's enrollment
     /// times them apart: a clsact qdisc made on an interface that is up costs an RCU grace
     /// period (`qdisc_graft` deactivates the device), the largest single wait of an enrollment.
     pub fn attach_programs(&mut self, pod: &PodSetup) -> io::Result<()> {
         let tc = pod.interfaces.iter().flat_map(|link| {
-            let program = match (pod.rerouted.contains(&link.name), link.ethernet) {
+            let program = match (pod.rerouted.interfaces.contains(&link.name), link.ethernet) {
                 (true, _) => pod.reroute,
                 (false, true) => pod.inbound,
                 (false, false) => pod.inbound_l3,
@@ -263,16 +301,16 @@ impl Rtnl {
                 ),
             ]
         });
-        let unrouted = pod
-            .interfaces
+        let wanted = pod.rerouted.rules();
+        let stale: Vec<(Op, Object)> = installed_reroutes(self)?
+            .into_iter()
+            .filter(|rule| !wanted.contains(rule))
+            .map(|(name, destination)| (Op::Delete, Object::Rule(reroute_rule(destination, &name))))
+            .collect();
+        let rerouted = wanted
             .iter()
-            .filter(|link| !pod.rerouted.contains(&link.name))
-            .flat_map(|link| reroute_rules_of(Op::Delete, &link.name));
-        let rerouted = pod
-            .rerouted
-            .iter()
-            .flat_map(|name| reroute_rules_of(Op::Add, name));
-        self.apply(tc.chain(unrouted).chain(rerouted))
+            .map(|(name, destination)| (Op::Add, Object::Rule(reroute_rule(*destination, name))));
+        self.apply(tc.chain(stale).chain(rerouted))
     }
 
     /// Undoes [`Self::set_up_return_path`] and [`Self::attach_programs`] on `interfaces`, in one
@@ -282,9 +320,9 @@ impl Rtnl {
         let filters = interfaces
             .iter()
             .map(|link| (Op::Delete, Object::Filter(tc_filter(link.index, None))));
-        let rules: Vec<(Op, Object)> = installed_reroute_rules(self)?
+        let rules: Vec<(Op, Object)> = installed_reroutes(self)?
             .into_iter()
-            .map(|rule| (Op::Delete, Object::Rule(rule)))
+            .map(|(name, destination)| (Op::Delete, Object::Rule(reroute_rule(destination, &name))))
             .collect();
         let return_path = return_path()
             .into_iter()
