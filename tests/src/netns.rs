@@ -17,7 +17,7 @@ use aya::maps::{Map, MapData, SkStorage};
 use nix::sched::CloneFlags;
 use weir_common::{maps, ABI_VERSION};
 
-use crate::ids;
+use crate::{ids, try_wait_until};
 
 /// Where `ip netns` keeps its bind mounts.
 pub const NETNS_DIR: &str = "/var/run/netns";
@@ -39,6 +39,42 @@ impl NetNs {
     pub fn create(role: &str) -> Result<Self> {
         let name = ids::unique_name(role);
         ip(&["netns", "add", &name])?;
+        let path = Path::new(NETNS_DIR).join(&name);
+        match File::open(&path) {
+            Ok(file) => Ok(Self { name, path, file }),
+            Err(err) => {
+                let _ = ip(&["netns", "del", &name]);
+                Err(err).with_context(|| format!("cannot open {}", path.display()))
+            }
+        }
+    }
+
+    /// Like [`NetNs::create`], but owned by a user namespace of its own that maps ids 0 to 65535
+    /// to the node's from `first_id`, as a runtime makes the netns of a pod with
+    /// `hostUsers: false`. No process is left in that user namespace.
+    pub fn create_in_user_namespace(role: &str, first_id: u32) -> Result<Self> {
+        let name = ids::unique_name(role);
+        let mut holder = Command::new("unshare")
+            .args(["--user", "--net", "sleep", "60"])
+            .spawn()
+            .context("cannot run unshare (util-linux)")?;
+        // In its namespaces once unshare has exec'd sleep; the maps are written from here, as
+        // root of the node's user namespace may.
+        let proc = PathBuf::from(format!("/proc/{}", holder.id()));
+        let started = try_wait_until(std::time::Duration::from_secs(10), || {
+            fs::read_to_string(proc.join("comm")).is_ok_and(|comm| comm.trim() == "sleep")
+        });
+        let map = format!("0 {first_id} 65536\n");
+        let attached = match started {
+            Some(()) => fs::write(proc.join("uid_map"), &map)
+                .and_then(|()| fs::write(proc.join("gid_map"), &map))
+                .context("writing the id maps")
+                .and_then(|()| ip(&["netns", "attach", &name, &holder.id().to_string()])),
+            None => Err(anyhow::anyhow!("unshare did not start")),
+        };
+        let _ = holder.kill();
+        let _ = holder.wait();
+        attached?;
         let path = Path::new(NETNS_DIR).join(&name);
         match File::open(&path) {
             Ok(file) => Ok(Self { name, path, file }),
@@ -113,6 +149,18 @@ impl Drop for NetNs {
             eprintln!("warning: {err:#}");
         }
     }
+}
+
+/// The user namespace that owns the network namespace `netns` (`NS_GET_USERNS`).
+pub fn owning_user_namespace(netns: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    const NS_GET_USERNS: libc::c_ulong = 0xb701;
+    // SAFETY: an ioctl on a valid fd; the kernel returns a new fd or -1.
+    let fd = unsafe { libc::ioctl(netns.as_raw_fd(), NS_GET_USERNS) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new fd, owned from here on.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
 }
 
 /// Moves the calling thread into the network namespace `netns`.

@@ -66,6 +66,9 @@ pub struct PodSpec {
     /// `metadata.uid`: a new one when `None`. A pod whose sandbox the runtime recreates after a
     /// failed ADD keeps its uid.
     pub uid: Option<String>,
+    /// `hostUsers: false`: the pod's netns is owned by a user namespace of its own, whose ids
+    /// are the node's from this one on.
+    pub user_namespace: Option<u32>,
 }
 
 impl PodSpec {
@@ -75,6 +78,7 @@ impl PodSpec {
             namespace: "default".to_owned(),
             annotations: BTreeMap::new(),
             uid: None,
+            user_namespace: None,
         }
     }
 }
@@ -316,7 +320,10 @@ impl TestNode {
     }
 
     fn wire(&self, spec: PodSpec, chain: Chain) -> Result<Result<Pod, Box<FailedAdd>>> {
-        let netns = NetNs::create(&spec.name)?;
+        let netns = match spec.user_namespace {
+            Some(first_id) => NetNs::create_in_user_namespace(&spec.name, first_id)?,
+            None => NetNs::create(&spec.name)?,
+        };
         for key in [
             "net.ipv6.conf.all.accept_dad",
             "net.ipv6.conf.default.accept_dad",

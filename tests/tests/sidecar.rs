@@ -4,7 +4,10 @@
 //! waits for one.
 use std::{
     net::{Ipv4Addr, SocketAddr},
-    os::{fd::AsRawFd, unix::process::CommandExt},
+    os::{
+        fd::{AsFd, AsRawFd},
+        unix::process::CommandExt,
+    },
     process::Command as Process,
 };
 
@@ -15,7 +18,7 @@ use weir_tests::{
     chain::{ambient_policy, listed_pods, wait_for_metric, weir_only, CniChainNode as Node, WAIT},
     cni::Command,
     istio_iptables,
-    netns::ip_output,
+    netns::{ip_output, owning_user_namespace},
     privileged,
     sidecar::{as_proxy, sidecar_pod, Interception, SidecarStandIn, PROXY_ID},
     tcp_request, try_wait_until, udp_request,
@@ -49,16 +52,26 @@ fn sidecar_node(meta: ObjectMeta) -> Option<(Node, Agent, Pod)> {
 
 /// Runs the `istio-validation` stand-in in the pod as the proxy's uid and gid; its exit code.
 fn run_validation(pod: &Pod) -> i32 {
+    run_validation_in(pod, false)
+}
+
+/// [`run_validation`], as the proxy's ids in the pod's own user namespace when
+/// `in_user_namespace` (a pod with `hostUsers: false`), else as the node's.
+fn run_validation_in(pod: &Pod, in_user_namespace: bool) -> i32 {
     let netns = pod.netns().open().unwrap();
+    let userns = in_user_namespace.then(|| owning_user_namespace(netns.as_fd()).unwrap());
+    let userns_fd = userns.as_ref().map(|fd| fd.as_raw_fd());
     let mut validation = Process::new(env!("CARGO_BIN_EXE_istio-validation"));
     let fd = netns.as_raw_fd();
-    // SAFETY: async-signal-safe syscalls; the fd stays open until the child has exec'd. The
-    // netns first, while the child may still enter it, then the proxy's identity.
+    // SAFETY: async-signal-safe syscalls; the fds stay open until the child has exec'd. The
+    // user namespace first (which owns the netns), the netns while the child may still enter
+    // it, then the proxy's identity; supplementary groups are the node's to set.
     unsafe {
         validation.pre_exec(move || {
             let id = PROXY_ID;
-            let failed = libc::setns(fd, libc::CLONE_NEWNET) != 0
-                || libc::setgroups(0, std::ptr::null()) != 0
+            let failed = userns_fd.is_some_and(|u| libc::setns(u, libc::CLONE_NEWUSER) != 0)
+                || libc::setns(fd, libc::CLONE_NEWNET) != 0
+                || (userns_fd.is_none() && libc::setgroups(0, std::ptr::null()) != 0)
                 || libc::setresgid(id, id, id) != 0
                 || libc::setresuid(id, id, id) != 0;
             if failed {
@@ -597,5 +610,28 @@ fn tcp_from_a_rerouted_interface_goes_to_the_proxy_for_included_ranges() {
         .netns
         .run(|| tcp_request(server.app_v4(), "after the DEL"));
     assert_eq!(proxy.seen().len(), before);
+    agent.stop().unwrap();
+}
+
+/// A pod in a user namespace of its own (`hostUsers: false`): its proxy and istio-validation
+/// run as 1337 there, which the node sees as another id. weir maps the proxy's ids through the
+/// pod's maps: istio-validation passes as the pod's 1337, and the node's 1337, which is nobody
+/// in the pod, is not taken for the proxy.
+#[test]
+fn a_user_namespaced_pods_proxy_is_known_by_its_ids_in_the_pod() {
+    let Some(node) = node_with(&[("userns", sidecar_pod(&[], &[]))]) else {
+        return;
+    };
+    let agent = node.start_agent();
+    let pod = node
+        .test_node()
+        .add_pod_with(PodSpec {
+            namespace: "default".into(),
+            user_namespace: Some(100_000),
+            ..PodSpec::new("userns")
+        })
+        .unwrap();
+    assert_eq!(run_validation_in(&pod, true), 0, "as the pod's proxy");
+    assert_eq!(run_validation_in(&pod, false), 126, "as the node's 1337");
     agent.stop().unwrap();
 }

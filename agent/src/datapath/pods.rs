@@ -19,6 +19,7 @@ use super::{
     pod_config::{ip_key, pod_config, sum_over_cpus, Unenrollable},
     pod_netns::{set_up_pod_netns, undo_pod_netns, PodNetnsSetup},
     sidecar_lists::ListEntries,
+    userns::IdMaps,
     watch::Interfaces,
     EnrollNetns, Enrolled, Owner,
 };
@@ -48,9 +49,16 @@ impl Owner {
     pub(super) fn enroll(&mut self, pod: &Workload, netns: EnrollNetns) -> Result<OwnedFd> {
         let steps = self.enroll_steps.clone();
         let mut stopwatch = steps.stopwatch();
-        let config = pod_config(pod, self.handoff.is_some())?;
+        let mut config = pod_config(pod, self.handoff.is_some())?;
         let pod_ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
         let netns_file = self.open_netns(pod, netns)?;
+        if pod.sidecar.is_some() {
+            // The proxy's ids as the programs see them, when the pod has ids of its own.
+            if let Some(maps) = IdMaps::of_netns_owner(netns_file.as_fd())? {
+                config.proxy_uid = maps.uid(config.proxy_uid);
+                config.proxy_gid = maps.gid(config.proxy_gid);
+            }
+        }
         // Every fd the enrollment needs is taken before anything is written: an EMFILE after
         // the map entries went in would leave them to nobody.
         let handle: OwnedFd = netns_file.try_clone()?.into();
