@@ -182,28 +182,19 @@ pub struct SidecarRedirect {
 }
 
 impl SidecarRedirect {
-    /// The pod options a sidecar pod is recorded with: DNS capture as its proxy says, and in
-    /// TPROXY mode its rerouted interfaces but `lo` (a rule for TCP "arriving" on `lo` would
-    /// take all of the pod's own TCP); the ambient annotations do not apply.
-    ///
-    /// A rerouted connection reaches the proxy with its original destination, which is not the
-    /// pod's: only a transparent listener, as the proxy's are in TPROXY mode, can answer from
-    /// it. REDIRECT mode's listeners are not transparent, and weir does not rewrite addresses,
-    /// so their interfaces are not rerouted.
+    /// The pod options a sidecar pod is recorded with: DNS capture as its proxy says, and its
+    /// rerouted interfaces but `lo` (a rule for TCP "arriving" on `lo` would take all of the
+    /// pod's own TCP); the ambient annotations do not apply.
     pub fn options(&self) -> PodOptions {
-        let reroute_interfaces = match self.mode {
-            InterceptionMode::Tproxy => self
+        PodOptions {
+            inbound_bypass: false,
+            dns_capture: self.dns_capture,
+            reroute_interfaces: self
                 .reroute_interfaces
                 .iter()
                 .filter(|name| *name != "lo")
                 .cloned()
                 .collect(),
-            InterceptionMode::Redirect => Vec::new(),
-        };
-        PodOptions {
-            inbound_bypass: false,
-            dns_capture: self.dns_capture,
-            reroute_interfaces,
         }
     }
 }

@@ -57,6 +57,8 @@ impl KernelFloor {
             inbound: program,
             inbound_l3: program,
             reroute: program,
+            nat_in: program,
+            nat_out: program,
             slot: 1,
         })?;
         Ok(())

@@ -410,12 +410,15 @@ pub mod maps {
     pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
     /// Per-CPU `u64` at index 0: records the ring buffer had no room for.
     pub const TRACE_LOST: &str = "TRACE_LOST";
+    /// REDIRECT-mode sidecar pods' translated rerouted connections, [`super::ConnectionKey`]
+    /// to [`super::Endpoint`] both ways.
+    pub const REROUTE_NAT: &str = "REROUTE_NAT";
     /// Sidecar pods' port lists ([`super::PortKey`]).
     pub const SIDECAR_PORTS: &str = "SIDECAR_PORTS";
     /// Sidecar pods' IP range lists, an LPM trie of [`super::RangeKey`].
     pub const SIDECAR_RANGES: &str = "SIDECAR_RANGES";
     /// Every map, each pinned under its name.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         PODS,
         POD_IPS,
         POD_SLOTS,
@@ -432,6 +435,7 @@ pub mod maps {
         TRACE_LOST,
         SIDECAR_PORTS,
         SIDECAR_RANGES,
+        REROUTE_NAT,
     ];
 }
 
@@ -460,6 +464,10 @@ pub mod programs {
     pub const INBOUND_L3: &str = "weir_inbound_l3";
     /// In place of `INBOUND` on a pod's `istio.io/reroute-virtual-interfaces`.
     pub const REROUTE: &str = "weir_reroute";
+    /// In place of `REROUTE` for a sidecar pod in REDIRECT mode, with `NAT_OUT` on the same
+    /// interfaces' egress.
+    pub const NAT_IN: &str = "weir_nat_in";
+    pub const NAT_OUT: &str = "weir_nat_out";
     /// sk_lookup, attached to a pod's netns on kernels before 6.5.
     pub const HANDOFF: &str = "weir_handoff";
 }

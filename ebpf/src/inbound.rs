@@ -74,17 +74,17 @@ const IPV4_MORE_FRAGMENTS: u16 = 0x2000;
 const IPV6_FRAGMENT_OFFSET: u16 = 0xfff8;
 /// IPv6 next-header values of the extension headers walked to reach TCP.
 const IPPROTO_HOPOPTS: u8 = 0;
-const IPPROTO_TCP: u8 = 6;
+pub(crate) const IPPROTO_TCP: u8 = 6;
 const IPPROTO_ROUTING: u8 = 43;
 const IPPROTO_FRAGMENT: u8 = 44;
 const IPPROTO_AH: u8 = 51;
 const IPPROTO_DSTOPTS: u8 = 60;
 /// More extension headers than any real packet carries: a longer chain is dropped, not guessed.
 const MAX_EXTENSION_HEADERS: usize = 8;
-const TCP_FLAGS_OFFSET: usize = 13;
-const TCP_SYN: u8 = 0x02;
+pub(crate) const TCP_FLAGS_OFFSET: usize = 13;
+pub(crate) const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
-const TCP_ACK: u8 = 0x10;
+pub(crate) const TCP_ACK: u8 = 0x10;
 /// `bpf_sock.state` values (the kernel's `TCP_*` states).
 const TCP_TIME_WAIT: u32 = 6;
 const TCP_LISTEN: u32 = 10;
@@ -97,9 +97,9 @@ const BPF_F_CURRENT_NETNS: u64 = u64::MAX;
 
 // The bindings' integer type for these differs between the BPF target and the host.
 #[allow(clippy::unnecessary_cast)]
-const PASS: i32 = TC_ACT_OK as i32;
+pub(crate) const PASS: i32 = TC_ACT_OK as i32;
 #[allow(clippy::unnecessary_cast)]
-const DROP: i32 = TC_ACT_SHOT as i32;
+pub(crate) const DROP: i32 = TC_ACT_SHOT as i32;
 
 #[classifier]
 pub fn weir_inbound(ctx: TcContext) -> i32 {
@@ -163,7 +163,7 @@ fn inbound<const ETHERNET: bool>(ctx: &TcContext) -> i32 {
 
 /// Drops a frame behind more VLAN tags than walked; its pod is unknown.
 #[inline(always)]
-fn drop_vlan(hook: TraceHook) -> i32 {
+pub(crate) fn drop_vlan(hook: TraceHook) -> i32 {
     trace!(
         hook,
         TraceVerdict::DropVlan,
@@ -178,7 +178,7 @@ fn drop_vlan(hook: TraceHook) -> i32 {
 
 /// Whether a packet is a fragment, as far as this program can act on it.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Fragment {
+pub(crate) enum Fragment {
     /// A whole packet.
     No,
     /// The fragment at offset 0: it carries the transport header.
@@ -188,15 +188,15 @@ enum Fragment {
 }
 
 /// The network header of a packet: where it starts, and its addresses.
-struct NetworkHeader {
-    offset: usize,
-    v6: bool,
-    source: IpKey,
-    destination: IpKey,
+pub(crate) struct NetworkHeader {
+    pub(crate) offset: usize,
+    pub(crate) v6: bool,
+    pub(crate) source: IpKey,
+    pub(crate) destination: IpKey,
 }
 
 /// What a frame carries.
-enum Payload {
+pub(crate) enum Payload {
     Ip(NetworkHeader),
     /// Anything else, or an IP header too short to hold the addresses (the kernel drops it).
     Other,
@@ -209,7 +209,7 @@ enum Payload {
 /// hands the packet to IP without running tc again: a SYN behind two such tags would reach the
 /// pod undecided if this program stopped at the first ethertype.
 #[inline(always)]
-fn network_header(ctx: &TcContext) -> Payload {
+pub(crate) fn network_header(ctx: &TcContext) -> Payload {
     let Ok(mut ethertype) = ctx.load::<u16>(12).map(u16::from_be) else {
         return Payload::Other;
     };
@@ -258,14 +258,14 @@ fn ip_header(ctx: &TcContext, ethertype: u16, offset: usize) -> Payload {
 }
 
 /// Where the transport header is, which protocol it is, and whether the packet is a fragment.
-struct Transport {
-    protocol: u8,
-    offset: usize,
-    fragment: Fragment,
+pub(crate) struct Transport {
+    pub(crate) protocol: u8,
+    pub(crate) offset: usize,
+    pub(crate) fragment: Fragment,
 }
 
 #[inline(always)]
-fn transport(ctx: &TcContext, packet: &NetworkHeader) -> Result<Transport, ()> {
+pub(crate) fn transport(ctx: &TcContext, packet: &NetworkHeader) -> Result<Transport, ()> {
     let base = packet.offset;
     if !packet.v6 {
         let version_ihl: u8 = ctx.load(base).map_err(|_| ())?;

@@ -8,6 +8,8 @@
 //! - [`inbound`]: tc ingress on the pod's interfaces hands new inbound connections to ztunnel's
 //!   15006 listener with `bpf_sk_assign` (TPROXY semantics: the local address stays the original).
 //! - [`handoff`]: the same hand-over through the socket lookup, on kernels before 6.5.
+//! - [`reroute_nat`]: a REDIRECT-mode sidecar pod's rerouted interfaces, whose connections are
+//!   translated to its proxy's 15001 and back.
 //! - [`sidecar`]: the same hooks' decisions for a sidecar pod, whose traffic goes to its own
 //!   istio-proxy (istio-cni's sidecar rules) instead of ztunnel.
 //!
@@ -27,6 +29,7 @@ mod handoff;
 mod inbound;
 mod original_dst;
 mod outbound;
+mod reroute_nat;
 mod sidecar;
 mod ztunnel;
 

@@ -187,6 +187,26 @@ pub static SOCKET_ORIG_DST: SocketStorage<Endpoint> = SocketStorage::new();
 #[btf_map]
 pub static CONN_ORIG_DST: LruHashMap<ConnectionKey, Endpoint, MAX_CONNECTIONS> = LruHashMap::new();
 
+/// Translated connections of REDIRECT-mode sidecar pods' rerouted interfaces, both ways:
+/// `(client, original)` to the proxy's endpoint and `(client, proxy)` to the original
+/// ([`crate::reroute_nat`]).
+#[btf_map]
+pub static REROUTE_NAT: LruHashMap<ConnectionKey, Endpoint, MAX_CONNECTIONS> = LruHashMap::new();
+
+/// A connection's translation in both directions, built where [`crate::reroute_nat`] needs it:
+/// on the stack its keys would take the program past the 512 bytes it may have.
+#[repr(C)]
+pub struct Translation {
+    /// `(client, original destination)`.
+    pub forward: ConnectionKey,
+    /// `(client, proxy)`.
+    pub reverse: ConnectionKey,
+}
+
+/// Each CPU's [`Translation`] under construction; not pinned: nothing outlives a program run.
+#[btf_map]
+pub static NAT_SCRATCH: PerCpuArray<Translation, 1> = PerCpuArray::new();
+
 /// Sidecar pods' port lists: present means listed.
 #[btf_map]
 static SIDECAR_PORTS: HashMap<PortKey, u8, MAX_SIDECAR_PORTS, NO_PREALLOC> = HashMap::new();

@@ -12,7 +12,7 @@ use std::{
 };
 
 use weir_agent::policy::local::ObjectMeta;
-use weir_common::{maps, PortKey, INBOUND_PORT, OUTBOUND_PORT};
+use weir_common::{maps, ConnectionKey, Endpoint, IpKey, PortKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     agent::Agent,
     chain::{ambient_policy, listed_pods, wait_for_metric, weir_only, CniChainNode as Node, WAIT},
@@ -449,6 +449,19 @@ fn a_restart_keeps_a_sidecar_pod_redirected_and_away_from_ztunnel() {
     agent.stop().unwrap();
 }
 
+/// The translations to `pod`'s proxy in the pinned `REROUTE_NAT`, both ways.
+fn translations(node: &Node, pod: &Pod) -> usize {
+    let ip = IpKey::from_v4(pod.ipv4().octets());
+    let map = node.test_node().pinned_map(maps::REROUTE_NAT).unwrap();
+    let translations: aya::maps::HashMap<_, ConnectionKey, Endpoint> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(map)).unwrap();
+    translations
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(key, value)| key.listener.ip == ip || value.ip == ip)
+        .count()
+}
+
 /// The pod's entries in the pinned `SIDECAR_PORTS`, as bpftool would find them.
 fn port_entries(node: &Node, pod: &Pod) -> usize {
     let cookie = pod.netns().cookie().unwrap();
@@ -523,22 +536,38 @@ fn addr(ip: Ipv4Addr, port: u16) -> SocketAddr {
     SocketAddr::from((ip, port))
 }
 
-/// A VM behind a TPROXY-mode sidecar pod's rerouted interface (KubeVirt's): its TCP to the
-/// pod's included outbound ranges goes to the pod's proxy on 15001 with the original
-/// destination, also where the interface is excluded too (istio's rerouting rules come first);
-/// TCP to anything else goes where the pod routes it, and IPv6, which the pod does not capture,
-/// is not rerouted. Kept while no agent runs and by the next one; the pod's DEL takes it away.
 #[test]
 fn tcp_from_a_rerouted_interface_goes_to_the_proxy_for_included_ranges() {
+    rerouted_through_the_proxy(Interception::Redirect);
+}
+
+#[test]
+fn tproxy_mode_reroutes_with_the_original_destination_as_local_address() {
+    rerouted_through_the_proxy(Interception::Tproxy);
+}
+
+/// A VM behind a sidecar pod's rerouted interface (KubeVirt's): its TCP to the pod's included
+/// outbound ranges goes to the pod's proxy on 15001 with the original destination, and the
+/// VM's connection is with that destination, also where the interface is excluded too (istio's
+/// rerouting rules come first); TCP to anything else goes where the pod routes it, and IPv6,
+/// which the pod does not capture, is not rerouted. Kept while no agent runs and by the next
+/// one; the pod's DEL takes it away. In REDIRECT mode the connection is translated to the
+/// proxy at the pod's address; in TPROXY mode it is delivered with its destination, which the
+/// proxy's transparent listener answers from.
+fn rerouted_through_the_proxy(mode: Interception) {
     let Some(node) = node_with(&[]) else {
         return;
     };
     let server = node.pod("default", "server").unwrap();
     let included = format!("{}/32", server.ipv4());
     let mut policy = ambient_policy();
+    let mode_name = match mode {
+        Interception::Redirect => "REDIRECT",
+        Interception::Tproxy => "TPROXY",
+    };
     let mut vm_host = sidecar_pod(
         &[
-            ("sidecar.istio.io/interceptionMode", "TPROXY"),
+            ("sidecar.istio.io/interceptionMode", mode_name),
             ("istio.io/reroute-virtual-interfaces", "tap0"),
             ("traffic.sidecar.istio.io/excludeInterfaces", "tap0"),
             (
@@ -548,14 +577,16 @@ fn tcp_from_a_rerouted_interface_goes_to_the_proxy_for_included_ranges() {
         ],
         &[],
     );
-    vm_host.containers.last_mut().unwrap().run_as_user = Some(0);
+    if mode == Interception::Tproxy {
+        vm_host.containers.last_mut().unwrap().run_as_user = Some(0);
+    }
     policy.pods.insert("default/vmhost".into(), vm_host);
     node.files.write_policy(&policy).unwrap();
     let agent = node.start_agent();
     let server_app = EchoServer::app(&server).unwrap();
     let host = node.pod("default", "vmhost").unwrap();
     let host_app = EchoServer::app(&host).unwrap();
-    let proxy = SidecarStandIn::start_with(&host, Interception::Tproxy).unwrap();
+    let proxy = SidecarStandIn::start_with(&host, mode).unwrap();
     // Made after the pod's enrollment, as a VM's interface is: weir sets it up when it appears.
     let vm = VirtualMachine::behind(&host, "tap0");
     let through_proxy = |message: &str| -> bool {
@@ -563,6 +594,7 @@ fn tcp_from_a_rerouted_interface_goes_to_the_proxy_for_included_ranges() {
             return false;
         };
         assert_eq!(reply.response, server_app.reply_to(message));
+        assert_eq!(reply.peer_seen_by_client, server.app_v4());
         let seen = proxy.wait_for(
             |s| s.listener == OUTBOUND_PORT && s.peer == reply.local,
             WAIT,
@@ -585,17 +617,29 @@ fn tcp_from_a_rerouted_interface_goes_to_the_proxy_for_included_ranges() {
     );
     assert!(proxy.seen().iter().all(|s| s.peer != reply.local));
     let rules = |family: &str| ip_output(&["-n", host.netns().name(), family, "rule"]).unwrap();
-    let rule = format!(
-        "from all to {} iif tap0 ipproto tcp lookup 100",
-        server.ipv4()
-    );
-    assert!(rules("-4").contains(&rule), "{}", rules("-4"));
+    if mode == Interception::Tproxy {
+        let rule = format!(
+            "from all to {} iif tap0 ipproto tcp lookup 100",
+            server.ipv4()
+        );
+        assert!(rules("-4").contains(&rule), "{}", rules("-4"));
+    }
     assert!(!rules("-6").contains("tap0"), "{}", rules("-6"));
 
     agent.stop().unwrap();
     assert!(through_proxy("while no agent runs"));
     let agent = node.start_agent();
     assert!(through_proxy("after a restart"));
+    let rerouted = proxy
+        .seen()
+        .iter()
+        .filter(|s| s.listener == OUTBOUND_PORT)
+        .count();
+    let translated = match mode {
+        Interception::Redirect => 2 * rerouted,
+        Interception::Tproxy => 0,
+    };
+    assert_eq!(translations(&node, &host), translated, "two per connection");
 
     weir_only(
         &node,
@@ -605,6 +649,7 @@ fn tcp_from_a_rerouted_interface_goes_to_the_proxy_for_included_ranges() {
     )
     .unwrap();
     assert!(!rules("-4").contains("tap0"), "{}", rules("-4"));
+    assert_eq!(translations(&node, &host), 0);
     let before = proxy.seen().len();
     let _ = vm
         .netns

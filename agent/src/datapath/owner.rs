@@ -16,7 +16,7 @@ use aya::{
     Ebpf,
 };
 use tracing::{info, warn};
-use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters};
+use weir_common::{maps, ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters};
 
 use super::{
     audit, bpf_log, discovery, enroll_steps, handoff, kernel, maps_dir, mounts, netlink, netns,
@@ -48,6 +48,8 @@ pub(super) struct Owner {
     pub(super) pod_slots: pod_slots::PodSlots,
     pub(super) counters: PerCpuHashMap<MapData, u64, PodCounters>,
     pub(super) sidecar_lists: sidecar_lists::SidecarLists,
+    /// Translated connections of rerouted interfaces, both ways (see `weir_nat_in`).
+    pub(super) reroute_nat: HashMap<MapData, ConnectionKey, Endpoint>,
     pub(super) pods: StdHashMap<String, Enrolled>,
     /// Enrolled pods' interface subscriptions, by uid (pods recovered after a restart are
     /// followed once enrolled again).
@@ -147,6 +149,7 @@ impl Owner {
         let pod_slots = pod_slots::PodSlots::take(&mut ebpf, &pods_map)?;
         let counters = programs::take_map(&mut ebpf, maps::POD_COUNTERS)?;
         let sidecar_lists = sidecar_lists::SidecarLists::take(&mut ebpf)?;
+        let reroute_nat = programs::take_map(&mut ebpf, maps::REROUTE_NAT)?;
         let ztunnels = ztunnels::ZtunnelCgroups::take(&mut ebpf, mounts::cgroup2_root()?)?;
         let pods = recovery::recover_pods(&pods_map, &pod_ips);
         info!(
@@ -163,6 +166,7 @@ impl Owner {
             pod_slots,
             counters,
             sidecar_lists,
+            reroute_nat,
             pods,
             watches: StdHashMap::new(),
             watcher: watch::Watcher::start(changes, watching, &tasks)?,

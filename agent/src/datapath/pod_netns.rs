@@ -5,40 +5,54 @@ use aya::{programs::SchedClassifier, Ebpf};
 use ipnet::IpNet;
 use tracing::{debug, warn};
 
+use weir_common::PodConfig;
+
 use super::{
     handoff::Handoff,
     netlink::{self, Link, PodSetup, Reroute, Rtnl, WeirFilter},
     netns::ReplyMarkSysctls,
-    programs,
+    pods, programs,
 };
+use crate::workload::Workload;
 
 /// Per-pod setup of a pod whose map entries are in place already (a recovered pod): the reply
-/// path, and this agent's programs in place of the previous ones, on the interfaces the pod's
-/// routing rules say are rerouted. The calling thread is in the pod's netns.
+/// path, and this agent's programs in place of the previous ones, rerouting as `record` (what
+/// the pod was enrolled with, and its entry) says, else as the pod's routing rules say. The
+/// calling thread is in the pod's netns.
 pub(super) fn prepare_pod_netns(
     rtnl: &mut Rtnl,
     sysctls: &mut ReplyMarkSysctls,
     ebpf: &Ebpf,
     handoff: Option<(&Handoff, u64)>,
-    interfaces: &[Link],
-    slot: u32,
+    (interfaces, slot): (&[Link], u32),
+    record: Option<(&Workload, &PodConfig)>,
 ) -> Result<()> {
-    // The rules are kept as they are: every rerouted interface has the same destinations.
-    let rules = netlink::reroute_rules().context("reading the rerouted interfaces")?;
-    let (mut names, mut ranges): (Vec<String>, Vec<IpNet>) = rules.into_iter().unzip();
-    names.dedup();
-    ranges.sort();
-    ranges.dedup();
+    let (names, ranges): (Vec<String>, Vec<IpNet>);
+    let rerouted = match record {
+        Some((workload, config)) => pods::reroute(workload, config),
+        None => {
+            // Kept as they are: every rerouted interface has the same destinations.
+            let rules = netlink::reroute_rules().context("reading the rerouted interfaces")?;
+            let (mut unique_names, mut unique_ranges): (Vec<String>, Vec<IpNet>) =
+                rules.into_iter().unzip();
+            unique_names.dedup();
+            unique_ranges.sort();
+            unique_ranges.dedup();
+            (names, ranges) = (unique_names, unique_ranges);
+            Reroute {
+                interfaces: &names,
+                ranges: Some(&ranges),
+                ipv6: true,
+                translated: false,
+            }
+        }
+    };
     // Its IPs are not known here: both families.
     sysctls.set(true, true).context("reply-mark sysctls")?;
     // What was put in its netns before the restart is still there (the passthrough address).
     let setup = PodNetnsSetup {
         interfaces,
-        rerouted: Reroute {
-            interfaces: &names,
-            ranges: Some(&ranges),
-            ipv6: true,
-        },
+        rerouted,
         passthrough_v6: false,
         slot,
     };
@@ -86,6 +100,8 @@ pub(super) fn set_up_pod_netns(
         inbound: programs::tc_program(ebpf, weir_common::programs::INBOUND)?,
         inbound_l3: programs::tc_program(ebpf, weir_common::programs::INBOUND_L3)?,
         reroute: programs::tc_program(ebpf, weir_common::programs::REROUTE)?,
+        nat_in: programs::tc_program(ebpf, weir_common::programs::NAT_IN)?,
+        nat_out: programs::tc_program(ebpf, weir_common::programs::NAT_OUT)?,
         slot,
     };
     rtnl.attach_programs(&setup)
@@ -99,6 +115,7 @@ pub(super) struct TcProgramIds {
     inbound: u32,
     inbound_l3: u32,
     reroute: u32,
+    nat_in: u32,
 }
 
 impl TcProgramIds {
@@ -114,6 +131,7 @@ impl TcProgramIds {
             inbound: id(weir_common::programs::INBOUND)?,
             inbound_l3: id(weir_common::programs::INBOUND_L3)?,
             reroute: id(weir_common::programs::REROUTE)?,
+            nat_in: id(weir_common::programs::NAT_IN)?,
         })
     }
 }
@@ -164,6 +182,7 @@ pub(super) fn restore_pod_netns(
         .collect();
     let filter_of = |rtnl: &mut Rtnl, link: &Link| {
         let program = match (pod.rerouted.interfaces.contains(&link.name), link.ethernet) {
+            (true, _) if pod.rerouted.translated => program_ids.nat_in,
             (true, _) => program_ids.reroute,
             (false, true) => program_ids.inbound,
             (false, false) => program_ids.inbound_l3,

@@ -10,7 +10,10 @@ use std::{
 
 use anyhow::{Context, Result};
 use tracing::{debug, warn};
-use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6, POD_SIDECAR_IPV6};
+use weir_common::{
+    ConnectionKey, Endpoint, IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6,
+    POD_SIDECAR_IPV6,
+};
 
 use super::{
     enroll_steps::Stopwatch,
@@ -25,7 +28,7 @@ use super::{
 };
 use crate::{
     logging::chain,
-    workload::{AllOr, Workload},
+    workload::{AllOr, InterceptionMode, Workload},
 };
 
 const BPF_NOEXIST: u64 = 1;
@@ -378,6 +381,24 @@ impl Owner {
         if let Some(handoff) = &self.handoff {
             handoff.detach(netns_cookie);
         }
+        self.remove_translations(ips);
+    }
+
+    /// The translations of connections to the proxy at one of `ips` (a REDIRECT-mode sidecar
+    /// pod's rerouted interfaces), both ways; the map is walked, which costs one lookup where
+    /// it is empty, as it is on nodes without such pods.
+    fn remove_translations(&mut self, ips: &[IpKey]) {
+        let pods = |endpoint: &Endpoint| ips.contains(&endpoint.ip);
+        let gone: Vec<ConnectionKey> = self
+            .reroute_nat
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(key, value)| pods(&key.listener) || pods(value))
+            .map(|(key, _)| key)
+            .collect();
+        for key in gone {
+            let _ = self.reroute_nat.remove(&key);
+        }
     }
 
     fn remove_ip_entries(&mut self, netns_cookie: u64, ips: &[IpKey]) {
@@ -450,13 +471,15 @@ pub(super) fn netns_setup<'a>(
 /// Where the TCP arriving on the pod's rerouted interfaces goes to the outbound listener: every
 /// destination for an ambient pod; for a sidecar pod its included outbound ranges, IPv6 only
 /// where it is captured (istio's `-i <interface> [-d <range>] -j ISTIO_REDIRECT` rules).
-fn reroute<'a>(pod: &'a Workload, config: &PodConfig) -> Reroute<'a> {
+/// In REDIRECT mode the proxy's listener is not transparent: the connections are translated.
+pub(super) fn reroute<'a>(pod: &'a Workload, config: &PodConfig) -> Reroute<'a> {
     let interfaces = &pod.options.reroute_interfaces[..];
     match &pod.sidecar {
         None => Reroute {
             interfaces,
             ranges: None,
             ipv6: true,
+            translated: false,
         },
         Some(sidecar) => Reroute {
             interfaces,
@@ -465,6 +488,7 @@ fn reroute<'a>(pod: &'a Workload, config: &PodConfig) -> Reroute<'a> {
                 AllOr::Only(ranges) => Some(ranges),
             },
             ipv6: config.has(POD_SIDECAR_IPV6),
+            translated: sidecar.mode == InterceptionMode::Redirect,
         },
     }
 }

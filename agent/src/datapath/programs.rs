@@ -93,6 +93,11 @@ pub(super) fn attach(ebpf: &mut Ebpf, cgroup_path: &Path, links_dir: &Path) -> R
     reroute(ebpf)?
         .load()
         .context("loading the rerouted interfaces' tc program")?;
+    for name in [programs::NAT_IN, programs::NAT_OUT] {
+        classifier(ebpf, name)?
+            .load()
+            .with_context(|| format!("loading {name}"))?;
+    }
     handoff(ebpf)?
         .load()
         .context("loading the socket lookup hand-off program")

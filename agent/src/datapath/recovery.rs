@@ -117,8 +117,8 @@ impl Owner {
         let Some(pod) = self.pods.get(uid) else {
             return Ok(());
         };
-        let (netns_cookie, netns) = match &pod.netns {
-            Some(netns) => (pod.netns_cookie, netns.try_clone()?),
+        let (netns_cookie, netns, config) = match &pod.netns {
+            Some(netns) => (pod.netns_cookie, netns.try_clone()?, pod.config),
             None => return Ok(()),
         };
         let _inside = self
@@ -142,8 +142,8 @@ impl Owner {
             &mut self.sysctls,
             &self.ebpf,
             handoff,
-            &found.links,
-            slot,
+            (&found.links, slot),
+            record.map(|record| (record, &config)),
         )?;
         if let Some(record) = record {
             self.watch(record, found, subscription);

@@ -848,17 +848,9 @@ mod tests {
     }
 
     #[test]
-    fn only_tproxy_pods_have_their_interfaces_rerouted_and_never_lo() {
-        let rerouted = |mode: &str| {
-            annotated(&[
-                (INTERCEPTION_MODE_ANNOTATION, mode),
-                (REROUTE_VIRTUAL_INTERFACES_ANNOTATION, "tap0,lo"),
-            ])
-            .options()
-            .reroute_interfaces
-        };
-        assert_eq!(rerouted("TPROXY"), ["tap0"]);
-        assert!(rerouted("REDIRECT").is_empty());
+    fn lo_is_never_rerouted() {
+        let redirect = annotated(&[(REROUTE_VIRTUAL_INTERFACES_ANNOTATION, "tap0,lo")]);
+        assert_eq!(redirect.options().reroute_interfaces, ["tap0"]);
     }
 
     #[test]

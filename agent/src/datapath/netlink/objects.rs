@@ -39,6 +39,13 @@ pub(super) const TC_HANDLE: u32 = 0x5745;
 /// `ETH_P_ALL` in network order, as `tcm_info`'s protocol half wants it.
 const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
 
+/// Which of an interface's clsact hooks a filter is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Direction {
+    Ingress,
+    Egress,
+}
+
 /// A tc program weir attaches to pod interfaces, by its fd and name (the name `tc filter show`
 /// prints).
 #[derive(Clone, Copy)]
@@ -130,17 +137,24 @@ pub(super) fn clsact(ifindex: u32) -> TcMessage {
     qdisc
 }
 
-/// weir's filter on `ifindex`'s ingress: `tc filter add dev <ifindex> ingress prio 1 handle
+/// weir's filter on `ifindex`'s ingress (or egress): `tc filter add dev <ifindex> ingress prio 1 handle
 /// 0x5745 bpf direct-action fd <program> classid :<pod slot>` (the pod's slot, by which the
 /// program knows the pod: see `weir_common::MAX_POD_SLOT`); without a program, the slot itself
 /// (to delete it).
-pub(super) fn tc_filter(ifindex: u32, program: Option<(TcProgram, u32)>) -> TcMessage {
+pub(super) fn tc_filter(
+    ifindex: u32,
+    direction: Direction,
+    program: Option<(TcProgram, u32)>,
+) -> TcMessage {
     let mut filter = TcMessage::default();
     filter.header.index = ifindex as i32;
     filter.header.handle = TC_HANDLE.into();
     filter.header.parent = TcHandle {
         major: TcHandle::CLSACT.major,
-        minor: TcHandle::MIN_INGRESS,
+        minor: match direction {
+            Direction::Ingress => TcHandle::MIN_INGRESS,
+            Direction::Egress => TcHandle::MIN_EGRESS,
+        },
     };
     filter.header.info = (u32::from(TC_PRIORITY) << 16) | u32::from(ETH_P_ALL_BE);
     filter.attributes = vec![TcAttribute::Kind(TcFilterBpf::KIND.into())];

@@ -17,8 +17,8 @@ use weir_common::{PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
 
 use super::errno::Op;
 use super::objects::{
-    clsact, local_route, loopback_address, reroute_rule, return_rule, tc_filter, Object, TcProgram,
-    LOOPBACK_IFINDEX, RETURN_RULE_PRIORITY, TC_HANDLE, TC_PRIORITY,
+    clsact, local_route, loopback_address, reroute_rule, return_rule, tc_filter, Direction, Object,
+    TcProgram, LOOPBACK_IFINDEX, RETURN_RULE_PRIORITY, TC_HANDLE, TC_PRIORITY,
 };
 use super::transport::Rtnl;
 
@@ -44,6 +44,10 @@ pub struct PodSetup<'a> {
     pub inbound_l3: TcProgram<'a>,
     /// The program for the rerouted interfaces.
     pub reroute: TcProgram<'a>,
+    /// The programs for the rerouted interfaces of a pod whose connections are translated, on
+    /// their ingress and egress.
+    pub nat_in: TcProgram<'a>,
+    pub nat_out: TcProgram<'a>,
     /// The pod's slot, which its filters carry as their classid.
     pub slot: u32,
 }
@@ -57,6 +61,10 @@ pub struct Reroute<'a> {
     pub ranges: Option<&'a [IpNet]>,
     /// Whether IPv6 is rerouted at all.
     pub ipv6: bool,
+    /// Whether the connections are translated to the listener at the pod's address and back
+    /// (a sidecar pod in REDIRECT mode, whose proxy's listeners are not transparent), rather
+    /// than delivered locally as they are by routing rules.
+    pub translated: bool,
 }
 
 impl Reroute<'_> {
@@ -65,10 +73,15 @@ impl Reroute<'_> {
         interfaces: &[],
         ranges: None,
         ipv6: false,
+        translated: false,
     };
 
-    /// Each rerouted interface with each rerouted destination, sorted.
+    /// Each rerouted interface with each rerouted destination, sorted; none when translated (a
+    /// translated connection is for the pod's own address).
     fn rules(&self) -> Vec<(String, IpNet)> {
+        if self.translated {
+            return Vec::new();
+        }
         let everywhere = [
             IpNet::from(Ipv4Net::default()),
             IpNet::from(Ipv6Net::default()),
@@ -277,7 +290,8 @@ impl Rtnl {
 
     /// weir's programs on the pod's interfaces, in one datagram and in this order: on every
     /// interface the clsact qdisc and weir's filter with the interface's program, replacing
-    /// whatever program held the slot; then the rerouting rules (see [`reroute_rule`]): those
+    /// whatever program held the slot, and an egress filter where connections are translated
+    /// (none elsewhere); then the rerouting rules (see [`reroute_rule`]): those
     /// no longer wanted go, the wanted ones come last, since until the tc program assigns a
     /// rerouted SYN to its listener local delivery would hand it to whatever listens on its
     /// port. A rule naming an interface the pod does not have yet stays inert until such an
@@ -288,17 +302,30 @@ impl Rtnl {
     /// period (`qdisc_graft` deactivates the device), the largest single wait of an enrollment.
     pub fn attach_programs(&mut self, pod: &PodSetup) -> io::Result<()> {
         let tc = pod.interfaces.iter().flat_map(|link| {
-            let program = match (pod.rerouted.interfaces.contains(&link.name), link.ethernet) {
+            let rerouted = pod.rerouted.interfaces.contains(&link.name);
+            let translated = rerouted && pod.rerouted.translated;
+            let program = match (rerouted, link.ethernet) {
+                (true, _) if translated => pod.nat_in,
                 (true, _) => pod.reroute,
                 (false, true) => pod.inbound,
                 (false, false) => pod.inbound_l3,
+            };
+            let filter =
+                |direction, program| Object::Filter(tc_filter(link.index, direction, program));
+            let egress = match translated {
+                true => (
+                    Op::Add,
+                    filter(Direction::Egress, Some((pod.nat_out, pod.slot))),
+                ),
+                false => (Op::Delete, filter(Direction::Egress, None)),
             };
             [
                 (Op::Add, Object::Clsact(clsact(link.index))),
                 (
                     Op::Add,
-                    Object::Filter(tc_filter(link.index, Some((program, pod.slot)))),
+                    filter(Direction::Ingress, Some((program, pod.slot))),
                 ),
+                egress,
             ]
         });
         let wanted = pod.rerouted.rules();
@@ -317,9 +344,14 @@ impl Rtnl {
     /// datagram: weir's filters, every rerouting rule, the return path. Best effort: what is
     /// already gone is success.
     pub fn tear_down_pod(&mut self, interfaces: &[Link]) -> io::Result<()> {
-        let filters = interfaces
-            .iter()
-            .map(|link| (Op::Delete, Object::Filter(tc_filter(link.index, None))));
+        let filters = interfaces.iter().flat_map(|link| {
+            [Direction::Ingress, Direction::Egress].map(|direction| {
+                (
+                    Op::Delete,
+                    Object::Filter(tc_filter(link.index, direction, None)),
+                )
+            })
+        });
         let rules: Vec<(Op, Object)> = installed_reroutes(self)?
             .into_iter()
             .map(|(name, destination)| (Op::Delete, Object::Rule(reroute_rule(destination, &name))))
