@@ -13,7 +13,10 @@
 //! original. The map is LRU, as `CONN_ORIG_DST` is: there is no end-of-connection hook here, so
 //! entries of finished connections are recycled as new ones need room. Only the included
 //! destinations are translated ([`crate::sidecar::reroutes`]); everything else is routed as the
-//! pod routes it.
+//! pod routes it. The agent's routing rules for the interface are those of `weir_reroute`: a
+//! translated connection is for a local address anyway, and until this program is attached
+//! (an interface that has just appeared) they deliver rerouted TCP locally, where nothing
+//! listens for it, instead of forwarding it around the proxy.
 use aya_ebpf::{
     bindings::BPF_F_PSEUDO_HDR, helpers::generated::bpf_csum_diff, macros::classifier,
     programs::TcContext,

@@ -617,13 +617,11 @@ fn rerouted_through_the_proxy(mode: Interception) {
     );
     assert!(proxy.seen().iter().all(|s| s.peer != reply.local));
     let rules = |family: &str| ip_output(&["-n", host.netns().name(), family, "rule"]).unwrap();
-    if mode == Interception::Tproxy {
-        let rule = format!(
-            "from all to {} iif tap0 ipproto tcp lookup 100",
-            server.ipv4()
-        );
-        assert!(rules("-4").contains(&rule), "{}", rules("-4"));
-    }
+    let rule = format!(
+        "from all to {} iif tap0 ipproto tcp lookup 100",
+        server.ipv4()
+    );
+    assert!(rules("-4").contains(&rule), "{}", rules("-4"));
     assert!(!rules("-6").contains("tap0"), "{}", rules("-6"));
 
     agent.stop().unwrap();

@@ -63,7 +63,7 @@ pub struct Reroute<'a> {
     pub ipv6: bool,
     /// Whether the connections are translated to the listener at the pod's address and back
     /// (a sidecar pod in REDIRECT mode, whose proxy's listeners are not transparent), rather
-    /// than delivered locally as they are by routing rules.
+    /// than handed to it with their destination.
     pub translated: bool,
 }
 
@@ -76,12 +76,10 @@ impl Reroute<'_> {
         translated: false,
     };
 
-    /// Each rerouted interface with each rerouted destination, sorted; none when translated (a
-    /// translated connection is for the pod's own address).
+    /// Each rerouted interface with each rerouted destination, sorted. Translated connections
+    /// are for the pod's address, local without a rule; the rules keep what the programs do
+    /// not take yet (an interface that has just appeared) from being forwarded around the proxy.
     fn rules(&self) -> Vec<(String, IpNet)> {
-        if self.translated {
-            return Vec::new();
-        }
         let everywhere = [
             IpNet::from(Ipv4Net::default()),
             IpNet::from(Ipv6Net::default()),
