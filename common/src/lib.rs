@@ -132,6 +132,9 @@ pub const POD_OUTBOUND_ALL_RANGES: u32 = 1 << 8;
 pub const POD_LOOPBACK_INCLUDED: u32 = 1 << 9;
 /// Sidecar in TPROXY mode: inbound 15008 is captured like any port.
 pub const POD_TPROXY: u32 = 1 << 10;
+/// Sidecar with `excludeInterfaces`: its routes are in its `ROUTES` list, and nothing routed out
+/// of an excluded interface is captured.
+pub const POD_EXCLUDED_INTERFACES: u32 = 1 << 11;
 
 /// UDP port of the netns cookie question: on kernels before 5.14 (no `SO_NETNS_COOKIE`) the agent
 /// connects a UDP socket in a netns to the probe source address on this port, and the connect
@@ -168,6 +171,11 @@ pub mod list {
     pub const INBOUND_EXCLUDE: u8 = 2;
     pub const OUTBOUND_INCLUDE: u8 = 3;
     pub const OUTBOUND_EXCLUDE: u8 = 4;
+    /// The pod's main routing table: each route's destination, with the value
+    /// [`ROUTE_EXCLUDED`] when it leaves by an excluded interface, else 1. The longest prefix
+    /// holding an address is the route the kernel takes to it (policy rules aside).
+    pub const ROUTES: u8 = 5;
+    pub const ROUTE_EXCLUDED: u8 = 2;
 }
 
 /// A port in one of a sidecar pod's port lists (`SIDECAR_PORTS`, value `u8` 1).

@@ -15,7 +15,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use weir_common::{
-    ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters, PortKey, RangeKey,
+    list, ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters, PortKey, RangeKey,
     ANY_CGROUP,
 };
 
@@ -318,4 +318,14 @@ pub fn port_listed(netns_cookie: u64, list: u8, port: u16) -> bool {
 pub fn range_listed(netns_cookie: u64, list: u8, ip: &IpKey) -> bool {
     let key = Key::new(RangeKey::FULL_BITS, RangeKey::new(netns_cookie, list, *ip));
     SIDECAR_RANGES.get(&key).is_some()
+}
+
+/// Whether the pod's route to `ip` leaves by one of its excluded interfaces.
+#[inline(always)]
+pub fn routed_out_of_excluded(netns_cookie: u64, ip: &IpKey) -> bool {
+    let key = Key::new(
+        RangeKey::FULL_BITS,
+        RangeKey::new(netns_cookie, list::ROUTES, *ip),
+    );
+    SIDECAR_RANGES.get(&key) == Some(&list::ROUTE_EXCLUDED)
 }

@@ -2,6 +2,7 @@
 //! and `ISTIO_INBOUND`), for a pod whose traffic goes to its own istio-proxy instead of ztunnel.
 //!
 //! Outbound, in istio's rule order (first match wins):
+//! 0. a destination the pod routes out of an excluded interface passes;
 //! 1. a port in the pod's `excludeOutboundPorts` (TCP and UDP) passes;
 //! 2. a socket bound to the inbound passthrough source (127.0.0.6, ::6) passes: Envoy's own
 //!    connections to the app;
@@ -31,12 +32,12 @@ use aya_ebpf::helpers::bpf_get_current_uid_gid;
 use weir_common::{
     list, Endpoint, IpKey, PodConfig, TraceVerdict, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT,
     INBOUND_PORT, OUTBOUND_PORT, PASSTHROUGH_SOURCE_V4, PASSTHROUGH_SOURCE_V6, POD_DNS_CAPTURE,
-    POD_INBOUND_ALL_PORTS, POD_LOOPBACK_INCLUDED, POD_OUTBOUND_ALL_RANGES, POD_SIDECAR_IPV6,
-    POD_TPROXY, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    POD_EXCLUDED_INTERFACES, POD_INBOUND_ALL_PORTS, POD_LOOPBACK_INCLUDED, POD_OUTBOUND_ALL_RANGES,
+    POD_SIDECAR_IPV6, POD_TPROXY, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
-    maps::{pod, port_listed, range_listed},
+    maps::{pod, port_listed, range_listed, routed_out_of_excluded},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, socket_addresses, SockAddr, SockaddrIn,
         SockaddrIn6, SOCK_STREAM,
@@ -51,6 +52,11 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
         return Decided::pass(TraceVerdict::PassUncaptured);
     };
     if !is_v4_mapped(&dst.ip) && !pod.has(POD_SIDECAR_IPV6) {
+        return Decided::pass(TraceVerdict::PassExcluded);
+    }
+    // istio's `-o <interface> -j RETURN`, ahead of every other rule: the route is looked up as
+    // the kernel will take it, in the pod's routes as the agent last read them.
+    if pod.has(POD_EXCLUDED_INTERFACES) && routed_out_of_excluded(netns, &dst.ip) {
         return Decided::pass(TraceVerdict::PassExcluded);
     }
     if port_listed(netns, list::OUTBOUND_EXCLUDE, dst.port) {

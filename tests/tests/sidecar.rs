@@ -18,7 +18,7 @@ use weir_tests::{
     chain::{ambient_policy, listed_pods, wait_for_metric, weir_only, CniChainNode as Node, WAIT},
     cni::Command,
     istio_iptables,
-    netns::{ip_output, owning_user_namespace},
+    netns::{ip, ip_output, owning_user_namespace},
     privileged,
     sidecar::{as_proxy, sidecar_pod, Interception, SidecarStandIn, PROXY_ID},
     tcp_request, try_wait_until, udp_request,
@@ -369,6 +369,65 @@ fn an_excluded_interface_is_not_captured_inbound() {
     assert_eq!(reply.response, app.reply_to("direct"));
     assert_eq!(app.received()[0].peer.ip(), client.ipv4());
     assert!(proxy.seen().is_empty(), "{:?}", proxy.seen());
+    agent.stop().unwrap();
+}
+
+/// Outbound as istio's `-o <interface> -j RETURN` leaves it: what the pod routes out of an
+/// excluded interface (a secondary network, here with a VM's namespace as its far end) is not
+/// captured, what it routes out of another still is, and a route added later is followed.
+#[test]
+fn outbound_routed_out_of_an_excluded_interface_is_not_captured() {
+    let excluded = sidecar_pod(
+        &[("traffic.sidecar.istio.io/excludeInterfaces", "net1")],
+        &[],
+    );
+    let Some((node, agent, pod)) = sidecar_node(excluded) else {
+        return;
+    };
+    let server = node.pod("default", "server").unwrap();
+    let server_app = EchoServer::app(&server).unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    let network = VirtualMachine::behind(&pod, "net1");
+    let beyond = Ipv4Addr::new(192, 168, 91, 1);
+    ip(&[
+        "-n",
+        network.netns.name(),
+        "addr",
+        "add",
+        "192.168.91.1/32",
+        "dev",
+        "lo",
+    ])
+    .unwrap();
+    let far_end = EchoServer::start(&network.netns, "far-end", addr(network.ipv4, 9000)).unwrap();
+    let beyond_end = EchoServer::start(&network.netns, "beyond", addr(beyond, 9000)).unwrap();
+    // The proxy's record of the connection the pod made from `local`.
+    let captured = |local: SocketAddr| {
+        proxy
+            .seen()
+            .iter()
+            .any(|s| s.listener == OUTBOUND_PORT && s.peer == local)
+    };
+    // Sent until one is not captured: weir follows the pod's routes as they change.
+    let uncaptured = |target: SocketAddr, echo: &EchoServer, message: &str| {
+        try_wait_until(WAIT, || {
+            let reply = pod.run(|| tcp_request(target, message)).ok()?;
+            assert_eq!(reply.response, echo.reply_to(message));
+            (!captured(reply.local)).then_some(())
+        })
+        .is_some()
+    };
+
+    assert!(uncaptured(addr(network.ipv4, 9000), &far_end, "on net1"));
+    let reply = pod.run(|| tcp_request(server.app_v4(), "on eth0")).unwrap();
+    assert_eq!(reply.response, server_app.reply_to("on eth0"));
+    assert!(captured(reply.local), "{:?}", proxy.seen());
+
+    // A route out of net1 added now: followed.
+    let target = addr(beyond, 9000);
+    let beyond_route = ["-n", pod.netns().name(), "route", "add", "192.168.91.0/24"];
+    ip(&[&beyond_route[..], &["via", "192.168.77.2", "dev", "net1"]].concat()).unwrap();
+    assert!(uncaptured(target, &beyond_end, "beyond net1"));
     agent.stop().unwrap();
 }
 

@@ -10,9 +10,10 @@ use std::{
 use anyhow::Result;
 use aya::maps::PerCpuValues;
 use weir_common::{
-    IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6,
-    POD_INBOUND_ALL_PORTS, POD_INBOUND_BYPASS, POD_LOOPBACK_INCLUDED, POD_OUTBOUND_ALL_RANGES,
-    POD_SIDECAR, POD_SIDECAR_IPV6, POD_SOCKET_LOOKUP_HANDOFF, POD_TPROXY, POD_UID_LEN,
+    IpKey, PodConfig, PodCounters, POD_DNS_CAPTURE, POD_EXCLUDED_INTERFACES, POD_HAS_IPV4,
+    POD_HAS_IPV6, POD_INBOUND_ALL_PORTS, POD_INBOUND_BYPASS, POD_LOOPBACK_INCLUDED,
+    POD_OUTBOUND_ALL_RANGES, POD_SIDECAR, POD_SIDECAR_IPV6, POD_SOCKET_LOOKUP_HANDOFF, POD_TPROXY,
+    POD_UID_LEN,
 };
 
 use crate::workload::{AllOr, InterceptionMode, PodOptions, SidecarRedirect, Workload};
@@ -134,6 +135,10 @@ fn set_sidecar(config: &mut PodConfig, sidecar: &SidecarRedirect, ips: &[IpAddr]
                 AllOr::Only(ranges) if ranges.iter().any(|range| range.addr().is_loopback())),
         ),
         (POD_TPROXY, sidecar.mode == InterceptionMode::Tproxy),
+        (
+            POD_EXCLUDED_INTERFACES,
+            !sidecar.exclude_interfaces.is_empty(),
+        ),
     ];
     // The ambient DNS default does not apply: the proxy's own setting decides.
     config.flags &= !POD_DNS_CAPTURE;

@@ -23,7 +23,7 @@ use super::{
     pod_netns::{set_up_pod_netns, undo_pod_netns, PodNetnsSetup},
     sidecar_lists::ListEntries,
     userns::IdMaps,
-    watch::Interfaces,
+    watch::{excludes_interfaces, Interfaces},
     EnrollNetns, Enrolled, Owner,
 };
 use crate::{
@@ -79,11 +79,16 @@ impl Owner {
             }
             .into());
         }
-        let lists = ListEntries::of(netns_cookie, pod.sidecar.as_ref())?;
-        let subscription = self.subscribe(&pod.uid, netns_cookie, netns_file.as_fd())?;
+        let routes = excludes_interfaces(pod);
+        let subscription = self.subscribe(&pod.uid, (netns_cookie, netns_file.as_fd()), routes)?;
         stopwatch.lap("netns");
-        let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces");
+        let found = Interfaces::read(&mut rtnl, Some(pod)).context("listing the pod's interfaces");
         stopwatch.lap("interfaces");
+        let excluded_routes = match (&found, &pod.sidecar) {
+            (Ok(found), Some(sidecar)) => found.routes_out_of(&sidecar.exclude_interfaces),
+            _ => Vec::new(),
+        };
+        let lists = ListEntries::of(netns_cookie, pod.sidecar.as_ref(), &excluded_routes)?;
         // Addresses beyond the pod's IPs (link-local ones) are indexed too, up to a bound, and
         // removed on failure.
         let mut other_ips: Vec<IpKey> = found

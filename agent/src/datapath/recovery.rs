@@ -16,8 +16,11 @@ use tracing::{debug, warn};
 use weir_common::{IpKey, PodConfig};
 
 use super::{
-    discovery, pod_netns::prepare_pod_netns, sidecar_lists, snapshot, watch::Interfaces, Enrolled,
-    Owner, Reply,
+    discovery,
+    pod_netns::prepare_pod_netns,
+    sidecar_lists, snapshot,
+    watch::{excludes_interfaces, Interfaces},
+    Enrolled, Owner, Reply,
 };
 use super::{netlink::Rtnl, netns};
 use crate::workload::Workload;
@@ -127,11 +130,15 @@ impl Owner {
             .context("entering the pod netns")?;
         // Subscribed before the interfaces are read, as at enrollment.
         let subscription = match record {
-            Some(_) => self.subscribe(uid, netns_cookie, netns.as_fd())?,
+            Some(record) => self.subscribe(
+                uid,
+                (netns_cookie, netns.as_fd()),
+                excludes_interfaces(record),
+            )?,
             None => None,
         };
         let mut rtnl = Rtnl::new().context("rtnetlink in the pod netns")?;
-        let found = Interfaces::read(&mut rtnl).context("listing the pod's interfaces")?;
+        let found = Interfaces::read(&mut rtnl, record).context("listing the pod's interfaces")?;
         let slot = self
             .pod_slots
             .slot_of(netns_cookie)

@@ -25,14 +25,19 @@ const MAX_ENTRIES_PER_POD: usize = 256;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) struct ListEntries {
     ports: Vec<PortKey>,
-    /// Prefix length and data of each LPM trie key.
-    ranges: Vec<(u32, RangeKey)>,
+    /// Prefix length and data of each LPM trie key, and its value.
+    ranges: Vec<(u32, RangeKey, u8)>,
 }
 
 impl ListEntries {
-    /// The entries of a sidecar pod's lists (none for an ambient pod); `Err` when there are more
-    /// than one pod may have.
-    pub(super) fn of(netns_cookie: u64, sidecar: Option<&SidecarRedirect>) -> Result<Self> {
+    /// The entries of a sidecar pod's lists (none for an ambient pod), with its main routes and
+    /// whether each leaves by an excluded interface (none unless it excludes interfaces);
+    /// `Err` when there are more than one pod may have.
+    pub(super) fn of(
+        netns_cookie: u64,
+        sidecar: Option<&SidecarRedirect>,
+        routes: &[(IpNet, bool)],
+    ) -> Result<Self> {
         let Some(sidecar) = sidecar else {
             return Ok(Self::default());
         };
@@ -49,13 +54,20 @@ impl ListEntries {
         ports(list::OUTBOUND_INCLUDE, &sidecar.include_outbound_ports);
         ports(list::OUTBOUND_EXCLUDE, &sidecar.exclude_outbound_ports);
         if let AllOr::Only(included) = &sidecar.include_outbound_ranges {
-            entries.add_ranges(netns_cookie, list::OUTBOUND_INCLUDE, included);
+            for range in included {
+                entries.add_range(netns_cookie, list::OUTBOUND_INCLUDE, range, 1);
+            }
         }
-        entries.add_ranges(
-            netns_cookie,
-            list::OUTBOUND_EXCLUDE,
-            &sidecar.exclude_outbound_ranges,
-        );
+        for range in &sidecar.exclude_outbound_ranges {
+            entries.add_range(netns_cookie, list::OUTBOUND_EXCLUDE, range, 1);
+        }
+        for (destination, excluded) in routes {
+            let value = match excluded {
+                true => list::ROUTE_EXCLUDED,
+                false => 1,
+            };
+            entries.add_range(netns_cookie, list::ROUTES, destination, value);
+        }
         let count = entries.ports.len() + entries.ranges.len();
         if count > MAX_ENTRIES_PER_POD {
             bail!(
@@ -66,22 +78,21 @@ impl ListEntries {
         Ok(entries)
     }
 
-    fn add_ranges(&mut self, netns_cookie: u64, list: u8, ranges: &[IpNet]) {
-        for range in ranges {
-            let (ip, prefix) = match range {
-                // Stored IPv4-mapped, behind the 96 bits of the mapping.
-                IpNet::V4(net) => (
-                    IpKey::from_v4(net.network().octets()),
-                    96 + u32::from(net.prefix_len()),
-                ),
-                IpNet::V6(net) => (
-                    IpKey::from_v6(net.network().octets()),
-                    u32::from(net.prefix_len()),
-                ),
-            };
-            let key = RangeKey::new(netns_cookie, list, ip);
-            self.ranges.push((RangeKey::BITS_BEFORE_IP + prefix, key));
-        }
+    fn add_range(&mut self, netns_cookie: u64, list: u8, range: &IpNet, value: u8) {
+        let (ip, prefix) = match range {
+            // Stored IPv4-mapped, behind the 96 bits of the mapping.
+            IpNet::V4(net) => (
+                IpKey::from_v4(net.network().octets()),
+                96 + u32::from(net.prefix_len()),
+            ),
+            IpNet::V6(net) => (
+                IpKey::from_v6(net.network().octets()),
+                u32::from(net.prefix_len()),
+            ),
+        };
+        let key = RangeKey::new(netns_cookie, list, ip);
+        self.ranges
+            .push((RangeKey::BITS_BEFORE_IP + prefix, key, value));
     }
 }
 
@@ -113,15 +124,19 @@ impl SidecarLists {
                 .insert(port, 1, 0)
                 .context("writing a sidecar port list entry")?;
         }
-        for (prefix, range) in &entries.ranges {
+        for (prefix, range, value) in &entries.ranges {
             self.ranges
-                .insert(&Key::new(*prefix, *range), 1, 0)
+                .insert(&Key::new(*prefix, *range), value, 0)
                 .context("writing a sidecar range list entry")?;
         }
         let before = self.known_or_found(before, netns_cookie);
         {
             let kept_ports: HashSet<&PortKey> = entries.ports.iter().collect();
-            let kept_ranges: HashSet<&(u32, RangeKey)> = entries.ranges.iter().collect();
+            let kept_ranges: HashSet<(u32, RangeKey)> = entries
+                .ranges
+                .iter()
+                .map(|(prefix, range, _)| (*prefix, *range))
+                .collect();
             let stale = ListEntries {
                 ports: before
                     .ports
@@ -132,7 +147,7 @@ impl SidecarLists {
                 ranges: before
                     .ranges
                     .iter()
-                    .filter(|range| !kept_ranges.contains(range))
+                    .filter(|(prefix, range, _)| !kept_ranges.contains(&(*prefix, *range)))
                     .copied()
                     .collect(),
             };
@@ -148,7 +163,7 @@ impl SidecarLists {
         for port in &entries.ports {
             let _ = self.ports.remove(port);
         }
-        for (prefix, range) in &entries.ranges {
+        for (prefix, range, _) in &entries.ranges {
             let _ = self.ranges.remove(&Key::new(*prefix, *range));
         }
     }
@@ -179,7 +194,8 @@ impl SidecarLists {
                 .keys()
                 .filter_map(Result::ok)
                 .filter(|key| key.data().netns_cookie == cookie)
-                .map(|key| (key.prefix_len(), key.data()))
+                // The value is not needed to remove the entry.
+                .map(|key| (key.prefix_len(), key.data(), 0))
                 .collect(),
         }
     }

@@ -21,6 +21,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
+use ipnet::IpNet;
 use netlink_sys::Socket;
 use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
@@ -32,8 +33,17 @@ use super::{
 };
 use crate::{logging::pod_span, workload::Workload};
 
-/// Followed pods by the id of their netns in the node's: `(uid, netns cookie)`.
-type Followed = Arc<Mutex<HashMap<i32, (String, u64)>>>;
+/// Followed pods by the id of their netns in the node's.
+type Followed = Arc<Mutex<HashMap<i32, FollowedPod>>>;
+
+/// A followed pod: its uid and netns cookie, and whether its route changes matter too (see
+/// [`excludes_interfaces`]).
+#[derive(Clone)]
+struct FollowedPod {
+    uid: String,
+    netns_cookie: u64,
+    routes: bool,
+}
 
 /// The one subscription to every pod's changes, read by a task that wakes the owner.
 pub(super) struct Watcher {
@@ -86,7 +96,7 @@ impl Drop for Subscription {
         let own = (self.uid.as_str(), self.netns_cookie);
         if followed
             .get(&self.namespace_id)
-            .is_some_and(|(uid, cookie)| (uid.as_str(), *cookie) == own)
+            .is_some_and(|pod| (pod.uid.as_str(), pod.netns_cookie) == own)
         {
             followed.remove(&self.namespace_id);
         }
@@ -111,23 +121,57 @@ impl Watch {
     }
 }
 
-/// A pod's interfaces and addresses but loopback, sorted.
+/// A pod's interfaces and addresses but loopback, sorted, and where its pod excludes
+/// interfaces its main routes.
 #[derive(PartialEq, Eq)]
 pub(super) struct Interfaces {
     /// `(ifindex, name)`.
     pub links: Vec<Link>,
     pub addresses: Vec<IpAddr>,
+    /// Each main route's destination and the interface it leaves by; read only for a pod that
+    /// excludes interfaces (see [`Interfaces::read`]).
+    pub routes: Vec<(IpNet, u32)>,
 }
 
 impl Interfaces {
-    /// Those of `rtnl`'s netns.
-    pub(super) fn read(rtnl: &mut Rtnl) -> io::Result<Self> {
+    /// Those of `rtnl`'s netns, with its routes for a `pod` that excludes interfaces (a route
+    /// dump more, only for such pods).
+    pub(super) fn read(rtnl: &mut Rtnl, pod: Option<&Workload>) -> io::Result<Self> {
         let mut links = rtnl.non_loopback_interfaces()?;
         let mut addresses = rtnl.non_loopback_addresses()?;
         links.sort();
         addresses.sort();
-        Ok(Self { links, addresses })
+        let routes = match pod.is_some_and(excludes_interfaces) {
+            true => rtnl.main_routes()?,
+            false => Vec::new(),
+        };
+        Ok(Self {
+            links,
+            addresses,
+            routes,
+        })
     }
+
+    /// The pod's routes with whether each leaves by one of `excluded` (interface names).
+    pub(super) fn routes_out_of(&self, excluded: &[String]) -> Vec<(IpNet, bool)> {
+        self.routes
+            .iter()
+            .map(|(destination, ifindex)| {
+                let out_of_excluded = self
+                    .links
+                    .iter()
+                    .any(|link| link.index == *ifindex && excluded.contains(&link.name));
+                (*destination, out_of_excluded)
+            })
+            .collect()
+    }
+}
+
+/// Whether the pod is a sidecar pod with `excludeInterfaces`, whose routes decide its capture.
+pub(super) fn excludes_interfaces(pod: &Workload) -> bool {
+    pod.sidecar
+        .as_ref()
+        .is_some_and(|sidecar| !sidecar.exclude_interfaces.is_empty())
 }
 
 impl Watcher {
@@ -177,13 +221,22 @@ async fn report_changes(
     loop {
         let mut ready = socket.readable().await?;
         let (mut changed, mut overflowed, mut failed) = (HashSet::new(), false, false);
+        let mut routes_changed = HashSet::new();
         loop {
-            match netlink::recv_namespace_id(ready.get_inner()) {
-                Ok(Some(id)) => {
-                    changed.insert(id);
+            match netlink::recv_change(ready.get_inner()) {
+                Ok(netlink::Change {
+                    namespace_id: Some(id),
+                    route,
+                }) => {
+                    match route {
+                        true => routes_changed.insert(id),
+                        false => changed.insert(id),
+                    };
                 }
                 // The node's own changes.
-                Ok(None) => {}
+                Ok(netlink::Change {
+                    namespace_id: None, ..
+                }) => {}
                 // Changes were lost: any pod may have changed.
                 Err(error) if error.raw_os_error() == Some(libc::ENOBUFS) => overflowed = true,
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
@@ -208,17 +261,28 @@ async fn report_changes(
             errors_in_a_row = 0;
             ready.clear_ready();
         }
-        let pods: Vec<(String, u64)> = {
+        let pods: Vec<FollowedPod> = {
             let followed = followed.lock().unwrap();
             match overflowed {
                 true => followed.values().cloned().collect(),
-                false => changed
-                    .iter()
-                    .filter_map(|id| followed.get(id).cloned())
-                    .collect(),
+                false => {
+                    let routes = routes_changed
+                        .iter()
+                        .filter_map(|id| followed.get(id))
+                        .filter(|pod| pod.routes);
+                    changed
+                        .iter()
+                        .filter_map(|id| followed.get(id))
+                        .chain(routes)
+                        .cloned()
+                        .collect()
+                }
             }
         };
-        for (uid, netns_cookie) in pods {
+        for FollowedPod {
+            uid, netns_cookie, ..
+        } in pods
+        {
             if !pending.schedule(&uid, netns_cookie) {
                 continue;
             }
@@ -237,19 +301,24 @@ async fn report_changes(
 
 impl Owner {
     /// Follows the changes of the pod's netns (`netns`, an fd of it) from now on, before the
-    /// pod's interfaces are read so that no change in between goes unseen; `None` when the pod
-    /// is followed in this netns already.
+    /// pod's interfaces are read so that no change in between goes unseen, its route changes
+    /// too when `routes`; `None` when the pod is followed in this netns already (then only
+    /// `routes` is updated).
     pub(super) fn subscribe(
         &mut self,
         uid: &str,
-        netns_cookie: u64,
-        netns: BorrowedFd<'_>,
+        (netns_cookie, netns): (u64, BorrowedFd<'_>),
+        routes: bool,
     ) -> Result<Option<Subscription>> {
-        if self
+        if let Some(watch) = self
             .watches
             .get(uid)
-            .is_some_and(|watch| watch.subscription.netns_cookie == netns_cookie)
+            .filter(|watch| watch.subscription.netns_cookie == netns_cookie)
         {
+            let mut followed = self.watcher.followed.lock().unwrap();
+            if let Some(pod) = followed.get_mut(&watch.subscription.namespace_id) {
+                pod.routes = routes;
+            }
             return Ok(None);
         }
         let namespace_id = self
@@ -258,10 +327,14 @@ impl Owner {
             .namespace_id(netns)
             .context("the pod netns' id in the node's")?;
         let followed = self.watcher.followed.clone();
-        followed
-            .lock()
-            .unwrap()
-            .insert(namespace_id, (uid.to_owned(), netns_cookie));
+        followed.lock().unwrap().insert(
+            namespace_id,
+            FollowedPod {
+                uid: uid.to_owned(),
+                netns_cookie,
+                routes,
+            },
+        );
         Ok(Some(Subscription {
             namespace_id,
             uid: uid.to_owned(),
@@ -313,7 +386,7 @@ impl Owner {
             .home
             .enter(netns.as_fd())
             .map_err(anyhow::Error::from)
-            .and_then(|_inside| Ok(Interfaces::read(&mut Rtnl::new()?)?));
+            .and_then(|_inside| Ok(Interfaces::read(&mut Rtnl::new()?, Some(&watch.workload))?));
         if now.is_ok_and(|now| now == watch.enrolled_with) {
             return;
         }

@@ -8,16 +8,21 @@ use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 
 use super::transport::Rtnl;
 
-/// A non-blocking socket in the current netns (the node's) that receives every link and address
-/// change (`RTNLGRP_LINK`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_IPV6_IFADDR`) of every netns that has
-/// an id here (`NETLINK_LISTEN_ALL_NSID`), each tagged with that id ([`recv_namespace_id`]).
+/// A non-blocking socket in the current netns (the node's) that receives every link, address and
+/// route change (`RTNLGRP_LINK`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_IPV6_IFADDR`,
+/// `RTNLGRP_IPV4_ROUTE`, `RTNLGRP_IPV6_ROUTE`) of every netns that has an id here
+/// (`NETLINK_LISTEN_ALL_NSID`), each tagged with that id ([`recv_change`]).
 /// Its messages only say that something changed; an overflow (`ENOBUFS`) says the same of
 /// everything. One socket for every pod: every rtnetlink notification on the node walks every
 /// socket subscribed to rtnetlink groups, in any netns, so a socket per pod would make each of
 /// them (and each of weir's own netlink changes) cost O(pods).
 pub fn subscribe_interface_changes() -> io::Result<Socket> {
     let mut socket = Socket::new(NETLINK_ROUTE)?;
-    let groups = libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR;
+    let groups = libc::RTMGRP_LINK
+        | libc::RTMGRP_IPV4_IFADDR
+        | libc::RTMGRP_IPV6_IFADDR
+        | libc::RTMGRP_IPV4_ROUTE
+        | libc::RTMGRP_IPV6_ROUTE;
     socket.bind(&SocketAddr::new(0, groups as u32))?;
     socket.set_listen_all_namespaces(true)?;
     // A reboot storm's changes from thousands of pods at once: fewer overflows.
@@ -28,10 +33,17 @@ pub fn subscribe_interface_changes() -> io::Result<Socket> {
 
 const CHANGES_RECV_BUFFER: usize = 4 << 20;
 
+/// One change a [`subscribe_interface_changes`] socket heard of.
+pub struct Change {
+    /// The id of the netns it happened in, `None` for the socket's own netns.
+    pub namespace_id: Option<i32>,
+    /// A route's change, which only pods whose routes decide their capture follow.
+    pub route: bool,
+}
+
 /// Receives one datagram from a [`subscribe_interface_changes`] socket, its content discarded
-/// (only the wake-up matters): returns the id of the netns it came from, `None` for the
-/// socket's own netns.
-pub fn recv_namespace_id(socket: &impl AsRawFd) -> io::Result<Option<i32>> {
+/// but its message type (only the wake-up matters).
+pub fn recv_change(socket: &impl AsRawFd) -> io::Result<Change> {
     let mut discard = [0u8; 16];
     let mut iov = libc::iovec {
         iov_base: discard.as_mut_ptr().cast(),
@@ -49,6 +61,9 @@ pub fn recv_namespace_id(socket: &impl AsRawFd) -> io::Result<Option<i32>> {
     if unsafe { libc::recvmsg(socket.as_raw_fd(), &mut header, 0) } < 0 {
         return Err(io::Error::last_os_error());
     }
+    // `nlmsg_type`, after the 32-bit length; a notification is one message.
+    let kind = u16::from_ne_bytes([discard[4], discard[5]]);
+    let route = matches!(kind, libc::RTM_NEWROUTE | libc::RTM_DELROUTE);
     // SAFETY: the kernel filled `header`'s control buffer; the CMSG macros stay within it.
     let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&header) };
     while !cmsg.is_null() {
@@ -57,12 +72,18 @@ pub fn recv_namespace_id(socket: &impl AsRawFd) -> io::Result<Option<i32>> {
         if level == libc::SOL_NETLINK && kind == libc::NETLINK_LISTEN_ALL_NSID {
             // SAFETY: this message's data is the sender's netns id, an int.
             let id = unsafe { std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<i32>()) };
-            return Ok(Some(id));
+            return Ok(Change {
+                namespace_id: Some(id),
+                route,
+            });
         }
         // SAFETY: as above.
         cmsg = unsafe { libc::CMSG_NXTHDR(&header, cmsg) };
     }
-    Ok(None)
+    Ok(Change {
+        namespace_id: None,
+        route,
+    })
 }
 
 impl Rtnl {

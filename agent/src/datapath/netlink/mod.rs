@@ -26,7 +26,7 @@ mod pod;
 mod probe_source;
 mod transport;
 
-pub use changes::{recv_namespace_id, subscribe_interface_changes};
+pub use changes::{recv_change, subscribe_interface_changes, Change};
 pub use objects::TcProgram;
 pub use pod::{
     non_loopback_addresses, non_loopback_interfaces, reroute_rules, Link, PodSetup, Reroute,

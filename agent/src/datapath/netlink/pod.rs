@@ -8,7 +8,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
     link::{LinkAttribute, LinkExtentMask, LinkFlags, LinkLayerType, LinkMessage},
-    route::{RouteAttribute, RouteMessage, RouteType},
+    route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteType},
     rule::{RuleAction, RuleAttribute, RuleFlags, RuleMessage},
     tc::{TcAttribute, TcFilterBpf, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
     AddressFamily, IpProtocol, RouteNetlinkMessage,
@@ -445,18 +445,64 @@ impl Rtnl {
             .collect())
     }
 
-    /// The objects of the return path (see [`return_path`]) of the families asked for that the
-    /// namespace lacks, described (`IPv4 rule`). Read with a rule and a route dump.
-    pub fn missing_return_path(&mut self, ipv4: bool, ipv6: bool) -> io::Result<Vec<String>> {
-        let rules = self.rules()?;
-        let routes: Vec<RouteMessage> = self
+    /// Every route of the namespace, of every table (`RTM_GETROUTE` dump).
+    fn routes(&mut self) -> io::Result<Vec<RouteMessage>> {
+        Ok(self
             .dump(RouteNetlinkMessage::GetRoute(RouteMessage::default()))?
             .into_iter()
             .filter_map(|reply| match reply {
                 RouteNetlinkMessage::NewRoute(route) => Some(route),
                 _ => None,
             })
+            .collect())
+    }
+
+    /// The main table's unicast routes, sorted: each one's destination and the interface it
+    /// leaves by (a multipath route's first hop's).
+    pub fn main_routes(&mut self) -> io::Result<Vec<(IpNet, u32)>> {
+        let mut routes: Vec<(IpNet, u32)> = self
+            .routes()?
+            .into_iter()
+            .filter(|route| {
+                route.header.kind == RouteType::Unicast
+                    && route.header.table == RouteHeader::RT_TABLE_MAIN
+            })
+            .filter_map(|route| {
+                let mut destination = match route.header.address_family {
+                    AddressFamily::Inet => IpAddr::from(Ipv4Addr::UNSPECIFIED),
+                    AddressFamily::Inet6 => Ipv6Addr::UNSPECIFIED.into(),
+                    _ => return None,
+                };
+                let mut interface = None;
+                for attribute in &route.attributes {
+                    match attribute {
+                        RouteAttribute::Destination(RouteAddress::Inet(ip)) => {
+                            destination = (*ip).into();
+                        }
+                        RouteAttribute::Destination(RouteAddress::Inet6(ip)) => {
+                            destination = (*ip).into();
+                        }
+                        RouteAttribute::Oif(index) => interface = Some(*index),
+                        RouteAttribute::MultiPath(hops) => {
+                            interface = interface.or(hops.first().map(|hop| hop.interface_index));
+                        }
+                        _ => {}
+                    }
+                }
+                let destination =
+                    IpNet::new(destination, route.header.destination_prefix_length).ok()?;
+                Some((destination, interface?))
+            })
             .collect();
+        routes.sort();
+        Ok(routes)
+    }
+
+    /// The objects of the return path (see [`return_path`]) of the families asked for that the
+    /// namespace lacks, described (`IPv4 rule`). Read with a rule and a route dump.
+    pub fn missing_return_path(&mut self, ipv4: bool, ipv6: bool) -> io::Result<Vec<String>> {
+        let rules = self.rules()?;
+        let routes = self.routes()?;
         let wanted = |family| match family {
             AddressFamily::Inet => ipv4,
             AddressFamily::Inet6 => ipv6,
