@@ -163,7 +163,7 @@ fn inbound<const ETHERNET: bool>(ctx: &TcContext) -> i32 {
 
 /// Drops a frame behind more VLAN tags than walked; its pod is unknown.
 #[inline(always)]
-pub(crate) fn drop_vlan(hook: TraceHook) -> i32 {
+fn drop_vlan(hook: TraceHook) -> i32 {
     trace!(
         hook,
         TraceVerdict::DropVlan,
@@ -508,12 +508,22 @@ fn decide<const ETHERNET: bool>(
 
 #[classifier]
 pub fn weir_reroute(ctx: TcContext) -> i32 {
-    let packet = match network_header(&ctx) {
+    on_rerouted_packet(&ctx, reroute)
+}
+
+/// The entry of a rerouted interface's tc ingress program: `verdict` on each IP packet, and a
+/// packet whose headers it cannot read dropped, as for [`decide`].
+#[inline(always)]
+pub(crate) fn on_rerouted_packet(
+    ctx: &TcContext,
+    verdict: impl FnOnce(&TcContext, &NetworkHeader) -> Result<i32, ()>,
+) -> i32 {
+    let packet = match network_header(ctx) {
         Payload::Ip(packet) => packet,
         Payload::Other => return PASS,
         Payload::TooManyTags => return drop_vlan(TraceHook::Reroute),
     };
-    reroute(&ctx, &packet).unwrap_or_else(|()| {
+    verdict(ctx, &packet).unwrap_or_else(|()| {
         diag!(
             by_ref warn,
             ctx.skb.skb,

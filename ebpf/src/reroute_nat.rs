@@ -28,8 +28,8 @@ use weir_common::{
 
 use crate::{
     inbound::{
-        drop_vlan, network_header, transport, Fragment, NetworkHeader, Payload, DROP, IPPROTO_TCP,
-        PASS, TCP_ACK, TCP_FLAGS_OFFSET, TCP_SYN,
+        network_header, on_rerouted_packet, transport, Fragment, NetworkHeader, Payload, DROP,
+        IPPROTO_TCP, PASS, TCP_ACK, TCP_FLAGS_OFFSET, TCP_SYN,
     },
     maps::{count, pod, pod_in_slot, Translation, CONN_ORIG_DST, NAT_SCRATCH, REROUTE_NAT},
     outbound::pod_address_like,
@@ -53,23 +53,7 @@ enum End {
 
 #[classifier]
 pub fn weir_nat_in(ctx: TcContext) -> i32 {
-    let packet = match network_header(&ctx) {
-        Payload::Ip(packet) => packet,
-        Payload::Other => return PASS,
-        Payload::TooManyTags => return drop_vlan(TraceHook::Reroute),
-    };
-    translate_in(&ctx, &packet).unwrap_or_else(|()| {
-        trace!(
-            TraceHook::Reroute,
-            TraceVerdict::DropUnparsable,
-            0,
-            0,
-            (&packet.source, 0),
-            (&packet.destination, 0),
-            NOWHERE
-        );
-        DROP
-    })
+    on_rerouted_packet(&ctx, translate_in)
 }
 
 /// A packet arriving on the interface: TCP to an included destination goes to the proxy's

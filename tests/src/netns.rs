@@ -39,6 +39,11 @@ impl NetNs {
     pub fn create(role: &str) -> Result<Self> {
         let name = ids::unique_name(role);
         ip(&["netns", "add", &name])?;
+        Self::open_named(name)
+    }
+
+    /// The namespace `ip netns` made as `name`, deleted if it cannot be opened.
+    fn open_named(name: String) -> Result<Self> {
         let path = Path::new(NETNS_DIR).join(&name);
         match File::open(&path) {
             Ok(file) => Ok(Self { name, path, file }),
@@ -75,14 +80,7 @@ impl NetNs {
         let _ = holder.kill();
         let _ = holder.wait();
         attached?;
-        let path = Path::new(NETNS_DIR).join(&name);
-        match File::open(&path) {
-            Ok(file) => Ok(Self { name, path, file }),
-            Err(err) => {
-                let _ = ip(&["netns", "del", &name]);
-                Err(err).with_context(|| format!("cannot open {}", path.display()))
-            }
-        }
+        Self::open_named(name)
     }
 
     pub fn name(&self) -> &str {
