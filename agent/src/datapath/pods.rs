@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use tracing::{debug, warn};
 use weir_common::{
     ConnectionKey, Endpoint, IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6,
-    POD_SIDECAR_IPV6,
+    POD_SIDECAR, POD_SIDECAR_IPV6, POD_TPROXY,
 };
 
 use super::{
@@ -378,6 +378,11 @@ impl Owner {
 
     /// `lists`: the pod's sidecar list entries, `None` where they are not known.
     fn remove_entries(&mut self, netns_cookie: u64, ips: &[IpKey], lists: Option<&ListEntries>) {
+        // Only a REDIRECT-mode sidecar pod's connections are translated.
+        let translated = self
+            .pods_map
+            .get(&netns_cookie, 0)
+            .is_ok_and(|config| config.has(POD_SIDECAR) && !config.has(POD_TPROXY));
         self.remove_ip_entries(netns_cookie, ips);
         let _ = self.pods_map.remove(&netns_cookie);
         self.sidecar_lists.remove(lists, netns_cookie);
@@ -386,12 +391,13 @@ impl Owner {
         if let Some(handoff) = &self.handoff {
             handoff.detach(netns_cookie);
         }
-        self.remove_translations(ips);
+        if translated {
+            self.remove_translations(ips);
+        }
     }
 
     /// The translations of connections to the proxy at one of `ips` (a REDIRECT-mode sidecar
-    /// pod's rerouted interfaces), both ways; the map is walked, which costs one lookup where
-    /// it is empty, as it is on nodes without such pods.
+    /// pod's rerouted interfaces), both ways; the map, node-wide, is walked.
     fn remove_translations(&mut self, ips: &[IpKey]) {
         let pods = |endpoint: &Endpoint| ips.contains(&endpoint.ip);
         let gone: Vec<ConnectionKey> = self
