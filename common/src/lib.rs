@@ -7,7 +7,7 @@
 #![no_std]
 
 /// Version of the map layouts below; part of the pin path (`<pin root>/abi-<N>`).
-pub const ABI_VERSION: u32 = 7;
+pub const ABI_VERSION: u32 = 8;
 
 /// ztunnel marks every socket it opens inside a pod with this `SO_MARK`...
 pub const ZTUNNEL_MARK: u32 = 0x539;
@@ -105,6 +105,32 @@ pub struct ConnectionKey {
     pub listener: Endpoint,
 }
 
+/// Slots each CPU has for connections tc is handing to ztunnel through the socket lookup
+/// (kernels before 6.5): a receive batch runs tc for each of its packets before any socket
+/// lookup, so each SYN of a batch needs a slot of its own. Batches hold 8 packets by default
+/// (`net.core.gro_normal_batch`), and a NAPI poll at most 64.
+pub const HANDOFF_SLOTS: u32 = 64;
+/// A hand-off slot whose SYN's socket lookup has not come after this long never will (the
+/// kernel dropped the SYN between tc and the lookup): its slot may be taken again. A batch's tc
+/// runs take microseconds; a slot is never taken again while its SYN's lookup can still come.
+pub const HANDOFF_STALE_NS: u64 = 10_000_000;
+
+/// One CPU's hand-off slot (`HANDOFF_CONNECTION`): the connection whose listener is in
+/// `HANDOFF` under the CPU's and slot's key, and when tc stored it (zero: free).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HandoffSlot {
+    pub connection: ConnectionKey,
+    pub stored_ns: u64,
+}
+
+impl HandoffSlot {
+    /// The `HANDOFF` key of slot `slot` of CPU `cpu`.
+    pub const fn key(cpu: u32, slot: u32) -> u32 {
+        cpu * HANDOFF_SLOTS + slot
+    }
+}
+
 /// `PodConfig::flags` bits.
 pub const POD_HAS_IPV4: u32 = 1 << 0;
 pub const POD_HAS_IPV6: u32 = 1 << 1;
@@ -200,15 +226,22 @@ impl PortKey {
     }
 }
 
-/// The data of a `SIDECAR_RANGES` LPM trie key (after its prefix length): a pod's list, then
-/// the address. A range of prefix `p` is stored with prefix length [`RangeKey::BITS_BEFORE_IP`]
-/// plus `p` (plus 96 for IPv4, stored IPv4-mapped); a lookup uses [`RangeKey::FULL_BITS`].
+/// The data of a `SIDECAR_RANGES` LPM trie key (after its prefix length): a pod's list and an
+/// address family, then the address. A range of prefix `p` is stored with prefix length
+/// [`RangeKey::BITS_BEFORE_IP`] plus `p` (plus 96 for IPv4, stored IPv4-mapped); a lookup uses
+/// [`RangeKey::FULL_BITS`].
+///
+/// The family is part of the key, ahead of the address, so that an IPv6 range never holds an
+/// IPv4 address, as istio keeps its iptables and ip6tables rules apart: `::/0` would otherwise
+/// hold every IPv4-mapped address, and `excludeOutboundIPRanges: "::/0"` let the app's IPv4
+/// around its sidecar.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RangeKey {
     /// The netns cookie's native-endian bytes: a byte array keeps the key free of padding.
     pub netns_cookie: [u8; 8],
-    /// A [`list`] value, in a word so the address stays 4-byte aligned.
+    /// A [`list`] value, with [`RangeKey::IPV6`] for an IPv6 range or address, in a word so the
+    /// address stays 4-byte aligned.
     pub list: u32,
     pub ip: IpKey,
 }
@@ -216,11 +249,16 @@ pub struct RangeKey {
 impl RangeKey {
     pub const BITS_BEFORE_IP: u32 = 96;
     pub const FULL_BITS: u32 = Self::BITS_BEFORE_IP + 128;
+    /// The family bit of [`RangeKey::list`].
+    pub const IPV6: u32 = 1 << 8;
 
-    pub const fn new(netns_cookie: u64, list: u8, ip: IpKey) -> Self {
+    /// The key of a range of `list`: `ip` is its network, IPv4-mapped for an IPv4 range; `v6`
+    /// says which family the range was written in (an IPv6 range inside `::ffff:0:0/96` holds
+    /// no IPv4 address, as no IPv6 packet carries one).
+    pub const fn range(netns_cookie: u64, list: u8, ip: IpKey, v6: bool) -> Self {
         Self {
             netns_cookie: netns_cookie.to_ne_bytes(),
-            list: list as u32,
+            list: list as u32 | if v6 { Self::IPV6 } else { 0 },
             ip,
         }
     }
@@ -403,9 +441,10 @@ pub mod maps {
     pub const SOCKET_ORIG_DST: &str = "SOCKET_ORIG_DST";
     pub const CONN_ORIG_DST: &str = "CONN_ORIG_DST";
     pub const NODE_CONFIG: &str = "NODE_CONFIG";
-    /// ztunnel's listener tc is handing a new connection to through the socket lookup, by CPU.
+    /// ztunnel's listeners tc is handing new connections to through the socket lookup, by
+    /// [`super::HandoffSlot::key`].
     pub const HANDOFF: &str = "HANDOFF";
-    /// Per-CPU [`super::ConnectionKey`]: the connection `HANDOFF`'s listener is for.
+    /// Per-CPU array of [`super::HandoffSlot`]s: the connections `HANDOFF`'s listeners are for.
     pub const HANDOFF_CONNECTION: &str = "HANDOFF_CONNECTION";
     /// The cgroup (v2) ids of the connected ztunnels (`u64` to `u8`, the value unused), or
     /// [`super::ANY_CGROUP`]: a socket is ztunnel's when it has ztunnel's mark and one of these.
@@ -492,6 +531,7 @@ mod user {
     unsafe impl aya::Pod for super::TraceRecord {}
     unsafe impl aya::Pod for super::PortKey {}
     unsafe impl aya::Pod for super::RangeKey {}
+    unsafe impl aya::Pod for super::HandoffSlot {}
 }
 
 #[cfg(test)]
@@ -509,6 +549,7 @@ mod tests {
         assert_eq!(size_of::<RangeKey>(), 28);
         assert_eq!(RangeKey::FULL_BITS as usize, 8 * size_of::<RangeKey>());
         assert_eq!(size_of::<PodCounters>(), 40);
+        assert_eq!(size_of::<HandoffSlot>(), 48);
         assert_eq!(size_of::<TraceRecord>(), 8 + 3 * 20 + 4);
     }
 

@@ -1,11 +1,18 @@
 //! Hand-off through the socket lookup, for kernels before 6.5: there `bpf_sk_assign` in tc
 //! refuses a listener in a reuseport group (ESOCKTNOSUPPORT), and ztunnel's listeners are. The
 //! tc program decides as always; for a new connection it then stores ztunnel's listener and the
-//! connection's tuple in its CPU's slot ([`hand_off`]) and lets the SYN on, and [`weir_handoff`],
-//! an sk_lookup program attached to the pod's netns, hands it that listener when the stack looks
-//! for a socket for that tuple on the same CPU. The
-//! socket lookup picks among the reuseport group itself, and the local address stays the original
-//! destination, as with `bpf_sk_assign` in tc.
+//! connection's tuple in a free slot of its CPU ([`hand_off`]) and lets the SYN on, and
+//! [`weir_handoff`], an sk_lookup program attached to the pod's netns, hands it that listener
+//! when the stack looks for a socket for that tuple on the same CPU. The socket lookup picks
+//! among the reuseport group itself, and the local address stays the original destination, as
+//! with `bpf_sk_assign` in tc.
+//!
+//! A receive batch (GRO, a driver's packet list, a NAPI poll) runs tc for each of its packets
+//! before the socket lookup of any, so one CPU may hold several SYNs' hand-offs at once: each
+//! gets a slot of its own, and a slot is only taken again once its SYN's lookup took it, or
+//! once it is stale (its SYN was dropped between tc and the lookup). When every slot of the CPU
+//! is held by a SYN still on its way, the new SYN is dropped, to be sent again, never let
+//! through: a lookup that found its slot overwritten would give the connection to the app.
 //!
 //! The sk_lookup program decides nothing: it acts only on tuples tc stored, so traffic that never
 //! crossed the pod's interfaces (ztunnel's own dials to the app over `lo`) is left alone. This
@@ -15,11 +22,13 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::{bpf_sock, sk_action::SK_PASS},
-    helpers::generated::{bpf_get_smp_processor_id, bpf_sk_assign, bpf_sk_release},
+    helpers::generated::{
+        bpf_get_smp_processor_id, bpf_ktime_get_ns, bpf_sk_assign, bpf_sk_release,
+    },
     macros::sk_lookup,
     programs::SkLookupContext,
 };
-use weir_common::{ConnectionKey, Endpoint};
+use weir_common::{ConnectionKey, Endpoint, HandoffSlot, HANDOFF_SLOTS, HANDOFF_STALE_NS};
 
 use crate::{
     maps::{HANDOFF, HANDOFF_CONNECTION},
@@ -29,18 +38,30 @@ use crate::{
 /// `bpf_sk_assign`'s answer in tc, before 6.5, for a listener in a reuseport group.
 pub const ESOCKTNOSUPPORT: i64 = 94;
 
-/// Stores `listener` for the connection's socket lookup; false when it cannot, and the connection
-/// must then be dropped.
+/// Stores `listener` for the connection's socket lookup; false when it cannot (no free slot, or
+/// no room in the map), and the connection must then be dropped.
 #[inline(always)]
 pub fn hand_off(connection: &ConnectionKey, listener: *mut bpf_sock) -> bool {
-    let Some(slot) = HANDOFF_CONNECTION.get_ptr_mut(0) else {
-        return false;
-    };
-    // SAFETY: this CPU's element of a per-CPU array; no other program runs on it meanwhile.
-    unsafe {
-        *slot = *connection;
-        HANDOFF.insert(&bpf_get_smp_processor_id(), listener)
+    // SAFETY: helpers without arguments.
+    let (cpu, now) = unsafe { (bpf_get_smp_processor_id(), bpf_ktime_get_ns()) };
+    for index in 0..HANDOFF_SLOTS {
+        let Some(slot) = HANDOFF_CONNECTION.get_ptr_mut(index) else {
+            return false;
+        };
+        // SAFETY: this CPU's element of a per-CPU array; no other program runs on it meanwhile.
+        unsafe {
+            let free = (*slot).stored_ns == 0
+                || now.wrapping_sub((*slot).stored_ns) > HANDOFF_STALE_NS
+                // A retransmitted SYN in the same batch: one slot serves both lookups' first.
+                || (*slot).connection == *connection;
+            if free {
+                (*slot).connection = *connection;
+                (*slot).stored_ns = now;
+                return HANDOFF.insert(&HandoffSlot::key(cpu, index), listener);
+            }
+        }
     }
+    false
 }
 
 #[sk_lookup]
@@ -50,7 +71,7 @@ pub fn weir_handoff(ctx: SkLookupContext) -> u32 {
     SK_PASS
 }
 
-/// Gives the lookup the listener tc stored for its tuple, once.
+/// Gives the lookup the listener tc stored for its tuple on this CPU, once.
 #[inline(always)]
 unsafe fn take_handed_off(ctx: &SkLookupContext) {
     let lookup = ctx.lookup;
@@ -67,19 +88,23 @@ unsafe fn take_handed_off(ctx: &SkLookupContext) {
         client: Endpoint::new(remote_ip, u16::from_be(ctx_read!(lookup, remote_port))),
         listener: Endpoint::new(local_ip, ctx_read!(lookup, local_port) as u16),
     };
-    let Some(slot) = HANDOFF_CONNECTION.get_ptr_mut(0) else {
-        return;
-    };
-    if *slot != key {
-        return;
-    }
-    *slot = ConnectionKey::default();
     let cpu = bpf_get_smp_processor_id();
-    let listener = HANDOFF.get(&cpu);
-    if listener.is_null() {
+    for index in 0..HANDOFF_SLOTS {
+        let Some(slot) = HANDOFF_CONNECTION.get_ptr_mut(index) else {
+            return;
+        };
+        if (*slot).stored_ns == 0 || (*slot).connection != key {
+            continue;
+        }
+        *slot = HandoffSlot::default();
+        let handed = HandoffSlot::key(cpu, index);
+        let listener = HANDOFF.get(&handed);
+        if listener.is_null() {
+            return;
+        }
+        HANDOFF.remove(&handed);
+        bpf_sk_assign(lookup as *mut c_void, listener as *mut c_void, 0);
+        bpf_sk_release(listener as *mut c_void);
         return;
     }
-    HANDOFF.remove(&cpu);
-    bpf_sk_assign(lookup as *mut c_void, listener as *mut c_void, 0);
-    bpf_sk_release(listener as *mut c_void);
 }

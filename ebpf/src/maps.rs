@@ -15,11 +15,11 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use weir_common::{
-    list, ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters, PortKey, RangeKey,
-    ANY_CGROUP,
+    list, ConnectionKey, Endpoint, HandoffSlot, IpKey, NodeConfig, PodConfig, PodCounters, PortKey,
+    RangeKey, ANY_CGROUP, HANDOFF_SLOTS,
 };
 
-use crate::net::same_ip;
+use crate::net::{is_v4_mapped, same_ip};
 
 const BPF_SK_STORAGE_GET_F_CREATE: u64 = 1;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
@@ -219,17 +219,19 @@ static SIDECAR_RANGES: LpmTrie<RangeKey, u8, MAX_SIDECAR_RANGES> = LpmTrie::new(
 #[btf_map]
 static NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
 
-/// ztunnel's listener for the new connection tc is handing over through the socket lookup
-/// (kernels before 6.5), one slot per CPU: tc and the socket lookup of one SYN run on the same
-/// CPU in one softirq pass, so nothing else takes the slot in between. Keyed by CPU rather than
-/// by connection so that SYNs the kernel drops after tc (wrong MAC, bad checksum, an option it
-/// refuses) cannot pile up: such a SYN leaves its CPU's slot behind, for the next to overwrite.
+/// ztunnel's listeners for the new connections tc is handing over through the socket lookup
+/// (kernels before 6.5), under [`HandoffSlot::key`]: tc and the socket lookup of one SYN run on
+/// the same CPU in one softirq pass, so only that CPU's slots need searching. A slot is taken
+/// again once its SYN was looked up, or once it is stale (the kernel dropped the SYN after tc:
+/// wrong MAC, bad checksum, an option it refuses), so such SYNs cannot pile up. Slots' keys
+/// repeat, so the map holds at most `HANDOFF_SLOTS` listeners per CPU.
 #[btf_map]
-pub static HANDOFF: SocketHash<u32, MAX_CPUS> = SocketHash::new();
+pub static HANDOFF: SocketHash<u32, { MAX_CPUS * HANDOFF_SLOTS as usize }> = SocketHash::new();
 
-/// The connection each CPU's `HANDOFF` listener is for.
+/// The connection each of a CPU's `HANDOFF` listeners is for.
 #[btf_map]
-pub static HANDOFF_CONNECTION: PerCpuArray<ConnectionKey, 1> = PerCpuArray::new();
+pub static HANDOFF_CONNECTION: PerCpuArray<HandoffSlot, { HANDOFF_SLOTS as usize }> =
+    PerCpuArray::new();
 
 /// The cgroups of the connected ztunnels, as the agent saw them connect (see [`crate::ztunnel`]):
 /// a few, more only while ztunnels overlap (an upgrade).
@@ -313,19 +315,25 @@ pub fn port_listed(netns_cookie: u64, list: u8, port: u16) -> bool {
     unsafe { SIDECAR_PORTS.get(key).is_some() }
 }
 
+/// The value of the longest range of the sidecar pod's `list` that holds `ip`, among the ranges
+/// of `ip`'s family: an IPv4-mapped address is IPv4, as the packet will be.
+#[inline(always)]
+fn range_value(netns_cookie: u64, list: u8, ip: &IpKey) -> Option<u8> {
+    let key = Key::new(
+        RangeKey::FULL_BITS,
+        RangeKey::range(netns_cookie, list, *ip, !is_v4_mapped(ip)),
+    );
+    SIDECAR_RANGES.get(&key).copied()
+}
+
 /// Whether a range in the sidecar pod's `list` holds `ip`.
 #[inline(always)]
 pub fn range_listed(netns_cookie: u64, list: u8, ip: &IpKey) -> bool {
-    let key = Key::new(RangeKey::FULL_BITS, RangeKey::new(netns_cookie, list, *ip));
-    SIDECAR_RANGES.get(&key).is_some()
+    range_value(netns_cookie, list, ip).is_some()
 }
 
 /// Whether the pod's route to `ip` leaves by one of its excluded interfaces.
 #[inline(always)]
 pub fn routed_out_of_excluded(netns_cookie: u64, ip: &IpKey) -> bool {
-    let key = Key::new(
-        RangeKey::FULL_BITS,
-        RangeKey::new(netns_cookie, list::ROUTES, *ip),
-    );
-    SIDECAR_RANGES.get(&key) == Some(&list::ROUTE_EXCLUDED)
+    range_value(netns_cookie, list::ROUTES, ip) == Some(list::ROUTE_EXCLUDED)
 }

@@ -4,8 +4,8 @@
 //! Outbound, in istio's rule order (first match wins):
 //! 0. a destination the pod routes out of an excluded interface passes;
 //! 1. a port in the pod's `excludeOutboundPorts` (TCP and UDP) passes;
-//! 2. a socket bound to the inbound passthrough source (127.0.0.6, ::6) passes: Envoy's own
-//!    connections to the app;
+//! 2. a socket bound to the inbound passthrough source (127.0.0.6, ::6) passes to the pod
+//!    itself: Envoy's own connections to the app;
 //! 3. the proxy's uid: TCP to a local address of the pod other than 127.0.0.1 (and not to 15008,
 //!    nor to 53 with DNS capture) hairpins to the inbound listener 15006; anything else of the
 //!    proxy passes;
@@ -67,15 +67,17 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
     if pod.has(POD_TPROXY) && sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
         route_replies_back(sa, netns, dst, hook);
     }
-    if bound_to_passthrough_source(sa) {
+    // Routed over the pod's loopback: a loopback address, or one of the pod's own.
+    let local = is_loopback(&dst.ip) || pod_owns(netns, &dst.ip);
+    // istio's `-o lo -s 127.0.0.6 -j RETURN` (`::6`): only to the pod itself. `::6` is no
+    // loopback address, and an app that binds it must not reach other hosts around the proxy.
+    if local && bound_to_passthrough_source(sa) {
         return Decided::pass(TraceVerdict::PassProxy);
     }
     let ids = bpf_get_current_uid_gid();
     let (uid, gid) = (ids as u32, (ids >> 32) as u32);
     let tcp = hook == Hook::Connect && sa.sock_type() == SOCK_STREAM;
     let dns_capture = pod.has(POD_DNS_CAPTURE);
-    // Routed over the pod's loopback: a loopback address, or one of the pod's own.
-    let local = is_loopback(&dst.ip) || pod_owns(netns, &dst.ip);
     let hairpin = |dns_excluded: bool| {
         local
             && !is_local_host(&dst.ip)

@@ -55,6 +55,21 @@ impl CniChainNode {
         Ok(Self { files, node })
     }
 
+    /// A node whose policy also names the sidecar pods `default/<name>`; `None` where the test
+    /// cannot run (see [`crate::require_privileges`]).
+    pub fn with_sidecar_pods(sidecars: &[(&str, ObjectMeta)]) -> Option<Self> {
+        if !crate::require_privileges() {
+            return None;
+        }
+        let node = Self::new().expect("a test node");
+        let mut policy = ambient_policy();
+        for (name, pod) in sidecars {
+            policy.pods.insert(format!("default/{name}"), pod.clone());
+        }
+        node.files.write_policy(&policy).unwrap();
+        Some(node)
+    }
+
     pub fn test_node(&self) -> &TestNode {
         self.node.node()
     }

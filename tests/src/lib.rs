@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod netns;
 pub mod node;
 pub mod raw;
+pub mod receive_batch;
 pub mod sidecar;
 pub mod sockopt;
 pub mod traffic;

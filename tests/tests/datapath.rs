@@ -15,8 +15,8 @@ use weir_agent::{
     workload::{PodOptions, Workload},
 };
 use weir_common::{
-    maps, ConnectionKey, Endpoint, PodCounters, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT,
-    OUTBOUND_PORT, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
+    maps, ConnectionKey, Endpoint, PodCounters, DNS_PORT, DNS_PROXY_PORT, HANDOFF_SLOTS,
+    HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT, PROBE_SOURCE_V4, PROBE_SOURCE_V6,
 };
 use weir_tests::{cgroup, privileged};
 use weir_tests::{
@@ -887,8 +887,8 @@ fn no_packet_shape_reaches_the_pod_around_ztunnel() {
 
 /// SYNs that tc hands to ztunnel and the kernel then drops before its socket lookup (here: sent
 /// to another MAC, which the bridge floods to the pod and IP drops) leave nothing behind: the
-/// hand-off keeps at most one listener per CPU, however many were dropped, so no flood fills it,
-/// and a real connection after them reaches ztunnel with its original destination. Before 6.5
+/// hand-off keeps at most its slots' listeners per CPU, however many were dropped, so no flood
+/// fills it, and a real connection after them reaches ztunnel with its original destination. Before 6.5
 /// this is the socket lookup hand-off's state; from 6.5 tc assigns and keeps nothing.
 #[test]
 fn syns_dropped_after_tc_leave_nothing_behind() {
@@ -917,7 +917,7 @@ fn syns_dropped_after_tc_leave_nothing_behind() {
     let held = handoff.keys().count();
     let cpus = std::thread::available_parallelism().unwrap().get();
     assert!(
-        held <= cpus,
+        held <= cpus * HANDOFF_SLOTS as usize,
         "{held} hand-offs held after {FLOOD} dropped SYNs"
     );
 

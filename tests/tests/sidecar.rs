@@ -26,25 +26,10 @@ use weir_tests::{
     EchoServer, Pod, PodSpec, TestNode,
 };
 
-/// A node whose policy names the sidecar pods `default/<name>`; `None` where the test cannot
-/// run (see [`weir_tests::require_privileges`]).
-fn node_with(sidecars: &[(&str, ObjectMeta)]) -> Option<Node> {
-    if !weir_tests::require_privileges() {
-        return None;
-    }
-    let node = Node::new().expect("a test node");
-    let mut policy = ambient_policy();
-    for (name, pod) in sidecars {
-        policy.pods.insert(format!("default/{name}"), pod.clone());
-    }
-    node.files.write_policy(&policy).unwrap();
-    Some(node)
-}
-
 /// A node whose policy makes `default/sidecar` the sidecar pod `meta`, its agent, and that pod
 /// (made through the node's CNI chain).
 fn sidecar_node(meta: ObjectMeta) -> Option<(Node, Agent, Pod)> {
-    let node = node_with(&[("sidecar", meta)])?;
+    let node = Node::with_sidecar_pods(&[("sidecar", meta)])?;
     let agent = node.start_agent();
     let pod = node.pod("default", "sidecar").unwrap();
     Some((node, agent, pod))
@@ -289,7 +274,7 @@ fn dual_stack_captures_ipv6_with_its_passthrough_source() {
 
 #[test]
 fn annotations_and_proxy_settings_shape_the_capture() {
-    let Some(server_node) = node_with(&[]) else {
+    let Some(server_node) = Node::with_sidecar_pods(&[]) else {
         return;
     };
     // The server's address is known only once it exists; the sidecar pod's policy names it.
@@ -434,7 +419,7 @@ fn outbound_routed_out_of_an_excluded_interface_is_not_captured() {
 #[test]
 fn an_invalid_sidecar_annotation_fails_the_add_naming_it() {
     let bad = sidecar_pod(&[("sidecar.istio.io/interceptionMode", "NONE")], &[]);
-    let Some(node) = node_with(&[("bad", bad)]) else {
+    let Some(node) = Node::with_sidecar_pods(&[("bad", bad)]) else {
         return;
     };
     let agent = node.start_agent();
@@ -536,7 +521,7 @@ fn port_entries(node: &Node, pod: &Pod) -> usize {
 
 #[test]
 fn only_included_ranges_and_ports_are_captured() {
-    let Some(node) = node_with(&[]) else {
+    let Some(node) = Node::with_sidecar_pods(&[]) else {
         return;
     };
     // The pods' addresses are known only once they exist; the sidecar pods' policy names them.
@@ -614,7 +599,7 @@ fn tproxy_mode_reroutes_with_the_original_destination_as_local_address() {
 /// proxy at the pod's address; in TPROXY mode it is delivered with its destination, which the
 /// proxy's transparent listener answers from.
 fn rerouted_through_the_proxy(mode: Interception) {
-    let Some(node) = node_with(&[]) else {
+    let Some(node) = Node::with_sidecar_pods(&[]) else {
         return;
     };
     let server = node.pod("default", "server").unwrap();
@@ -721,7 +706,7 @@ fn rerouted_through_the_proxy(mode: Interception) {
 /// in the pod, is not taken for the proxy.
 #[test]
 fn a_user_namespaced_pods_proxy_is_known_by_its_ids_in_the_pod() {
-    let Some(node) = node_with(&[("userns", sidecar_pod(&[], &[]))]) else {
+    let Some(node) = Node::with_sidecar_pods(&[("userns", sidecar_pod(&[], &[]))]) else {
         return;
     };
     let agent = node.start_agent();

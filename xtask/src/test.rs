@@ -20,6 +20,7 @@ const TEST_PACKAGES: &[&str] = &["iptables", "containerd", "qemu-user-static"];
 /// kernel's answers to faults): what runs on the other kernels. `kernel_compat` is optional.
 /// Targets that only decode input (`fuzz`) run the same on every kernel: this machine's suffices.
 const KERNEL_FACING: &[&str] = &[
+    "attacks",
     "datapath",
     "interfaces",
     "faults",

@@ -18,7 +18,7 @@ use aya_obj::generated::bpf_attach_type::{
     BPF_CGROUP_INET6_GETPEERNAME, BPF_CGROUP_SOCK_OPS, BPF_CGROUP_UDP4_RECVMSG,
     BPF_CGROUP_UDP4_SENDMSG, BPF_CGROUP_UDP6_RECVMSG, BPF_CGROUP_UDP6_SENDMSG,
 };
-use weir_common::{globals, maps, programs};
+use weir_common::{globals, maps, programs, HANDOFF_SLOTS};
 
 use super::{bpf_sys, netlink::TcProgram};
 
@@ -47,6 +47,10 @@ pub(super) fn load(maps_dir: &Path, bpf_log: bool) -> Result<Ebpf> {
     for name in maps::ALL {
         loader.map_pin_path(name, maps_dir.join(name));
     }
+    // The object sizes the hand-off for the most CPUs a kernel can have; the kernel allocates a
+    // socket hash's buckets up front, so it gets this node's.
+    let cpus = aya::util::nr_cpus().map_err(|(what, error)| anyhow!("{what}: {error}"))?;
+    loader.map_max_entries(maps::HANDOFF, cpus as u32 * HANDOFF_SLOTS);
     if bpf_log {
         loader.override_global(globals::LOG_ENABLED, &1u8, true);
     }

@@ -79,18 +79,20 @@ impl ListEntries {
     }
 
     fn add_range(&mut self, netns_cookie: u64, list: u8, range: &IpNet, value: u8) {
-        let (ip, prefix) = match range {
+        let (ip, prefix, v6) = match range {
             // Stored IPv4-mapped, behind the 96 bits of the mapping.
             IpNet::V4(net) => (
                 IpKey::from_v4(net.network().octets()),
                 96 + u32::from(net.prefix_len()),
+                false,
             ),
             IpNet::V6(net) => (
                 IpKey::from_v6(net.network().octets()),
                 u32::from(net.prefix_len()),
+                true,
             ),
         };
-        let key = RangeKey::new(netns_cookie, list, ip);
+        let key = RangeKey::range(netns_cookie, list, ip, v6);
         self.ranges
             .push((RangeKey::BITS_BEFORE_IP + prefix, key, value));
     }

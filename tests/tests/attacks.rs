@@ -1,0 +1,181 @@
+//! The standing attack suite: ways a pod's traffic could go around ztunnel, or around a sidecar
+//! pod's own proxy, each tried as an attacker would against the real programs in this kernel
+//! (and, in CI, in every kernel of the VM matrix). docs/failure-modes.md lists every attack with
+//! the test that drives it, here or beside the feature it attacks.
+//!
+//! The oracles are what a user would see: for an ambient pod, every connection its app accepts
+//! was handed to it by ztunnel (the stand-in saw it, by its tuple), and nothing but ztunnel gets
+//! a connection meant for ztunnel's ports; for a sidecar pod, what its settings capture reaches
+//! its proxy with the original destination, and what they exclude reaches the server directly.
+use std::{
+    io,
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    sync::Barrier,
+    thread,
+    time::Duration,
+};
+
+use socket2::{Domain, Socket, Type};
+use weir_agent::workload::PodOptions;
+use weir_common::{INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::{
+    chain::{CniChainNode, WAIT as AGENT_WAIT},
+    netns::ip,
+    privileged,
+    receive_batch::{delay_egress, XdpPass},
+    sidecar::{sidecar_pod, SidecarStandIn},
+    sockopt::canonical,
+    tcp_request,
+    traffic::{read_line, set_timeouts, write_line},
+    DatapathNode, EchoServer, ZtunnelStandIn,
+};
+
+const WAIT: Duration = Duration::from_secs(5);
+
+/// Opens `count` connections to `target` at once (threads released together), sends `line` on
+/// each and reads the answer; returns each one's local address. Runs in the client's netns,
+/// which the threads inherit.
+fn connect_together(target: SocketAddr, count: usize, line: &str) -> io::Result<Vec<SocketAddr>> {
+    let start = Barrier::new(count);
+    thread::scope(|scope| {
+        let connections: Vec<_> = (0..count)
+            .map(|_| {
+                scope.spawn(|| {
+                    start.wait();
+                    tcp_request(target, line).map(|reply| canonical(reply.local))
+                })
+            })
+            .collect();
+        connections
+            .into_iter()
+            .map(|connection| connection.join().unwrap())
+            .collect()
+    })
+}
+
+/// Whether this kernel is older than 6.5, where tc cannot assign reuseport listeners.
+fn kernel_needs_the_handoff() -> bool {
+    let release = nix::sys::utsname::uname().unwrap();
+    let release = release.release().to_string_lossy();
+    let mut numbers = release
+        .split(['.', '-'])
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) < (6, 5)
+}
+
+/// Before Linux 6.5, tc hands a new connection to ztunnel's reuseport listener through the
+/// socket lookup. Where a pod's interface receives in batches (GRO, a driver's packet lists,
+/// XDP on a veth), tc runs for every SYN of a batch before the lookup of any: each must still
+/// be handed to ztunnel, none given to the app. The pod's veth here receives through XDP and
+/// GRO (on by default), and the client's SYNs are held back by netem and leave together.
+#[test]
+fn syns_received_in_one_batch_all_reach_ztunnel() {
+    const CONNECTIONS: usize = 24;
+    let fixture = privileged!(DatapathNode::new());
+    let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
+    let echo = EchoServer::app(&pod).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let _xdp = XdpPass::attach(&pod, "eth0").unwrap();
+    // Only the socket lookup hand-off (before 6.5) needs the batch; kernels built without netem
+    // (this CI machine's) have tc assign the connection itself.
+    if !delay_egress(&client, 50).unwrap() {
+        assert!(
+            !kernel_needs_the_handoff(),
+            "this kernel hands connections off through the socket lookup, but has no netem"
+        );
+    }
+
+    for target in [pod.app_v4(), pod.app_v6()] {
+        let clients = client
+            .run(|| connect_together(target, CONNECTIONS, "batched"))
+            .unwrap_or_else(|e| panic!("connections to {target}: {e}"));
+        for peer in clients {
+            ztunnel
+                .wait_for(|s| s.listener == INBOUND_PORT && s.peer == peer, WAIT)
+                .unwrap_or_else(|| panic!("{peer} to {target} never reached 15006"));
+        }
+    }
+    // Every connection the app accepted came from ztunnel's dial.
+    assert_eq!(echo.received().len(), 2 * CONNECTIONS);
+    datapath.uninstall().wait().unwrap();
+}
+
+/// istio keeps a sidecar pod's IPv4 and IPv6 rules apart: an IPv6 range never holds an IPv4
+/// address. `excludeOutboundIPRanges: "::/0"` leaves the app's IPv4 captured, and
+/// `includeOutboundIPRanges: "::/0"` captures its IPv6 only. A socket bound to `::6`, Envoy's
+/// passthrough source, is let through only to the pod itself (istio's `-o lo -s ::6`): an app
+/// that binds it is captured like any other.
+#[test]
+fn a_sidecar_pods_ranges_and_passthrough_source_keep_to_their_family_and_to_loopback() {
+    let dual_stack = [("ISTIO_DUAL_STACK", "true")];
+    let excluding = sidecar_pod(
+        &[("traffic.sidecar.istio.io/excludeOutboundIPRanges", "::/0")],
+        &dual_stack,
+    );
+    let including = sidecar_pod(
+        &[("traffic.sidecar.istio.io/includeOutboundIPRanges", "::/0")],
+        &dual_stack,
+    );
+    let Some(node) =
+        CniChainNode::with_sidecar_pods(&[("excluding", excluding), ("including", including)])
+    else {
+        return;
+    };
+    let agent = node.start_agent();
+    let server = node.pod("default", "server").unwrap();
+    let server_app = EchoServer::app(&server).unwrap();
+    let excluding = node.pod("default", "excluding").unwrap();
+    let including = node.pod("default", "including").unwrap();
+
+    for (pod, captured) in [(&excluding, [true, false]), (&including, [false, true])] {
+        let proxy = SidecarStandIn::start(pod).unwrap();
+        for (target, captured) in [server.app_v4(), server.app_v6()].into_iter().zip(captured) {
+            let reply = pod
+                .run(|| tcp_request(target, "range"))
+                .unwrap_or_else(|e| panic!("{} to {target}: {e}", pod.name()));
+            assert_eq!(reply.response, server_app.reply_to("range"));
+            // The stand-in records a connection before it answers it.
+            let through_proxy = proxy
+                .seen()
+                .iter()
+                .any(|s| s.listener == OUTBOUND_PORT && s.original_dst == Some(target));
+            assert_eq!(through_proxy, captured, "{} to {target}", pod.name());
+        }
+    }
+
+    // `::6` is the pod's (on its lo, as the proxy needs it), and the server routes it back to
+    // the pod.
+    let passthrough = Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6);
+    including
+        .run(|| ip(&["-6", "addr", "replace", "::6/128", "dev", "lo"]))
+        .unwrap();
+    let via = including.ipv6().to_string();
+    server
+        .run(|| ip(&["-6", "route", "add", "::6/128", "via", &via]))
+        .unwrap();
+    let proxy = SidecarStandIn::start(&including).unwrap();
+    let target = server.app_v6();
+    let reply = including
+        .run(|| {
+            let socket = Socket::new(Domain::IPV6, Type::STREAM, None)?;
+            socket.bind(&SocketAddr::new(IpAddr::V6(passthrough), 0).into())?;
+            socket.connect_timeout(&target.into(), weir_tests::IO_TIMEOUT)?;
+            let stream = std::net::TcpStream::from(socket);
+            set_timeouts(&stream)?;
+            write_line(&stream, "from ::6")?;
+            read_line(&stream)
+        })
+        .unwrap();
+    assert_eq!(reply, server_app.reply_to("from ::6"));
+    let seen = proxy
+        .wait_for(|s| s.listener == OUTBOUND_PORT, AGENT_WAIT)
+        .expect("the app bound to ::6 reached its proxy");
+    assert_eq!(seen.peer.ip(), IpAddr::V6(passthrough));
+    assert_eq!(seen.original_dst, Some(target));
+    assert!(server_app
+        .received()
+        .iter()
+        .all(|r| r.peer.ip() != IpAddr::V6(passthrough)));
+    agent.stop().unwrap();
+}
