@@ -28,13 +28,16 @@ pub struct XdpPass {
 impl XdpPass {
     /// Attaches it (native mode, through a BPF link) to `interface` in `pod`.
     pub fn attach(pod: &Pod, interface: &str) -> io::Result<Self> {
-        let ifindex = pod.run(|| nix::net::if_::if_nametoindex(interface))?;
         let program = load_xdp_pass()?;
-        let mut attr = [0u8; 128];
-        attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
-        attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
-        attr[8..12].copy_from_slice(&BPF_XDP.to_ne_bytes());
-        let link = bpf(BPF_LINK_CREATE, &mut attr)?;
+        // The kernel finds the interface by its index in the caller's netns.
+        let link = pod.run(|| {
+            let ifindex = nix::net::if_::if_nametoindex(interface)?;
+            let mut attr = [0u8; 128];
+            attr[0..4].copy_from_slice(&(program.as_raw_fd() as u32).to_ne_bytes());
+            attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+            attr[8..12].copy_from_slice(&BPF_XDP.to_ne_bytes());
+            bpf(BPF_LINK_CREATE, &mut attr)
+        })?;
         Ok(Self { _link: link })
     }
 }
