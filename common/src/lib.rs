@@ -449,6 +449,9 @@ pub mod maps {
     /// The cgroup (v2) ids of the connected ztunnels (`u64` to `u8`, the value unused), or
     /// [`super::ANY_CGROUP`]: a socket is ztunnel's when it has ztunnel's mark and one of these.
     pub const ZTUNNEL_CGROUPS: &str = "ZTUNNEL_CGROUPS";
+    /// Socket storage (`u8`, unused) on the sockets ztunnel bound to its listening ports in
+    /// ambient pods: how tc tells ztunnel's listeners from a pod's.
+    pub const ZTUNNEL_LISTENERS: &str = "ZTUNNEL_LISTENERS";
     /// The netns cookie the connect hook answered on a socket (`NETNS_COOKIE_PORT`).
     pub const NETNS_COOKIES: &str = "NETNS_COOKIES";
     /// `u32` at index 0: non-zero while a reader is tracing (`weir-agent trace`).
@@ -465,7 +468,7 @@ pub mod maps {
     /// Sidecar pods' IP range lists, an LPM trie of [`super::RangeKey`].
     pub const SIDECAR_RANGES: &str = "SIDECAR_RANGES";
     /// Every map, each pinned under its name.
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         PODS,
         POD_IPS,
         POD_SLOTS,
@@ -476,6 +479,7 @@ pub mod maps {
         HANDOFF,
         HANDOFF_CONNECTION,
         ZTUNNEL_CGROUPS,
+        ZTUNNEL_LISTENERS,
         NETNS_COOKIES,
         TRACE_ON,
         TRACE_EVENTS,

@@ -245,6 +245,12 @@ pub fn is_ztunnels_cgroup(cgroup: u64) -> bool {
     unsafe { ZTUNNEL_CGROUPS.get(ANY_CGROUP).is_some() || ZTUNNEL_CGROUPS.get(cgroup).is_some() }
 }
 
+/// The sockets ztunnel bound to its listening ports in ambient pods (the value unused): written
+/// by the bind hook for ztunnel's cgroup, and by the agent for listeners ztunnel bound before
+/// (see [`crate::ztunnel`]). tc cannot read a socket's cgroup, but can read this.
+#[btf_map]
+pub static ZTUNNEL_LISTENERS: SocketStorage<u8> = SocketStorage::new();
+
 /// The netns cookie the connect hook read for the agent's question on this socket (kernels
 /// before 5.14, which have no `SO_NETNS_COOKIE`).
 #[btf_map]

@@ -4,9 +4,12 @@
 //! listens and take the connections meant for it. So a socket is ztunnel's only when it also
 //! belongs to the cgroup of a ztunnel the agent saw connect (`ZTUNNEL_CGROUPS`), which no pod
 //! can join: checked where a socket connects or sends, and where one binds ztunnel's listening
-//! ports in an ambient pod ([`weir_bind4`], [`weir_bind6`]). tc cannot read a socket's cgroup;
-//! there a listener on those ports is ztunnel's by its mark, which only ztunnel could bind them
-//! with.
+//! ports in an ambient pod ([`weir_bind4`], [`weir_bind6`]). tc cannot read a socket's cgroup,
+//! so the bind hook marks the sockets ztunnel binds to those ports (`ZTUNNEL_LISTENERS`), and tc
+//! takes a listener for ztunnel's only when it carries that mark too ([`listens_for_ztunnel`]):
+//! a socket that `listen()`s unbound gets its port from the kernel (autobind) without any bind
+//! hook, and a pod can make that port 15006 with the namespaced `ip_local_port_range`. The agent
+//! marks the listeners a ztunnel bound before the hook could (see its `ztunnels` module).
 use core::ffi::c_void;
 
 use aya_ebpf::{
@@ -21,7 +24,7 @@ use weir_common::{
 
 use crate::{
     diag::diag,
-    maps::{is_ztunnels_cgroup, pod},
+    maps::{is_ztunnels_cgroup, pod, ZTUNNEL_LISTENERS},
     net::{ctx_read, SockAddr, ALLOW, DENY, SOCK_STREAM},
 };
 
@@ -43,14 +46,15 @@ pub fn calls_from_ztunnel(mark: u32) -> bool {
     has_ztunnels_mark(mark) && caller_is_in_ztunnels_cgroup()
 }
 
-/// In tc: whether a full socket listening on one of ztunnel's ports is ztunnel's.
+/// In tc: whether a full socket listening on one of ztunnel's ports is ztunnel's: it has
+/// ztunnel's mark, and ztunnel bound it (`ZTUNNEL_LISTENERS`).
 ///
 /// # Safety
 ///
 /// `socket` is a non-null full socket (from `bpf_sk_fullsock`).
 #[inline(always)]
 pub unsafe fn listens_for_ztunnel(socket: *mut bpf_sock) -> bool {
-    has_ztunnels_mark(ctx_read!(socket, mark))
+    has_ztunnels_mark(ctx_read!(socket, mark)) && ZTUNNEL_LISTENERS.of(socket).is_some()
 }
 
 #[cgroup_sock_addr(bind4)]
@@ -65,7 +69,8 @@ pub fn weir_bind6(ctx: SockAddrContext) -> i32 {
 
 /// In an ambient pod, only ztunnel binds TCP to the ports it listens on (15001, 15006, 15008):
 /// with ztunnel away, an app listening there would be handed the pod's connections without
-/// mTLS; with ztunnel there, it could share its reuseport group.
+/// mTLS; with ztunnel there, it could share its reuseport group. What ztunnel binds there is
+/// marked as its listener for tc.
 #[inline(always)]
 fn keep_ztunnels_ports(sa: &SockAddr) -> i32 {
     let port = sa.user_endpoint().port;
@@ -79,7 +84,12 @@ fn keep_ztunnels_ports(sa: &SockAddr) -> i32 {
     let Some(pod) = pod(netns) else {
         return ALLOW;
     };
-    if pod.has(POD_SIDECAR) || caller_is_in_ztunnels_cgroup() {
+    if pod.has(POD_SIDECAR) {
+        return ALLOW;
+    }
+    if caller_is_in_ztunnels_cgroup() {
+        // Without room for the mark, the listener is of no use to tc, and never a pod's.
+        ZTUNNEL_LISTENERS.set(sa.sk(), &1);
         return ALLOW;
     }
     diag!(

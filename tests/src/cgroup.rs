@@ -120,6 +120,13 @@ impl TestCgroup {
         Ok(Self { dir })
     }
 
+    /// Removes it and makes it again at the same path, as systemd does for a restarted
+    /// service: a new cgroup, with a new id. It must be empty.
+    pub fn make_again(&self) -> Result<()> {
+        fs::remove_dir(&self.dir).with_context(|| format!("removing {}", self.dir.display()))?;
+        fs::create_dir(&self.dir).with_context(|| format!("creating {}", self.dir.display()))
+    }
+
     /// Its path as `/proc/<pid>/cgroup` shows it for a process in it.
     pub fn path(&self) -> String {
         let name = self.dir.file_name().unwrap().to_string_lossy();

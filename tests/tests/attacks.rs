@@ -8,8 +8,9 @@
 //! a connection meant for ztunnel's ports; for a sidecar pod, what its settings capture reaches
 //! its proxy with the original destination, and what they exclude reaches the server directly.
 use std::{
-    io,
+    fs, io,
     net::{IpAddr, Ipv6Addr, SocketAddr},
+    process::Command,
     sync::Barrier,
     thread,
     time::Duration,
@@ -17,8 +18,9 @@ use std::{
 
 use socket2::{Domain, Socket, Type};
 use weir_agent::workload::PodOptions;
-use weir_common::{INBOUND_PORT, OUTBOUND_PORT};
+use weir_common::{HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
+    cgroup,
     chain::{CniChainNode, WAIT as AGENT_WAIT},
     netns::ip,
     privileged,
@@ -27,10 +29,86 @@ use weir_tests::{
     sockopt::canonical,
     tcp_request,
     traffic::{read_line, set_timeouts, write_line},
-    DatapathNode, EchoServer, ZtunnelStandIn,
+    wait_until, DatapathNode, EchoServer, Pod, ZtunnelStandIn, APP_PORT,
 };
 
 const WAIT: Duration = Duration::from_secs(5);
+
+/// Runs `weir-marked-socket` with `args` in `pod`, in a cgroup of its own (never ztunnel's, as a
+/// pod's process): what it printed.
+fn marked_socket(pod: &Pod, args: &[&str]) -> String {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_weir-marked-socket"));
+    command.args(args);
+    let output = cgroup::output_apart_from_ztunnel(pod.netns(), command).unwrap();
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8(output.stdout).unwrap().trim().to_owned()
+}
+
+/// Whether a TCP socket listens on `port` in `pod` (IPv4 or IPv6).
+fn listening_on(pod: &Pod, port: u16) -> bool {
+    let wanted = format!(":{port:04X}");
+    pod.run(|| {
+        ["tcp", "tcp6"].iter().any(|table| {
+            // thread-self: this thread is the one in the pod's netns.
+            fs::read_to_string(format!("/proc/thread-self/net/{table}"))
+                .unwrap_or_default()
+                .lines()
+                .skip(1)
+                .map(|line| line.split_whitespace().collect::<Vec<_>>())
+                .any(|fields| fields.len() > 3 && fields[1].ends_with(&wanted) && fields[3] == "0A")
+        })
+    })
+}
+
+/// The kernel's ephemeral ports for connect and autobind in `pod`: `ports`, as "LOW HIGH".
+fn set_port_range(pod: &Pod, ports: &str) {
+    pod.run(|| fs::write("/proc/sys/net/ipv4/ip_local_port_range", ports))
+        .unwrap()
+}
+
+/// A pod's process gives its socket ztunnel's mark (`CAP_NET_RAW` suffices from Linux 5.17) and
+/// `listen()`s without binding: the kernel picks its port from the netns's
+/// `ip_local_port_range`, a sysctl Kubernetes counts as safe, which the pod has set to one of
+/// ztunnel's ports, and no bind hook runs. While ztunnel is away (a restart, an upgrade), the
+/// pod's inbound connections, and HBONE, meet only that listener: none may be handed to it.
+/// Once ztunnel listens again, the same autobind cannot take its port.
+#[test]
+fn a_listener_autobound_to_ztunnels_ports_with_its_mark_gets_no_connection() {
+    let fixture = privileged!(DatapathNode::new());
+    let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
+    let echo = EchoServer::app(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+
+    for (port, dialled) in [(INBOUND_PORT, APP_PORT), (HBONE_PORT, HBONE_PORT)] {
+        set_port_range(&pod, &format!("{port} {port}"));
+        let target = SocketAddr::new(IpAddr::V4(pod.ipv4()), dialled);
+        let (reply, attacker) = thread::scope(|scope| {
+            let attacker = scope.spawn(|| marked_socket(&pod, &["listen", "0.0.0.0:0", "6"]));
+            wait_until(WAIT, "the attacker's listener", || listening_on(&pod, port));
+            let reply = client.run(|| tcp_request(target, "around ztunnel"));
+            (reply, attacker.join().unwrap())
+        });
+        assert_eq!(attacker, format!("listening {port}\nnone"), "to {target}");
+        assert!(reply.is_err(), "{target} answered: {reply:?}");
+    }
+    assert!(echo.received().is_empty(), "{:?}", echo.received());
+
+    // ztunnel is back; it dials the app from ephemeral ports.
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    set_port_range(&pod, &format!("{INBOUND_PORT} {INBOUND_PORT}"));
+    let attacker = marked_socket(&pod, &["listen", "0.0.0.0:0", "1"]);
+    assert!(
+        attacker.starts_with("refused "),
+        "autobound beside ztunnel: {attacker}"
+    );
+    set_port_range(&pod, "32768 60999");
+    let reply = client.run(|| tcp_request(pod.app_v4(), "through ztunnel"));
+    assert_eq!(reply.unwrap().response, echo.reply_to("through ztunnel"));
+    assert!(ztunnel
+        .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
+        .is_some());
+    datapath.uninstall().wait().unwrap();
+}
 
 /// Opens `count` connections to `target` at once (threads released together), sends `line` on
 /// each and reads the answer; returns each one's local address. Runs in the client's netns,
@@ -70,7 +148,7 @@ fn kernel_needs_the_handoff() -> bool {
 /// GRO (on by default), and the client's SYNs are held back by netem and leave together.
 #[test]
 fn syns_received_in_one_batch_all_reach_ztunnel() {
-    const CONNECTIONS: usize = 24;
+    const CONNECTIONS: usize = 12;
     let fixture = privileged!(DatapathNode::new());
     let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
     let echo = EchoServer::app(&pod).unwrap();

@@ -485,6 +485,7 @@ fn node_probes_reach_the_app_directly_other_traffic_is_captured() {
 /// HOST_PROBE_SNAT_IPV6), and can be kept to kubelet's cgroup: a probe from kubelet's cgroup
 /// leaves from the configured address and reaches the app; the same connection from another
 /// process of the node is captured like a pod's. The address an earlier agent made local goes.
+/// A restarted kubelet's cgroup, made anew at the same path, is followed.
 #[test]
 fn a_configured_probe_source_goes_only_to_kubelets_cgroup() {
     let fixture = privileged!(DatapathNode::new());
@@ -534,11 +535,21 @@ fn a_configured_probe_source_goes_only_to_kubelets_cgroup() {
     );
     assert!(!local_table("169.254.99.7").is_empty());
 
-    for (destination, source) in [
+    let probes = [
         (IpAddr::V4(pod.ipv4()), IpAddr::V4(probe_source.v4)),
         (IpAddr::V6(pod.ipv6()), IpAddr::V6(probe_source.v6)),
-    ] {
-        let line = format!("kubelet-{destination}");
+    ];
+    // The second time, kubelet has restarted: its cgroup, at the same path, is a new one.
+    for (restarted, (destination, source)) in [false, true]
+        .into_iter()
+        .flat_map(|restarted| probes.map(|probe| (restarted, probe)))
+    {
+        if restarted && destination.is_ipv4() {
+            kubelet.make_again().unwrap();
+            // The agent follows it within a second; the audit does at once.
+            datapath.audit().wait().unwrap();
+        }
+        let line = format!("kubelet-{destination}-{restarted}");
         let mut probe = Command::new("bash");
         probe.arg("-c").arg(format!(
             "exec 3<>/dev/tcp/{destination}/{APP_PORT} && echo {line} >&3 && head -n1 <&3"
@@ -557,7 +568,7 @@ fn a_configured_probe_source_goes_only_to_kubelets_cgroup() {
         assert_eq!(
             received.peer.ip(),
             source,
-            "kubelet's probe leaves from the probe source"
+            "kubelet's probe leaves from the probe source (restarted: {restarted})"
         );
     }
     assert!(ztunnel.seen().iter().all(|s| s.listener != INBOUND_PORT));

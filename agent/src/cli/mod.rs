@@ -87,7 +87,8 @@ pub struct DatapathArgs {
     pub probe_source_ipv6: Ipv6Addr,
     /// Give the probe source only to connections from this cgroup v2, as kubelet's process shows
     /// it in /proc/<pid>/cgroup (e.g. `/system.slice/kubelet.service`): other node processes'
-    /// connections to pods are then captured like any other. Default: every TCP connection from
+    /// connections to pods are then captured like any other. The path is followed: a restarted
+    /// kubelet's new cgroup there gets it within a second. Default: every TCP connection from
     /// the node's network namespace to a pod's address.
     #[arg(long, env = "WEIR_PROBE_SOURCE_CGROUP", global = true)]
     pub probe_source_cgroup: Option<String>,

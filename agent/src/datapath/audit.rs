@@ -52,6 +52,9 @@ pub(super) const TC_FILTER_MISSING: &str = "tc_filter_missing";
 pub(super) const TC_FILTER_PRECEDED: &str = "tc_filter_preceded";
 /// A rule or route of an enrolled pod's return path was missing: added again.
 pub(super) const RETURN_PATH_MISSING: &str = "return_path_missing";
+/// The probe source's cgroup path names a new cgroup (kubelet restarted): the programs were
+/// given its id. Also followed every second between audits.
+pub(super) const PROBE_CGROUP_MOVED: &str = "probe_cgroup_moved";
 
 impl Mismatches {
     pub(super) fn register(&self, registry: &mut Registry) {
@@ -59,13 +62,13 @@ impl Mismatches {
             "weir_datapath_mismatches",
             "Differences found between weir's BPF maps or the enrolled pods' network namespaces \
              and the pods the agent enrolled, by kind: pod_entry_missing, address_missing, \
-             tc_filter_missing and return_path_missing (put back), address_elsewhere, \
-             unknown_pod_entry and tc_filter_preceded (reported only)",
+             tc_filter_missing, return_path_missing and probe_cgroup_moved (put back), \
+             address_elsewhere, unknown_pod_entry and tc_filter_preceded (reported only)",
             self.0.clone(),
         );
     }
 
-    fn count(&self, kind: &'static str) {
+    pub(super) fn count(&self, kind: &'static str) {
         self.0.get_or_create(&Kind { kind }).inc();
     }
 }
@@ -162,6 +165,10 @@ impl Owner {
         }
         for kind in &found {
             self.mismatches.count(kind);
+        }
+        // Counted where it is followed, every second too.
+        if self.follow_probe_cgroup() {
+            found.push(PROBE_CGROUP_MOVED);
         }
         found
     }

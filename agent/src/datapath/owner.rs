@@ -7,7 +7,7 @@ use std::{
     os::{fd::AsFd, unix::fs::PermissionsExt},
     path::PathBuf,
     sync::{atomic::AtomicBool, mpsc, Arc},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result};
@@ -58,6 +58,11 @@ pub(super) struct Owner {
     pub(super) pin_root: PathBuf,
     /// The probe source addresses this agent made local, to remove on uninstall.
     probe_source: Option<(Ipv4Addr, Ipv6Addr)>,
+    /// The node's settings the programs read (`NODE_CONFIG`).
+    node_config: Array<MapData, NodeConfig>,
+    /// The cgroup the probe source is kept to (kubelet's), by path: a restarted kubelet's cgroup
+    /// is a new one, with a new id, which the programs must be given.
+    probe_cgroup: Option<ProbeCgroup>,
     /// The connected ztunnels' cgroups, by which the programs know ztunnel's sockets.
     ztunnels: ztunnels::ZtunnelCgroups,
     /// Where the kernel needs it (before 6.5): the per-pod socket lookup hand-off.
@@ -143,6 +148,13 @@ impl Owner {
             .context("removing an earlier probe source address")?;
         }
         node_config.set(0, node, 0)?;
+        let probe_cgroup = match probe_source.and_then(|probe| probe.cgroup.clone()) {
+            Some(path) => Some(ProbeCgroup {
+                path,
+                hierarchy: mounts::cgroup2_root()?,
+            }),
+            None => None,
+        };
 
         let pods_map: HashMap<MapData, u64, PodConfig> = programs::take_map(&mut ebpf, maps::PODS)?;
         let pod_ips: HashMap<MapData, IpKey, u64> = programs::take_map(&mut ebpf, maps::POD_IPS)?;
@@ -172,6 +184,8 @@ impl Owner {
             watcher: watch::Watcher::start(changes, watching, &tasks)?,
             pin_root: config.pin_root.clone(),
             probe_source: probe_source.map(|probe| (probe.v4, probe.v6)),
+            node_config,
+            probe_cgroup,
             ztunnels,
             handoff,
             cookie_answers: Arc::new(cookie_answers),
@@ -191,13 +205,25 @@ impl Owner {
         inbox: mpsc::Receiver<Traced>,
     ) -> Option<(Reply<()>, Result<()>)> {
         let mut next_audit = Instant::now() + AUDIT_INTERVAL;
+        let mut next_probe_check = Instant::now() + PROBE_CGROUP_CHECK_INTERVAL;
         loop {
+            let wake = match self.probe_cgroup {
+                Some(_) => next_audit.min(next_probe_check),
+                None => next_audit,
+            };
             let (span, command) =
-                match inbox.recv_timeout(next_audit.saturating_duration_since(Instant::now())) {
+                match inbox.recv_timeout(wake.saturating_duration_since(Instant::now())) {
                     Ok(traced) => traced,
                     Err(mpsc::RecvTimeoutError::Timeout) => {
-                        self.audit();
-                        next_audit = Instant::now() + AUDIT_INTERVAL;
+                        let now = Instant::now();
+                        if now >= next_probe_check {
+                            self.follow_probe_cgroup();
+                            next_probe_check = now + PROBE_CGROUP_CHECK_INTERVAL;
+                        }
+                        if now >= next_audit {
+                            self.audit();
+                            next_audit = now + AUDIT_INTERVAL;
+                        }
                         continue;
                     }
                     Err(mpsc::RecvTimeoutError::Disconnected) => return None,
@@ -256,6 +282,35 @@ impl Owner {
         }
     }
 
+    /// Gives the programs the probe source cgroup's id again if its path now names another
+    /// cgroup (kubelet restarted: systemd made its cgroup anew). A path that names none for now
+    /// keeps the last id, which no process can be in any more.
+    pub(super) fn follow_probe_cgroup(&mut self) -> bool {
+        let Some(probe) = &self.probe_cgroup else {
+            return false;
+        };
+        let Ok(id) = ztunnels::cgroup_id(&probe.hierarchy, &probe.path) else {
+            return false;
+        };
+        let Ok(mut node) = self.node_config.get(&0, 0) else {
+            return false;
+        };
+        if node.probe_cgroup == id {
+            return false;
+        }
+        info!(
+            path = probe.path,
+            id, "the probe source's cgroup is a new one: following it"
+        );
+        node.probe_cgroup = id;
+        if let Err(error) = self.node_config.set(0, node, 0) {
+            warn!(error = %error, "giving the programs the probe source's new cgroup");
+            return false;
+        }
+        self.mismatches.count(audit::PROBE_CGROUP_MOVED);
+        true
+    }
+
     fn uninstall(&mut self) -> Result<()> {
         let uids: Vec<String> = self.pods.keys().cloned().collect();
         for uid in uids {
@@ -273,6 +328,16 @@ impl Owner {
         info!(pin_root = %self.pin_root.display(), "datapath uninstalled");
         Ok(())
     }
+}
+
+/// How often the owner looks whether the probe source's cgroup was made anew: a restarted
+/// kubelet's probes get the probe source again within this.
+const PROBE_CGROUP_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The cgroup the probe source is kept to, by its path in the cgroup v2 hierarchy.
+struct ProbeCgroup {
+    path: String,
+    hierarchy: PathBuf,
 }
 
 /// What the programs read of the node: its netns cookie and the probe source (`None`: the

@@ -5,25 +5,38 @@
 //! pods are sent to it. It stays after the connection ends, for as long as there is room: a
 //! ztunnel that lost its connection (or is draining) still owns its sockets, and a gone one's
 //! cgroup id is never reused, so no pod can ever be in it.
+//!
+//! tc cannot read a socket's cgroup: it knows ztunnel's listeners by the mark the bind hook puts
+//! on the sockets ztunnel binds to its ports (`ZTUNNEL_LISTENERS`). Listeners ztunnel bound
+//! before that (before this agent's layout of the maps, or before the datapath was loaded) get
+//! the mark here, when ztunnel connects: the agent takes a copy of each of ztunnel's listening
+//! sockets on those ports (`pidfd_getfd`) and marks it.
 use std::{
     collections::HashMap as StdHashMap,
     fs, io,
-    os::unix::fs::MetadataExt,
+    os::{
+        fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+        unix::fs::MetadataExt,
+    },
     path::{Path, PathBuf},
 };
 
 use anyhow::{anyhow, bail, Context, Result};
 use aya::{
-    maps::{HashMap, MapData, MapError},
+    maps::{HashMap, MapData, MapError, SkStorage},
     Ebpf,
 };
+use socket2::{SockRef, Type};
 use tracing::{info, warn};
-use weir_common::{maps, ANY_CGROUP};
+use weir_common::{
+    maps, ANY_CGROUP, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+};
 
 use super::programs;
 
 pub(super) struct ZtunnelCgroups {
     map: HashMap<MapData, u64, u8>,
+    listeners: SkStorage<MapData, u8>,
     /// The cgroup2 mount, under which a process's cgroup path is found.
     hierarchy: PathBuf,
     /// Connections per cgroup.
@@ -36,6 +49,7 @@ impl ZtunnelCgroups {
     pub(super) fn take(ebpf: &mut Ebpf, hierarchy: PathBuf) -> Result<Self> {
         Ok(Self {
             map: programs::take_map(ebpf, maps::ZTUNNEL_CGROUPS)?,
+            listeners: programs::take_map(ebpf, maps::ZTUNNEL_LISTENERS)?,
             hierarchy,
             connections: StdHashMap::new(),
         })
@@ -68,6 +82,17 @@ impl ZtunnelCgroups {
             remove(&mut self.map, ANY_CGROUP)?;
         }
         info!(pid, cgroup, "ztunnel's sockets are known by its cgroup");
+        match mark_listeners(pid, &mut self.listeners) {
+            Ok(0) => {}
+            Ok(marked) => info!(pid, marked, "ztunnel's earlier listeners marked for tc"),
+            // Its earlier listeners get no inbound connection (fail closed) until it listens
+            // again; those it binds from now on are marked by the bind hook.
+            Err(error) => warn!(
+                pid,
+                error = format!("{error:#}"),
+                "cannot mark ztunnel's earlier listeners: they get no connection"
+            ),
+        }
         Ok(cgroup)
     }
 
@@ -102,6 +127,63 @@ fn remove(map: &mut HashMap<MapData, u64, u8>, cgroup: u64) -> Result<()> {
         }
         removed => removed.context("removing a ztunnel cgroup"),
     }
+}
+
+/// Marks every TCP socket of process `pid` that listens on one of ztunnel's ports with
+/// ztunnel's mark in `listeners`; returns how many. A socket is reached through a copy of the
+/// process's descriptor (`pidfd_getfd`), closed right after.
+fn mark_listeners(pid: u32, listeners: &mut SkStorage<MapData, u8>) -> Result<usize> {
+    // SAFETY: a plain syscall; the descriptor it returns is new and owned here.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return Err(io::Error::last_os_error()).context("pidfd_open");
+    }
+    // SAFETY: as above.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let mut marked = 0;
+    for entry in fs::read_dir(format!("/proc/{pid}/fd"))? {
+        let entry = entry?;
+        let is_socket = fs::read_link(entry.path())
+            .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"));
+        let fd = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok());
+        let Some(fd) = fd.filter(|_| is_socket) else {
+            continue;
+        };
+        // SAFETY: as above.
+        let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if copy < 0 {
+            // Closed meanwhile.
+            continue;
+        }
+        // SAFETY: as above.
+        let socket = unsafe { OwnedFd::from_raw_fd(copy as i32) };
+        if is_ztunnels_listener(socket.as_fd()) {
+            listeners
+                .insert(&socket, 1, 0)
+                .context("marking a listener of ztunnel's")?;
+            marked += 1;
+        }
+    }
+    Ok(marked)
+}
+
+/// Whether `socket` is a TCP listener with ztunnel's mark on one of ztunnel's ports.
+fn is_ztunnels_listener(socket: BorrowedFd<'_>) -> bool {
+    let socket = SockRef::from(&socket);
+    let port = socket
+        .local_addr()
+        .ok()
+        .and_then(|address| address.as_socket())
+        .map(|address| address.port());
+    socket.r#type().is_ok_and(|kind| kind == Type::STREAM)
+        && socket.is_listener().unwrap_or(false)
+        && socket
+            .mark()
+            .is_ok_and(|mark| mark & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK)
+        && matches!(port, Some(OUTBOUND_PORT | INBOUND_PORT | HBONE_PORT))
 }
 
 /// The cgroup (v2) id of process `pid`, as the programs read it for the process's sockets: the
