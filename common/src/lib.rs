@@ -13,9 +13,6 @@ pub const ABI_VERSION: u32 = 8;
 pub const ZTUNNEL_MARK: u32 = 0x539;
 /// ...and istio matches it under this mask.
 pub const ZTUNNEL_MARK_MASK: u32 = 0xfff;
-/// The `ZTUNNEL_CGROUPS` key that stands for every cgroup: the agent could not tell a connected
-/// ztunnel's cgroup, and ztunnel's sockets are then known by their mark alone.
-pub const ANY_CGROUP: u64 = 0;
 /// Set on ztunnel's source-preserving dials to its own pod. With `tcp_fwmark_accept` the app's
 /// accepted socket inherits it, and a policy rule on this bit routes the app's replies back to
 /// ztunnel's transparent socket (istio's connmark 0x111 + table 100, without conntrack). A bit of
@@ -446,8 +443,8 @@ pub mod maps {
     pub const HANDOFF: &str = "HANDOFF";
     /// Per-CPU array of [`super::HandoffSlot`]s: the connections `HANDOFF`'s listeners are for.
     pub const HANDOFF_CONNECTION: &str = "HANDOFF_CONNECTION";
-    /// The cgroup (v2) ids of the connected ztunnels (`u64` to `u8`, the value unused), or
-    /// [`super::ANY_CGROUP`]: a socket is ztunnel's when it has ztunnel's mark and one of these.
+    /// The cgroup (v2) ids of the connected ztunnels (`u64` to `u8`, the value unused): a socket
+    /// is ztunnel's when it has ztunnel's mark and one of these.
     pub const ZTUNNEL_CGROUPS: &str = "ZTUNNEL_CGROUPS";
     /// Socket storage (`u8`, unused) on the sockets ztunnel bound to its listening ports in
     /// ambient pods: how tc tells ztunnel's listeners from a pod's.

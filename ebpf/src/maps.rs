@@ -16,7 +16,7 @@ use aya_ebpf::{
 };
 use weir_common::{
     list, ConnectionKey, Endpoint, HandoffSlot, IpKey, NodeConfig, PodConfig, PodCounters, PortKey,
-    RangeKey, ANY_CGROUP, HANDOFF_SLOTS,
+    RangeKey, HANDOFF_SLOTS,
 };
 
 use crate::net::{is_v4_mapped, same_ip};
@@ -242,7 +242,7 @@ static ZTUNNEL_CGROUPS: HashMap<u64, u8, MAX_ZTUNNELS> = HashMap::new();
 #[inline(always)]
 pub fn is_ztunnels_cgroup(cgroup: u64) -> bool {
     // SAFETY: only whether an entry exists is read, never the entry.
-    unsafe { ZTUNNEL_CGROUPS.get(ANY_CGROUP).is_some() || ZTUNNEL_CGROUPS.get(cgroup).is_some() }
+    unsafe { ZTUNNEL_CGROUPS.get(cgroup).is_some() }
 }
 
 /// The sockets ztunnel bound to its listening ports in ambient pods (the value unused): written

@@ -9,6 +9,7 @@ use std::os::unix::ffi::OsStringExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
 
 use anyhow::{Context, Result};
 use nix::sched::CloneFlags;
@@ -106,6 +107,38 @@ impl Drop for PodProcess {
 pub fn output_apart_from_ztunnel(netns: &NetNs, command: Command) -> Result<Output> {
     let cgroup = TestCgroup::new()?;
     output_in_cgroup(netns, &cgroup.dir, command)
+}
+
+/// Puts this process in a cgroup (v2) of its own, as kubelet puts ztunnel's container, unless
+/// it is in one already: the harness's ztunnel stand-ins run in this process, and weir refuses a
+/// ztunnel whose cgroup is the hierarchy's root (where every process is on a node with the
+/// hybrid hierarchy) or has cgroups below it. The whole process moves, once; the directory,
+/// left behind, is swept by `cargo xtask sweep`.
+pub fn in_a_cgroup_of_its_own() -> Result<()> {
+    static MOVED: OnceLock<Result<(), String>> = OnceLock::new();
+    MOVED
+        .get_or_init(|| move_to_a_cgroup_of_its_own().map_err(|error| format!("{error:#}")))
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn move_to_a_cgroup_of_its_own() -> Result<()> {
+    let root = cgroup2_root()?;
+    let own = fs::read_to_string("/proc/self/cgroup")?
+        .lines()
+        .find_map(|line| line.strip_prefix("0::").map(str::to_owned))
+        .context("this process is in no cgroup v2")?;
+    let dir = root.join(own.trim_start_matches('/'));
+    let has_cgroups_below = fs::read_dir(&dir)?
+        .filter_map(Result::ok)
+        .any(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()));
+    if !own.trim_matches('/').is_empty() && !has_cgroups_below {
+        return Ok(());
+    }
+    let cgroup = root.join(ids::unique_name("ztunnel"));
+    fs::create_dir(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
+    fs::write(cgroup.join("cgroup.procs"), std::process::id().to_string())
+        .with_context(|| format!("moving this process into {}", cgroup.display()))
 }
 
 /// A cgroup (v2) directory of the test's own, removed on drop (it must be empty by then).

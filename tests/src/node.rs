@@ -170,6 +170,8 @@ impl TestNode {
     }
 
     pub fn with_options(options: NodeOptions) -> Result<Self> {
+        // The stand-ins for ztunnel run in this process: weir tells ztunnel apart by its cgroup.
+        crate::cgroup::in_a_cgroup_of_its_own()?;
         // Distinct subnets for the nodes of one process: isolated by namespaces anyway, but
         // addresses in a failure message then say which node they belong to.
         static SUBNETS: AtomicU8 = AtomicU8::new(0);

@@ -17,7 +17,7 @@ use std::{
 };
 
 use socket2::{Domain, Socket, Type};
-use weir_agent::workload::PodOptions;
+use weir_agent::{datapath::cgroup2_root, workload::PodOptions};
 use weir_common::{HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     cgroup,
@@ -107,6 +107,50 @@ fn a_listener_autobound_to_ztunnels_ports_with_its_mark_gets_no_connection() {
     assert!(ztunnel
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)
         .is_some());
+    datapath.uninstall().wait().unwrap();
+}
+
+/// ztunnel's sockets are told from a pod's by their cgroup, so a ztunnel whose cgroup could be
+/// anyone's is refused, never taken by its mark alone: one in the root of the cgroup v2
+/// hierarchy (where every process is on a node with the hybrid hierarchy, or whose runtime gives
+/// containers no cgroup v2 of their own), one whose cgroup has cgroups below it, and one whose
+/// cgroup cannot be read.
+#[test]
+fn a_ztunnel_whose_cgroup_could_be_anyones_is_refused() {
+    let fixture = privileged!(DatapathNode::new());
+    let datapath = fixture.start_datapath();
+    let root = cgroup2_root().unwrap();
+    let mut ztunnel = Command::new("sleep").arg("60").spawn().unwrap();
+    let pid = ztunnel.id();
+    let move_to = |dir: &std::path::Path| fs::write(dir.join("cgroup.procs"), pid.to_string());
+    let refusal = |pid: u32| {
+        let error = datapath.ztunnel_connected(pid).wait().unwrap_err();
+        format!("{error:#}")
+    };
+
+    move_to(&root).unwrap();
+    let refused = refusal(pid);
+    assert!(
+        refused.contains("root of the cgroup v2 hierarchy"),
+        "{refused}"
+    );
+
+    let parent = cgroup::TestCgroup::new().unwrap();
+    let below = parent.dir.join("below");
+    fs::create_dir(&below).unwrap();
+    move_to(&parent.dir).unwrap();
+    let refused = refusal(pid);
+    assert!(refused.contains("has cgroups below it"), "{refused}");
+
+    fs::remove_dir(&below).unwrap();
+    assert!(
+        datapath.ztunnel_connected(pid).wait().is_ok(),
+        "a cgroup of its own"
+    );
+    ztunnel.kill().unwrap();
+    ztunnel.wait().unwrap();
+    let refused = refusal(pid);
+    assert!(refused.contains("cannot be told from pods"), "{refused}");
     datapath.uninstall().wait().unwrap();
 }
 

@@ -28,9 +28,7 @@ use aya::{
 };
 use socket2::{SockRef, Type};
 use tracing::{info, warn};
-use weir_common::{
-    maps, ANY_CGROUP, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
-};
+use weir_common::{maps, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK};
 
 use super::programs;
 
@@ -55,21 +53,18 @@ impl ZtunnelCgroups {
         })
     }
 
-    /// A ztunnel, process `pid`, connected: returns the cgroup its sockets are now known by. If
-    /// that cannot be told, by their mark alone ([`ANY_CGROUP`]), with a warning.
+    /// A ztunnel, process `pid`, connected: returns the cgroup its sockets are now known by.
+    /// `Err` when that cgroup cannot be read or is no identity (see [`identity_of`]): then this
+    /// ztunnel is refused, and its pods wait (fail closed), for a mark alone does not tell its
+    /// sockets from a pod's.
     pub(super) fn connected(&mut self, pid: u32) -> Result<u64> {
-        let cgroup = match cgroup_of(pid, &self.hierarchy) {
-            Ok(cgroup) => cgroup,
-            Err(error) => {
-                warn!(
-                    pid,
-                    error = format!("{error:#}"),
-                    "cannot tell a connected ztunnel's cgroup: its sockets are known by \
-                     ztunnel's mark alone, which pods with CAP_NET_RAW can set too"
-                );
-                ANY_CGROUP
-            }
-        };
+        let cgroup = identity_of(pid, &self.hierarchy).with_context(|| {
+            format!(
+                "ztunnel (pid {pid}) cannot be told from pods by its cgroup, so it is refused: \
+                 run it in a cgroup v2 of its own (a container of its own on a node whose \
+                 runtime gives containers cgroup v2 directories)"
+            )
+        })?;
         if let Err(MapError::SyscallError(_)) = self.map.insert(cgroup, 0, 0) {
             // Full of ztunnels that are no longer connected.
             self.forget_disconnected()?;
@@ -78,9 +73,6 @@ impl ZtunnelCgroups {
                 .context("recording ztunnel's cgroup")?;
         }
         *self.connections.entry(cgroup).or_default() += 1;
-        if cgroup != ANY_CGROUP && !self.connections.contains_key(&ANY_CGROUP) {
-            remove(&mut self.map, ANY_CGROUP)?;
-        }
         info!(pid, cgroup, "ztunnel's sockets are known by its cgroup");
         match mark_listeners(pid, &mut self.listeners) {
             Ok(0) => {}
@@ -186,12 +178,33 @@ fn is_ztunnels_listener(socket: BorrowedFd<'_>) -> bool {
         && matches!(port, Some(OUTBOUND_PORT | INBOUND_PORT | HBONE_PORT))
 }
 
+/// The cgroup (v2) id of process `pid` as an identity only its processes can have: not the
+/// hierarchy's root, where every process is that has no cgroup v2 of its own (on a node with the
+/// hybrid hierarchy, or whose runtime gives containers none), and not a cgroup with cgroups
+/// below it, whose processes may be anyone's.
+fn identity_of(pid: u32, hierarchy: &Path) -> Result<u64> {
+    let path = cgroup_path_of(pid)?;
+    if path.trim_matches('/').is_empty() {
+        bail!("process {pid} is in the root of the cgroup v2 hierarchy, with every process that has no cgroup v2 of its own");
+    }
+    let dir = hierarchy.join(path.trim_start_matches('/'));
+    let below = fs::read_dir(&dir)
+        .with_context(|| format!("{}", dir.display()))?
+        .filter_map(Result::ok)
+        .any(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()));
+    if below {
+        bail!("process {pid}'s cgroup {path} has cgroups below it");
+    }
+    cgroup_id(hierarchy, &path)
+}
+
 /// The cgroup (v2) id of process `pid`, as the programs read it for the process's sockets: the
 /// inode number of its cgroup's directory. Its path is read in the node's cgroup namespace (pid
 /// 1's, the agent running with the node's pids): in a container's own, another container's path
 /// starts with `/..`.
-fn cgroup_of(pid: u32, hierarchy: &Path) -> Result<u64> {
-    let path = std::thread::scope(|scope| {
+/// The path of process `pid`'s cgroup (v2), as the node's cgroup namespace names it.
+fn cgroup_path_of(pid: u32) -> Result<String> {
+    std::thread::scope(|scope| {
         scope
             .spawn(|| {
                 enter_node_cgroup_namespace()?;
@@ -199,8 +212,7 @@ fn cgroup_of(pid: u32, hierarchy: &Path) -> Result<u64> {
             })
             .join()
             .map_err(|_| anyhow!("reading the cgroup of {pid} panicked"))?
-    })?;
-    cgroup_id(hierarchy, &path)
+    })
 }
 
 /// The id of the cgroup at `path` (as `/proc/<pid>/cgroup` shows it, from the hierarchy's root)
@@ -250,8 +262,8 @@ mod tests {
     #[test]
     fn a_process_cgroup_is_its_directorys_inode() {
         let hierarchy = super::super::mounts::cgroup2_root().unwrap();
-        let own = cgroup_of(std::process::id(), &hierarchy).unwrap();
-        let path = cgroup_path(std::process::id()).unwrap();
+        let path = cgroup_path_of(std::process::id()).unwrap();
+        let own = cgroup_id(&hierarchy, &path).unwrap();
         let dir = hierarchy.join(path.trim_start_matches('/'));
         assert_eq!(own, fs::metadata(dir).unwrap().ino());
     }

@@ -90,7 +90,11 @@ async fn run(socket: &SeqpacketConnection, shared: &Arc<Shared>) -> anyhow::Resu
     }
     wait_for_snapshots(socket, shared).await?;
     let _ztunnel_sockets = match &shared.datapath {
-        Some(datapath) => Some(ZtunnelSockets::known(datapath, socket).await?),
+        Some(datapath) => Some(
+            ZtunnelSockets::known(datapath, socket)
+                .await
+                .inspect_err(|_| shared.metrics.error("hello", "identity"))?,
+        ),
         None => None,
     };
     let (requests, mut queue) = mpsc::unbounded_channel();
