@@ -128,6 +128,40 @@ impl HandoffSlot {
     }
 }
 
+/// The most entries a REDIRECT-mode sidecar pod's translation map (its `REROUTE_NAT` map) holds:
+/// two per connection, so 8,192 open connections of the VMs behind its rerouted interfaces.
+pub const REROUTE_NAT_ENTRIES: u32 = 16_384;
+
+/// One direction of a connection translated on a REDIRECT-mode sidecar pod's rerouted interface,
+/// in the pod's own translation map under the tuple that direction's packets carry: the VM's
+/// `(client, original destination)`, or the proxy's `(client, proxy)`. Each field has one
+/// writer, this direction's program or the other's, so neither overwrites the other's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NatEntry {
+    /// The other end these packets are given: the proxy's endpoint, or the original destination.
+    pub to: Endpoint,
+    /// The acknowledgment number that acknowledges the other direction's FIN, once `peer_fin`.
+    pub peer_fin_ack: u32,
+    /// Non-zero once the other direction's FIN has passed (its program sets it).
+    pub peer_fin: u8,
+    /// Non-zero once this direction has acknowledged the other's FIN.
+    pub peer_fin_acked: u8,
+    pub _pad: [u8; 2],
+}
+
+impl NatEntry {
+    pub const fn new(to: Endpoint) -> Self {
+        Self {
+            to,
+            peer_fin_ack: 0,
+            peer_fin: 0,
+            peer_fin_acked: 0,
+            _pad: [0; 2],
+        }
+    }
+}
+
 /// `PodConfig::flags` bits.
 pub const POD_HAS_IPV4: u32 = 1 << 0;
 pub const POD_HAS_IPV6: u32 = 1 << 1;
@@ -361,7 +395,8 @@ pub enum TraceVerdict {
     DropHboneNotZtunnel = 13,
     /// Dropped: ztunnel is not listening in the pod.
     DropNoZtunnel = 14,
-    /// Dropped: a rerouted SYN whose tuple another connection holds.
+    /// Dropped: a rerouted SYN whose tuple another connection holds, or whose translation its
+    /// pod's map could not take.
     DropTupleTaken = 15,
     /// Refused: a connection to the probe source address.
     RefuseProbeAddress = 16,
@@ -457,8 +492,9 @@ pub mod maps {
     pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
     /// Per-CPU `u64` at index 0: records the ring buffer had no room for.
     pub const TRACE_LOST: &str = "TRACE_LOST";
-    /// REDIRECT-mode sidecar pods' translated rerouted connections, [`super::ConnectionKey`]
-    /// to [`super::Endpoint`] both ways.
+    /// REDIRECT-mode sidecar pods' translated rerouted connections: a hash of maps, a pod's
+    /// netns cookie (`u64`) to its own LRU map of [`super::ConnectionKey`] to
+    /// [`super::NatEntry`], both ways, at most [`super::REROUTE_NAT_ENTRIES`].
     pub const REROUTE_NAT: &str = "REROUTE_NAT";
     /// Sidecar pods' port lists ([`super::PortKey`]).
     pub const SIDECAR_PORTS: &str = "SIDECAR_PORTS";
@@ -526,6 +562,7 @@ mod user {
     unsafe impl aya::Pod for super::IpKey {}
     unsafe impl aya::Pod for super::Endpoint {}
     unsafe impl aya::Pod for super::ConnectionKey {}
+    unsafe impl aya::Pod for super::NatEntry {}
     unsafe impl aya::Pod for super::PodConfig {}
     unsafe impl aya::Pod for super::PodCounters {}
     unsafe impl aya::Pod for super::NodeConfig {}
@@ -545,6 +582,7 @@ mod tests {
         assert_eq!(size_of::<IpKey>(), 16);
         assert_eq!(size_of::<Endpoint>(), 20);
         assert_eq!(size_of::<ConnectionKey>(), 40);
+        assert_eq!(size_of::<NatEntry>(), 20 + 4 + 1 + 1 + 2);
         assert_eq!(size_of::<PodConfig>(), 4 + 4 + 16 + POD_UID_LEN + 8);
         assert_eq!(size_of::<PortKey>(), 16);
         assert_eq!(size_of::<RangeKey>(), 28);

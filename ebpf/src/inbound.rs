@@ -83,7 +83,7 @@ const IPPROTO_DSTOPTS: u8 = 60;
 const MAX_EXTENSION_HEADERS: usize = 8;
 pub(crate) const TCP_FLAGS_OFFSET: usize = 13;
 pub(crate) const TCP_SYN: u8 = 0x02;
-const TCP_RST: u8 = 0x04;
+pub(crate) const TCP_RST: u8 = 0x04;
 pub(crate) const TCP_ACK: u8 = 0x10;
 /// `bpf_sock.state` values (the kernel's `TCP_*` states).
 const TCP_TIME_WAIT: u32 = 6;
@@ -672,7 +672,7 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
 
 /// The verdict that drops a packet for the pod, counted in its `dropped` counter.
 #[inline(always)]
-fn drop_counted(netns: u64) -> i32 {
+pub(crate) fn drop_counted(netns: u64) -> i32 {
     count(netns, |c: &mut PodCounters| &mut c.dropped);
     DROP
 }

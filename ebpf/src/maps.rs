@@ -8,15 +8,17 @@ use core::{ffi::c_void, ptr};
 
 use aya_ebpf::{
     bindings::{bpf_sock, BPF_ANY, BPF_F_NO_PREALLOC},
-    btf_maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
+    btf_maps::{
+        lpm_trie::Key, Array, HashMap, HashOfMaps, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap,
+    },
     helpers::generated::{
         bpf_map_delete_elem, bpf_map_lookup_elem, bpf_map_update_elem, bpf_sk_storage_get,
     },
     macros::btf_map,
 };
 use weir_common::{
-    list, ConnectionKey, Endpoint, HandoffSlot, IpKey, NodeConfig, PodConfig, PodCounters, PortKey,
-    RangeKey, HANDOFF_SLOTS,
+    list, ConnectionKey, Endpoint, HandoffSlot, IpKey, NatEntry, NodeConfig, PodConfig,
+    PodCounters, PortKey, RangeKey, HANDOFF_SLOTS, REROUTE_NAT_ENTRIES,
 };
 
 use crate::net::{is_v4_mapped, same_ip};
@@ -187,11 +189,20 @@ pub static SOCKET_ORIG_DST: SocketStorage<Endpoint> = SocketStorage::new();
 #[btf_map]
 pub static CONN_ORIG_DST: LruHashMap<ConnectionKey, Endpoint, MAX_CONNECTIONS> = LruHashMap::new();
 
-/// Translated connections of REDIRECT-mode sidecar pods' rerouted interfaces, both ways:
-/// `(client, original)` to the proxy's endpoint and `(client, proxy)` to the original
-/// ([`crate::reroute_nat`]).
+/// One REDIRECT-mode sidecar pod's translated connections, both ways: `(client, original)` to
+/// the proxy's endpoint and `(client, proxy)` to the original ([`crate::reroute_nat`]). At its
+/// bound a new SYN's entries take the place of the pod's least recently used ones: the
+/// connection that had them breaks (what its VM sends is delivered locally and answered with a
+/// reset, never let around the proxy), and no other pod's is touched. A SYN whose entries cannot be made at
+/// all (no map yet, no memory) is dropped, counted in the pod's `dropped` and traced.
+pub type PodTranslations = LruHashMap<ConnectionKey, NatEntry, { REROUTE_NAT_ENTRIES as usize }>;
+
+/// Each REDIRECT-mode sidecar pod's own [`PodTranslations`], by netns cookie: the agent makes
+/// a pod's map before it attaches the translating programs, and drops it with the pod. A map
+/// per pod, because every KubeVirt VM has the same address: a VM's tuples are another pod's VM's
+/// too, and in a map of the node one pod's VM would find (or push out) another's translations.
 #[btf_map]
-pub static REROUTE_NAT: LruHashMap<ConnectionKey, Endpoint, MAX_CONNECTIONS> = LruHashMap::new();
+static REROUTE_NAT: HashOfMaps<u64, PodTranslations, MAX_PODS, NO_PREALLOC> = HashOfMaps::new();
 
 /// A connection's translation in both directions, built where [`crate::reroute_nat`] needs it:
 /// on the stack its keys would take the program past the 512 bytes it may have.
@@ -278,6 +289,14 @@ pub fn pod_with_ip(ip: &IpKey) -> Option<u64> {
 pub fn pod_in_slot(slot: u32) -> Option<u64> {
     // SAFETY: see above.
     unsafe { POD_SLOTS.get(slot).copied() }
+}
+
+/// The translations of the pod whose netns cookie this is, once the agent has made its map.
+#[inline(always)]
+pub fn translations(netns_cookie: u64) -> Option<&'static PodTranslations> {
+    // SAFETY: the agent inserts and removes whole maps, never changes one in place; the kernel
+    // keeps a map it removes alive until the programs using it have run.
+    unsafe { REROUTE_NAT.get(&netns_cookie) }
 }
 
 /// The original destination ztunnel's side of a redirected connection asks for.

@@ -14,6 +14,17 @@ use anyhow::bail;
 
 use crate::Pod;
 
+/// Whether this kernel is older than 6.5, where tc cannot assign reuseport listeners and hands
+/// new connections to ztunnel through the socket lookup instead.
+pub fn kernel_needs_the_handoff() -> bool {
+    let release = nix::sys::utsname::uname().expect("uname");
+    let release = release.release().to_string_lossy();
+    let mut numbers = release
+        .split(['.', '-'])
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) < (6, 5)
+}
+
 const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_PROG_TYPE_XDP: u32 = 6;

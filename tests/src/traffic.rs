@@ -11,7 +11,9 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::server::{Listener, Log, Server};
+use socket2::{Domain, Protocol, Socket, Type};
+
+use crate::server::{Listener, Log, Server, Tracker};
 use crate::sockopt::canonical;
 use crate::{NetNs, Pod, APP_PORT, IO_TIMEOUT};
 
@@ -79,6 +81,28 @@ impl EchoServer {
         })
     }
 
+    /// An echo server whose connections answer line after line for as long as their client
+    /// keeps them open, however long it waits between lines: for a connection a test holds
+    /// across something slow. Listens on `addr` inside `netns`.
+    pub fn start_lasting(netns: &NetNs, name: &str, addr: SocketAddr) -> io::Result<Self> {
+        let listener = netns.run(|| TcpListener::bind(addr))?;
+        let addr = listener.local_addr()?;
+        Self::serve(
+            netns,
+            &format!("lasting-echo-{name}"),
+            name,
+            addr,
+            |name, received| {
+                let handler = Arc::new(move |stream: TcpStream, tracker: &Tracker| {
+                    if let Err(err) = serve_lines(&stream, &name, &received, tracker) {
+                        eprintln!("lasting echo server {name}: {err}");
+                    }
+                });
+                Listener::Tcp(listener, handler)
+            },
+        )
+    }
+
     /// The pod's app: named after the pod, on [`APP_PORT`] of every address the pod has (one
     /// dual-stack wildcard socket).
     pub fn app(pod: &Pod) -> io::Result<Self> {
@@ -129,6 +153,24 @@ fn serve_echo(stream: &TcpStream, name: &str, received: &Log<Received>) -> io::R
         line: line.as_ref().cloned().unwrap_or_default(),
     });
     write_line(stream, &echo(name, &line?))
+}
+
+/// Answers each line on `stream` until its client closes it; stopping the server shuts it down.
+fn serve_lines(
+    stream: &TcpStream,
+    name: &str,
+    received: &Log<Received>,
+    tracker: &Tracker,
+) -> io::Result<()> {
+    let _tracked = tracker.track(stream)?;
+    let peer = canonical(stream.peer_addr()?);
+    let local = canonical(stream.local_addr()?);
+    for line in BufReader::new(stream).lines() {
+        let line = line?;
+        write_line(stream, &echo(name, &line))?;
+        received.push(Received { peer, local, line });
+    }
+    Ok(())
 }
 
 impl EchoServer {
@@ -188,6 +230,22 @@ pub fn tcp_request(addr: SocketAddr, msg: &str) -> io::Result<Reply> {
         local,
         response: read_line(&stream)?,
     })
+}
+
+/// A TCP connection to `addr` from `port` of this netns's addresses, for a test that holds it
+/// or chooses its tuple. Run it inside a pod.
+pub fn tcp_connect_from(port: u16, addr: SocketAddr) -> io::Result<TcpStream> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    let any: SocketAddr = match addr {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, port).into(),
+        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, port).into(),
+    };
+    socket.bind(&any.into())?;
+    socket.connect_timeout(&addr.into(), IO_TIMEOUT)?;
+    let stream: TcpStream = socket.into();
+    set_timeouts(&stream)?;
+    Ok(stream)
 }
 
 /// A UDP exchange as the client saw it.

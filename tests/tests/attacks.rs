@@ -24,7 +24,7 @@ use weir_tests::{
     chain::{CniChainNode, WAIT as AGENT_WAIT},
     netns::ip,
     privileged,
-    receive_batch::{delay_egress, XdpPass},
+    receive_batch::{delay_egress, kernel_needs_the_handoff, XdpPass},
     sidecar::{sidecar_pod, SidecarStandIn},
     sockopt::canonical,
     tcp_request,
@@ -173,16 +173,6 @@ fn connect_together(target: SocketAddr, count: usize, line: &str) -> io::Result<
             .map(|connection| connection.join().unwrap())
             .collect()
     })
-}
-
-/// Whether this kernel is older than 6.5, where tc cannot assign reuseport listeners.
-fn kernel_needs_the_handoff() -> bool {
-    let release = nix::sys::utsname::uname().unwrap();
-    let release = release.release().to_string_lossy();
-    let mut numbers = release
-        .split(['.', '-'])
-        .map(|n| n.parse::<u32>().unwrap_or(0));
-    (numbers.next().unwrap_or(0), numbers.next().unwrap_or(0)) < (6, 5)
 }
 
 /// Before Linux 6.5, tc hands a new connection to ztunnel's reuseport listener through the

@@ -108,7 +108,7 @@ const fn map(
 }
 
 /// Every program and map type of weir's object (the unit test below holds the object to it).
-pub(crate) const BPF_FEATURES: [BpfFeature; 14] = [
+pub(crate) const BPF_FEATURES: [BpfFeature; 15] = [
     program(
         ProgramType::CgroupSockAddr,
         "cgroup_sock_addr",
@@ -160,7 +160,13 @@ pub(crate) const BPF_FEATURES: [BpfFeature; 14] = [
     map(
         MapType::LruHash,
         "lru_hash",
-        "connections' original destinations",
+        "connections' original destinations, rerouted connections' translations",
+        "CONFIG_BPF_SYSCALL",
+    ),
+    map(
+        MapType::HashOfMaps,
+        "hash_of_maps",
+        "each REDIRECT-mode sidecar pod's translation map",
         "CONFIG_BPF_SYSCALL",
     ),
     map(

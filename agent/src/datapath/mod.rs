@@ -39,6 +39,7 @@ mod sidecar_lists;
 mod snapshot;
 mod tasks;
 mod trace_maps;
+mod translations;
 mod userns;
 mod watch;
 mod ztunnels;

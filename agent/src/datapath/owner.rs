@@ -16,12 +16,12 @@ use aya::{
     Ebpf,
 };
 use tracing::{info, warn};
-use weir_common::{maps, ConnectionKey, Endpoint, IpKey, NodeConfig, PodConfig, PodCounters};
+use weir_common::{maps, IpKey, NodeConfig, PodConfig, PodCounters};
 
 use super::{
     audit, bpf_log, discovery, enroll_steps, handoff, kernel, maps_dir, mounts, netlink, netns,
-    pod_slots, programs, recovery, sidecar_lists, tasks, watch, ztunnels, Command, DatapathConfig,
-    ProbeSource, Reply, Traced, AUDIT_INTERVAL,
+    pod_slots, programs, recovery, sidecar_lists, tasks, translations, watch, ztunnels, Command,
+    DatapathConfig, ProbeSource, Reply, Traced, AUDIT_INTERVAL,
 };
 
 /// One enrolled pod as the owner tracks it.
@@ -48,8 +48,8 @@ pub(super) struct Owner {
     pub(super) pod_slots: pod_slots::PodSlots,
     pub(super) counters: PerCpuHashMap<MapData, u64, PodCounters>,
     pub(super) sidecar_lists: sidecar_lists::SidecarLists,
-    /// Translated connections of rerouted interfaces, both ways (see `weir_nat_in`).
-    pub(super) reroute_nat: HashMap<MapData, ConnectionKey, Endpoint>,
+    /// REDIRECT-mode sidecar pods' translation maps, one per pod (see `weir_nat_in`).
+    pub(super) translations: translations::Translations,
     pub(super) pods: StdHashMap<String, Enrolled>,
     /// Enrolled pods' interface subscriptions, by uid (pods recovered after a restart are
     /// followed once enrolled again).
@@ -161,7 +161,7 @@ impl Owner {
         let pod_slots = pod_slots::PodSlots::take(&mut ebpf, &pods_map)?;
         let counters = programs::take_map(&mut ebpf, maps::POD_COUNTERS)?;
         let sidecar_lists = sidecar_lists::SidecarLists::take(&mut ebpf)?;
-        let reroute_nat = programs::take_map(&mut ebpf, maps::REROUTE_NAT)?;
+        let translations = translations::Translations::take(&mut ebpf, &pods_map)?;
         let ztunnels = ztunnels::ZtunnelCgroups::take(&mut ebpf, mounts::cgroup2_root()?)?;
         let pods = recovery::recover_pods(&pods_map, &pod_ips);
         info!(
@@ -178,7 +178,7 @@ impl Owner {
             pod_slots,
             counters,
             sidecar_lists,
-            reroute_nat,
+            translations,
             pods,
             watches: StdHashMap::new(),
             watcher: watch::Watcher::start(changes, watching, &tasks)?,

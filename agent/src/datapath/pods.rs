@@ -10,10 +10,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use tracing::{debug, warn};
-use weir_common::{
-    ConnectionKey, Endpoint, IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6,
-    POD_SIDECAR, POD_SIDECAR_IPV6, POD_TPROXY,
-};
+use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6, POD_SIDECAR_IPV6};
 
 use super::{
     enroll_steps::Stopwatch,
@@ -31,7 +28,7 @@ use crate::{
     workload::{AllOr, InterceptionMode, Workload},
 };
 
-const BPF_NOEXIST: u64 = 1;
+pub(super) const BPF_NOEXIST: u64 = 1;
 
 /// Addresses indexed per pod beyond those the runtime gave it (link-local ones, a VM's). Each
 /// takes an entry of `POD_IPS`, which every pod on the node shares: a pod with CAP_NET_ADMIN
@@ -276,17 +273,33 @@ impl Owner {
             .pod_slots
             .slot_of(netns_cookie)
             .context("giving the pod a slot")?;
+        let interfaces = captured_interfaces(pod, &found.links);
+        let setup = netns_setup(pod, config, &interfaces, slot);
+        self.make_translations(netns_cookie, &setup.rerouted)?;
         fail::fail_point!("enroll-maps-written");
         stopwatch.lap("maps");
-        let interfaces = captured_interfaces(pod, &found.links);
         set_up_pod_netns(
             rtnl,
             &self.ebpf,
             self.handoff.as_ref().map(|handoff| (handoff, netns_cookie)),
-            &netns_setup(pod, config, &interfaces, slot),
+            &setup,
             |step| stopwatch.lap(step),
         )?;
         Ok(ips)
+    }
+
+    /// Gives a pod whose rerouted connections are translated its translation map, which the
+    /// translating programs need before their filters go on: without it they drop new
+    /// connections.
+    pub(super) fn make_translations(
+        &mut self,
+        netns_cookie: u64,
+        rerouted: &Reroute,
+    ) -> Result<()> {
+        if rerouted.translated && !rerouted.interfaces.is_empty() {
+            self.translations.make(netns_cookie)?;
+        }
+        Ok(())
     }
 
     /// Counters first so no event is lost, the address index last since the socket programs
@@ -378,11 +391,6 @@ impl Owner {
 
     /// `lists`: the pod's sidecar list entries, `None` where they are not known.
     fn remove_entries(&mut self, netns_cookie: u64, ips: &[IpKey], lists: Option<&ListEntries>) {
-        // Only a REDIRECT-mode sidecar pod's connections are translated.
-        let translated = self
-            .pods_map
-            .get(&netns_cookie, 0)
-            .is_ok_and(|config| config.has(POD_SIDECAR) && !config.has(POD_TPROXY));
         self.remove_ip_entries(netns_cookie, ips);
         let _ = self.pods_map.remove(&netns_cookie);
         self.sidecar_lists.remove(lists, netns_cookie);
@@ -391,25 +399,7 @@ impl Owner {
         if let Some(handoff) = &self.handoff {
             handoff.detach(netns_cookie);
         }
-        if translated {
-            self.remove_translations(ips);
-        }
-    }
-
-    /// The translations of connections to the proxy at one of `ips` (a REDIRECT-mode sidecar
-    /// pod's rerouted interfaces), both ways; the map, node-wide, is walked.
-    fn remove_translations(&mut self, ips: &[IpKey]) {
-        let pods = |endpoint: &Endpoint| ips.contains(&endpoint.ip);
-        let gone: Vec<ConnectionKey> = self
-            .reroute_nat
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(key, value)| pods(&key.listener) || pods(value))
-            .map(|(key, _)| key)
-            .collect();
-        for key in gone {
-            let _ = self.reroute_nat.remove(&key);
-        }
+        self.translations.remove(netns_cookie);
     }
 
     fn remove_ip_entries(&mut self, netns_cookie: u64, ips: &[IpKey]) {

@@ -18,7 +18,7 @@ use weir_common::{IpKey, PodConfig};
 use super::{
     discovery,
     pod_netns::prepare_pod_netns,
-    sidecar_lists, snapshot,
+    pods, sidecar_lists, snapshot,
     watch::{excludes_interfaces, Interfaces},
     Enrolled, Owner, Reply,
 };
@@ -143,6 +143,9 @@ impl Owner {
             .pod_slots
             .slot_of(netns_cookie)
             .context("giving the pod a slot")?;
+        if let Some(record) = record {
+            self.make_translations(netns_cookie, &pods::reroute(record, &config))?;
+        }
         let handoff = self.handoff.as_ref().map(|handoff| (handoff, netns_cookie));
         prepare_pod_netns(
             &mut rtnl,

@@ -226,10 +226,13 @@ pub trait Policy: Send + Sync {
 /// The names of a comma-separated list, as istio splits it (blanks around names and empty items
 /// are ignored), sorted and without duplicates; `None` when one is not a valid Linux interface
 /// name (1 to 15 bytes, no `/`, `:` or whitespace, not `.` or `..`).
+/// The pod's network (CNI_IFNAME, as kubelet names it), which carries its inbound traffic.
+pub const PRIMARY_INTERFACE: &str = "eth0";
+
 /// Interfaces a pod cannot have rerouted: `lo` carries all of the pod's locally made TCP (ztunnel's
-/// own dials among it), and `eth0`, the pod's network (CNI_IFNAME, as kubelet names it), carries
-/// its inbound traffic; rerouting either would send that to ztunnel's outbound listener.
-const NEVER_REROUTED: [&str; 2] = ["lo", "eth0"];
+/// own dials among it), and [`PRIMARY_INTERFACE`] its inbound traffic; rerouting either would
+/// send that to ztunnel's outbound listener.
+const NEVER_REROUTED: [&str; 2] = ["lo", PRIMARY_INTERFACE];
 
 fn interface_names(list: &str) -> Option<Vec<String>> {
     let mut names = Vec::new();

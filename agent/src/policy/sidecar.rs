@@ -6,13 +6,17 @@
 //! `istio-init` container, Envoy not disabled, injection not turned off, and the injector's
 //! status annotation. Its annotations then say how, each with istio's default when absent; a
 //! present annotation is used as written, even empty, and an invalid one fails the pod's CNI ADD
-//! as istio's does rather than falling back to a guess.
+//! as istio's does rather than falling back to a guess. So does one istio would take that would
+//! take the pod's inbound capture away: its primary interface named as rerouted.
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 use weir_cni::ambient::ContainerFacts;
 
-use super::{Labels, PodFacts, REROUTE_VIRTUAL_INTERFACES_ANNOTATION, SIDECAR_STATUS_ANNOTATION};
+use super::{
+    Labels, PodFacts, PRIMARY_INTERFACE, REROUTE_VIRTUAL_INTERFACES_ANNOTATION,
+    SIDECAR_STATUS_ANNOTATION,
+};
 use crate::workload::{AllOr, InterceptionMode, SidecarRedirect};
 
 /// The injected proxy; its args, env and securityContext are read.
@@ -142,13 +146,14 @@ fn redirect(
         EXCLUDE_INTERFACES_ANNOTATION,
         get(EXCLUDE_INTERFACES_ANNOTATION).unwrap_or(""),
     )?;
-    let reroute_interfaces = match get(REROUTE_VIRTUAL_INTERFACES_ANNOTATION) {
-        Some(value) => interfaces(REROUTE_VIRTUAL_INTERFACES_ANNOTATION, value)?,
-        None => interfaces(
+    let reroute_annotation = match get(REROUTE_VIRTUAL_INTERFACES_ANNOTATION) {
+        Some(value) => (REROUTE_VIRTUAL_INTERFACES_ANNOTATION, value),
+        None => (
             KUBEVIRT_INTERFACES_ANNOTATION,
             get(KUBEVIRT_INTERFACES_ANNOTATION).unwrap_or(""),
-        )?,
+        ),
     };
+    let reroute_interfaces = interfaces(reroute_annotation.0, reroute_annotation.1)?;
 
     // istio-cni validates `*` on these, then its ADD fails when iptables refuses `*` as a port:
     // refused only now, after every annotation was read, a pod fails for istio's first reason.
@@ -159,6 +164,19 @@ fn redirect(
     let include_outbound_ports = include_outbound.without_wildcard()?;
     let proxy_uid = proxy_id(proxy.run_as_user, "istio-proxy securityContext.runAsUser")?;
     let proxy_gid = proxy_id(proxy.run_as_group, "istio-proxy securityContext.runAsGroup")?;
+    // istio would take every inbound connection to the outbound listener, around the inbound
+    // capture (and the inbound policy) of the proxy: refused, after istio's own reasons.
+    if reroute_interfaces
+        .iter()
+        .any(|name| name == PRIMARY_INTERFACE)
+    {
+        let (annotation, value) = reroute_annotation;
+        let reason = format!(
+            "{PRIMARY_INTERFACE} is the pod's network: rerouting it would take the pod's \
+             inbound connections to the proxy's outbound listener, around its inbound capture"
+        );
+        return Err(invalid(annotation, value, reason));
+    }
 
     // Only a literal `value` is read; one from `valueFrom` counts as "", which is not a bool.
     let flag = |name| env(proxy, name).and_then(parse_bool).unwrap_or(false);
@@ -845,6 +863,20 @@ mod tests {
             ["tap0"],
             "the older annotation is not even read"
         );
+    }
+
+    #[test]
+    fn the_primary_interface_is_never_rerouted() {
+        for key in [
+            REROUTE_VIRTUAL_INTERFACES_ANNOTATION,
+            KUBEVIRT_INTERFACES_ANNOTATION,
+        ] {
+            let error = refused(&[(key, "tap0, eth0")]);
+            assert_eq!(
+                (error.annotation, error.value.as_str()),
+                (key, "tap0, eth0")
+            );
+        }
     }
 
     #[test]

@@ -122,7 +122,7 @@ pub const VERDICTS: [(TraceVerdict, &str, &str); 22] = [
     (
         TraceVerdict::DropTupleTaken,
         "drop-tuple-taken",
-        "a rerouted SYN on another connection's tuple",
+        "a rerouted SYN on another connection's tuple, or not recordable",
     ),
     (
         TraceVerdict::RefuseProbeAddress,
