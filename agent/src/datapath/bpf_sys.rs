@@ -8,11 +8,14 @@
 //!   is never a moment with no program attached.
 //! - Raw key access to a pinned map of another layout version (whose value type this build does
 //!   not know, and aya's typed maps check), to retire it once its pods are migrated.
+//! - A hash of maps made from an inner map the agent chose (aya makes the inner map from the
+//!   object's BTF, and offers no way to make one from a given map).
 //! - A read-only fd on a pinned map (aya's `MapData::from_pin` asks for a read-write one), for
 //!   `weir-agent pods` looking at a running agent's maps.
 use std::{
     ffi::CString,
     io,
+    mem::size_of,
     os::{
         fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
         unix::ffi::OsStrExt,
@@ -20,6 +23,7 @@ use std::{
     path::Path,
 };
 
+const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
@@ -28,6 +32,22 @@ const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_LINK_UPDATE: libc::c_long = 29;
 /// `BPF_OBJ_GET` file flag: the fd reads the map, and the kernel refuses writes through it.
 const BPF_F_RDONLY: u32 = 1 << 3;
+const BPF_MAP_TYPE_HASH_OF_MAPS: u32 = 13;
+/// `BPF_MAP_CREATE` flag: entries are allocated as they are added, not all up front.
+pub const BPF_F_NO_PREALLOC: u32 = 1;
+
+#[repr(C)]
+#[derive(Default)]
+struct MapCreateAttr {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+    inner_map_fd: u32,
+    numa_node: u32,
+    map_name: [u8; 16],
+}
 
 #[repr(C)]
 #[derive(Default)]
@@ -86,6 +106,35 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
 fn owned(fd: libc::c_long) -> OwnedFd {
     // SAFETY: the kernel just returned this descriptor to us.
     unsafe { OwnedFd::from_raw_fd(fd as i32) }
+}
+
+/// Makes a hash of maps named `name` (at most 15 bytes) whose values are maps like `inner`.
+pub fn create_hash_of_maps(
+    name: &str,
+    key_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+    inner: BorrowedFd<'_>,
+) -> io::Result<OwnedFd> {
+    let mut map_name = [0u8; 16];
+    if name.len() >= map_name.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("map name {name:?} is longer than 15 bytes"),
+        ));
+    }
+    map_name[..name.len()].copy_from_slice(name.as_bytes());
+    let mut attr = MapCreateAttr {
+        map_type: BPF_MAP_TYPE_HASH_OF_MAPS,
+        key_size,
+        value_size: size_of::<u32>() as u32,
+        max_entries,
+        map_flags,
+        inner_map_fd: inner.as_raw_fd() as u32,
+        numa_node: 0,
+        map_name,
+    };
+    bpf(BPF_MAP_CREATE, &mut attr).map(owned)
 }
 
 /// Attaches `prog` to `target` (a cgroup, or a netns for sk_lookup) with a bpf_link (flags 0:

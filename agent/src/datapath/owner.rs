@@ -111,6 +111,7 @@ impl Owner {
             fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
                 .with_context(|| format!("making {} root-only", dir.display()))?;
         }
+        translations::pin_empty(&maps_dir.join(maps::REROUTE_NAT))?;
         let mut ebpf = programs::load(&maps_dir, config.bpf_log)?;
         let bpf_log = config
             .bpf_log
