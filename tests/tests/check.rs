@@ -6,6 +6,7 @@
 //! The tests run the built binary (`cargo build -p weir-agent` first) and need root: the BPF
 //! probes load programs, and the refusal tests start the agent.
 use std::{
+    os::unix::process::CommandExt,
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
     time::Duration,
@@ -42,6 +43,8 @@ struct Setup {
 
 impl Setup {
     fn new() -> Self {
+        // As the agent's container is, on a node whose containers get cgroups of their own.
+        weir_tests::cgroup::in_a_cgroup_of_its_own().unwrap();
         let files = NodeFiles::new().unwrap();
         std::fs::write(
             files.net_dir().join("10-bridge.conflist"),
@@ -75,8 +78,24 @@ impl Setup {
 
     /// `weir-agent check` with this setup's paths and cluster, and `extra` flags.
     fn check(&self, extra: &[&str]) -> Output {
+        self.check_from(Command::new(workspace_binary("weir-agent")), extra)
+    }
+
+    /// [`Setup::check`] with the agent in the root of the cgroup v2 hierarchy, as every process
+    /// is on a node with the hybrid hierarchy, or whose runtime gives containers no cgroup v2.
+    fn check_in_the_cgroup_root(&self) -> Output {
+        let procs = cgroup2_root().unwrap().join("cgroup.procs");
+        let mut agent = Command::new(workspace_binary("weir-agent"));
+        // SAFETY: only a write(2) of a path prepared before the fork.
+        unsafe {
+            agent.pre_exec(move || std::fs::write(&procs, "0"));
+        }
+        self.check_from(agent, &[])
+    }
+
+    fn check_from(&self, mut agent: Command, extra: &[&str]) -> Output {
         let _serving = self.runtime.enter();
-        let output = Command::new(workspace_binary("weir-agent"))
+        let output = agent
             .arg("--pin-root")
             .arg(&self.pin_root)
             .arg("check")
@@ -147,6 +166,7 @@ fn every_requirement_is_met_on_this_machine() {
         "BPF map type sk_storage ",
         "BPF map type sockhash ",
         "cgroup v2: ",
+        "containers have cgroups (v2) of their own: ",
         "bpffs at the pin root ",
         "primary CNI network config: ",
         "directory of the ZDS socket ",
@@ -223,6 +243,28 @@ fn an_access_review_the_api_server_does_not_serve_is_one_failed_line_with_what_t
          starts without verifying them"
     );
     assert_only_failure(&lines, "RBAC of the agent's service account");
+}
+
+/// ztunnel is known by its cgroup: on a node that gives containers none of their own, check
+/// says so (and the agent, which can still serve sidecar pods, only warns at start).
+#[test]
+fn a_node_without_cgroups_of_their_own_for_containers_is_a_failed_line_with_what_to_do() {
+    weir_tests::privileged!();
+    let setup = Setup::new();
+    let output = setup.check_in_the_cgroup_root();
+    let lines = lines(&output);
+    assert_eq!(output.status.code(), Some(1), "{}", lines.join("\n"));
+    let line = line(&lines, "containers have cgroups (v2) of their own");
+    assert!(
+        line.contains("is in the root of the cgroup v2 hierarchy")
+            && line.ends_with(
+                "ztunnel will be refused, and ambient pods wait — boot the node with the \
+                 unified cgroup hierarchy (systemd.unified_cgroup_hierarchy=1) and a runtime \
+                 that gives each container a cgroup v2 directory"
+            ),
+        "{line}"
+    );
+    assert_only_failure(&lines, "containers have cgroups (v2) of their own");
 }
 
 /// Every line but the one about `requirement` is met.

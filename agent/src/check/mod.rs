@@ -6,7 +6,8 @@
 //!
 //! The node: the kernel release (the floor in `datapath::kernel`), every BPF program and map type
 //! weir's object uses, probed by loading a trivial one (and whether bpf() is allowed at all), the
-//! cgroup v2 hierarchy the socket programs attach to, bpffs at the pin root, the primary CNI
+//! cgroup v2 hierarchy the socket programs attach to, whether containers get cgroups of their own
+//! in it (ztunnel's sockets are known by its cgroup), bpffs at the pin root, the primary CNI
 //! network config weir chains into, and the directory of ztunnel's socket. The cluster, when the
 //! agent follows one: the API server answers, the Node is readable, and every access in
 //! [`REQUIRED_ACCESS`] is granted, each asked with a SelfSubjectAccessReview.
@@ -15,7 +16,9 @@
 //! agent, with its line, before anything is loaded. Two can be met later with no change by the
 //! operator, and the agent goes on with a warning: an API server it
 //! cannot reach yet (its watches retry until it answers), and no primary CNI config yet (the
-//! installer waits for the primary CNI to write one). A denied access refuses: it stays denied
+//! installer waits for the primary CNI to write one). Without cgroups of their own for
+//! containers only ambient pods cannot work (ztunnel is refused), so the agent warns and goes on
+//! for sidecar pods. A denied access refuses: it stays denied
 //! until someone grants it, and an agent without it would half work. An access that cannot be
 //! reviewed (the API server answers the review 404, 405 or 501: it does not serve them) is no
 //! denial: the agent warns that its access is not verified and goes on.
@@ -82,6 +85,16 @@ impl Finding {
             starts_anyway: true,
             ..Self::unmet(requirement, found, remedy)
         }
+    }
+
+    /// Unmet, but only a part of weir needs it (that part refuses, with its own error, while
+    /// the rest works): the agent starts and warns.
+    fn partly_unmet(
+        requirement: impl Into<String>,
+        found: impl Into<String>,
+        remedy: impl Into<String>,
+    ) -> Self {
+        Self::pending(requirement, found, remedy)
     }
 
     /// Not known either way: what would tell cannot be asked. The agent starts, as for a

@@ -1,12 +1,12 @@
 //! What the node itself must have: the kernel release and the BPF features weir's object uses,
-//! cgroup v2, bpffs at the pin root, the primary CNI config, and the directory of ztunnel's
-//! socket.
+//! cgroup v2 and cgroups of their own for containers, bpffs at the pin root, the primary CNI
+//! config, and the directory of ztunnel's socket.
 use std::{io, path::Path};
 
 use super::{CheckConfig, Finding};
 use crate::{
     datapath::{
-        cgroup2_root,
+        cgroup2_root, cgroup_identity_of,
         kernel::{BpfType, Kernel, BPF_FEATURES, OLDEST, OLDEST_BECAUSE},
         mounts::{self, PinRootFs, DEFAULT_BPF_FS},
     },
@@ -18,6 +18,7 @@ pub(super) fn findings(config: &CheckConfig) -> Vec<Finding> {
     let mut findings = vec![kernel_release()];
     findings.extend(bpf_features());
     findings.push(cgroup(config.cgroup.as_deref()));
+    findings.push(cgroups_of_their_own());
     findings.push(bpffs(&config.pin_root));
     // A standalone network needs none: Multus's directory holds only extra networks.
     if config.cni_placement.placement != Placement::Standalone {
@@ -104,6 +105,27 @@ fn cgroup(configured: Option<&Path>) -> Finding {
                 Err(_) => Finding::unmet(requirement, found, unified),
             }
         }
+    }
+}
+
+/// ztunnel's sockets are told from pods' by its cgroup, which must be its container's own. The
+/// agent's own process stands for every container here: a runtime (or a hybrid hierarchy) that
+/// left it in the hierarchy's root does the same to ztunnel, which is then refused.
+fn cgroups_of_their_own() -> Finding {
+    let requirement = "containers have cgroups (v2) of their own";
+    let pid = std::process::id();
+    let identity = cgroup2_root().and_then(|hierarchy| cgroup_identity_of(pid, &hierarchy));
+    match identity {
+        Ok(id) => Finding::met(
+            requirement,
+            format!("weir-agent (pid {pid}) is in a cgroup of its own (id {id})"),
+        ),
+        Err(error) => Finding::partly_unmet(
+            requirement,
+            format!("weir-agent: {error:#}; ztunnel will be refused, and ambient pods wait"),
+            "boot the node with the unified cgroup hierarchy (systemd.unified_cgroup_hierarchy=1) \
+             and a runtime that gives each container a cgroup v2 directory",
+        ),
     }
 }
 

@@ -63,6 +63,7 @@ pub use pod_config::Unenrollable;
 pub use recovery::Orphans;
 pub use snapshot::{pinned_pods, PinnedPod};
 pub use trace_maps::TraceMaps;
+pub(crate) use ztunnels::identity_of as cgroup_identity_of;
 
 #[derive(Clone, Debug)]
 pub struct DatapathConfig {

@@ -182,7 +182,7 @@ fn is_ztunnels_listener(socket: BorrowedFd<'_>) -> bool {
 /// hierarchy's root, where every process is that has no cgroup v2 of its own (on a node with the
 /// hybrid hierarchy, or whose runtime gives containers none), and not a cgroup with cgroups
 /// below it, whose processes may be anyone's.
-fn identity_of(pid: u32, hierarchy: &Path) -> Result<u64> {
+pub(crate) fn identity_of(pid: u32, hierarchy: &Path) -> Result<u64> {
     let path = cgroup_path_of(pid)?;
     if path.trim_matches('/').is_empty() {
         bail!("process {pid} is in the root of the cgroup v2 hierarchy, with every process that has no cgroup v2 of its own");
@@ -198,11 +198,9 @@ fn identity_of(pid: u32, hierarchy: &Path) -> Result<u64> {
     cgroup_id(hierarchy, &path)
 }
 
-/// The cgroup (v2) id of process `pid`, as the programs read it for the process's sockets: the
-/// inode number of its cgroup's directory. Its path is read in the node's cgroup namespace (pid
-/// 1's, the agent running with the node's pids): in a container's own, another container's path
-/// starts with `/..`.
-/// The path of process `pid`'s cgroup (v2), as the node's cgroup namespace names it.
+/// The path of process `pid`'s cgroup (v2), read in the node's cgroup namespace (pid 1's, the
+/// agent running with the node's pids): in a container's own, another container's path starts
+/// with `/..`, and the container's own is `/`.
 fn cgroup_path_of(pid: u32) -> Result<String> {
     std::thread::scope(|scope| {
         scope
