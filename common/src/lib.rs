@@ -128,6 +128,9 @@ impl HandoffSlot {
     }
 }
 
+/// The most pods one node's maps hold.
+pub const MAX_PODS: u32 = 16_384;
+
 /// The most entries a REDIRECT-mode sidecar pod's translation map (its `REROUTE_NAT` map) holds:
 /// two per connection, so 8,192 open connections of the VMs behind its rerouted interfaces.
 pub const REROUTE_NAT_ENTRIES: u32 = 16_384;
@@ -224,6 +227,19 @@ impl PodConfig {
 
 /// Which of a sidecar pod's lists a `SIDECAR_PORTS` or `SIDECAR_RANGES` entry is in.
 pub mod list {
+    /// The most sidecar pods the node-wide list maps (`SIDECAR_PORTS`, `SIDECAR_RANGES`) hold
+    /// at once at their full share: far more than a node runs (kubelet's default is 110 pods),
+    /// so that no pod, and no namespace of pods, can take the room another pod's lists need.
+    pub const PODS_AT_FULL_SHARE: u32 = 1_024;
+    /// A pod's full share of `SIDECAR_PORTS`: its four port lists together.
+    pub const PORTS_PER_POD: u32 = 128;
+    /// A pod's full share of `SIDECAR_RANGES`: its two range lists and its routes together.
+    pub const RANGES_PER_POD: u32 = 256;
+    /// `SIDECAR_PORTS`'s size: 2 MiB of hash buckets, entries allocated as they are added.
+    pub const PORT_ENTRIES: u32 = PODS_AT_FULL_SHARE * PORTS_PER_POD;
+    /// `SIDECAR_RANGES`'s size (an LPM trie allocates per entry, never up front).
+    pub const RANGE_ENTRIES: u32 = PODS_AT_FULL_SHARE * RANGES_PER_POD;
+
     pub const INBOUND_INCLUDE: u8 = 1;
     pub const INBOUND_EXCLUDE: u8 = 2;
     pub const OUTBOUND_INCLUDE: u8 = 3;
@@ -412,6 +428,9 @@ pub enum TraceVerdict {
     PassExcluded = 21,
     /// A sidecar's proxy to its own pod, sent to its inbound listener (15006).
     Hairpin = 22,
+    /// Dropped: a sidecar pod's proxy is not listening (15006, or 15001 for a rerouted
+    /// interface).
+    DropNoProxy = 23,
 }
 
 impl TraceHook {
@@ -429,7 +448,7 @@ impl TraceHook {
 }
 
 impl TraceVerdict {
-    pub const ALL: [Self; 22] = [
+    pub const ALL: [Self; 23] = [
         Self::Outbound,
         Self::Inbound,
         Self::Dns,
@@ -452,6 +471,7 @@ impl TraceVerdict {
         Self::PassProxy,
         Self::PassExcluded,
         Self::Hairpin,
+        Self::DropNoProxy,
     ];
 
     pub fn from_u8(value: u8) -> Option<Self> {

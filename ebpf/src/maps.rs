@@ -26,11 +26,11 @@ use crate::net::{is_v4_mapped, same_ip};
 const BPF_SK_STORAGE_GET_F_CREATE: u64 = 1;
 const NO_PREALLOC: usize = BPF_F_NO_PREALLOC as usize;
 
-const MAX_PODS: usize = 16_384;
-/// Sidecar pods' list entries, node-wide: a pod's lists are a few ports and ranges each (the
-/// agent refuses a pod whose lists would not fit).
-const MAX_SIDECAR_PORTS: usize = 65_536;
-const MAX_SIDECAR_RANGES: usize = 16_384;
+const MAX_PODS: usize = weir_common::MAX_PODS as usize;
+/// Sidecar pods' list entries, node-wide: room for every pod at its full share (the agent
+/// refuses a pod whose lists are larger), so that no pod's lists crowd out another's.
+const MAX_SIDECAR_PORTS: usize = list::PORT_ENTRIES as usize;
+const MAX_SIDECAR_RANGES: usize = list::RANGE_ENTRIES as usize;
 /// Redirected connections between the app's connect and ztunnel's SO_ORIGINAL_DST question (a
 /// few milliseconds; entries are removed once answered). LRU, so entries ztunnel never asked
 /// about (connections that died first) are recycled.

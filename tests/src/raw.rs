@@ -1,7 +1,7 @@
 //! Hand-made TCP SYNs, sent from a pod with raw sockets, as an attacker in another pod would send
-//! them: whole, with IPv4 options, behind IPv6 extension headers, or split into IP fragments. The
-//! replies are caught with a raw socket too, so a test sees who answered (a SYN-ACK, a RST) or that
-//! nothing did.
+//! them: whole, with IPv4 options, behind IPv6 extension headers, or split into IP fragments, with
+//! other flags beside SYN or a wrong checksum. The replies are caught with a raw socket too, so a
+//! test sees who answered (a SYN-ACK, a RST, and the MSS a SYN-ACK offers) or that nothing did.
 //!
 //! Run [`probe`] inside the attacking pod (`pod.run(|| probe(..))`): it sends every SYN, then
 //! collects the answers for a while.
@@ -19,9 +19,17 @@ const IPPROTO_TCP: u8 = 6;
 const IPPROTO_HOPOPTS: u8 = 0;
 const IPPROTO_FRAGMENT: u8 = 44;
 const IPPROTO_DSTOPTS: u8 = 60;
-const TCP_SYN: u8 = 0x02;
-const TCP_RST: u8 = 0x04;
-const TCP_ACK: u8 = 0x10;
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_PSH: u8 = 0x08;
+pub const TCP_ACK: u8 = 0x10;
+pub const TCP_URG: u8 = 0x20;
+pub const TCP_ECE: u8 = 0x40;
+pub const TCP_CWR: u8 = 0x80;
+const TCP_OPTION_END: u8 = 0;
+const TCP_OPTION_NOP: u8 = 1;
+const TCP_OPTION_MSS: u8 = 2;
 const IPV4_MORE_FRAGMENTS: u16 = 0x2000;
 
 /// How a SYN is put on the wire.
@@ -47,6 +55,22 @@ pub struct Syn {
     pub source: SocketAddr,
     pub destination: SocketAddr,
     pub shape: Shape,
+    pub tcp: Tcp,
+}
+
+/// The segment's own header: its flags, and whether its checksum is right.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tcp {
+    pub flags: u8,
+    pub checksum_valid: bool,
+}
+
+impl Tcp {
+    /// A plain SYN, as a real client sends it.
+    pub const SYN: Self = Self {
+        flags: TCP_SYN,
+        checksum_valid: true,
+    };
 }
 
 /// What came back for one SYN.
@@ -55,6 +79,14 @@ pub enum Answer {
     SynAck,
     Reset,
     Nothing,
+}
+
+/// What came back for one SYN, with the maximum segment size a SYN-ACK offered: the answering
+/// listener's `TCP_MAXSEG` where it set one below the route's, which tells who answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reply {
+    pub answer: Answer,
+    pub mss: Option<u16>,
 }
 
 pub use Shape::*;
@@ -71,6 +103,14 @@ pub const HOP_BY_HOP_AND_DESTINATION_OPTIONS: &[u8] = &[IPPROTO_HOPOPTS, IPPROTO
 /// Sends every SYN (each from its own source port), then waits `window` for the answers.
 /// Runs in the sending pod's netns.
 pub fn probe(syns: &[Syn], window: Duration) -> io::Result<Vec<Answer>> {
+    Ok(probe_replies(syns, window)?
+        .into_iter()
+        .map(|reply| reply.answer)
+        .collect())
+}
+
+/// [`probe`], with each SYN-ACK's maximum segment size.
+pub fn probe_replies(syns: &[Syn], window: Duration) -> io::Result<Vec<Reply>> {
     // Open the catchers before anything is sent, so no answer is missed.
     let catchers = [catcher(Domain::IPV4)?, catcher(Domain::IPV6)?];
     for (index, syn) in syns.iter().enumerate() {
@@ -85,19 +125,25 @@ pub fn probe(syns: &[Syn], window: Duration) -> io::Result<Vec<Answer>> {
             };
         }
     }
-    let mut answers: HashMap<(SocketAddr, u16), Answer> = HashMap::new();
+    let mut replies: HashMap<(SocketAddr, u16), Reply> = HashMap::new();
     let deadline = Instant::now() + window;
     while Instant::now() < deadline {
         for (catcher, v6) in catchers.iter().zip([false, true]) {
-            while let Some((from, to_port, flags)) = receive(catcher, v6)? {
-                let answer = if flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
+            while let Some(caught) = receive(catcher, v6)? {
+                let answer = if caught.flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
                     Answer::SynAck
-                } else if flags & TCP_RST != 0 {
+                } else if caught.flags & TCP_RST != 0 {
                     Answer::Reset
                 } else {
                     continue;
                 };
-                answers.entry((from, to_port)).or_insert(answer);
+                let reply = Reply {
+                    answer,
+                    mss: caught.mss,
+                };
+                replies
+                    .entry((caught.from, caught.to_port))
+                    .or_insert(reply);
             }
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -106,9 +152,20 @@ pub fn probe(syns: &[Syn], window: Duration) -> io::Result<Vec<Answer>> {
         .iter()
         .map(|syn| {
             let key = (syn.destination, syn.source.port());
-            answers.get(&key).copied().unwrap_or(Answer::Nothing)
+            replies.get(&key).copied().unwrap_or(Reply {
+                answer: Answer::Nothing,
+                mss: None,
+            })
         })
         .collect())
+}
+
+/// A TCP segment a catcher saw.
+struct Caught {
+    from: SocketAddr,
+    to_port: u16,
+    flags: u8,
+    mss: Option<u16>,
 }
 
 /// A raw socket that receives a copy of every TCP packet arriving in this netns.
@@ -186,8 +243,8 @@ fn send_frame(socket: &Socket, frame: &[u8], to: [u8; 6]) -> io::Result<usize> {
     Ok(sent as usize)
 }
 
-/// `(source, destination port, TCP flags)` of the next caught packet, if any is queued.
-fn receive(socket: &Socket, v6: bool) -> io::Result<Option<(SocketAddr, u16, u8)>> {
+/// The next caught segment, if any is queued.
+fn receive(socket: &Socket, v6: bool) -> io::Result<Option<Caught>> {
     let mut buf = [MaybeUninit::<u8>::uninit(); 2048];
     let (len, from) = match socket.recv_from(&mut buf) {
         Ok(received) => received,
@@ -212,12 +269,35 @@ fn receive(socket: &Socket, v6: bool) -> io::Result<Option<(SocketAddr, u16, u8)
         .as_socket()
         .map(|addr| addr.ip().to_canonical())
         .ok_or_else(|| io::Error::other("raw socket answered no address"))?;
-    let source = SocketAddr::new(ip, u16::from_be_bytes([tcp[0], tcp[1]]));
-    Ok(Some((
-        source,
-        u16::from_be_bytes([tcp[2], tcp[3]]),
-        tcp[13],
-    )))
+    Ok(Some(Caught {
+        from: SocketAddr::new(ip, u16::from_be_bytes([tcp[0], tcp[1]])),
+        to_port: u16::from_be_bytes([tcp[2], tcp[3]]),
+        flags: tcp[13],
+        mss: mss_option(tcp),
+    }))
+}
+
+/// The MSS option of a TCP segment (header and options), if it carries one.
+fn mss_option(tcp: &[u8]) -> Option<u16> {
+    let header_len = usize::from(tcp[12] >> 4) * 4;
+    let mut options = tcp.get(20..header_len)?;
+    while let [kind, rest @ ..] = options {
+        match *kind {
+            TCP_OPTION_END => return None,
+            TCP_OPTION_NOP => options = rest,
+            _ => {
+                let len = usize::from(*rest.first()?);
+                if len < 2 || options.len() < len {
+                    return None;
+                }
+                if *kind == TCP_OPTION_MSS && len == 4 {
+                    return Some(u16::from_be_bytes([options[2], options[3]]));
+                }
+                options = &options[len..];
+            }
+        }
+    }
+    None
 }
 
 /// The IP packets that make up `syn`: one, or two fragments.
@@ -283,14 +363,14 @@ pub fn packets(syn: &Syn, id: u32) -> Vec<Vec<u8>> {
 }
 
 /// A 32-byte SYN segment (MSS, SACK-permitted and window-scale options, as a real client's), with
-/// its checksum.
+/// its checksum (off by one where `syn.tcp` asks for a wrong one), and the flags of `syn.tcp`.
 fn tcp_syn(syn: &Syn, sequence: u32) -> Vec<u8> {
     let mut segment = Vec::with_capacity(32);
     segment.extend_from_slice(&syn.source.port().to_be_bytes());
     segment.extend_from_slice(&syn.destination.port().to_be_bytes());
     segment.extend_from_slice(&sequence.to_be_bytes());
     segment.extend_from_slice(&0u32.to_be_bytes());
-    segment.extend_from_slice(&[8 << 4, TCP_SYN]);
+    segment.extend_from_slice(&[8 << 4, syn.tcp.flags]);
     segment.extend_from_slice(&64240u16.to_be_bytes());
     segment.extend_from_slice(&[0, 0, 0, 0]); // checksum, urgent pointer
     segment.extend_from_slice(&[2, 4, 0x05, 0xb4, 4, 2, 1, 3, 3, 7, 1, 1]);
@@ -309,7 +389,10 @@ fn tcp_syn(syn: &Syn, sequence: u32) -> Vec<u8> {
             pseudo_header.extend_from_slice(&[0, 0, 0, IPPROTO_TCP]);
         }
     }
-    let checksum = internet_checksum(&[pseudo_header.as_slice(), &segment].concat());
+    let mut checksum = internet_checksum(&[pseudo_header.as_slice(), &segment].concat());
+    if !syn.tcp.checksum_valid {
+        checksum = checksum.wrapping_add(1);
+    }
     segment[16..18].copy_from_slice(&checksum.to_be_bytes());
     segment
 }
@@ -384,6 +467,7 @@ mod tests {
             source: "10.0.0.1:40000".parse().unwrap(),
             destination: "10.0.0.2:80".parse().unwrap(),
             shape: Whole,
+            tcp: Tcp::SYN,
         };
         let packet = &packets(&syn, 7)[0];
         assert_eq!(internet_checksum(&packet[..20]), 0, "IPv4 header");
@@ -393,11 +477,23 @@ mod tests {
     }
 
     #[test]
+    fn the_mss_option_is_found_among_others() {
+        let mut segment = vec![0u8; 20];
+        segment[12] = 7 << 4;
+        segment.extend_from_slice(&[TCP_OPTION_NOP, 4, 2, TCP_OPTION_MSS, 4, 0x02, 0x18]);
+        segment.push(TCP_OPTION_END);
+        assert_eq!(mss_option(&segment), Some(536));
+        segment[12] = 5 << 4;
+        assert_eq!(mss_option(&segment), None, "no options");
+    }
+
+    #[test]
     fn fragments_split_the_segment_at_the_asked_offset() {
         let syn = Syn {
             source: "[fd00::1]:40000".parse().unwrap(),
             destination: "[fd00::2]:80".parse().unwrap(),
             shape: Fragmented(24),
+            tcp: Tcp::SYN,
         };
         let fragments = packets(&syn, 7);
         assert_eq!(fragments.len(), 2);

@@ -291,3 +291,159 @@ fn a_sidecar_pods_ranges_and_passthrough_source_keep_to_their_family_and_to_loop
         .all(|r| r.peer.ip() != IpAddr::V6(passthrough)));
     agent.stop().unwrap();
 }
+
+/// The MSS the app's listener in [`generated_frames_reach_no_app_around_ztunnel`] offers: below
+/// what any route here gives ztunnel's, so a SYN-ACK that offers it came from the app.
+const APP_MSS: u16 = 1_000;
+/// Frames per run; `WEIR_ATTACK_FRAMES` asks for more.
+const GENERATED_FRAMES: usize = 240;
+
+/// Frames of generated shapes from another pod with `CAP_NET_RAW`: either family, whole, with IPv4
+/// options or IPv6 extension headers, split at any 8-byte offset of the segment, behind up to four
+/// VLAN tags of either type, SYN with other flags beside it or none, right or wrong checksums, to
+/// a port the app listens on and to one nobody does. None reaches the app around ztunnel: the
+/// app's listener offers an MSS of its own, and no SYN-ACK carries it; and no SYN to the closed
+/// port is answered by the pod's kernel (a RST), only by ztunnel (a SYN-ACK) or not at all. The
+/// seed is printed; `WEIR_ATTACK_SEED` replays a run.
+#[test]
+fn generated_frames_reach_no_app_around_ztunnel() {
+    use rand::{rngs::StdRng, seq::SliceRandom, Rng, SeedableRng};
+    use weir_tests::raw::{self, Answer, Shape, Syn, Tcp};
+
+    const MARKED_PORT: u16 = 8090;
+    const CLOSED_PORT: u16 = 8099;
+    let fixture = privileged!(DatapathNode::new());
+    let (attacker, pod) = (fixture.pod("attacker"), fixture.pod("app"));
+    let _app = pod.run(|| marked_listener(MARKED_PORT)).unwrap();
+    let _ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let seed = std::env::var("WEIR_ATTACK_SEED")
+        .ok()
+        .and_then(|seed| seed.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    let count = std::env::var("WEIR_ATTACK_FRAMES")
+        .ok()
+        .and_then(|count| count.parse().ok())
+        .unwrap_or(GENERATED_FRAMES);
+    eprintln!("{count} generated frames, seed {seed} (WEIR_ATTACK_SEED={seed} replays them)");
+
+    let plain = |source: IpAddr, destination: IpAddr, port: u16| Syn {
+        source: SocketAddr::new(source, port),
+        destination: SocketAddr::new(destination, MARKED_PORT),
+        shape: Shape::Whole,
+        tcp: Tcp::SYN,
+    };
+    let families = [
+        (IpAddr::V4(attacker.ipv4()), IpAddr::V4(pod.ipv4())),
+        (IpAddr::V6(attacker.ipv6()), IpAddr::V6(pod.ipv6())),
+    ];
+    // Unenrolled, the app answers with its MSS: what the oracle looks for is there to be seen.
+    let direct: Vec<Syn> = (families.iter().zip(40_001..))
+        .map(|(&(source, destination), port)| plain(source, destination, port))
+        .collect();
+    let replies = attacker
+        .run(|| raw::probe_replies(&direct, Duration::from_millis(500)))
+        .unwrap();
+    assert!(
+        replies.iter().all(|reply| reply.mss == Some(APP_MSS)),
+        "{replies:?}"
+    );
+
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mac = pod.mac();
+    let tags: [&'static [u16]; 5] = [
+        &[],
+        &[raw::VLAN],
+        &[raw::QINQ, raw::VLAN],
+        &[raw::VLAN, raw::VLAN, raw::QINQ],
+        &[raw::QINQ, raw::VLAN, raw::VLAN, raw::VLAN],
+    ];
+    let extensions = [
+        raw::HOP_BY_HOP,
+        raw::DESTINATION_OPTIONS,
+        raw::HOP_BY_HOP_AND_DESTINATION_OPTIONS,
+    ];
+    let extra_flags = [
+        raw::TCP_FIN,
+        raw::TCP_RST,
+        raw::TCP_PSH,
+        raw::TCP_ACK,
+        raw::TCP_URG,
+        raw::TCP_ECE | raw::TCP_CWR,
+    ];
+    let frames: Vec<Syn> = (0..count)
+        .map(|index| {
+            let &(source, destination) = families.choose(&mut rng).unwrap();
+            let shape = match rng.gen_range(0..4) {
+                0 => Shape::Whole,
+                1 if source.is_ipv4() => Shape::Ipv4Options,
+                1 => Shape::Ipv6Extensions(*extensions.choose(&mut rng).unwrap()),
+                2 => Shape::Fragmented(8 * rng.gen_range(1..=3)),
+                _ => Shape::VlanTagged(*tags.choose(&mut rng).unwrap(), mac),
+            };
+            let mut flags = if rng.gen_bool(0.9) { raw::TCP_SYN } else { 0 };
+            if rng.gen_bool(0.4) {
+                flags |= extra_flags.choose(&mut rng).unwrap();
+            }
+            Syn {
+                source: SocketAddr::new(source, 42_000 + index as u16),
+                destination: SocketAddr::new(
+                    destination,
+                    *[MARKED_PORT, CLOSED_PORT].choose(&mut rng).unwrap(),
+                ),
+                shape,
+                tcp: Tcp {
+                    flags,
+                    checksum_valid: rng.gen_bool(0.85),
+                },
+            }
+        })
+        .collect();
+    let replies = attacker
+        .run(|| raw::probe_replies(&frames, Duration::from_secs(1)))
+        .unwrap();
+    let report = |why: &str| {
+        let lines: Vec<String> = frames
+            .iter()
+            .zip(&replies)
+            .map(|(frame, reply)| format!("{frame:?}: {reply:?}"))
+            .collect();
+        format!("seed {seed}: {why}\n{}", lines.join("\n"))
+    };
+    // Flags that make no new connection whoever receives them; the others' SYNs open one.
+    let no_connection = raw::TCP_ACK | raw::TCP_RST | raw::TCP_FIN;
+    for (frame, reply) in frames.iter().zip(&replies) {
+        assert_ne!(
+            reply.mss,
+            Some(APP_MSS),
+            "{}",
+            report(&format!("{frame:?} reached the app"))
+        );
+        let opens = frame.tcp.flags & raw::TCP_SYN != 0 && frame.tcp.flags & no_connection == 0;
+        if opens && frame.destination.port() == CLOSED_PORT {
+            assert_ne!(
+                reply.answer,
+                Answer::Reset,
+                "{}",
+                report(&format!("{frame:?} reached the pod's kernel"))
+            );
+        }
+    }
+    // ztunnel answered some: the frames were delivered and the replies caught.
+    assert!(
+        replies.iter().any(|reply| reply.answer == Answer::SynAck),
+        "{}",
+        report("no SYN-ACK at all")
+    );
+    datapath.uninstall().wait().unwrap();
+}
+
+/// A dual-stack listener on `port` whose SYN-ACKs offer [`APP_MSS`]. Runs in the pod's netns.
+fn marked_listener(port: u16) -> io::Result<Socket> {
+    let socket = Socket::new(Domain::IPV6, Type::STREAM, None)?;
+    socket.set_only_v6(false)?;
+    socket.set_tcp_mss(u32::from(APP_MSS))?;
+    socket.bind(&SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)).into())?;
+    socket.listen(4_096)?;
+    Ok(socket)
+}

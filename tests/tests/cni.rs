@@ -852,6 +852,7 @@ fn pods_command_lists_what_the_node_holds() {
         source: SocketAddr::new(IpAddr::V4(server.ipv4()), 41001),
         destination: to_client,
         shape: raw::Fragmented(8),
+        tcp: raw::Tcp::SYN,
     };
     server
         .run(|| raw::probe(&[fragmented_syn], Duration::from_millis(300)))

@@ -865,6 +865,7 @@ fn no_packet_shape_reaches_the_pod_around_ztunnel() {
                     source: SocketAddr::new(source, source_port),
                     destination: SocketAddr::new(destination, port),
                     shape: *shape,
+                    tcp: raw::Tcp::SYN,
                 });
                 expected.push(*answer);
             }
@@ -918,6 +919,7 @@ fn syns_dropped_after_tc_leave_nothing_behind() {
         source: SocketAddr::new(source, 20_000 + n),
         destination: SocketAddr::new(destination, APP_PORT),
         shape: raw::VlanTagged(&[], not_the_pods_mac),
+        tcp: raw::Tcp::SYN,
     });
     let sent = attacker.run(|| raw::flood(syns, not_the_pods_mac)).unwrap();
     assert_eq!(sent, usize::from(FLOOD));
@@ -1618,6 +1620,7 @@ fn bpf_log_reports_the_programs_decisions() {
         source: SocketAddr::new(IpAddr::V4(client.ipv4()), 41001),
         destination: target,
         shape: raw::Fragmented(8),
+        tcp: raw::Tcp::SYN,
     };
     client
         .run(|| raw::probe(&[fragmented_syn], Duration::from_millis(300)))

@@ -134,6 +134,7 @@ fn each_decision_is_traced_with_its_pod_tuple_and_verdict() {
         source: SocketAddr::new(IpAddr::V4(server.ipv4()), 41001),
         destination: to_client,
         shape: raw::Fragmented(8),
+        tcp: raw::Tcp::SYN,
     };
     server
         .run(|| raw::probe(&[fragmented_syn], Duration::from_millis(300)))

@@ -17,10 +17,6 @@ use weir_common::{list, maps, IpKey, PortKey, RangeKey};
 use super::programs;
 use crate::workload::{AllOr, SidecarRedirect};
 
-/// Entries one pod may have, so that no pod can fill the node-wide maps (their sizes are in
-/// `ebpf/src/maps.rs`): far more than istio's annotations ever list.
-const MAX_ENTRIES_PER_POD: usize = 256;
-
 /// A pod's entries, to write at enrollment and remove at unenrollment.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(super) struct ListEntries {
@@ -68,11 +64,20 @@ impl ListEntries {
             };
             entries.add_range(netns_cookie, list::ROUTES, destination, value);
         }
-        let count = entries.ports.len() + entries.ranges.len();
-        if count > MAX_ENTRIES_PER_POD {
+        // A pod's share of the node-wide maps, which hold every pod at its full share: far more
+        // than istio's annotations ever list.
+        let (ports, ranges) = (entries.ports.len(), entries.ranges.len());
+        if ports > list::PORTS_PER_POD as usize {
             bail!(
-                "the pod's sidecar port and range lists have {count} entries; weir holds at most \
-                 {MAX_ENTRIES_PER_POD} per pod"
+                "the pod's sidecar port lists have {ports} entries; weir holds at most {} per pod",
+                list::PORTS_PER_POD
+            );
+        }
+        if ranges > list::RANGES_PER_POD as usize {
+            bail!(
+                "the pod's sidecar IP range lists and routes have {ranges} entries; weir holds at \
+                 most {} per pod",
+                list::RANGES_PER_POD
             );
         }
         Ok(entries)
@@ -200,5 +205,77 @@ impl SidecarLists {
                 .map(|key| (key.prefix_len(), key.data(), 0))
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ports(count: u16) -> Vec<u16> {
+        (1..=count).collect()
+    }
+
+    fn ranges(count: u32) -> Vec<IpNet> {
+        (0..count)
+            .map(|n| IpNet::new(std::net::Ipv4Addr::from(0x0a00_0000 + (n << 8)).into(), 24))
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_pod_gets_its_full_share_and_no_more() {
+        let full = SidecarRedirect {
+            exclude_inbound_ports: Vec::new(),
+            exclude_outbound_ports: ports(list::PORTS_PER_POD as u16),
+            exclude_outbound_ranges: ranges(list::RANGES_PER_POD),
+            ..SidecarRedirect::default()
+        };
+        let entries = ListEntries::of(7, Some(&full), &[]).unwrap();
+        assert_eq!(entries.ports.len(), list::PORTS_PER_POD as usize);
+        assert_eq!(entries.ranges.len(), list::RANGES_PER_POD as usize);
+
+        let one_port_more = SidecarRedirect {
+            exclude_outbound_ports: ports(list::PORTS_PER_POD as u16 + 1),
+            ..full.clone()
+        };
+        let error = ListEntries::of(7, Some(&one_port_more), &[]).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "the pod's sidecar port lists have 129 entries; weir holds at most 128 per pod"
+        );
+        // Routes count with the ranges.
+        let route = [("192.168.0.0/16".parse().unwrap(), false)];
+        let error = ListEntries::of(7, Some(&full), &route).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "the pod's sidecar IP range lists and routes have 257 entries; weir holds at most \
+             256 per pod"
+        );
+    }
+
+    /// The node-wide maps the kernel makes from the object hold every pod at its full share, so
+    /// that pods (of one namespace, say) at theirs leave the room every other pod needs.
+    #[test]
+    fn the_objects_list_maps_hold_every_pod_at_its_full_share() {
+        let object = std::fs::read(env!("WEIR_EBPF_OBJECT")).expect("the embedded eBPF object");
+        if object.is_empty() {
+            let ci = std::env::var("CI");
+            assert_ne!(ci.as_deref(), Ok("true"), "built without the eBPF object");
+            eprintln!("skipping: built without the eBPF object");
+            return;
+        }
+        let object = aya_obj::Object::parse(&object).expect("the eBPF object parses");
+        let size = |name: &str| object.maps[name].max_entries();
+        assert!(
+            size(maps::SIDECAR_PORTS) >= list::PODS_AT_FULL_SHARE * list::PORTS_PER_POD,
+            "{}",
+            size(maps::SIDECAR_PORTS)
+        );
+        assert!(
+            size(maps::SIDECAR_RANGES) >= list::PODS_AT_FULL_SHARE * list::RANGES_PER_POD,
+            "{}",
+            size(maps::SIDECAR_RANGES)
+        );
     }
 }
