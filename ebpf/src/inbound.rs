@@ -360,7 +360,7 @@ fn decide<const ETHERNET: bool>(
         ctx.load(transport.offset + 2).map_err(|_| ())?,
     );
     let sidecar = pod.has(POD_SIDECAR);
-    if sidecar && !sidecar::captures_inbound(netns, pod, u16::from_be(dport)) {
+    if sidecar && !sidecar::captures_inbound(netns, pod, u16::from_be(dport), packet.v6) {
         return Ok(PASS);
     }
     if !sidecar && u16::from_be(dport) == HBONE_PORT {
@@ -443,7 +443,7 @@ fn decide<const ETHERNET: bool>(
             listener: Endpoint::new(packet.destination, u16::from_be(dport)),
         };
         let handoff = pod.has(POD_SOCKET_LOOKUP_HANDOFF);
-        let proxy = if pod.has(POD_SIDECAR) {
+        let proxy = if sidecar {
             Proxy::Sidecar
         } else {
             Proxy::Ztunnel
@@ -478,11 +478,8 @@ fn decide<const ETHERNET: bool>(
             );
             return Ok(PASS);
         }
-        // ztunnel is not listening in this pod (yet): refuse to deliver around it.
-        (
-            TraceVerdict::DropNoZtunnel,
-            "ztunnel's 15006 listener not found",
-        )
+        // The proxy is not listening in this pod (yet): refuse to deliver around it.
+        (proxy.absent(), "the proxy's 15006 listener not found")
     };
     diag!(
         by_ref warn,
@@ -643,10 +640,7 @@ fn reroute(ctx: &TcContext, packet: &NetworkHeader) -> Result<i32, ()> {
             if inserted.is_ok() {
                 let _ = CONN_ORIG_DST.remove(connection);
             }
-            (
-                TraceVerdict::DropNoZtunnel,
-                "ztunnel's 15001 listener not found",
-            )
+            (proxy.absent(), "the proxy's 15001 listener not found")
         }
     };
     diag!(
@@ -751,6 +745,17 @@ enum Proxy {
     Ztunnel,
     /// A sidecar pod's istio-proxy: any listener on the port, as istio's `REDIRECT`.
     Sidecar,
+}
+
+impl Proxy {
+    /// The verdict on a new connection this proxy was not listening for.
+    #[inline(always)]
+    fn absent(self) -> TraceVerdict {
+        match self {
+            Self::Ztunnel => TraceVerdict::DropNoZtunnel,
+            Self::Sidecar => TraceVerdict::DropNoProxy,
+        }
+    }
 }
 
 /// Hands the packet of `connection` to the proxy's listener on `port` in this netns; false when

@@ -32,8 +32,8 @@ use aya_ebpf::helpers::bpf_get_current_uid_gid;
 use weir_common::{
     list, Endpoint, IpKey, PodConfig, TraceVerdict, DNS_PORT, DNS_PROXY_PORT, HBONE_PORT,
     INBOUND_PORT, OUTBOUND_PORT, PASSTHROUGH_SOURCE_V4, PASSTHROUGH_SOURCE_V6, POD_DNS_CAPTURE,
-    POD_EXCLUDED_INTERFACES, POD_INBOUND_ALL_PORTS, POD_LOOPBACK_INCLUDED, POD_OUTBOUND_ALL_RANGES,
-    POD_SIDECAR_IPV6, POD_TPROXY, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
+    POD_EXCLUDED_INTERFACES, POD_HAS_IPV4, POD_INBOUND_ALL_PORTS, POD_LOOPBACK_INCLUDED,
+    POD_OUTBOUND_ALL_RANGES, POD_SIDECAR_IPV6, POD_TPROXY, ZTUNNEL_MARK, ZTUNNEL_MARK_MASK,
 };
 
 use crate::{
@@ -54,6 +54,12 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
     if !is_v4_mapped(&dst.ip) && !pod.has(POD_SIDECAR_IPV6) {
         return Decided::pass(TraceVerdict::PassExcluded);
     }
+    // An IPv6-only pod has no IPv4 route but loopback: the kernel fails the connect
+    // (`ENETUNREACH`) before istio's rules, which act after routing, would see it. This hook acts
+    // before routing, and must not give the app a connection its proxy could not forward.
+    if is_v4_mapped(&dst.ip) && !pod.has(POD_HAS_IPV4) && !is_loopback(&dst.ip) {
+        return Decided::pass(TraceVerdict::PassExcluded);
+    }
     // istio's `-o <interface> -j RETURN`, ahead of every other rule: the route is looked up as
     // the kernel will take it, in the pod's routes as the agent last read them.
     if pod.has(POD_EXCLUDED_INTERFACES) && routed_out_of_excluded(netns, &dst.ip) {
@@ -67,8 +73,10 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
     if pod.has(POD_TPROXY) && sa.mark() & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK {
         route_replies_back(sa, netns, dst, hook);
     }
-    // Routed over the pod's loopback: a loopback address, or one of the pod's own.
-    let local = is_loopback(&dst.ip) || pod_owns(netns, &dst.ip);
+    // Routed over the pod's loopback: a loopback address, one of the pod's own, or `::6`, which
+    // the agent puts on `lo` of a pod whose IPv6 is captured (istio-validation probes it).
+    let local =
+        is_loopback(&dst.ip) || is_v6_passthrough_source(&dst.ip) || pod_owns(netns, &dst.ip);
     // istio's `-o lo -s 127.0.0.6 -j RETURN` (`::6`): only to the pod itself. `::6` is no
     // loopback address, and an app that binds it must not reach other hosts around the proxy.
     if local && bound_to_passthrough_source(sa) {
@@ -91,7 +99,7 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
         && local
         && !is_local_host(&dst.ip)
         && tcp
-        && captures_inbound(netns, pod, dst.port)
+        && captures_inbound(netns, pod, dst.port, !is_v4_mapped(&dst.ip))
     {
         // TPROXY: the proxy's own connection to its pod is captured inbound as any other
         // (istio's mangle mark 1338), unless it is one of its source-preserving dials.
@@ -141,9 +149,13 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
 }
 
 /// Whether a new inbound TCP connection to `port` of a sidecar pod goes to its proxy: istio's
-/// `ISTIO_INBOUND` (15008 first, then the included or the not excluded ports).
+/// `ISTIO_INBOUND` (15008 first, then the included or the not excluded ports), for IPv6 only
+/// where istio writes ip6tables rules (the pod's IPv6 is captured), as for outbound.
 #[inline(always)]
-pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16) -> bool {
+pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16, v6: bool) -> bool {
+    if v6 && !pod.has(POD_SIDECAR_IPV6) {
+        return false;
+    }
     if port == HBONE_PORT && !pod.has(POD_TPROXY) {
         return false;
     }
@@ -202,6 +214,11 @@ fn bound_to_passthrough_source(sa: &SockAddr) -> bool {
     else {
         return false;
     };
-    same_ip(&source, &IpKey::from_v4(PASSTHROUGH_SOURCE_V4))
-        || same_ip(&source, &IpKey::from_v6(PASSTHROUGH_SOURCE_V6))
+    same_ip(&source, &IpKey::from_v4(PASSTHROUGH_SOURCE_V4)) || is_v6_passthrough_source(&source)
+}
+
+/// Whether `ip` is `::6`, the IPv6 inbound passthrough source.
+#[inline(always)]
+fn is_v6_passthrough_source(ip: &IpKey) -> bool {
+    same_ip(ip, &IpKey::from_v6(PASSTHROUGH_SOURCE_V6))
 }

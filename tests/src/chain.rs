@@ -14,7 +14,8 @@ use crate::{
     cni::{Command, RuntimeConf},
     tcp_request,
     zds_client::ZdsZtunnel,
-    DatapathNode, EchoServer, Metrics, NetNs, Pod, PodSpec, TestNode, ZtunnelStandIn,
+    DatapathNode, EchoServer, Families, Metrics, NetNs, NodeOptions, Pod, PodSpec, TestNode,
+    ZtunnelStandIn,
 };
 
 /// How long a test waits for something the agent does on its own: a deadline, not a pause (a
@@ -49,19 +50,35 @@ pub struct CniChainNode {
 
 impl CniChainNode {
     pub fn new() -> anyhow::Result<Self> {
+        Self::with_families(Families::default())
+    }
+
+    /// A node whose pods get the addresses of `families`.
+    pub fn with_families(families: Families) -> anyhow::Result<Self> {
         let files = NodeFiles::new()?;
         files.write_policy(&ambient_policy())?;
-        let node = DatapathNode::with_options(files.node_options())?;
+        let node = DatapathNode::with_options(NodeOptions {
+            families,
+            ..files.node_options()
+        })?;
         Ok(Self { files, node })
     }
 
     /// A node whose policy also names the sidecar pods `default/<name>`; `None` where the test
     /// cannot run (see [`crate::require_privileges`]).
     pub fn with_sidecar_pods(sidecars: &[(&str, ObjectMeta)]) -> Option<Self> {
+        Self::with_sidecar_pods_in(Families::default(), sidecars)
+    }
+
+    /// [`CniChainNode::with_sidecar_pods`], its pods getting the addresses of `families`.
+    pub fn with_sidecar_pods_in(
+        families: Families,
+        sidecars: &[(&str, ObjectMeta)],
+    ) -> Option<Self> {
         if !crate::require_privileges() {
             return None;
         }
-        let node = Self::new().expect("a test node");
+        let node = Self::with_families(families).expect("a test node");
         let mut policy = ambient_policy();
         for (name, pod) in sidecars {
             policy.pods.insert(format!("default/{name}"), pod.clone());

@@ -47,7 +47,7 @@ pub use apiserver::{ApiRequest, ApiServer};
 pub use datapath_node::DatapathNode;
 pub use metrics::Metrics;
 pub use netns::NetNs;
-pub use node::{FailedAdd, NodeOptions, Pod, PodSpec, TestNode};
+pub use node::{FailedAdd, Families, NodeOptions, Pod, PodSpec, TestNode};
 pub use traffic::{
     tcp_connect_from, tcp_request, udp_request, udp_request_connected, EchoServer, Received, Reply,
     UdpReply,

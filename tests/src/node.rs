@@ -54,6 +54,20 @@ pub struct NodeOptions {
     /// `fd00:10:244...` (so a node's pods never share a range). A pod goes on the first bridge
     /// with a free port; its chain is the node's conflist with that bridge as the first plugin.
     pub extra_bridges: usize,
+    /// The address families the node's pods get, in the order their CNI results list them.
+    pub families: Families,
+}
+
+/// Which addresses a node's pods get, first address first (Kubernetes' `status.podIP`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Families {
+    /// IPv4, then IPv6.
+    #[default]
+    DualStack,
+    /// IPv6, then IPv4.
+    DualStackIpv6First,
+    /// IPv6 alone.
+    Ipv6Only,
 }
 
 /// What a pod is, as far as the runtime and the CNI plugins can tell.
@@ -198,7 +212,7 @@ impl TestNode {
         }
         let bridges: Vec<Bridge> = (0..=options.extra_bridges as u8)
             .map(|index| Bridge {
-                plugin: bridge_plugin(index, subnet, options.wide_ipv4_range, ipam_dir.path()),
+                plugin: bridge_plugin(index, subnet, &options, ipam_dir.path()),
                 pods: AtomicUsize::new(0),
             })
             .collect();
@@ -377,21 +391,12 @@ impl TestNode {
             // The plugins before the failing one left their addresses in the sandbox.
             Err(error) => (sandbox_addresses(&wiring.netns)?, Some(error)),
         };
-        let ipv4 = pod_ip(&result, |ip| match ip {
-            IpAddr::V4(ip) => Some(ip),
-            IpAddr::V6(_) => None,
-        })?;
-        let ipv6 = pod_ip(&result, |ip| match ip {
-            IpAddr::V6(ip) => Some(ip),
-            IpAddr::V4(_) => None,
-        })?;
         let name = spec.name.clone();
         let pod = Pod {
             spec,
             uid,
             container_id,
-            ipv4,
-            ipv6,
+            ips: result_ips(&result),
             cni_add,
             wiring,
         };
@@ -411,8 +416,8 @@ pub struct Pod {
     spec: PodSpec,
     uid: String,
     container_id: String,
-    ipv4: Ipv4Addr,
-    ipv6: Ipv6Addr,
+    /// In the CNI result's order: the first is the pod's `status.podIP`.
+    ips: Vec<IpAddr>,
     cni_add: Duration,
     wiring: Wiring,
 }
@@ -454,22 +459,36 @@ impl Pod {
         &self.container_id
     }
 
+    /// The pod's IPv4 address; the pod must have one.
     pub fn ipv4(&self) -> Ipv4Addr {
-        self.ipv4
+        self.ips
+            .iter()
+            .find_map(|ip| match ip {
+                IpAddr::V4(ip) => Some(*ip),
+                IpAddr::V6(_) => None,
+            })
+            .unwrap_or_else(|| panic!("pod {} has no IPv4 address", self.name()))
     }
 
+    /// The pod's IPv6 address; the pod must have one.
     pub fn ipv6(&self) -> Ipv6Addr {
-        self.ipv6
+        self.ips
+            .iter()
+            .find_map(|ip| match ip {
+                IpAddr::V6(ip) => Some(*ip),
+                IpAddr::V4(_) => None,
+            })
+            .unwrap_or_else(|| panic!("pod {} has no IPv6 address", self.name()))
     }
 
     /// Where the pod's app listens ([`crate::APP_PORT`]) on its IPv4 address.
     pub fn app_v4(&self) -> SocketAddr {
-        SocketAddr::new(IpAddr::V4(self.ipv4), crate::APP_PORT)
+        SocketAddr::new(IpAddr::V4(self.ipv4()), crate::APP_PORT)
     }
 
     /// Where the pod's app listens ([`crate::APP_PORT`]) on its IPv6 address.
     pub fn app_v6(&self) -> SocketAddr {
-        SocketAddr::new(IpAddr::V6(self.ipv6), crate::APP_PORT)
+        SocketAddr::new(IpAddr::V6(self.ipv6()), crate::APP_PORT)
     }
 
     /// `eth0`'s IPv6 link-local address, once duplicate address detection has let it be used
@@ -517,9 +536,9 @@ impl Pod {
         octets
     }
 
-    /// Both addresses, IPv4 first.
-    pub fn ips(&self) -> [IpAddr; 2] {
-        [self.ipv4.into(), self.ipv6.into()]
+    /// Its addresses, first address first.
+    pub fn ips(&self) -> Vec<IpAddr> {
+        self.ips.clone()
     }
 
     pub fn netns(&self) -> &NetNs {
@@ -633,24 +652,38 @@ fn eth0_addresses(netns: &NetNs, filter: &[&str]) -> Result<(Vec<String>, String
     Ok((addresses, listed))
 }
 
-/// The first address `pick` accepts (one family) among a CNI result's `ips`.
-fn pod_ip<T>(result: &Value, pick: fn(IpAddr) -> Option<T>) -> Result<T> {
+/// A CNI result's `ips`, in its order.
+fn result_ips(result: &Value) -> Vec<IpAddr> {
     result["ips"]
         .as_array()
         .into_iter()
         .flatten()
         .filter_map(|ip| ip["address"].as_str()?.split('/').next()?.parse().ok())
-        .find_map(pick)
-        .ok_or_else(|| anyhow!("an address family is missing from the CNI result {result}"))
+        .collect()
 }
 
 /// The `bridge` plugin's configuration for bridge `index` (0: `cni0`) of node `subnet`, with
-/// host-local IPAM state under `ipam_dir` (a directory per extra bridge, as their ranges differ).
-fn bridge_plugin(index: u8, subnet: u8, wide_ipv4_range: bool, ipam_dir: &Path) -> Value {
+/// host-local IPAM state under `ipam_dir` (a directory per extra bridge, as their ranges differ),
+/// handing out the families of `options` in their order.
+fn bridge_plugin(index: u8, subnet: u8, options: &NodeOptions, ipam_dir: &Path) -> Value {
     let (name, data_dir) = match index {
         0 => (BRIDGE.to_owned(), ipam_dir.to_owned()),
         _ => (format!("cni{index}"), ipam_dir.join(format!("cni{index}"))),
     };
+    let ipv4 = (
+        json!([ipv4_range(index, subnet, options.wide_ipv4_range)]),
+        json!({ "dst": "0.0.0.0/0" }),
+    );
+    let ipv6 = (
+        json!([{ "subnet": format!("{}/64", address_v6(index, subnet, 0)) }]),
+        json!({ "dst": "::/0" }),
+    );
+    let families = match options.families {
+        Families::DualStack => vec![ipv4, ipv6],
+        Families::DualStackIpv6First => vec![ipv6, ipv4],
+        Families::Ipv6Only => vec![ipv6],
+    };
+    let (ranges, routes): (Vec<Value>, Vec<Value>) = families.into_iter().unzip();
     json!({
         "type": "bridge",
         "bridge": name,
@@ -660,11 +693,8 @@ fn bridge_plugin(index: u8, subnet: u8, wide_ipv4_range: bool, ipam_dir: &Path) 
         "ipam": {
             "type": "host-local",
             "dataDir": data_dir,
-            "ranges": [
-                [ipv4_range(index, subnet, wide_ipv4_range)],
-                [{ "subnet": format!("{}/64", address_v6(index, subnet, 0)) }],
-            ],
-            "routes": [{ "dst": "0.0.0.0/0" }, { "dst": "::/0" }],
+            "ranges": ranges,
+            "routes": routes,
         },
     })
 }
@@ -708,7 +738,7 @@ mod tests {
     #[test]
     fn extra_bridges_get_names_ranges_and_ipam_state_of_their_own() {
         let ipam = Path::new("/ipam");
-        let first = bridge_plugin(0, 3, false, ipam);
+        let first = bridge_plugin(0, 3, &NodeOptions::default(), ipam);
         // cni0 is what every other test's pods are wired to: its addresses never move.
         assert_eq!(first["bridge"], "cni0");
         assert_eq!(first["ipam"]["dataDir"], "/ipam");
@@ -716,7 +746,11 @@ mod tests {
             first["ipam"]["ranges"],
             json!([[{"subnet": "10.244.3.0/24"}], [{"subnet": "fd00:10:244:3::/64"}]])
         );
-        let second = bridge_plugin(2, 3, true, ipam);
+        let wide = NodeOptions {
+            wide_ipv4_range: true,
+            ..NodeOptions::default()
+        };
+        let second = bridge_plugin(2, 3, &wide, ipam);
         assert_eq!(second["bridge"], "cni2");
         assert_eq!(second["ipam"]["dataDir"], "/ipam/cni2");
         assert_eq!(

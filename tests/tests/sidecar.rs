@@ -3,7 +3,7 @@
 //! `istio-validation` check passes in them. No ztunnel runs in these tests: a sidecar pod never
 //! waits for one.
 use std::{
-    net::{Ipv4Addr, SocketAddr, TcpStream},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream},
     os::{
         fd::{AsFd, AsRawFd},
         unix::process::CommandExt,
@@ -28,13 +28,18 @@ use weir_tests::{
     traffic::{read_line, write_line},
     try_wait_until, udp_request,
     virtual_machine::VirtualMachine,
-    wait_until, EchoServer, Pod, PodSpec, TestNode,
+    wait_until, EchoServer, Families, Pod, PodSpec, TestNode, APP_PORT,
 };
 
 /// A node whose policy makes `default/sidecar` the sidecar pod `meta`, its agent, and that pod
 /// (made through the node's CNI chain).
 fn sidecar_node(meta: ObjectMeta) -> Option<(Node, Agent, Pod)> {
-    let node = Node::with_sidecar_pods(&[("sidecar", meta)])?;
+    sidecar_node_in(Families::default(), meta)
+}
+
+/// [`sidecar_node`], its pods getting the addresses of `families`.
+fn sidecar_node_in(families: Families, meta: ObjectMeta) -> Option<(Node, Agent, Pod)> {
+    let node = Node::with_sidecar_pods_in(families, &[("sidecar", meta)])?;
     let agent = node.start_agent();
     let pod = node.pod("default", "sidecar").unwrap();
     Some((node, agent, pod))
@@ -52,6 +57,7 @@ fn run_validation_in(pod: &Pod, in_user_namespace: bool) -> i32 {
     let userns = in_user_namespace.then(|| owning_user_namespace(netns.as_fd()).unwrap());
     let userns_fd = userns.as_ref().map(|fd| fd.as_raw_fd());
     let mut validation = Process::new(env!("CARGO_BIN_EXE_istio-validation"));
+    validation.env("INSTANCE_IP", pod.ips()[0].to_string());
     let fd = netns.as_raw_fd();
     // SAFETY: async-signal-safe syscalls; the fds stay open until the child has exec'd. The
     // user namespace first (which owns the netns), the netns while the child may still enter
@@ -93,6 +99,20 @@ fn istio_validation_passes_in_a_sidecar_pod_and_fails_without_weir() {
     );
     assert_eq!(run_validation(&pod), 0, "weir's redirection validates");
     agent.stop().unwrap();
+}
+
+/// A pod whose first address is IPv6 is validated over IPv6: its proxy's `[::1]` to `[::6]:15002`
+/// must hairpin to 15006 as istio's ip6tables rules send it, or the pod never starts.
+#[test]
+fn istio_validation_passes_in_sidecar_pods_whose_first_address_is_ipv6() {
+    for families in [Families::Ipv6Only, Families::DualStackIpv6First] {
+        let Some((_node, agent, pod)) = sidecar_node_in(families, sidecar_pod(&[], &[])) else {
+            return;
+        };
+        assert!(pod.ips()[0].is_ipv6(), "{families:?}: {pod:?}");
+        assert_eq!(run_validation(&pod), 0, "{families:?}");
+        agent.stop().unwrap();
+    }
 }
 
 #[test]
@@ -273,7 +293,80 @@ fn dual_stack_captures_ipv6_with_its_passthrough_source() {
         .expect("the proxy took the IPv6 connection on 15006");
     assert_eq!(seen.destination(), pod.app_v6());
     let passthrough = app.received().last().unwrap().peer.ip();
-    assert_eq!(passthrough, "::6".parse::<std::net::IpAddr>().unwrap());
+    assert_eq!(passthrough, "::6".parse::<IpAddr>().unwrap());
+    agent.stop().unwrap();
+}
+
+/// Without `ISTIO_DUAL_STACK`, istio writes no ip6tables rules for a pod whose first address is
+/// IPv4: its IPv6 reaches the app directly both ways, and its proxy, listening on `[::]`, sees
+/// none of it. Once the proxy is gone, IPv6 inbound still reaches the app (IPv4 does not).
+#[test]
+fn ipv6_goes_around_the_proxy_where_istio_captures_ipv4_only() {
+    let Some((node, agent, pod)) = sidecar_node(sidecar_pod(&[], &[])) else {
+        return;
+    };
+    let server = node.pod("default", "server").unwrap();
+    let server_app = EchoServer::app(&server).unwrap();
+    let client = node.pod("default", "client").unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    let app = EchoServer::app(&pod).unwrap();
+
+    let reply = pod.run(|| tcp_request(server.app_v6(), "out6")).unwrap();
+    assert_eq!(reply.response, server_app.reply_to("out6"));
+    assert_eq!(
+        server_app.received().last().unwrap().peer.ip(),
+        IpAddr::V6(pod.ipv6())
+    );
+    let reply = client.run(|| tcp_request(pod.app_v6(), "in6")).unwrap();
+    assert_eq!(reply.response, app.reply_to("in6"));
+    assert_eq!(
+        app.received().last().unwrap().peer.ip(),
+        IpAddr::V6(client.ipv6())
+    );
+    assert!(proxy.seen().is_empty(), "{:?}", proxy.seen());
+
+    drop(proxy);
+    let reply = client
+        .run(|| tcp_request(pod.app_v6(), "in6 alone"))
+        .unwrap();
+    assert_eq!(reply.response, app.reply_to("in6 alone"));
+    let refused = client.run(|| tcp_request(pod.app_v4(), "in4 alone"));
+    assert!(refused.is_err(), "IPv4 is captured: {refused:?}");
+    agent.stop().unwrap();
+}
+
+/// An IPv6-only pod has no IPv4 route: a connection to an IPv4 address fails at once
+/// (`ENETUNREACH`), as under istio, whose rules act after routing and never see it; also on a
+/// port `includeOutboundPorts` names. IPv6 is captured as ever.
+#[test]
+fn ipv4_from_an_ipv6_only_pod_is_unreachable_as_without_the_mesh() {
+    let meta = sidecar_pod(
+        &[("traffic.sidecar.istio.io/includeOutboundPorts", "9090")],
+        &[],
+    );
+    let Some((node, agent, pod)) = sidecar_node_in(Families::Ipv6Only, meta) else {
+        return;
+    };
+    let server = node.pod("default", "server").unwrap();
+    let _server_app = EchoServer::app(&server).unwrap();
+    let proxy = SidecarStandIn::start(&pod).unwrap();
+    for port in [9090, APP_PORT] {
+        let ipv4 = SocketAddr::from(([10, 244, 200, 1], port));
+        let error = pod
+            .run(|| TcpStream::connect_timeout(&ipv4, WAIT))
+            .expect_err("no IPv4 route");
+        assert_eq!(
+            error.raw_os_error(),
+            Some(libc::ENETUNREACH),
+            "{ipv4}: {error}"
+        );
+    }
+    pod.run(|| tcp_request(server.app_v6(), "out6")).unwrap();
+    let seen = proxy
+        .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
+        .expect("the proxy took the IPv6 connection on 15001");
+    assert_eq!(seen.original_dst, Some(server.app_v6()), "{seen:?}");
+    assert_eq!(proxy.seen().len(), 1, "{:?}", proxy.seen());
     agent.stop().unwrap();
 }
 
@@ -873,6 +966,7 @@ fn a_vms_syn_flood_leaves_other_pods_translations_alone() {
         source: addr(spoofed, 1_024 + n as u16),
         destination: vms.server.addr(),
         shape: raw::VlanTagged(&[], mac),
+        tcp: raw::Tcp::SYN,
     });
     let sent = vms.vms[0].netns.run(|| raw::flood(syns, mac)).unwrap();
     assert_eq!(sent, flood as usize);

@@ -48,7 +48,7 @@ pub enum Message {
 }
 
 /// Every verdict's name, with what it means (the help text of `--verdict`).
-pub const VERDICTS: [(TraceVerdict, &str, &str); 22] = [
+pub const VERDICTS: [(TraceVerdict, &str, &str); 23] = [
     (
         TraceVerdict::Outbound,
         "outbound",
@@ -118,6 +118,11 @@ pub const VERDICTS: [(TraceVerdict, &str, &str); 22] = [
         TraceVerdict::DropNoZtunnel,
         "drop-no-ztunnel",
         "ztunnel not listening in the pod",
+    ),
+    (
+        TraceVerdict::DropNoProxy,
+        "drop-no-proxy",
+        "a sidecar's proxy not listening in the pod",
     ),
     (
         TraceVerdict::DropTupleTaken,
