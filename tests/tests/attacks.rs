@@ -377,9 +377,9 @@ fn generated_frames_reach_no_app_around_ztunnel() {
             let shape = match rng.gen_range(0..4) {
                 0 => Shape::Whole,
                 1 if source.is_ipv4() => Shape::Ipv4Options,
-                1 => Shape::Ipv6Extensions(*extensions.choose(&mut rng).unwrap()),
+                1 => Shape::Ipv6Extensions(extensions.choose(&mut rng).unwrap()),
                 2 => Shape::Fragmented(8 * rng.gen_range(1..=3)),
-                _ => Shape::VlanTagged(*tags.choose(&mut rng).unwrap(), mac),
+                _ => Shape::VlanTagged(tags.choose(&mut rng).unwrap(), mac),
             };
             let mut flags = if rng.gen_bool(0.9) { raw::TCP_SYN } else { 0 };
             if rng.gen_bool(0.4) {

@@ -258,14 +258,9 @@ mod tests {
     /// that pods (of one namespace, say) at theirs leave the room every other pod needs.
     #[test]
     fn the_objects_list_maps_hold_every_pod_at_its_full_share() {
-        let object = std::fs::read(env!("WEIR_EBPF_OBJECT")).expect("the embedded eBPF object");
-        if object.is_empty() {
-            let ci = std::env::var("CI");
-            assert_ne!(ci.as_deref(), Ok("true"), "built without the eBPF object");
-            eprintln!("skipping: built without the eBPF object");
+        let Some(object) = programs::parsed_object() else {
             return;
-        }
-        let object = aya_obj::Object::parse(&object).expect("the eBPF object parses");
+        };
         let size = |name: &str| object.maps[name].max_entries();
         assert!(
             size(maps::SIDECAR_PORTS) >= list::PODS_AT_FULL_SHARE * list::PORTS_PER_POD,
