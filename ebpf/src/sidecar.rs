@@ -51,7 +51,7 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
     let Some(pod) = pod(netns) else {
         return Decided::pass(TraceVerdict::PassUncaptured);
     };
-    if !is_v4_mapped(&dst.ip) && !pod.has(POD_SIDECAR_IPV6) {
+    if !family_captured(pod, !is_v4_mapped(&dst.ip)) {
         return Decided::pass(TraceVerdict::PassExcluded);
     }
     // An IPv6-only pod has no IPv4 route but loopback: the kernel fails the connect
@@ -149,11 +149,11 @@ pub fn outbound(sa: &SockAddr, netns: u64, hook: Hook, dst: &Endpoint) -> Decide
 }
 
 /// Whether a new inbound TCP connection to `port` of a sidecar pod goes to its proxy: istio's
-/// `ISTIO_INBOUND` (15008 first, then the included or the not excluded ports), for IPv6 only
-/// where istio writes ip6tables rules (the pod's IPv6 is captured), as for outbound.
+/// `ISTIO_INBOUND` (15008 first, then the included or the not excluded ports), in a family
+/// istio captures.
 #[inline(always)]
 pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16, v6: bool) -> bool {
-    if v6 && !pod.has(POD_SIDECAR_IPV6) {
+    if !family_captured(pod, v6) {
         return false;
     }
     if port == HBONE_PORT && !pod.has(POD_TPROXY) {
@@ -171,7 +171,7 @@ pub fn captures_inbound(netns: u64, pod: &PodConfig, port: u16, v6: bool) -> boo
 /// every exclusion, for IPv6 only where its ip6tables rules are installed.
 #[inline(always)]
 pub fn reroutes(netns: u64, pod: &PodConfig, destination: &IpKey) -> bool {
-    (is_v4_mapped(destination) || pod.has(POD_SIDECAR_IPV6))
+    family_captured(pod, !is_v4_mapped(destination))
         && (pod.has(POD_OUTBOUND_ALL_RANGES)
             || range_listed(netns, list::OUTBOUND_INCLUDE, destination))
 }
@@ -215,6 +215,13 @@ fn bound_to_passthrough_source(sa: &SockAddr) -> bool {
         return false;
     };
     same_ip(&source, &IpKey::from_v4(PASSTHROUGH_SOURCE_V4)) || is_v6_passthrough_source(&source)
+}
+
+/// Whether istio's rules capture a family in a sidecar pod: IPv4 always, IPv6 (`v6`) where it
+/// writes ip6tables rules (the pod's IPv6 is captured), in every direction.
+#[inline(always)]
+fn family_captured(pod: &PodConfig, v6: bool) -> bool {
+    !v6 || pod.has(POD_SIDECAR_IPV6)
 }
 
 /// Whether `ip` is `::6`, the IPv6 inbound passthrough source.

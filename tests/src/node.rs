@@ -461,24 +461,26 @@ impl Pod {
 
     /// The pod's IPv4 address; the pod must have one.
     pub fn ipv4(&self) -> Ipv4Addr {
-        self.ips
-            .iter()
-            .find_map(|ip| match ip {
-                IpAddr::V4(ip) => Some(*ip),
-                IpAddr::V6(_) => None,
-            })
-            .unwrap_or_else(|| panic!("pod {} has no IPv4 address", self.name()))
+        self.address("IPv4", |ip| match ip {
+            IpAddr::V4(ip) => Some(ip),
+            IpAddr::V6(_) => None,
+        })
     }
 
     /// The pod's IPv6 address; the pod must have one.
     pub fn ipv6(&self) -> Ipv6Addr {
+        self.address("IPv6", |ip| match ip {
+            IpAddr::V6(ip) => Some(ip),
+            IpAddr::V4(_) => None,
+        })
+    }
+
+    /// The pod's first address that `pick` takes (one `family`); the pod must have one.
+    fn address<T>(&self, family: &str, pick: fn(IpAddr) -> Option<T>) -> T {
         self.ips
             .iter()
-            .find_map(|ip| match ip {
-                IpAddr::V6(ip) => Some(*ip),
-                IpAddr::V4(_) => None,
-            })
-            .unwrap_or_else(|| panic!("pod {} has no IPv6 address", self.name()))
+            .find_map(|ip| pick(*ip))
+            .unwrap_or_else(|| panic!("pod {} has no {family} address", self.name()))
     }
 
     /// Where the pod's app listens ([`crate::APP_PORT`]) on its IPv4 address.
