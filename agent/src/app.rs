@@ -25,7 +25,7 @@ use crate::{
     datapath::Datapath,
     enroll::Enroller,
     http,
-    install::{InstallConfig, InstallStatus, Installer},
+    install::{InstallConfig, InstallStatus, Installer, PLUGIN_NAME},
     pod_metrics::PodMetrics,
     policy::{local::LocalSource, Policy},
     report::{NoReporter, Reporter, Warning},
@@ -33,9 +33,6 @@ use crate::{
     workload::PodName,
     zds::{self, ZdsConfig},
 };
-
-/// The plugin's binary name in the CNI bin dir, and its `type` in the conflist.
-pub const PLUGIN_NAME: &str = "weir-cni";
 
 /// Runs the agent until `shutdown` resolves.
 pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Result<()> {

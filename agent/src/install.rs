@@ -61,6 +61,9 @@ use self::{
 };
 pub use self::{kubeconfig::ServiceAccount, net_dir::primary_config};
 
+/// The plugin's binary name in the CNI bin dir, and its `type` in the conflist.
+pub const PLUGIN_NAME: &str = "weir-cni";
+
 /// The default name of weir's own conflist: as istio-cni's `02-istio-cni.conflist`, it sorts
 /// before the `05-`, `10-` files primary CNIs write.
 pub const DEFAULT_OWNED_CONFIG_FILE: &str = "02-weir-cni.conflist";

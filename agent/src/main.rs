@@ -6,8 +6,7 @@ use clap::Parser;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info};
 use weir_agent::{
-    app,
-    check::{self, CheckConfig},
+    app, check,
     cli::{Cli, Command, Output},
     datapath::Datapath,
     inspect,
@@ -51,7 +50,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Check(args) => {
-            let config = CheckConfig::for_run(*args, cli.datapath.config())?;
+            let config = args.check_config(cli.datapath.config())?;
             tokio::runtime::Runtime::new()?.block_on(check::print(&config))
         }
         Command::Trace(args) => tokio::runtime::Runtime::new()?.block_on(trace::run(args)),

@@ -22,6 +22,7 @@ mod in_process;
 mod load;
 mod node_scale;
 mod pods;
+mod relays;
 mod report;
 mod runtime;
 mod sidecar;

@@ -10,9 +10,9 @@ use weir_agent::datapath::Datapath;
 use weir_agent::workload::{PodOptions, SidecarRedirect, Workload};
 use weir_tests::{istio_iptables, Pod, TestNode};
 
-use crate::in_process::{connect, connection_table, through_relays, RELAY_RATIOS};
 use crate::load::Proxy;
 use crate::pods::{make_pods, remove_pods};
+use crate::relays::{connect, connection_table, through_relays, RELAY_RATIOS};
 use crate::report::{self, ratio, Samples, Table};
 use crate::{alternating_rounds, timed, Plan};
 

@@ -26,6 +26,7 @@ mod net;
 mod trace;
 
 mod handoff;
+mod in_pod;
 mod inbound;
 mod original_dst;
 mod outbound;

@@ -2,21 +2,19 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    bindings::sockaddr,
-    helpers::generated::{
-        bpf_bind, bpf_get_current_cgroup_id, bpf_get_netns_cookie, bpf_setsockopt,
-    },
+    helpers::generated::{bpf_get_current_cgroup_id, bpf_get_netns_cookie},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 use weir_common::{
     Endpoint, IpKey, PodConfig, TraceHook, TraceVerdict, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT,
     NETNS_COOKIE_PORT, OUTBOUND_PORT, POD_DNS_CAPTURE, POD_HAS_IPV4, POD_HAS_IPV6, POD_SIDECAR,
-    PROBE_SOURCE_V4, RETURN_MARK,
+    PROBE_SOURCE_V4,
 };
 
 use crate::{
     diag::{diag, ip},
+    in_pod::{bind, pod_address_like, pod_owns, route_replies_back, Action, Decided, Hook},
     maps::{count, is_probe_source, node_config, pod, pod_with_ip, NETNS_COOKIES, SOCKET_ORIG_DST},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, SockAddr, SockaddrIn, SockaddrIn6,
@@ -26,27 +24,6 @@ use crate::{
     trace::{trace, PodAddress, Side, NOWHERE, TCP, UDP},
     ztunnel,
 };
-
-const SOL_SOCKET: i32 = 1;
-const SO_MARK: i32 = 36;
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Hook {
-    /// connect(): TCP and connected UDP.
-    Connect,
-    /// sendmsg() with an address: unconnected UDP.
-    Send,
-}
-
-impl Hook {
-    #[inline(always)]
-    fn traced(self) -> TraceHook {
-        match self {
-            Hook::Connect => TraceHook::Connect,
-            Hook::Send => TraceHook::Sendmsg,
-        }
-    }
-}
 
 /// Which peer a getpeername or recvmsg call is shown.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -173,56 +150,6 @@ fn log_probe_address_refused(sa: &SockAddr, netns: u64, dst: &Endpoint) {
         ip(&dst.ip),
         dst.port
     );
-}
-
-/// What an in-pod decision does with a call. A struct whose every field is always set, not an
-/// enum with payloads: where paths of different variants meet, LLVM may copy a payload that
-/// path never set from whatever register holds it, and the verifier refuses the read.
-pub(crate) struct Decided {
-    action: Action,
-    /// The listener, for [`Action::SendTo`].
-    target: Endpoint,
-    verdict: TraceVerdict,
-}
-
-#[derive(Clone, Copy)]
-enum Action {
-    /// Sent to a proxy's listener.
-    SendTo,
-    /// Let through untouched, for the reason traced.
-    Pass,
-    /// Refused; traced where it was decided.
-    Refuse,
-}
-
-impl Decided {
-    #[inline(always)]
-    pub(crate) fn send_to(target: Endpoint, verdict: TraceVerdict) -> Self {
-        Self {
-            action: Action::SendTo,
-            target,
-            verdict,
-        }
-    }
-
-    #[inline(always)]
-    pub(crate) fn pass(verdict: TraceVerdict) -> Self {
-        Self {
-            action: Action::Pass,
-            target: Endpoint::default(),
-            verdict,
-        }
-    }
-
-    /// Refused for `verdict`, which the decision traced with its own log line.
-    #[inline(always)]
-    pub(crate) fn refused(verdict: TraceVerdict) -> Self {
-        Self {
-            action: Action::Refuse,
-            target: Endpoint::default(),
-            verdict,
-        }
-    }
 }
 
 /// The in-pod decision for an ambient pod, istio's ISTIO_OUTPUT chain without conntrack.
@@ -362,32 +289,10 @@ fn send_to(
     ALLOW
 }
 
-/// A proxy's source-preserving dial (marked 0x539) to the app in its own pod gets the return
-/// mark, so the app's replies, addressed to the spoofed client, route back to the proxy. A
-/// function of its own: inlined at the ambient and the sidecar call sites, LLVM read an argument
-/// register after the helper call clobbered it, which the verifier refuses.
-#[inline(never)]
-pub(crate) fn route_replies_back(sa: &SockAddr, netns: u64, dst: &Endpoint, hook: Hook) {
-    if hook != Hook::Connect || !pod_owns(netns, &dst.ip) {
-        return;
-    }
-    let mut mark = sa.mark() | RETURN_MARK;
-    // SAFETY: bpf_setsockopt is allowed in connect hooks; the value lives on the stack.
-    unsafe {
-        bpf_setsockopt(
-            sa.ctx as *mut c_void,
-            SOL_SOCKET,
-            SO_MARK,
-            &mut mark as *mut u32 as *mut c_void,
-            4,
-        );
-    }
-}
-
 /// Traces an in-pod decision. The source is the pod's address of the destination's family;
 /// its port is not chosen yet at connect.
 #[inline(always)]
-pub(crate) fn trace_outbound(
+fn trace_outbound(
     sa: &SockAddr,
     netns: u64,
     pod: &PodConfig,
@@ -475,21 +380,6 @@ fn give_probe_source(sa: &SockAddr, netns: u64, dst: &Endpoint) {
     );
 }
 
-/// A socket that is already bound gets EINVAL here and keeps its source: it is then captured
-/// like any other traffic, which fails toward the mesh, not toward a bypass.
-/// Returns the helper's result: 0, or a negative errno.
-#[inline(always)]
-pub(crate) fn bind<T>(sa: &SockAddr, addr: &mut T) -> i64 {
-    // SAFETY: bpf_bind is allowed in connect hooks; `addr` is a sockaddr on the stack.
-    unsafe {
-        bpf_bind(
-            sa.ctx,
-            addr as *mut T as *mut sockaddr,
-            size_of::<T>() as i32,
-        )
-    }
-}
-
 /// The agent's question on kernels before 5.14, which cannot tell a socket's netns cookie
 /// (`SO_NETNS_COOKIE`): a UDP connect to the probe source address on `NETNS_COOKIE_PORT`.
 #[inline(always)]
@@ -529,21 +419,4 @@ fn show_original_peer(sa: SockAddr, shown_as: Shown) -> i32 {
         sa.set_user_endpoint(&original);
     }
     ALLOW
-}
-
-/// Whether `ip` is one of the addresses indexed for the pod: its IPs, and addresses its
-/// interfaces have or were given after enrollment.
-#[inline(always)]
-pub(crate) fn pod_owns(netns: u64, ip: &IpKey) -> bool {
-    pod_with_ip(ip) == Some(netns)
-}
-
-/// The pod's address of the same family as `like`.
-#[inline(always)]
-pub(crate) fn pod_address_like(pod: &PodConfig, like: &IpKey) -> Option<IpKey> {
-    if is_v4_mapped(like) {
-        pod.has(POD_HAS_IPV4).then(|| IpKey::from_v4(pod.ipv4))
-    } else {
-        pod.has(POD_HAS_IPV6).then(|| IpKey::from_v6(pod.ipv6))
-    }
 }

@@ -32,6 +32,7 @@ use weir_common::{
 };
 
 use crate::{
+    in_pod::pod_address_like,
     inbound::{
         drop_counted, network_header, on_rerouted_packet, transport, Fragment, NetworkHeader,
         Payload, DROP, IPPROTO_TCP, PASS, TCP_ACK, TCP_FLAGS_OFFSET, TCP_RST, TCP_SYN,
@@ -40,7 +41,6 @@ use crate::{
         count, pod, pod_in_slot, translations, PodTranslations, Translation, CONN_ORIG_DST,
         NAT_SCRATCH,
     },
-    outbound::pod_address_like,
     sidecar,
     trace::{trace, NOWHERE, TCP},
 };

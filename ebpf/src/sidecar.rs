@@ -37,12 +37,12 @@ use weir_common::{
 };
 
 use crate::{
+    in_pod::{bind, pod_address_like, pod_owns, route_replies_back, Decided, Hook},
     maps::{pod, port_listed, range_listed, routed_out_of_excluded},
     net::{
         is_loopback, is_v4_mapped, loopback_like, same_ip, socket_addresses, SockAddr, SockaddrIn,
         SockaddrIn6, SOCK_STREAM,
     },
-    outbound::{bind, pod_address_like, pod_owns, route_replies_back, Decided, Hook},
 };
 
 /// The outbound decision for a socket in a sidecar pod.

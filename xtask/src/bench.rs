@@ -6,11 +6,11 @@
 
 use anyhow::Result;
 
-use crate::{ebpf, step, system};
+use crate::{ebpf, packages, step, system};
 
 pub fn run(quick: bool, args: &[String]) -> Result<()> {
     step("checking the system packages the bench uses");
-    crate::test::ensure_test_packages()?;
+    packages::ensure_test_packages()?;
     let object = ebpf::build(false)?;
     let profile = if quick { "dev" } else { "release" };
     step(&format!("building the benchmark and the agent ({profile})"));

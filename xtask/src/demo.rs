@@ -2,11 +2,7 @@
 
 use anyhow::Result;
 
-use crate::{ebpf, step, sweep, system};
-
-/// What a throwaway node runs: the CNI plugins that wire its pods (loopback, bridge, host-local),
-/// `ip`, and bpftool, which shows what the datapath holds.
-pub const NODE_PACKAGES: &[&str] = &["containernetworking-plugins", "iproute2", "bpftool"];
+use crate::{ebpf, packages, step, sweep, system};
 
 /// Builds the eBPF object and every binary of the workspace (weir-agent, weir-cni, the demo).
 pub fn build_binaries() -> Result<()> {
@@ -22,7 +18,7 @@ pub fn build_binaries() -> Result<()> {
 
 pub fn run() -> Result<()> {
     step("checking the system packages the demo node uses");
-    system::ensure_packages(NODE_PACKAGES, "the demo cannot wire its pods")?;
+    packages::ensure_node_packages()?;
     build_binaries()?;
     let demo = crate::target_dir()?.join("debug/weir-demo");
     let result = system::run_supervised(&mut system::as_root(demo));

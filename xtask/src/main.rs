@@ -5,6 +5,7 @@ mod demo;
 mod ebpf;
 mod helm;
 mod image;
+mod packages;
 mod run;
 mod sweep;
 mod system;
@@ -13,6 +14,8 @@ mod vm;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::LazyLock;
+use std::time::Instant;
 
 use clap::{Parser, Subcommand};
 
@@ -102,6 +105,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    LazyLock::force(&STARTED);
     let result = match Cli::parse().command {
         Command::BuildEbpf { debug } => {
             ebpf::build(debug).map(|object| println!("{}", object.display()))
@@ -160,6 +164,10 @@ pub fn target_dir() -> anyhow::Result<PathBuf> {
 }
 
 /// Announce a step.
+/// When this xtask started: each step says how far in it is, so a CI log shows where its time went.
+static STARTED: LazyLock<Instant> = LazyLock::new(Instant::now);
+
 pub fn step(message: &str) {
-    println!("==> {message}");
+    let elapsed = STARTED.elapsed().as_secs();
+    println!("==> [{:02}:{:02}] {message}", elapsed / 60, elapsed % 60);
 }

@@ -1,20 +1,18 @@
 //! `cargo xtask test`: every test, in the order CI runs them.
 
+use std::fs::File;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::thread;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
 use crate::system::{self, cargo};
 use crate::vm::{self, Kernel, Series, Vm};
-use crate::{bench, demo, ebpf, helm, image, step, sweep};
-
-/// What the privileged tests run besides a throwaway node's packages: istio's iptables rules,
-/// containerd, which runs weir's image in the image test, and qemu, which runs its arm64 binaries
-/// there.
-const TEST_PACKAGES: &[&str] = &["iptables", "containerd", "qemu-user-static"];
+use crate::{bench, ebpf, helm, image, packages, step, sweep};
 
 /// The test targets that drive the kernel (program loading and attaching, packet paths, the
 /// kernel's answers to faults): what runs on the other kernels. `kernel_compat` is optional.
@@ -28,14 +26,15 @@ const KERNEL_FACING: &[&str] = &[
     "sidecar",
     "kernel_compat",
 ];
-/// The guests have 2 vCPUs (emulated, under TCG).
-const GUEST_TEST_THREADS: u32 = 2;
+/// The guests have 2 vCPUs (emulated, under TCG); with 2 tests at a time they were idle a quarter
+/// of the time, the tests waiting on their pods and agents.
+const GUEST_TEST_THREADS: u32 = 3;
 /// A test executable that hangs in a guest fails its target after this, and the next one runs.
 const GUEST_TARGET_TIMEOUT_SECS: u32 = 20 * 60;
 
 pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     step("checking test system packages");
-    ensure_test_packages()?;
+    packages::ensure_test_packages()?;
 
     let object = ebpf::build(false)?;
 
@@ -59,14 +58,37 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     step("testing the kernel crate's helpers on the host");
     system::run(ebpf_on_host().arg("test"))?;
 
-    step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
-    system::run(with_object(cargo(), &object).args(["build", "--workspace", "--bins"]))?;
+    build_test_binaries(&object)?;
+    // The other kernels' guests run while this machine's tests do: the guests keep the CPUs
+    // busy while the tests here mostly wait on their pods and agents. Their output goes to a log
+    // file per kernel, printed whole for a kernel that failed.
+    let kernels = (!host_only)
+        .then(|| Matrix::prepare(&object, &Series::ALL, false, &[]))
+        .transpose()?
+        .map(|matrix| thread::spawn(move || matrix.run(GuestOutput::LogFiles)));
+
+    let host = on_this_kernel(&object, test_args);
+    let Some(kernels) = kernels else {
+        return host;
+    };
+    if host.is_err() {
+        step("the tests failed on this machine's kernel (the error follows); waiting for the other kernels'");
+    }
+    let kernels = kernels
+        .join()
+        .unwrap_or_else(|_| Err(anyhow!("the kernel matrix's thread panicked")));
+    host.and(kernels)
+}
+
+/// The tests on this machine's kernel, the image's and the chart's among them, then the bench's
+/// quick configuration.
+fn on_this_kernel(object: &Path, test_args: &[String]) -> Result<()> {
     // The image test runs the image as a node would.
-    let image = image::build(&object, image::Profile::Test)?;
+    let image = image::build(object, image::Profile::Test)?;
     // The chart test renders deploy/chart.
     let helm = helm::ensure()?;
 
-    let mut test = with_object(cargo(), &object);
+    let mut test = with_object(cargo(), object);
     test.args(["test", "--workspace"])
         .env(image::ARCHIVE_ENV, &image)
         .env(helm::HELM_ENV, &helm);
@@ -82,15 +104,16 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     });
     step("sweeping leftovers of this test run");
     let swept = sweep::run_privileged();
-    let host = result.and(swept);
-    if host_only {
-        return host;
-    }
-    if host.is_err() {
-        step("the tests failed on this machine's kernel (the error follows); the other kernels' run all the same");
-    }
-    let kernels = kernel_matrix(&object, &Series::ALL, false, &[]);
-    host.and(kernels)
+    result.and(swept)
+}
+
+/// The binaries the tests run (weir-cni, weir-agent, weir-bench) and the test executables, built
+/// before any test runs: the guests run them from this machine's target directory.
+fn build_test_binaries(object: &Path) -> Result<()> {
+    step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
+    system::run(with_object(cargo(), object).args(["build", "--workspace", "--bins"]))?;
+    step("building the test executables");
+    system::run(with_object(cargo(), object).args(["test", "--workspace", "--no-run"]))
 }
 
 /// `cargo xtask test-kernels`: the kernel-facing test executables (or all of them) in one guest
@@ -98,7 +121,7 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
 pub fn run_kernels(series: &[Series], all: bool, filter: &[String]) -> Result<()> {
     step("checking test system packages");
     // The guests run this machine's ip, bpftool and CNI plugins.
-    ensure_test_packages()?;
+    packages::ensure_test_packages()?;
     let object = ebpf::build(false)?;
     kernel_matrix(&object, series, all, filter)
 }
@@ -118,15 +141,6 @@ fn ebpf_on_host() -> Command {
     cmd.current_dir(root.join("ebpf"))
         .env("CARGO_TARGET_DIR", root.join("target").join("ebpf-host"));
     cmd
-}
-
-/// Install the test system packages when we can (root on Debian); otherwise say what is missing.
-/// Also the bench's: it wires pods, reads map memory and runs istio's rules the same way.
-pub fn ensure_test_packages() -> Result<()> {
-    system::ensure_packages(
-        &[demo::NODE_PACKAGES, TEST_PACKAGES].concat(),
-        "the privileged tests will fail or skip",
-    )
 }
 
 /// The privileged tests need root: when we are not, run the test executables (only them; the
@@ -149,30 +163,81 @@ fn privileged_test_runner(test: &mut Command) -> Result<()> {
 
 /// Fetch the kernels, build the tests, run them in one guest per kernel, print the results.
 fn kernel_matrix(object: &Path, series: &[Series], all: bool, filter: &[String]) -> Result<()> {
-    // Unpacking a kernel needs depmod (kmod) already.
-    vm::ensure_vm_packages()?;
-    let kernels = series
-        .iter()
-        .map(|&series| vm::kernel(series))
-        .collect::<Result<Vec<_>>>()?;
-    let Some(first) = kernels.first() else {
-        bail!("no kernel to run the tests on");
-    };
-    step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
-    system::run(with_object(cargo(), object).args(["build", "--workspace", "--bins"]))?;
-    step("building the test executables");
-    let targets = test_targets(object, all)?;
-    let vm = Vm::prepare(first)?;
-    let script = guest_script(object, &targets, filter);
-    let runs = kernels
-        .iter()
-        .map(|kernel| run_on_kernel(&vm, kernel, &script, &targets))
-        .collect::<Result<Vec<_>>>()?;
-    print_summary(&runs, &targets);
-    let failed = runs.iter().filter(|run| !run.passed()).count();
-    if failed > 0 {
-        bail!("the tests failed on {failed} of {} kernels", runs.len());
+    build_test_binaries(object)?;
+    Matrix::prepare(object, series, all, filter)?.run(GuestOutput::Streamed)
+}
+
+/// Where a guest's output goes.
+#[derive(Clone, Copy)]
+enum GuestOutput {
+    /// To ours, as it comes.
+    Streamed,
+    /// To `target/vm/<series>.log`, printed whole when a target failed there; ours gets one line
+    /// per target.
+    LogFiles,
+}
+
+/// The kernels, the test executables and the guest script that runs them, ready to boot.
+struct Matrix {
+    vm: Vm,
+    kernels: Vec<Kernel>,
+    targets: Vec<TestTarget>,
+    script: String,
+}
+
+impl Matrix {
+    /// Fetches the kernels and finds the built test executables (`build_test_binaries` first).
+    fn prepare(object: &Path, series: &[Series], all: bool, filter: &[String]) -> Result<Self> {
+        // Unpacking a kernel needs depmod (kmod) already.
+        vm::ensure_vm_packages()?;
+        let kernels = series
+            .iter()
+            .map(|&series| vm::kernel(series))
+            .collect::<Result<Vec<_>>>()?;
+        let Some(first) = kernels.first() else {
+            bail!("no kernel to run the tests on");
+        };
+        let targets = test_targets(object, all)?;
+        let vm = Vm::prepare(first)?;
+        let script = guest_script(object, &targets, filter);
+        Ok(Self {
+            vm,
+            kernels,
+            targets,
+            script,
+        })
     }
+
+    /// Runs the tests in one guest per kernel, in turn, then prints the results.
+    fn run(&self, output: GuestOutput) -> Result<()> {
+        let runs = self
+            .kernels
+            .iter()
+            .map(|kernel| run_on_kernel(&self.vm, kernel, &self.script, &self.targets, output))
+            .collect::<Result<Vec<_>>>()?;
+        if let GuestOutput::LogFiles = output {
+            for run in runs.iter().filter(|run| !run.passed()) {
+                print_log(&run.log)?;
+            }
+        }
+        print_summary(&runs, &self.targets);
+        let failed = runs.iter().filter(|run| !run.passed()).count();
+        if failed > 0 {
+            bail!("the tests failed on {failed} of {} kernels", runs.len());
+        }
+        Ok(())
+    }
+}
+
+/// A failed kernel's log, whole, between two step lines.
+fn print_log(log: &Path) -> Result<()> {
+    step(&format!("{}, where the tests failed", log.display()));
+    let mut stdout = io::stdout().lock();
+    io::copy(
+        &mut File::open(log).with_context(|| format!("cannot open {}", log.display()))?,
+        &mut stdout,
+    )?;
+    writeln!(stdout, "==> end of {}", log.display())?;
     Ok(())
 }
 
@@ -315,6 +380,8 @@ struct KernelRun<'a> {
     boot: vm::Boot,
     elapsed: Duration,
     results: Vec<Option<TargetResult>>,
+    /// Where its guest's output went, with [`GuestOutput::LogFiles`].
+    log: PathBuf,
 }
 
 impl KernelRun<'_> {
@@ -328,17 +395,29 @@ fn run_on_kernel<'a>(
     kernel: &'a Kernel,
     script: &str,
     targets: &[TestTarget],
+    output: GuestOutput,
 ) -> Result<KernelRun<'a>> {
     let started = Instant::now();
+    let log = vm::log_path(kernel.series);
+    let mut out: Box<dyn Write> = match output {
+        GuestOutput::Streamed => Box::new(io::stdout()),
+        GuestOutput::LogFiles => {
+            println!("    {kernel}: its guest's output goes to {}", log.display());
+            Box::new(
+                File::create(&log).with_context(|| format!("cannot create {}", log.display()))?,
+            )
+        }
+    };
     let mut results: Vec<Option<TargetResult>> = targets.iter().map(|_| None).collect();
-    let boot = vm.run(kernel, script, |marker| {
+    let boot = vm.run(kernel, script, &mut out, |marker| {
         let Some((index, result)) = parse_result(marker) else {
             println!("{}{marker}", vm::MARKER);
             return;
         };
         if let Some(target) = targets.get(index) {
             println!(
-                "<== {}: {} after {} s",
+                "<== {}: {}: {} after {} s",
+                kernel.series,
                 target.label,
                 describe(result.status),
                 result.seconds
@@ -351,6 +430,7 @@ fn run_on_kernel<'a>(
         boot,
         elapsed: started.elapsed(),
         results,
+        log,
     })
 }
 

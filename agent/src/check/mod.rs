@@ -33,10 +33,8 @@ use anyhow::{bail, Result};
 use tracing::warn;
 
 use crate::{
-    cli::RunArgs,
     cluster::ClusterConfig,
     config::{AgentConfig, SourceConfig},
-    datapath::DatapathConfig,
     install::CniPlacement,
     policy::OwnPods,
 };
@@ -137,22 +135,6 @@ pub struct CheckConfig {
 }
 
 impl CheckConfig {
-    /// What `weir-agent run` with these flags needs; without --node-name or --policy-file (which
-    /// `run` requires), the node's part alone.
-    pub fn for_run(args: RunArgs, datapath: DatapathConfig) -> Result<Self> {
-        if args.node_name.is_none() && args.policy_file.is_none() {
-            return Ok(Self {
-                pin_root: datapath.pin_root,
-                cgroup: datapath.cgroup,
-                cni_placement: args.cni_dirs.placement()?,
-                cni_net_dir: args.cni_dirs.cni_net_dir,
-                zds_socket: args.zds_socket,
-                cluster: None,
-            });
-        }
-        Ok(Self::of(&args.config(datapath)?))
-    }
-
     /// What the agent configured by `config` needs.
     pub fn of(config: &AgentConfig) -> Self {
         Self {

@@ -17,7 +17,7 @@ mod reference;
 pub use reference::markdown;
 
 use crate::{
-    app::PLUGIN_NAME,
+    check::CheckConfig,
     cluster::{
         repair::{BrokenPodAction, BrokenPods},
         ClusterConfig,
@@ -27,7 +27,7 @@ use crate::{
     inspect,
     install::{
         CniPlacement, InstallConfig, Placement, ServiceAccount, DEFAULT_OWNED_CONFIG_FILE,
-        DEFAULT_STANDALONE_CONFIG_FILE,
+        DEFAULT_STANDALONE_CONFIG_FILE, PLUGIN_NAME,
     },
     logging::LogFormat,
     policy::{
@@ -367,6 +367,22 @@ pub enum Command {
 }
 
 impl RunArgs {
+    /// What `weir-agent run` with these flags needs; without --node-name or --policy-file (which
+    /// `run` requires), the node's part alone.
+    pub fn check_config(self, datapath: DatapathConfig) -> Result<CheckConfig> {
+        if self.node_name.is_none() && self.policy_file.is_none() {
+            return Ok(CheckConfig {
+                pin_root: datapath.pin_root,
+                cgroup: datapath.cgroup,
+                cni_placement: self.cni_dirs.placement()?,
+                cni_net_dir: self.cni_dirs.cni_net_dir,
+                zds_socket: self.zds_socket,
+                cluster: None,
+            });
+        }
+        Ok(CheckConfig::of(&self.config(datapath)?))
+    }
+
     /// The agent's configuration from these flags and the datapath's.
     pub fn config(self, datapath: DatapathConfig) -> Result<AgentConfig> {
         // The plugin gets the agent's own credentials, as istio-cni's does: in a pod that

@@ -5,15 +5,15 @@ use aya::{programs::SchedClassifier, Ebpf};
 use ipnet::IpNet;
 use tracing::{debug, warn};
 
-use weir_common::PodConfig;
+use weir_common::{PodConfig, POD_SIDECAR_IPV6};
 
 use super::{
     handoff::Handoff,
     netlink::{self, Link, PodSetup, Reroute, Rtnl, WeirFilter},
     netns::ReplyMarkSysctls,
-    pods, programs,
+    programs,
 };
-use crate::workload::Workload;
+use crate::workload::{AllOr, InterceptionMode, Workload};
 
 /// Per-pod setup of a pod whose map entries are in place already (a recovered pod): the reply
 /// path, and this agent's programs in place of the previous ones, rerouting as `record` (what
@@ -29,7 +29,7 @@ pub(super) fn prepare_pod_netns(
 ) -> Result<()> {
     let (names, ranges): (Vec<String>, Vec<IpNet>);
     let rerouted = match record {
-        Some((workload, config)) => pods::reroute(workload, config),
+        Some((workload, config)) => reroute(workload, config),
         None => {
             // Kept as they are: every rerouted interface has the same destinations.
             let rules = netlink::reroute_rules().context("reading the rerouted interfaces")?;
@@ -238,5 +238,30 @@ pub(super) fn undo_pod_netns(rtnl: &mut Rtnl) {
         .and_then(|interfaces| rtnl.tear_down_pod(&interfaces));
     if let Err(error) = undone {
         debug!(%error, "removing the pod's tc programs and routing");
+    }
+}
+
+/// Where the TCP arriving on the pod's rerouted interfaces goes to the outbound listener: every
+/// destination for an ambient pod; for a sidecar pod its included outbound ranges, IPv6 only
+/// where it is captured (istio's `-i <interface> [-d <range>] -j ISTIO_REDIRECT` rules).
+/// In REDIRECT mode the proxy's listener is not transparent: the connections are translated.
+pub(super) fn reroute<'a>(pod: &'a Workload, config: &PodConfig) -> Reroute<'a> {
+    let interfaces = &pod.options.reroute_interfaces[..];
+    match &pod.sidecar {
+        None => Reroute {
+            interfaces,
+            ranges: None,
+            ipv6: true,
+            translated: false,
+        },
+        Some(sidecar) => Reroute {
+            interfaces,
+            ranges: match &sidecar.include_outbound_ranges {
+                AllOr::All => None,
+                AllOr::Only(ranges) => Some(ranges),
+            },
+            ipv6: config.has(POD_SIDECAR_IPV6),
+            translated: sidecar.mode == InterceptionMode::Redirect,
+        },
     }
 }

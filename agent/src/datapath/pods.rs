@@ -17,16 +17,13 @@ use super::{
     netlink::{Link, Reroute, Rtnl},
     netns,
     pod_config::{ip_key, pod_config, sum_over_cpus, Unenrollable},
-    pod_netns::{set_up_pod_netns, undo_pod_netns, PodNetnsSetup},
+    pod_netns::{reroute, set_up_pod_netns, undo_pod_netns, PodNetnsSetup},
     sidecar_lists::ListEntries,
     userns::IdMaps,
     watch::{excludes_interfaces, Interfaces},
     EnrollNetns, Enrolled, Owner,
 };
-use crate::{
-    logging::chain,
-    workload::{AllOr, InterceptionMode, Workload},
-};
+use crate::{logging::chain, workload::Workload};
 
 pub(super) const BPF_NOEXIST: u64 = 1;
 
@@ -466,31 +463,6 @@ pub(super) fn netns_setup<'a>(
         rerouted: reroute(pod, config),
         passthrough_v6: config.has(POD_SIDECAR_IPV6),
         slot,
-    }
-}
-
-/// Where the TCP arriving on the pod's rerouted interfaces goes to the outbound listener: every
-/// destination for an ambient pod; for a sidecar pod its included outbound ranges, IPv6 only
-/// where it is captured (istio's `-i <interface> [-d <range>] -j ISTIO_REDIRECT` rules).
-/// In REDIRECT mode the proxy's listener is not transparent: the connections are translated.
-pub(super) fn reroute<'a>(pod: &'a Workload, config: &PodConfig) -> Reroute<'a> {
-    let interfaces = &pod.options.reroute_interfaces[..];
-    match &pod.sidecar {
-        None => Reroute {
-            interfaces,
-            ranges: None,
-            ipv6: true,
-            translated: false,
-        },
-        Some(sidecar) => Reroute {
-            interfaces,
-            ranges: match &sidecar.include_outbound_ranges {
-                AllOr::All => None,
-                AllOr::Only(ranges) => Some(ranges),
-            },
-            ipv6: config.has(POD_SIDECAR_IPV6),
-            translated: sidecar.mode == InterceptionMode::Redirect,
-        },
     }
 }
 

@@ -17,8 +17,8 @@ use weir_common::{IpKey, PodConfig};
 
 use super::{
     discovery,
-    pod_netns::prepare_pod_netns,
-    pods, sidecar_lists, snapshot,
+    pod_netns::{self, prepare_pod_netns},
+    sidecar_lists, snapshot,
     watch::{excludes_interfaces, Interfaces},
     Enrolled, Owner, Reply,
 };
@@ -144,7 +144,7 @@ impl Owner {
             .slot_of(netns_cookie)
             .context("giving the pod a slot")?;
         if let Some(record) = record {
-            self.make_translations(netns_cookie, &pods::reroute(record, &config))?;
+            self.make_translations(netns_cookie, &pod_netns::reroute(record, &config))?;
         }
         let handoff = self.handoff.as_ref().map(|handoff| (handoff, netns_cookie));
         prepare_pod_netns(

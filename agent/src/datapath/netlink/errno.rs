@@ -1,18 +1,11 @@
 //! What the kernel's answer to each change means: an object already as wanted (added before,
 //! or already gone) is success, and so is an IPv6 object where IPv6 is off.
-use std::fmt;
 use std::io;
 
 use netlink_packet_route::AddressFamily;
 
-use super::objects::Object;
+use super::objects::{Object, Op};
 use super::transport::Rtnl;
-
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Op {
-    Add,
-    Delete,
-}
 
 impl Op {
     /// Whether `errno` means the object is already in the wanted state. Rules say ENOENT when
@@ -22,15 +15,6 @@ impl Op {
             Op::Add => errno == libc::EEXIST,
             Op::Delete => matches!(errno, libc::ENOENT | libc::ESRCH | libc::EADDRNOTAVAIL),
         }
-    }
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Op::Add => "adding",
-            Op::Delete => "deleting",
-        })
     }
 }
 

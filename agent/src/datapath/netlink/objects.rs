@@ -16,8 +16,6 @@ use netlink_packet_route::{
 };
 use weir_common::{RETURN_MARK, RETURN_ROUTE_TABLE};
 
-use super::errno::Op;
-
 /// Priority of the return-path rule. Anything between the `local` table's rule (0) and `main`'s
 /// (32766, whose routes would send the app's replies out of eth0 instead of back to ztunnel) works;
 /// 32764 is the slot istio-cni's in-pod mode uses for its equivalent rule, so `ip rule` in a pod
@@ -188,6 +186,22 @@ pub(super) fn loopback_address(address: Ipv6Addr) -> AddressMessage {
         AddressAttribute::CacheInfo(lifetime),
     ];
     message
+}
+
+/// What a change does to its object.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Op {
+    Add,
+    Delete,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Add => "adding",
+            Op::Delete => "deleting",
+        })
+    }
 }
 
 pub(super) enum Object {

@@ -15,7 +15,7 @@ use netlink_packet_route::{
 };
 use weir_common::{PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
 
-use super::errno::Op;
+use super::objects::Op;
 use super::objects::{
     clsact, local_route, loopback_address, reroute_rule, return_rule, tc_filter, Direction, Object,
     TcProgram, LOOPBACK_IFINDEX, RETURN_RULE_PRIORITY, TC_HANDLE, TC_PRIORITY,

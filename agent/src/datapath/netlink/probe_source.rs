@@ -5,7 +5,7 @@ use std::{
     net::{Ipv4Addr, Ipv6Addr},
 };
 
-use super::errno::Op;
+use super::objects::Op;
 use super::objects::{local_route, loopback_address, Object, RT_TABLE_LOCAL};
 use super::transport::Rtnl;
 

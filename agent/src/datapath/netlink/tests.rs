@@ -6,7 +6,7 @@ use std::io;
 
 use weir_common::{PROBE_SOURCE_V4, PROBE_SOURCE_V6};
 
-use super::errno::Op;
+use super::objects::Op;
 use super::pod::return_path;
 use super::*;
 use crate::datapath::netns::enter;
