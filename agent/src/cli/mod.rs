@@ -41,7 +41,7 @@ use crate::{
 #[command(
     name = "weir-agent",
     version,
-    about = "weir: Istio ambient pod enrollment with eBPF instead of iptables"
+    about = "weir: Istio's node agent with eBPF instead of iptables: ambient pods to ztunnel, sidecar pods to their own proxy"
 )]
 pub struct Cli {
     #[command(flatten)]
