@@ -163,10 +163,10 @@ pub fn target_dir() -> anyhow::Result<PathBuf> {
         .context("cargo metadata names no target directory")
 }
 
-/// Announce a step.
 /// When this xtask started: each step says how far in it is, so a CI log shows where its time went.
 static STARTED: LazyLock<Instant> = LazyLock::new(Instant::now);
 
+/// Announce a step.
 pub fn step(message: &str) {
     let elapsed = STARTED.elapsed().as_secs();
     println!("==> [{:02}:{:02}] {message}", elapsed / 60, elapsed % 60);

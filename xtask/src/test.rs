@@ -107,13 +107,11 @@ fn on_this_kernel(object: &Path, test_args: &[String]) -> Result<()> {
     result.and(swept)
 }
 
-/// The binaries the tests run (weir-cni, weir-agent, weir-bench) and the test executables, built
-/// before any test runs: the guests run them from this machine's target directory.
+/// The binaries the tests run (weir-cni, weir-agent, weir-bench), built before any test runs:
+/// the guests run them from this machine's target directory.
 fn build_test_binaries(object: &Path) -> Result<()> {
     step("building the binaries the tests run (weir-cni, weir-agent, weir-bench)");
-    system::run(with_object(cargo(), object).args(["build", "--workspace", "--bins"]))?;
-    step("building the test executables");
-    system::run(with_object(cargo(), object).args(["test", "--workspace", "--no-run"]))
+    system::run(with_object(cargo(), object).args(["build", "--workspace", "--bins"]))
 }
 
 /// `cargo xtask test-kernels`: the kernel-facing test executables (or all of them) in one guest
@@ -186,7 +184,7 @@ struct Matrix {
 }
 
 impl Matrix {
-    /// Fetches the kernels and finds the built test executables (`build_test_binaries` first).
+    /// Fetches the kernels and builds the test executables (`build_test_binaries` first).
     fn prepare(object: &Path, series: &[Series], all: bool, filter: &[String]) -> Result<Self> {
         // Unpacking a kernel needs depmod (kmod) already.
         vm::ensure_vm_packages()?;
@@ -197,6 +195,7 @@ impl Matrix {
         let Some(first) = kernels.first() else {
             bail!("no kernel to run the tests on");
         };
+        step("building the test executables");
         let targets = test_targets(object, all)?;
         let vm = Vm::prepare(first)?;
         let script = guest_script(object, &targets, filter);
@@ -217,7 +216,7 @@ impl Matrix {
             .collect::<Result<Vec<_>>>()?;
         if let GuestOutput::LogFiles = output {
             for run in runs.iter().filter(|run| !run.passed()) {
-                print_log(&run.log)?;
+                print_log(&vm::log_path(run.kernel.series))?;
             }
         }
         print_summary(&runs, &self.targets);
@@ -380,8 +379,6 @@ struct KernelRun<'a> {
     boot: vm::Boot,
     elapsed: Duration,
     results: Vec<Option<TargetResult>>,
-    /// Where its guest's output went, with [`GuestOutput::LogFiles`].
-    log: PathBuf,
 }
 
 impl KernelRun<'_> {
@@ -398,10 +395,10 @@ fn run_on_kernel<'a>(
     output: GuestOutput,
 ) -> Result<KernelRun<'a>> {
     let started = Instant::now();
-    let log = vm::log_path(kernel.series);
     let mut out: Box<dyn Write> = match output {
         GuestOutput::Streamed => Box::new(io::stdout()),
         GuestOutput::LogFiles => {
+            let log = vm::log_path(kernel.series);
             println!("    {kernel}: its guest's output goes to {}", log.display());
             Box::new(
                 File::create(&log).with_context(|| format!("cannot create {}", log.display()))?,
@@ -430,7 +427,6 @@ fn run_on_kernel<'a>(
         boot,
         elapsed: started.elapsed(),
         results,
-        log,
     })
 }
 
