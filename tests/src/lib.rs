@@ -49,8 +49,8 @@ pub use metrics::Metrics;
 pub use netns::NetNs;
 pub use node::{FailedAdd, Families, NodeOptions, Pod, PodSpec, TestNode};
 pub use traffic::{
-    tcp_connect_from, tcp_request, udp_request, udp_request_connected, EchoServer, Received, Reply,
-    UdpReply,
+    tcp_connect_from, tcp_request, tcp_request_within, udp_request, udp_request_connected,
+    EchoServer, Received, Reply, UdpReply,
 };
 pub use wait::{try_wait_until, wait_until, wait_until_async};
 pub use zds_client::{NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};

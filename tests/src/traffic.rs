@@ -220,8 +220,15 @@ pub struct Reply {
 /// Connects to `addr`, sends `msg` as a line and reads one line back. Run it inside a pod
 /// (`pod.run(|| tcp_request(..))`). A connection closed without an answer is `UnexpectedEof`.
 pub fn tcp_request(addr: SocketAddr, msg: &str) -> io::Result<Reply> {
+    tcp_request_within(addr, msg, IO_TIMEOUT)
+}
+
+/// [`tcp_request`] with each read and write bounded by `timeout` instead of [`IO_TIMEOUT`]: for
+/// transfers large enough that an emulated, busy guest may stall one of them for seconds.
+pub fn tcp_request_within(addr: SocketAddr, msg: &str, timeout: Duration) -> io::Result<Reply> {
     let stream = TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
-    set_timeouts(&stream)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
     let peer_seen_by_client = stream.peer_addr()?;
     let local = stream.local_addr()?;
     write_line(&stream, msg)?;

@@ -23,7 +23,7 @@ use weir_tests::{
     netns::{ip, ip_output},
     raw::{self, Answer},
     receive_batch::kernel_needs_the_handoff,
-    sockopt, tcp_request,
+    sockopt, tcp_request, tcp_request_within,
     traffic_loop::{wait_for_connections, Connection, TrafficLoop},
     udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
@@ -1066,7 +1066,7 @@ fn large_transfers_and_fragmented_udp_are_unaffected() {
     for destination in [IpAddr::V4(pod.ipv4()), IpAddr::V6(pod.ipv6())] {
         let target = SocketAddr::new(destination, APP_PORT);
         let reply = client
-            .run(|| tcp_request(target, &large))
+            .run(|| tcp_request_within(target, &large, Duration::from_secs(30)))
             .unwrap_or_else(|e| panic!("4 MiB to {target}: {e}"));
         assert!(
             reply.response == echo.reply_to(&large),
