@@ -26,7 +26,7 @@ use crate::{
     enroll::Enroller,
     http,
     install::{InstallConfig, InstallStatus, Installer, PLUGIN_NAME},
-    pod_metrics::PodMetrics,
+    metrics,
     policy::{local::LocalSource, Policy},
     report::{NoReporter, Reporter, Warning},
     trace,
@@ -45,10 +45,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     // the first ADD the runtime sends can be answered.
     let datapath = Arc::new(Datapath::start(config.datapath.clone())?);
     datapath.register_metrics(&mut registry);
-    registry.register_collector(Box::new(PodMetrics {
-        pin_root: config.datapath.pin_root.clone(),
-        state_file: config.state_file.clone(),
-    }));
+    metrics::register(&mut registry, &config.datapath.pin_root, &config.state_file);
     let (zds, zds_serve) = zds::start(
         ZdsConfig {
             socket_path: config.zds_socket.clone(),

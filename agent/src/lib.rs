@@ -34,7 +34,7 @@ pub mod http;
 pub mod inspect;
 pub mod install;
 pub mod logging;
-pub mod pod_metrics;
+pub mod metrics;
 pub mod policy;
 pub mod report;
 pub mod root_only;

@@ -20,7 +20,7 @@ use weir_agent::{
         DNS_CAPTURE_ANNOTATION,
     },
 };
-use weir_common::{DNS_PORT, INBOUND_PORT};
+use weir_common::{ABI_VERSION, DNS_PORT, INBOUND_PORT, MAX_PODS};
 use weir_tests::privileged;
 use weir_tests::{
     agent::{http_get, Agent},
@@ -29,9 +29,11 @@ use weir_tests::{
         weir_conflist, weir_only, CniChainNode as Node, MESH, WAIT,
     },
     cni::{Command, NetworkConfigList, RuntimeConf},
-    raw, tcp_request, udp_request,
+    raw,
+    receive_batch::kernel_needs_the_handoff,
+    tcp_request, udp_request,
     zds_client::{NetnsId, ZdsEvent, ZdsZtunnel},
-    ApiServer, EchoServer, Pod, PodSpec, ZtunnelStandIn,
+    ApiServer, EchoServer, Metrics, Pod, PodSpec, ZtunnelStandIn,
 };
 
 #[test]
@@ -52,7 +54,55 @@ fn installer_chains_weir_into_the_node_conflist() {
         Some(1.0),
         "{metrics}"
     );
+    assert_describes_itself(&metrics);
     agent.stop().unwrap();
+}
+
+/// What an agent says of itself on /metrics, pods or none: its build and kernel path, its
+/// maps' capacities, its process.
+fn assert_describes_itself(metrics: &Metrics) {
+    let handoff = if kernel_needs_the_handoff() {
+        "sk_lookup"
+    } else {
+        "tc"
+    };
+    let build = [
+        ("version", env!("CARGO_PKG_VERSION")),
+        ("map_layout", &ABI_VERSION.to_string()),
+        ("inbound_handoff", handoff),
+    ];
+    assert_eq!(
+        metrics.value("weir_build_info", &build),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        metrics.value("weir_map_capacity", &[("map", "PODS")]),
+        Some(f64::from(MAX_PODS)),
+        "{metrics}"
+    );
+    assert_eq!(
+        metrics.value("weir_map_entries", &[("map", "PODS")]),
+        Some(0.0),
+        "{metrics}"
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let started = metrics.value("process_start_time_seconds", &[]).unwrap();
+    assert!(now - 600.0 < started && started <= now, "{metrics}");
+    for positive in [
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_cpu_seconds_total",
+    ] {
+        assert!(
+            metrics.value(positive, &[]).unwrap() > 0.0,
+            "{positive}: {metrics}"
+        );
+    }
 }
 
 /// Pods can reach the health and metrics ports: a connection that sends nothing is closed, and
@@ -494,6 +544,29 @@ fn hundred_concurrent_adds_all_enroll() {
         Some(100.0),
         "{metrics}"
     );
+    for (name, labels) in [
+        (
+            "weir_pods",
+            &[("mode", "ambient"), ("state", "enrolled")][..],
+        ),
+        (
+            "weir_enroll_seconds_count",
+            &[("mode", "ambient"), ("result", "ok")],
+        ),
+        ("weir_map_entries", &[("map", "PODS")]),
+    ] {
+        assert_eq!(
+            metrics.value(name, labels),
+            Some(100.0),
+            "{name}: {metrics}"
+        );
+    }
+    assert_eq!(
+        metrics.value("weir_pods", &[("mode", "ambient"), ("state", "pending")]),
+        Some(0.0),
+        "{metrics}"
+    );
+    assert_eq!(metrics.value("weir_zds_pending_adds", &[]), Some(0.0));
     agent.stop().unwrap();
 }
 

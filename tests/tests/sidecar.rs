@@ -534,6 +534,21 @@ fn an_invalid_sidecar_annotation_fails_the_add_naming_it() {
         error.contains("sidecar.istio.io/interceptionMode"),
         "{error}"
     );
+    let failed_pods = [("mode", "sidecar"), ("state", "failed")];
+    let metrics = agent.metrics();
+    assert_eq!(
+        metrics.value("weir_pods", &failed_pods),
+        Some(1.0),
+        "{metrics}"
+    );
+    // The runtime tears the sandbox down with a DEL: the pod is no longer a failure to see.
+    drop(failed);
+    let metrics = agent.metrics();
+    assert_eq!(
+        metrics.value("weir_pods", &failed_pods),
+        Some(0.0),
+        "{metrics}"
+    );
     agent.stop().unwrap();
 }
 

@@ -145,8 +145,7 @@ impl Reconciler {
             .lock()
             .unwrap()
             .retain(|uid| known.contains(uid));
-        self.enroller
-            .forget_removed_sandboxes(|uid| known.contains(uid));
+        self.enroller.forget_pods_gone(|uid| known.contains(uid));
         self.annotation_problems
             .lock()
             .unwrap()

@@ -21,7 +21,7 @@ use crate::{
     logging::pod_span,
     policy::{Decision, Labels, Policy, PolicyError},
     report::{report_problems, Reporter, Warning},
-    workload::{PodName, Status, Workload},
+    workload::{Mode, PodName, Status, Workload},
 };
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -135,6 +135,7 @@ impl CniHandler {
                 let msg = format!("sidecar pod {name} cannot be redirected: {invalid}");
                 let warning = Warning::SidecarRedirectionFailed(msg.clone());
                 self.reporter.warn(&name, warning).await;
+                self.enroller.count_failed(&request.pod.uid, Mode::Sidecar);
                 return Err(Response::Error {
                     code: INVALID_CONFIG,
                     msg,

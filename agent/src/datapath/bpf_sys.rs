@@ -212,16 +212,30 @@ pub fn map_delete(map: BorrowedFd<'_>, key: &[u8]) -> io::Result<()> {
 
 /// Whether a hash map with keys of `key_size` bytes has no entry left.
 pub fn map_is_empty(map: BorrowedFd<'_>, key_size: usize) -> io::Result<bool> {
+    Ok(count_keys(map, key_size, 1)? == 0)
+}
+
+/// The keys of a hash-like map with keys of `key_size` bytes, counted up to `at_most`. Entries
+/// removed while it walks can send the walk back to the first key (the kernel's answer for a
+/// key that is gone), so the count is a sample, bounded by `at_most`, not a snapshot.
+pub fn count_keys(map: BorrowedFd<'_>, key_size: usize, at_most: u32) -> io::Result<u32> {
+    let mut key = vec![0u8; key_size];
     let mut next = vec![0u8; key_size];
-    let mut attr = MapKeyAttr {
-        map_fd: map.as_raw_fd() as u32,
-        key: 0,
-        next_key: next.as_mut_ptr() as u64,
-        ..Default::default()
-    };
-    match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
-        Ok(_) => Ok(false),
-        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(true),
-        Err(error) => Err(error),
+    let mut count = 0;
+    while count < at_most {
+        let mut attr = MapKeyAttr {
+            map_fd: map.as_raw_fd() as u32,
+            // The first call has no key: the walk starts at the first entry.
+            key: if count == 0 { 0 } else { key.as_ptr() as u64 },
+            next_key: next.as_mut_ptr() as u64,
+            ..Default::default()
+        };
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => count += 1,
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => break,
+            Err(error) => return Err(error),
+        }
+        std::mem::swap(&mut key, &mut next);
     }
+    Ok(count)
 }

@@ -27,13 +27,24 @@ pub(super) struct Handoff {
     pins: PathBuf,
 }
 
+/// How new inbound connections reach ztunnel's listeners on `kernel`: `tc` (assigned from tc) or
+/// `sk_lookup` (handed over through the socket lookup).
+pub(crate) fn inbound_path(kernel: &Kernel) -> &'static str {
+    let (major, minor) = TC_ASSIGNS_REUSEPORT;
+    if kernel.is_at_least(major, minor) {
+        "tc"
+    } else {
+        "sk_lookup"
+    }
+}
+
 impl Handoff {
     /// The hand-off, on a kernel that needs it; its links pinned under `links_dir`.
     pub(super) fn for_kernel(kernel: &Kernel, links_dir: &Path) -> Result<Option<Self>> {
-        let (major, minor) = TC_ASSIGNS_REUSEPORT;
-        if kernel.is_at_least(major, minor) {
+        if inbound_path(kernel) == "tc" {
             return Ok(None);
         }
+        let (major, minor) = TC_ASSIGNS_REUSEPORT;
         let pins = links_dir.join("handoff");
         fs::create_dir_all(&pins).with_context(|| format!("creating {}", pins.display()))?;
         info!(

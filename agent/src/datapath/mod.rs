@@ -58,10 +58,11 @@ use owner::{Enrolled, Owner};
 
 pub use discovery::PodNetns;
 pub use handle::{Datapath, Request};
+pub(crate) use handoff::inbound_path;
 pub use mounts::cgroup2_root;
 pub use pod_config::Unenrollable;
 pub use recovery::Orphans;
-pub use snapshot::{pinned_pods, PinnedPod};
+pub use snapshot::{map_fill, pinned_pods, MapFill, PinnedPod};
 pub use trace_maps::TraceMaps;
 pub(crate) use ztunnels::identity_of as cgroup_identity_of;
 

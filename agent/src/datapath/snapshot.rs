@@ -2,10 +2,10 @@
 //! read-only from their pins (the kernel refuses writes through such an fd), no program is loaded
 //! and no link taken over, so the agent that owns them is not disturbed. A restarted owner
 //! rebuilds its index from the same entries.
-use std::{collections::HashMap as StdHashMap, net::IpAddr, path::Path};
+use std::{collections::HashMap as StdHashMap, net::IpAddr, os::fd::AsFd, path::Path};
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap};
+use aya::maps::{HashMap, Map, MapData, MapError, MapType, PerCpuHashMap};
 use weir_common::{maps, IpKey, PodConfig, PodCounters, POD_UID_LEN};
 
 use super::bpf_sys;
@@ -63,6 +63,53 @@ pub fn pinned_pods(pin_root: &Path) -> Result<Option<Vec<PinnedPod>>> {
         })
         .collect();
     Ok(Some(pods))
+}
+
+/// How full one of weir's pinned maps is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapFill {
+    pub name: &'static str,
+    pub entries: u32,
+    pub capacity: u32,
+}
+
+/// The fill of every pinned map in this build's layout whose entries come and go (hashes, LRU
+/// hashes, tries); arrays are always full and the ring buffer and socket storage have no count.
+/// Empty when nothing is pinned there.
+pub fn map_fill(pin_root: &Path) -> Result<Vec<MapFill>> {
+    let dir = maps_dir(pin_root);
+    let mut fills = Vec::new();
+    for name in maps::ALL {
+        let path = dir.join(name);
+        let fd = match bpf_sys::open_pinned_read_only(&path) {
+            Ok(fd) => fd,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(error) => return Err(error).with_context(|| format!("opening {}", path.display())),
+        };
+        let map = MapData::from_fd(fd).with_context(|| format!("reading {}", path.display()))?;
+        let info = map.info()?;
+        let counted = matches!(
+            info.map_type(),
+            Ok(MapType::Hash
+                | MapType::LruHash
+                | MapType::PerCpuHash
+                | MapType::LruPerCpuHash
+                | MapType::LpmTrie
+                | MapType::HashOfMaps)
+        );
+        if !counted {
+            continue;
+        }
+        let capacity = info.max_entries();
+        let entries = bpf_sys::count_keys(map.fd().as_fd(), info.key_size() as usize, capacity)
+            .with_context(|| format!("counting the entries of {}", path.display()))?;
+        fills.push(MapFill {
+            name,
+            entries,
+            capacity,
+        });
+    }
+    Ok(fills)
 }
 
 fn open_pinned<T: TryFrom<Map, Error = MapError>>(dir: &Path, name: &str) -> Result<T> {

@@ -8,6 +8,7 @@
 //! Beside that path: recovery after a restart ([`recovery`]), CNI GC and the orphan sweep
 //! ([`orphans`]), and the pods' statuses, published through the [`Reporter`] (in a cluster, the
 //! pod's `ambient.istio.io/redirection` annotation) ([`status`]).
+mod metrics;
 mod orphans;
 mod recovery;
 mod status;
@@ -37,7 +38,7 @@ use crate::{
     logging::pod_span,
     report::Reporter,
     state::StateFile,
-    workload::{PodName, PodOptions, SidecarRedirect, Status, Workload},
+    workload::{Mode, PodName, PodOptions, SidecarRedirect, Status, Workload},
     zds::{WorkloadInfo, ZdsError, ZdsHandle},
 };
 use status::StatusLabels;
@@ -57,6 +58,11 @@ pub struct Enroller {
     pods: Family<StatusLabels, Gauge>,
     /// Time to put one pod's redirection in place (the datapath's part of enrollment).
     redirect_seconds: Histogram,
+    /// Time of whole enrollments, by mode and result.
+    enroll_seconds: metrics::EnrollSeconds,
+    /// Pods whose last enrollment failed and that are not enrolled, with their mode: until they
+    /// are enrolled, their sandbox is removed or they leave the cluster.
+    failed: Mutex<HashMap<String, Mode>>,
     /// Pods (or state records) a restart could not fully recover.
     recovery_failures: Counter,
     /// Pods unenrolled because nothing but weir and ztunnel held their netns any more.
@@ -86,6 +92,8 @@ impl Enroller {
             pods: Family::default(),
             // 50 µs .. ~100 ms: weir's enrollment is sub-millisecond; istio's iptables ~10 ms.
             redirect_seconds: Histogram::new(exponential_buckets(50e-6, 2.0, 12)),
+            enroll_seconds: metrics::enroll_seconds(),
+            failed: Mutex::default(),
             recovery_failures: Counter::default(),
             orphans_removed: Counter::default(),
             orphans_kept: Counter::default(),
@@ -93,7 +101,7 @@ impl Enroller {
         })
     }
 
-    pub fn register_metrics(&self, registry: &mut Registry) {
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
         // Both series from the start, at 0: they are counted by change from here.
         for status in [Status::Pending, Status::Enabled] {
             self.pods_with(status);
@@ -103,6 +111,13 @@ impl Enroller {
             "Time to put one pod's redirection in place (maps, tc, routing)",
             self.redirect_seconds.clone(),
         );
+        registry.register(
+            "weir_enroll_seconds",
+            "Time of one pod's whole enrollment (redirection, then ztunnel's answer for an \
+             ambient pod), by mode and result",
+            self.enroll_seconds.clone(),
+        );
+        registry.register_collector(Box::new(metrics::PodsByState(self.clone())));
         registry.register(
             "weir_enrolled_pods",
             "Enrolled pods by status: pending (redirected, ztunnel has not acked) or enabled",
@@ -223,6 +238,32 @@ impl Enroller {
     /// sidecar pod ([`Workload::sidecar`]) is done once redirected.
     pub async fn enroll_in(&self, pod: &Workload, netns: EnrollNetns) -> Result<Status> {
         let started = std::time::Instant::now();
+        let result = self.redirect_and_hand_over(pod, netns).await;
+        let mode = pod.mode();
+        metrics::observe(
+            &self.enroll_seconds,
+            mode,
+            result.is_ok(),
+            started.elapsed().as_secs_f64(),
+        );
+        match &result {
+            Ok(_) => drop(self.failed.lock().unwrap().remove(&pod.uid)),
+            Err(_) => self.count_failed(&pod.uid, mode),
+        }
+        result
+    }
+
+    /// Counts the pod as failed (`weir_pods{state="failed"}`) after an enrollment that failed or
+    /// was refused, until it is enrolled, its sandbox removed or it leaves the cluster. A pod
+    /// enrolled before stays redirected as it was, and counted as enrolled.
+    pub fn count_failed(&self, uid: &str, mode: Mode) {
+        if !self.state.contains(uid) {
+            self.failed.lock().unwrap().insert(uid.to_owned(), mode);
+        }
+    }
+
+    async fn redirect_and_hand_over(&self, pod: &Workload, netns: EnrollNetns) -> Result<Status> {
+        let started = std::time::Instant::now();
         let netns = self.datapath.enroll_in(pod.clone(), netns).await?;
         self.redirect_seconds
             .observe(started.elapsed().as_secs_f64());
@@ -291,6 +332,7 @@ impl Enroller {
             }
         }
         self.set_status(uid, None).await;
+        self.failed.lock().unwrap().remove(uid);
         let was = self.datapath.unenroll(uid).await?;
         self.state.remove(uid)?;
         if was {
@@ -304,12 +346,14 @@ impl Enroller {
         self.removed_sandboxes.lock().unwrap().contains(uid)
     }
 
-    /// Forgets the removed sandboxes of pods `keep` does not keep (gone from the cluster).
-    pub fn forget_removed_sandboxes(&self, keep: impl Fn(&str) -> bool) {
+    /// Forgets the removed sandboxes and failed enrollments of pods `keep` does not keep (gone
+    /// from the cluster).
+    pub fn forget_pods_gone(&self, keep: impl Fn(&str) -> bool) {
         self.removed_sandboxes
             .lock()
             .unwrap()
             .retain(|uid| keep(uid));
+        self.failed.lock().unwrap().retain(|uid, _| keep(uid));
     }
 
     /// Whether the pod's redirection is in the kernel as enrolled.

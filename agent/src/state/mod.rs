@@ -110,6 +110,21 @@ impl StateFile {
             .collect()
     }
 
+    /// Whether the pod has a record.
+    pub fn contains(&self, uid: &str) -> bool {
+        self.records.lock().unwrap().pods.contains_key(uid)
+    }
+
+    /// The records counted by `key`.
+    pub fn count_by<K: Ord>(&self, key: impl Fn(&Record) -> K) -> BTreeMap<K, usize> {
+        let records = self.records.lock().unwrap();
+        let mut counts = BTreeMap::new();
+        for record in records.pods.values() {
+            *counts.entry(key(record)).or_default() += 1;
+        }
+        counts
+    }
+
     /// The pod's recorded status: what its annotation says, as this agent or the previous one
     /// last set it.
     pub fn status(&self, uid: &str) -> Option<Status> {

@@ -1,4 +1,5 @@
-//! The ZDS server's metrics: ztunnel connections, and requests, acks and failures by message.
+//! The ZDS server's metrics: ztunnel connections, Adds awaiting an answer, and requests, acks
+//! and failures by message.
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family, gauge::Gauge},
@@ -20,6 +21,10 @@ struct ErrorLabels {
 
 pub(super) struct Metrics {
     pub(super) connected: Gauge,
+    /// ztunnel connections that said hello, over the agent's life: reconnects show as increases.
+    pub(super) connections: Counter,
+    /// Adds sent (or queued) to ztunnel that have no answer yet.
+    pending_adds: Gauge,
     requests: Family<MessageLabels, Counter>,
     acks: Family<MessageLabels, Counter>,
     errors: Family<ErrorLabels, Counter>,
@@ -32,6 +37,16 @@ impl Metrics {
                 registry,
                 "ztunnel_connected",
                 "Number of connections to ztunnel",
+            ),
+            connections: registered(
+                registry,
+                "weir_zds_connections",
+                "ztunnel connections that said hello (reconnects count each)",
+            ),
+            pending_adds: registered(
+                registry,
+                "weir_zds_pending_adds",
+                "Adds sent or queued to ztunnel and not yet answered",
             ),
             requests: registered(
                 registry,
@@ -51,6 +66,12 @@ impl Metrics {
         }
     }
 
+    /// Counts an Add as pending for as long as the guard lives, also when its caller gives up.
+    pub(super) fn pending_add(&self) -> PendingAdd {
+        self.pending_adds.inc();
+        PendingAdd(self.pending_adds.clone())
+    }
+
     pub(super) fn request(&self, message: &'static str) {
         self.requests
             .get_or_create(&MessageLabels { message })
@@ -65,6 +86,15 @@ impl Metrics {
         self.errors
             .get_or_create(&ErrorLabels { message, reason })
             .inc();
+    }
+}
+
+/// An Add counted in `weir_zds_pending_adds` until dropped.
+pub(super) struct PendingAdd(Gauge);
+
+impl Drop for PendingAdd {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 

@@ -201,7 +201,9 @@ impl ZdsHandle {
             debug!(uid, pod, conn = newest.id, "queueing Add");
             newest.send(payload, Some(netns))
         };
+        let pending = self.shared.metrics.pending_add();
         let result = reply.await;
+        drop(pending);
         match &result {
             Ok(()) => info!(uid, pod, "ztunnel acked the Add"),
             Err(error) => warn!(uid, pod, %error, "Add failed"),
@@ -347,6 +349,7 @@ impl Shared {
         state.next_id += 1;
         let id = state.next_id;
         state.connections.push(Connection { id, requests });
+        self.metrics.connections.inc();
         let snapshot = state
             .pods
             .iter()

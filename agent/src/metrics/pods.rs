@@ -13,9 +13,9 @@ use tracing::warn;
 use crate::inspect::{self, Counters};
 
 #[derive(Debug)]
-pub struct PodMetrics {
-    pub pin_root: PathBuf,
-    pub state_file: PathBuf,
+pub(super) struct PodMetrics {
+    pub(super) pin_root: PathBuf,
+    pub(super) state_file: PathBuf,
 }
 
 /// Each family: its name, help, and per pod the label set's last pair with its value.
