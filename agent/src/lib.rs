@@ -23,6 +23,7 @@
 //!   turned into enrollment steps and responses), ztunnel, the node's CNI configuration, health
 //!   and metrics.
 pub mod app;
+pub mod bug_report;
 pub mod check;
 pub mod cli;
 pub mod cluster;

@@ -6,7 +6,7 @@ use clap::Parser;
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info};
 use weir_agent::{
-    app, check,
+    app, bug_report, check,
     cli::{Cli, Command, Output},
     datapath::Datapath,
     inspect,
@@ -54,6 +54,11 @@ fn run(cli: Cli) -> Result<()> {
             tokio::runtime::Runtime::new()?.block_on(check::print(&config))
         }
         Command::Trace(args) => tokio::runtime::Runtime::new()?.block_on(trace::run(args)),
+        Command::BugReport(args) => {
+            let output = args.output.clone();
+            let sources = args.sources(cli.datapath.config())?;
+            tokio::runtime::Runtime::new()?.block_on(bug_report::write(&sources, &output))
+        }
     }
 }
 

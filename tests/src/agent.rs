@@ -313,11 +313,17 @@ pub enum AgentBinary<'a> {
 /// `weir-agent run` with `config`'s paths and addresses as flags, its other settings the
 /// binary's defaults; the caller adds where the pods' policy comes from.
 fn run_command(config: &AgentConfig) -> std::process::Command {
+    agent_command(config, "run")
+}
+
+/// `weir-agent <subcommand>` with the paths and addresses of the agent `config` configures, as
+/// the flags of `run` (which `check` and `bug-report` take too).
+pub fn agent_command(config: &AgentConfig, subcommand: &str) -> std::process::Command {
     let mut command = std::process::Command::new(workspace_binary("weir-agent"));
     command
         .arg("--pin-root")
         .arg(&config.datapath.pin_root)
-        .arg("run")
+        .arg(subcommand)
         .arg("--cni-socket")
         .arg(&config.cni_socket)
         .arg("--verdict-cache")

@@ -17,6 +17,7 @@ mod reference;
 pub use reference::markdown;
 
 use crate::{
+    bug_report,
     check::CheckConfig,
     cluster::{
         repair::{BrokenPodAction, BrokenPods},
@@ -364,6 +365,36 @@ pub enum Command {
     /// costs the datapath nothing once the last one leaves. Stops on Ctrl-C.
     #[command(after_long_help = trace::verdicts_help())]
     Trace(TraceArgs),
+    /// Write one archive (.tar.gz) with what a bug report about this node needs: weir's version
+    /// and the kernel, `check`'s and `pods`' output, the running agent's metrics, weir's pinned
+    /// maps (entries in hex), programs and pins, and the CNI configuration. Credentials never go
+    /// in. Takes `run`'s flags, as `check` does, so that in weir's pod it reads what the agent
+    /// was given. A part that cannot be collected is named, with why, in errors.txt.
+    BugReport(Box<BugReportArgs>),
+}
+
+#[derive(clap::Args)]
+pub struct BugReportArgs {
+    /// Where the archive is written; `-` writes it to stdout, e.g.
+    /// `kubectl exec -n istio-system ds/weir -- weir-agent bug-report -o - > report.tar.gz`.
+    #[arg(long, short, default_value = "weir-bug-report.tar.gz")]
+    pub output: PathBuf,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+impl BugReportArgs {
+    /// What the report is made from: the paths and addresses `run` would use.
+    pub fn sources(self, datapath: DatapathConfig) -> Result<bug_report::Sources> {
+        let run = self.run;
+        Ok(bug_report::Sources {
+            pin_root: datapath.pin_root.clone(),
+            state_file: run.state.state_file.clone(),
+            cni_net_dir: run.cni_dirs.cni_net_dir.clone(),
+            metrics_addr: run.metrics_addr,
+            check: run.check_config(datapath)?,
+        })
+    }
 }
 
 impl RunArgs {

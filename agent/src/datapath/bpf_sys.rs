@@ -24,6 +24,7 @@ use std::{
 };
 
 const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
@@ -215,27 +216,61 @@ pub fn map_is_empty(map: BorrowedFd<'_>, key_size: usize) -> io::Result<bool> {
     Ok(count_keys(map, key_size, 1)? == 0)
 }
 
-/// The keys of a hash-like map with keys of `key_size` bytes, counted up to `at_most`. Entries
-/// removed while it walks can send the walk back to the first key (the kernel's answer for a
-/// key that is gone), so the count is a sample, bounded by `at_most`, not a snapshot.
+/// The keys of a hash-like map with keys of `key_size` bytes, counted up to `at_most`.
 pub fn count_keys(map: BorrowedFd<'_>, key_size: usize, at_most: u32) -> io::Result<u32> {
+    let mut count = 0;
+    for_each_key(map, key_size, at_most, |_| count += 1)?;
+    Ok(count)
+}
+
+/// Calls `visit` with each key of a hash-like map with keys of `key_size` bytes, up to
+/// `at_most` of them. Entries removed during the walk can send it back to the first key (the
+/// kernel's answer for a key that is gone), so it is a sample bounded by `at_most`, not a
+/// snapshot.
+pub fn for_each_key(
+    map: BorrowedFd<'_>,
+    key_size: usize,
+    at_most: u32,
+    mut visit: impl FnMut(&[u8]),
+) -> io::Result<()> {
     let mut key = vec![0u8; key_size];
     let mut next = vec![0u8; key_size];
-    let mut count = 0;
-    while count < at_most {
+    for walked in 0..at_most {
         let mut attr = MapKeyAttr {
             map_fd: map.as_raw_fd() as u32,
             // The first call has no key: the walk starts at the first entry.
-            key: if count == 0 { 0 } else { key.as_ptr() as u64 },
+            key: if walked == 0 { 0 } else { key.as_ptr() as u64 },
             next_key: next.as_mut_ptr() as u64,
             ..Default::default()
         };
         match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
-            Ok(_) => count += 1,
+            Ok(_) => visit(&next),
             Err(error) if error.raw_os_error() == Some(libc::ENOENT) => break,
             Err(error) => return Err(error),
         }
         std::mem::swap(&mut key, &mut next);
     }
-    Ok(count)
+    Ok(())
+}
+
+/// The value at `key`, `value_len` bytes (for a per-CPU map, every CPU's value, each padded to
+/// 8 bytes); `None` when the key is not there (any more).
+pub fn map_lookup(
+    map: BorrowedFd<'_>,
+    key: &[u8],
+    value_len: usize,
+) -> io::Result<Option<Vec<u8>>> {
+    let mut value = vec![0u8; value_len];
+    let mut attr = MapKeyAttr {
+        map_fd: map.as_raw_fd() as u32,
+        key: key.as_ptr() as u64,
+        // The value's place in the union.
+        next_key: value.as_mut_ptr() as u64,
+        ..Default::default()
+    };
+    match bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) {
+        Ok(_) => Ok(Some(value)),
+        Err(error) if error.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(error) => Err(error),
+    }
 }

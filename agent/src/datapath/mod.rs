@@ -62,7 +62,7 @@ pub(crate) use handoff::inbound_path;
 pub use mounts::cgroup2_root;
 pub use pod_config::Unenrollable;
 pub use recovery::Orphans;
-pub use snapshot::{map_fill, pinned_pods, MapFill, PinnedPod};
+pub use snapshot::{map_dump, map_fill, pinned_pods, MapDump, MapFill, PinnedPod};
 pub use trace_maps::TraceMaps;
 pub(crate) use ztunnels::identity_of as cgroup_identity_of;
 

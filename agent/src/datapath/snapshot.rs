@@ -5,7 +5,7 @@
 use std::{collections::HashMap as StdHashMap, net::IpAddr, os::fd::AsFd, path::Path};
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData, MapError, MapType, PerCpuHashMap};
+use aya::maps::{HashMap, Map, MapData, MapError, MapInfo, MapType, PerCpuHashMap};
 use weir_common::{maps, IpKey, PodConfig, PodCounters, POD_UID_LEN};
 
 use super::bpf_sys;
@@ -73,12 +73,18 @@ pub struct MapFill {
     pub capacity: u32,
 }
 
-/// The fill of every pinned map in this build's layout whose entries come and go (hashes, LRU
-/// hashes, tries); arrays are always full and the ring buffer and socket storage have no count.
-/// Empty when nothing is pinned there.
-pub fn map_fill(pin_root: &Path) -> Result<Vec<MapFill>> {
+/// One of weir's maps in this build's layout, opened read-only from its pin.
+struct PinnedMap {
+    name: &'static str,
+    map: MapData,
+    info: MapInfo,
+    kind: Option<MapType>,
+}
+
+/// The maps pinned under `pin_root` in this build's layout (those not pinned are left out).
+fn pinned_maps(pin_root: &Path) -> Result<Vec<PinnedMap>> {
     let dir = maps_dir(pin_root);
-    let mut fills = Vec::new();
+    let mut pinned = Vec::new();
     for name in maps::ALL {
         let path = dir.join(name);
         let fd = match bpf_sys::open_pinned_read_only(&path) {
@@ -88,28 +94,134 @@ pub fn map_fill(pin_root: &Path) -> Result<Vec<MapFill>> {
         };
         let map = MapData::from_fd(fd).with_context(|| format!("reading {}", path.display()))?;
         let info = map.info()?;
-        let counted = matches!(
-            info.map_type(),
-            Ok(MapType::Hash
-                | MapType::LruHash
-                | MapType::PerCpuHash
-                | MapType::LruPerCpuHash
-                | MapType::LpmTrie
-                | MapType::HashOfMaps)
-        );
-        if !counted {
-            continue;
-        }
-        let capacity = info.max_entries();
-        let entries = bpf_sys::count_keys(map.fd().as_fd(), info.key_size() as usize, capacity)
-            .with_context(|| format!("counting the entries of {}", path.display()))?;
-        fills.push(MapFill {
+        pinned.push(PinnedMap {
             name,
-            entries,
-            capacity,
+            kind: info.map_type().ok(),
+            map,
+            info,
         });
     }
-    Ok(fills)
+    Ok(pinned)
+}
+
+impl PinnedMap {
+    /// Whether its entries come and go (hashes, LRU hashes, tries), so that its fill means
+    /// something: arrays are always full.
+    fn fills(&self) -> bool {
+        matches!(
+            self.kind,
+            Some(
+                MapType::Hash
+                    | MapType::LruHash
+                    | MapType::PerCpuHash
+                    | MapType::LruPerCpuHash
+                    | MapType::LpmTrie
+                    | MapType::HashOfMaps
+            )
+        )
+    }
+
+    /// Whether its keys can be walked: the ring buffer and socket storage have none.
+    fn walkable(&self) -> bool {
+        !matches!(
+            self.kind,
+            Some(MapType::RingBuf | MapType::SkStorage) | None
+        )
+    }
+
+    /// The length of a value as a lookup returns it: every possible CPU's for a per-CPU map.
+    fn value_len(&self) -> Result<usize> {
+        let size = self.info.value_size() as usize;
+        Ok(match self.kind {
+            Some(MapType::PerCpuHash | MapType::LruPerCpuHash | MapType::PerCpuArray) => {
+                let cpus = aya::util::nr_cpus()
+                    .map_err(|(what, error)| anyhow::anyhow!("{what}: {error}"))?;
+                size.next_multiple_of(8) * cpus
+            }
+            _ => size,
+        })
+    }
+
+    fn key_size(&self) -> usize {
+        self.info.key_size() as usize
+    }
+}
+
+/// The fill of every pinned map in this build's layout whose entries come and go. Empty when
+/// nothing is pinned there.
+pub fn map_fill(pin_root: &Path) -> Result<Vec<MapFill>> {
+    pinned_maps(pin_root)?
+        .into_iter()
+        .filter(PinnedMap::fills)
+        .map(|pinned| {
+            let capacity = pinned.info.max_entries();
+            let entries = bpf_sys::count_keys(pinned.map.fd().as_fd(), pinned.key_size(), capacity)
+                .with_context(|| format!("counting the entries of {}", pinned.name))?;
+            Ok(MapFill {
+                name: pinned.name,
+                entries,
+                capacity,
+            })
+        })
+        .collect()
+}
+
+/// One pinned map's entries, raw, as `bpftool map dump` shows them.
+pub struct MapDump {
+    pub name: &'static str,
+    /// The kernel's map type, as aya names it.
+    pub kind: String,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub capacity: u32,
+    /// Keys and values (every CPU's, for a per-CPU map); none for a map whose keys cannot be
+    /// walked (the ring buffer, socket storage).
+    pub entries: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Whether entries were left out beyond the `at_most` asked.
+    pub truncated: bool,
+}
+
+/// Every pinned map of this build's layout, with up to `at_most` entries each.
+pub fn map_dump(pin_root: &Path, at_most: u32) -> Result<Vec<MapDump>> {
+    pinned_maps(pin_root)?
+        .into_iter()
+        .map(|pinned| {
+            let mut keys = Vec::new();
+            if pinned.walkable() {
+                // One more than asked: whether any was left out.
+                bpf_sys::for_each_key(
+                    pinned.map.fd().as_fd(),
+                    pinned.key_size(),
+                    at_most + 1,
+                    |key| keys.push(key.to_vec()),
+                )
+                .with_context(|| format!("walking {}", pinned.name))?;
+            }
+            let truncated = keys.len() > at_most as usize;
+            keys.truncate(at_most as usize);
+            let value_len = pinned.value_len()?;
+            let mut entries = Vec::new();
+            for key in keys {
+                let value = bpf_sys::map_lookup(pinned.map.fd().as_fd(), &key, value_len)
+                    .with_context(|| format!("reading an entry of {}", pinned.name))?;
+                // Gone since the walk saw its key.
+                if let Some(value) = value {
+                    entries.push((key, value));
+                }
+            }
+            Ok(MapDump {
+                name: pinned.name,
+                kind: pinned
+                    .kind
+                    .map_or_else(|| "unknown".to_owned(), |kind| format!("{kind:?}")),
+                key_size: pinned.info.key_size(),
+                value_size: pinned.info.value_size(),
+                capacity: pinned.info.max_entries(),
+                entries,
+                truncated,
+            })
+        })
+        .collect()
 }
 
 fn open_pinned<T: TryFrom<Map, Error = MapError>>(dir: &Path, name: &str) -> Result<T> {
