@@ -385,19 +385,31 @@ fn monitoring_switches_render_the_rules_the_monitors_and_the_dashboard() {
     assert_eq!(rule["spec"], rules, "the rules file, as it is");
 
     let service = &objects[&("Service".into(), "weir-metrics".into())];
-    assert!(selects_the_agents_pods(&objects, &service["spec"]["selector"]));
+    assert!(selects_the_agents_pods(
+        &objects,
+        &service["spec"]["selector"]
+    ));
     let port = &service["spec"]["ports"][0];
     assert_eq!(port["targetPort"], "metrics");
-    assert_eq!(port["port"].as_u64(), Some(container_port(&objects, "metrics")));
+    assert_eq!(
+        port["port"].as_u64(),
+        Some(container_port(&objects, "metrics"))
+    );
     assert_eq!(container_port(&objects, "metrics"), 15014);
     let monitor = &objects[&("ServiceMonitor".into(), "weir".into())]["spec"];
     let service_labels = service["metadata"]["labels"].as_object().unwrap();
     for (name, value) in monitor["selector"]["matchLabels"].as_object().unwrap() {
         assert_eq!(service_labels.get(name), Some(value), "{name}");
     }
-    assert_eq!(monitor["namespaceSelector"], json!({"matchNames": ["istio-system"]}));
+    assert_eq!(
+        monitor["namespaceSelector"],
+        json!({"matchNames": ["istio-system"]})
+    );
     let endpoint = &monitor["endpoints"][0];
-    assert_eq!((&endpoint["port"], &endpoint["path"]), (&json!("metrics"), &json!("/metrics")));
+    assert_eq!(
+        (&endpoint["port"], &endpoint["path"]),
+        (&json!("metrics"), &json!("/metrics"))
+    );
     assert_eq!(endpoint["interval"], "15s");
     assert_relabels_job_and_node(endpoint);
 
@@ -416,14 +428,23 @@ fn monitoring_switches_render_the_rules_the_monitors_and_the_dashboard() {
         [&("PodMonitor".to_owned(), "weir".to_owned())]
     );
     let monitor = &objects[&("PodMonitor".into(), "weir".into())]["spec"];
-    assert!(selects_the_agents_pods(&objects, &monitor["selector"]["matchLabels"]));
+    assert!(selects_the_agents_pods(
+        &objects,
+        &monitor["selector"]["matchLabels"]
+    ));
     let endpoint = &monitor["podMetricsEndpoints"][0];
-    assert_eq!((&endpoint["port"], &endpoint["path"]), (&json!("metrics"), &json!("/metrics")));
+    assert_eq!(
+        (&endpoint["port"], &endpoint["path"]),
+        (&json!("metrics"), &json!("/metrics"))
+    );
     assert_relabels_job_and_node(endpoint);
 
     let error = render(
         &helm,
-        &["--set", "monitoring.podMonitor.enabled=true,monitoring.serviceMonitor.enabled=true"],
+        &[
+            "--set",
+            "monitoring.podMonitor.enabled=true,monitoring.serviceMonitor.enabled=true",
+        ],
     )
     .expect_err("both monitors at once");
     assert!(error.contains("enable at most one"), "{error}");
