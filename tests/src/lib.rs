@@ -73,7 +73,7 @@ pub fn require_privileges() -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
     }
-    if std::env::var("CI").is_ok_and(|ci| ci == "true") {
+    if under_ci() {
         panic!(
             "privileged tests must run under CI, but this process is not root: \
              run them as root (`cargo xtask test` does)"
@@ -82,6 +82,35 @@ pub fn require_privileges() -> bool {
     let test = std::thread::current().name().unwrap_or("test").to_owned();
     eprintln!("skipping {test}: needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)");
     false
+}
+
+/// Whether this is a CI run (`CI=true`), where a test must not skip.
+fn under_ci() -> bool {
+    std::env::var("CI").is_ok_and(|ci| ci == "true")
+}
+
+/// The program a test runs: the path in the environment variable `env` when it is set, else
+/// `name` on PATH. When there is none: under CI (`CI=true`) this panics, because a skipped test
+/// there would look like a passed one; elsewhere it prints a skip line saying how to get it
+/// (`hint`) and returns `None`.
+pub fn required_program(name: &str, env: Option<&str>, hint: &str) -> Option<std::path::PathBuf> {
+    if let Some(path) = env.and_then(std::env::var_os) {
+        return Some(path.into());
+    }
+    let on_path = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(name))
+            .find(|file| file.is_file())
+    });
+    if on_path.is_none() {
+        let reason = format!("no {name}: {hint}");
+        if under_ci() {
+            panic!("{reason}");
+        }
+        let test = std::thread::current().name().unwrap_or("test").to_owned();
+        eprintln!("skipping {test}: {reason}");
+    }
+    on_path
 }
 
 /// The opening of every privileged test: returns from the test (after a skip line) when this

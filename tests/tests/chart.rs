@@ -18,22 +18,11 @@ fn deploy_dir() -> PathBuf {
 }
 
 fn helm() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os("WEIR_HELM") {
-        return Some(PathBuf::from(path));
-    }
-    let on_path = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join("helm"))
-            .find(|file| file.is_file())
-    });
-    if on_path.is_none() {
-        let reason = "no helm: set WEIR_HELM or put helm on PATH (`cargo xtask test` fetches it)";
-        if std::env::var("CI").is_ok_and(|ci| ci == "true") {
-            panic!("{reason}");
-        }
-        eprintln!("skipping: {reason}");
-    }
-    on_path
+    weir_tests::required_program(
+        "helm",
+        Some("WEIR_HELM"),
+        "set WEIR_HELM or put helm on PATH (`cargo xtask test` fetches it)",
+    )
 }
 
 /// `helm template weir deploy/chart --namespace istio-system` with `args` (`-f`, `--set`): the
@@ -312,4 +301,151 @@ fn pod_deletion_is_granted_as_configured_and_values_weir_cannot_honour_are_refus
     let error = render(&helm, &["--set", "cniConfFileName=10-calico.conflist"])
         .expect_err("chaining into a chosen file");
     assert!(error.contains("names the standalone config"), "{error}");
+}
+
+/// The kinds the monitoring switches add; with their defaults the chart renders none of them (and
+/// is deploy/weir.yaml, as `the_defaults_render_deploy_weir_yaml` checks).
+const MONITORING_KINDS: [&str; 5] = [
+    "PrometheusRule",
+    "ServiceMonitor",
+    "PodMonitor",
+    "Service",
+    "ConfigMap",
+];
+
+fn monitoring_objects(objects: &BTreeMap<(String, String), Value>) -> Vec<&(String, String)> {
+    objects
+        .keys()
+        .filter(|(kind, _)| MONITORING_KINDS.contains(&kind.as_str()))
+        .collect()
+}
+
+/// Whether `selector` (matchLabels) selects the DaemonSet's pods.
+fn selects_the_agents_pods(objects: &BTreeMap<(String, String), Value>, selector: &Value) -> bool {
+    let pod_labels = &daemonset(objects)["spec"]["template"]["metadata"]["labels"];
+    let selector = selector.as_object().unwrap();
+    !selector.is_empty()
+        && selector
+            .iter()
+            .all(|(name, value)| &pod_labels[name] == value)
+}
+
+/// The agent container's port named `name`.
+fn container_port(objects: &BTreeMap<(String, String), Value>, name: &str) -> u64 {
+    container(objects)["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|port| port["name"] == name)
+        .unwrap_or_else(|| panic!("no container port named {name}"))["containerPort"]
+        .as_u64()
+        .unwrap()
+}
+
+fn monitoring_file(name: &str) -> String {
+    std::fs::read_to_string(deploy_dir().join("monitoring").join(name)).unwrap()
+}
+
+/// The scrape's relabelings: the job the rules and the dashboard select, and the node's name.
+fn assert_relabels_job_and_node(endpoint: &Value) {
+    assert_eq!(
+        endpoint["relabelings"],
+        json!([
+            {"targetLabel": "job", "replacement": "weir"},
+            {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"},
+        ])
+    );
+}
+
+/// Each monitoring switch renders its objects, which carry deploy/monitoring's rules and dashboard
+/// as they are and scrape the agents' metrics port; off, they render nothing.
+#[test]
+fn monitoring_switches_render_the_rules_the_monitors_and_the_dashboard() {
+    let Some(helm) = helm() else { return };
+    assert_eq!(
+        monitoring_objects(&render(&helm, &[]).unwrap()),
+        Vec::<&(String, String)>::new()
+    );
+
+    let objects = render(
+        &helm,
+        &[
+            "--set",
+            "monitoring.prometheusRule.enabled=true,monitoring.prometheusRule.labels.release=kps",
+            "--set",
+            "monitoring.serviceMonitor.enabled=true,monitoring.serviceMonitor.interval=15s",
+            "--set",
+            "monitoring.dashboard.enabled=true,monitoring.dashboard.namespace=monitoring",
+        ],
+    )
+    .unwrap();
+    let rule = &objects[&("PrometheusRule".into(), "weir".into())];
+    assert_eq!(rule["metadata"]["labels"]["release"], "kps");
+    let rules: Value = serde_norway::from_str(&monitoring_file("weir.rules.yaml")).unwrap();
+    assert_eq!(rule["spec"], rules, "the rules file, as it is");
+
+    let service = &objects[&("Service".into(), "weir-metrics".into())];
+    assert!(selects_the_agents_pods(
+        &objects,
+        &service["spec"]["selector"]
+    ));
+    let port = &service["spec"]["ports"][0];
+    assert_eq!(port["targetPort"], "metrics");
+    assert_eq!(
+        port["port"].as_u64(),
+        Some(container_port(&objects, "metrics"))
+    );
+    assert_eq!(container_port(&objects, "metrics"), 15014);
+    let monitor = &objects[&("ServiceMonitor".into(), "weir".into())]["spec"];
+    let service_labels = service["metadata"]["labels"].as_object().unwrap();
+    for (name, value) in monitor["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(service_labels.get(name), Some(value), "{name}");
+    }
+    assert_eq!(
+        monitor["namespaceSelector"],
+        json!({"matchNames": ["istio-system"]})
+    );
+    let endpoint = &monitor["endpoints"][0];
+    assert_eq!(
+        (&endpoint["port"], &endpoint["path"]),
+        (&json!("metrics"), &json!("/metrics"))
+    );
+    assert_eq!(endpoint["interval"], "15s");
+    assert_relabels_job_and_node(endpoint);
+
+    let dashboard = &objects[&("ConfigMap".into(), "weir-dashboard".into())];
+    assert_eq!(dashboard["metadata"]["namespace"], "monitoring");
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json: Value =
+        serde_json::from_str(dashboard["data"]["weir-dashboard.json"].as_str().unwrap()).unwrap();
+    let file: Value = serde_json::from_str(&monitoring_file("weir-dashboard.json")).unwrap();
+    assert_eq!(json, file, "the dashboard file, as it is");
+    assert!(!objects.contains_key(&("PodMonitor".into(), "weir".into())));
+
+    let objects = render(&helm, &["--set", "monitoring.podMonitor.enabled=true"]).unwrap();
+    assert_eq!(
+        monitoring_objects(&objects),
+        [&("PodMonitor".to_owned(), "weir".to_owned())]
+    );
+    let monitor = &objects[&("PodMonitor".into(), "weir".into())]["spec"];
+    assert!(selects_the_agents_pods(
+        &objects,
+        &monitor["selector"]["matchLabels"]
+    ));
+    let endpoint = &monitor["podMetricsEndpoints"][0];
+    assert_eq!(
+        (&endpoint["port"], &endpoint["path"]),
+        (&json!("metrics"), &json!("/metrics"))
+    );
+    assert_relabels_job_and_node(endpoint);
+
+    let error = render(
+        &helm,
+        &[
+            "--set",
+            "monitoring.podMonitor.enabled=true,monitoring.serviceMonitor.enabled=true",
+        ],
+    )
+    .expect_err("both monitors at once");
+    assert!(error.contains("enable at most one"), "{error}");
 }

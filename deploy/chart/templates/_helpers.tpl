@@ -26,3 +26,12 @@ app.kubernetes.io/component: node-agent
 {{- else -}}none
 {{- end -}}
 {{- end }}
+
+{{/* The monitors' relabelings: the job named as the rules and the dashboard expect it, and the
+node's name beside the instance (the node's address: the agent uses the host network). */}}
+{{- define "weir.scrapeRelabelings" -}}
+- targetLabel: job
+  replacement: weir
+- sourceLabels: [__meta_kubernetes_pod_node_name]
+  targetLabel: node
+{{- end }}
