@@ -13,6 +13,7 @@ use crate::{
     check::{self, CheckConfig},
     cluster::{
         self,
+        node_condition::{NodeConditionWriter, HEARTBEAT_INTERVAL},
         policy::ClusterSource,
         reconcile::Reconciler,
         repair::{BrokenPods, Repair},
@@ -28,6 +29,7 @@ use crate::{
     install::{InstallConfig, InstallStatus, Installer, PLUGIN_NAME},
     metrics,
     policy::{local::LocalSource, Policy},
+    readiness::Readiness,
     report::{NoReporter, Reporter, Warning},
     trace,
     workload::PodName,
@@ -87,6 +89,11 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
                 );
                 reporter.register_metrics(&mut registry);
                 let in_cluster = InCluster {
+                    node_condition: NodeConditionWriter::new(
+                        &client,
+                        &cluster.node_name,
+                        HEARTBEAT_INTERVAL,
+                    ),
                     client,
                     broken_pods: cluster.broken_pods,
                     node_name: cluster.node_name.clone(),
@@ -148,6 +155,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     let registry = Arc::new(Mutex::new(registry));
 
     let (ready_tx, ready) = tokio::sync::watch::channel(false);
+    let (readiness_tx, readiness) = tokio::sync::watch::channel(Readiness::Starting);
     let mut install_status = installer.status();
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(zds_serve);
@@ -158,6 +166,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         tasks.spawn(reconciler.run(first_pass_tx));
         tasks.spawn(sidecars.run());
     }
+    // Stopped first at shutdown: only the stop's own condition is written from then on.
+    let node_condition = (in_cluster.as_ref())
+        .map(|cluster| tasks.spawn(cluster.node_condition.clone().follow(readiness)));
     let mut snapshots_due = first_pass.clone();
     tasks.spawn(async move {
         if snapshots_due.wait_for(|done| *done).await.is_ok() {
@@ -180,8 +191,9 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             return;
         }
         loop {
-            let installed = install_status.borrow_and_update().ready();
-            ready_tx.send_replace(installed);
+            let now = Readiness::of(&install_status.borrow_and_update());
+            ready_tx.send_replace(now.is_ready());
+            readiness_tx.send_if_modified(|readiness| std::mem::replace(readiness, now) != now);
             if install_status.changed().await.is_err() {
                 return;
             }
@@ -226,13 +238,21 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     };
 
     shutdown.await;
+    if let Some(task) = node_condition {
+        task.abort();
+    }
     let _ = stop_install.send(());
     if let Err(error) = watcher.await? {
         warn!(error = format!("{error:#}"), "installer watch");
     }
     tasks.abort_all();
     while tasks.join_next().await.is_some() {}
-    if config.uninstall_on_exit || !keep_node_on_exit(in_cluster.as_ref()).await {
+    let removing = config.uninstall_on_exit || !keep_node_on_exit(in_cluster.as_ref()).await;
+    if let Some(cluster) = &in_cluster {
+        // Said before weir is removed or handed over, so the node takes no new pods meanwhile.
+        cluster.node_condition.write_stopped(removing).await;
+    }
+    if removing {
         installer.uninstall().context("removing the CNI plugin")?;
         datapath.uninstall().await?;
         info!("weir removed from this node");
@@ -249,6 +269,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
 /// What the agent follows the cluster with, where there is one.
 struct InCluster {
     client: kube::Client,
+    node_condition: NodeConditionWriter,
     node_name: String,
     reflectors: cluster::Reflectors,
     resync_interval: std::time::Duration,

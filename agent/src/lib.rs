@@ -7,7 +7,9 @@
 //!   the verdict cache the plugin falls back on.
 //! - [`report`]: where pods' statuses and warnings go (`Reporter`), and the warnings themselves.
 //! - [`cluster`]: the Kubernetes side: reflectors, the policy decided from them, the status
-//!   annotation and Events, the reconcile loop and pod repair, the SIGTERM rule.
+//!   annotation and Events, the reconcile loop and pod repair, the SIGTERM rule, the node
+//!   condition.
+//! - [`readiness`]: whether the agent serves its node, and why not.
 //! - [`workload`]: a pod as the agent knows it: its name, what is enrolled, its options and
 //!   status.
 //! - [`state`]: the agent's record of enrolled pods, for the next agent after a restart.
@@ -37,6 +39,7 @@ pub mod install;
 pub mod logging;
 pub mod metrics;
 pub mod policy;
+pub mod readiness;
 pub mod report;
 pub mod root_only;
 pub mod state;

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Event as CoreEvent, Namespace, ObjectReference, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{
+    Event as CoreEvent, Namespace, Node, NodeCondition, NodeStatus, ObjectReference, Pod, PodSpec,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{
     Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions, WatchEvent,
@@ -352,6 +354,75 @@ async fn status_patch_sets_and_removes_the_redirection_annotation() {
             Some("application/merge-patch+json")
         );
     }
+}
+
+/// A Node's conditions merge by `type` under a strategic merge patch, as the API server merges
+/// them: a node agent's condition leaves the kubelet's alone. A merge patch replaces the list.
+#[tokio::test]
+async fn strategic_merge_patch_merges_node_conditions_by_type() {
+    let server = ApiServer::start().await.unwrap();
+    let condition = |type_: &str, status: &str| NodeCondition {
+        type_: type_.into(),
+        status: status.into(),
+        ..NodeCondition::default()
+    };
+    let kubelets = vec![
+        condition("Ready", "True"),
+        condition("DiskPressure", "False"),
+    ];
+    server.create(&Node {
+        metadata: ObjectMeta {
+            name: Some("node-a".into()),
+            ..ObjectMeta::default()
+        },
+        status: Some(NodeStatus {
+            conditions: Some(kubelets.clone()),
+            ..NodeStatus::default()
+        }),
+        ..Node::default()
+    });
+    let nodes: Api<Node> = Api::all(server.client());
+    let params = PatchParams::default();
+    let conditions = |node: Node| node.status.unwrap().conditions.unwrap();
+    let set = |status: &str| {
+        let mut ours = condition("example.com/AgentReady", status);
+        ours.reason = Some(format!("Now{status}"));
+        Patch::Strategic(json!({ "status": { "conditions": [ours] } }))
+    };
+
+    let added = nodes.patch_status("node-a", &params, &set("False")).await;
+    let mut wanted = kubelets.clone();
+    wanted.push(condition("example.com/AgentReady", "False"));
+    wanted[2].reason = Some("NowFalse".into());
+    assert_eq!(conditions(added.unwrap()), wanted, "added at the end");
+    let changed = nodes.patch_status("node-a", &params, &set("True")).await;
+    wanted[2].status = "True".into();
+    wanted[2].reason = Some("NowTrue".into());
+    assert_eq!(conditions(changed.unwrap()), wanted, "merged into its own");
+    assert_eq!(
+        conditions(server.get::<Node>("", "node-a").unwrap()),
+        wanted
+    );
+
+    let replace = json!({ "status": { "conditions": [condition("Ready", "False")] } });
+    let replaced = nodes
+        .patch_status("node-a", &params, &Patch::Merge(&replace))
+        .await;
+    assert_eq!(
+        conditions(replaced.unwrap()),
+        [condition("Ready", "False")],
+        "a merge patch replaces the list"
+    );
+
+    let directive =
+        json!({ "status": { "conditions": [{ "type": "Ready", "$patch": "delete" }] } });
+    let refused = nodes
+        .patch_status("node-a", &params, &Patch::Strategic(directive))
+        .await;
+    assert!(
+        matches!(refused, Err(kube::Error::Api(ref status)) if status.code == 400),
+        "{refused:?}"
+    );
 }
 
 #[tokio::test]

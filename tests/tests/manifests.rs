@@ -173,6 +173,9 @@ mod expected {
         rule(Cluster, "", "namespaces", &["get", "list", "watch"]),
         // On SIGTERM: does the DaemonSet still select this node?
         rule(Cluster, "", "nodes", &["get"]),
+        // The node condition weir.dev/RedirectionReady, a strategic merge patch on the status
+        // subresource (agent/src/cluster/node_condition.rs).
+        rule(Cluster, "", "nodes/status", &["patch"]),
         // kube-rs's events recorder (events.k8s.io/v1: create, patch for a series) ...
         rule(Cluster, "events.k8s.io", "events", &["create", "patch"]),
         // ... and core/v1 events for compatibility (create only).

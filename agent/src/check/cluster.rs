@@ -78,6 +78,13 @@ pub const REQUIRED_ACCESS: &[Access] = &[
         used_for: "on SIGTERM, whether weir's DaemonSet still selects this node",
     },
     Access {
+        verbs: &["patch"],
+        group: "",
+        resource: "nodes/status",
+        scope: AccessScope::Cluster,
+        used_for: "the node condition telling whether the agent serves the node",
+    },
+    Access {
         verbs: &["get", "list", "watch"],
         group: "apps",
         resource: "daemonsets",

@@ -2,8 +2,10 @@
 //! over the pods on this node, all namespaces and weir's own DaemonSet ([`Reflectors`]), the
 //! policy that decides from these caches ([`policy`]), the status annotation and Events on pods
 //! ([`report`]), the reconcile loop ([`reconcile`]) with pod repair ([`repair`]), the repair of
-//! broken sidecar pods ([`sidecar_repair`]), and the SIGTERM rule ([`shutdown`]). The caches
-//! keep only what the agent reads of each object ([`prune`]).
+//! broken sidecar pods ([`sidecar_repair`]), the SIGTERM rule ([`shutdown`]), and the node
+//! condition that tells whether the agent serves the node ([`node_condition`]). The caches keep
+//! only what the agent reads of each object ([`prune`]).
+pub mod node_condition;
 pub mod policy;
 mod prune;
 pub mod reconcile;

@@ -12,15 +12,9 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use super::selector::Selectors;
-use super::store::{ApiError, Resource, Scope};
+use super::store::{ApiError, PatchType, Resource, Scope};
 use super::watch::WatchStream;
 use super::{ApiRequest, Shared};
-
-/// The content types a PATCH may have. A strategic merge patch is applied as a merge patch.
-const MERGE_PATCH_TYPES: [&str; 2] = [
-    "application/merge-patch+json",
-    "application/strategic-merge-patch+json",
-];
 
 pub(super) fn router(store: Shared) -> Router {
     Router::new().fallback(serve).with_state(store)
@@ -153,19 +147,22 @@ async fn serve(State(store): State<Shared>, request: Request) -> Response {
             Ok((StatusCode::CREATED, created))
         }),
         ("patch", Some(name)) => {
-            if !MERGE_PATCH_TYPES.contains(&content_type.as_deref().unwrap_or("")) {
-                let message =
-                    format!("the stand-in applies merge patches only, not {content_type:?}");
+            let Some(patch_type) = PatchType::of(content_type.as_deref().unwrap_or("")) else {
+                let message = format!(
+                    "the stand-in applies merge and strategic merge patches only, not \
+                     {content_type:?}"
+                );
                 return respond(Err(ApiError::new(415, "UnsupportedMediaType", message)));
-            }
+            };
             json_body()
                 .and_then(|patch| {
                     let mut store = store.lock();
-                    store.merge_patch(
+                    store.patch(
                         route.resource,
                         route.namespace(),
                         name,
                         route.status_subresource,
+                        patch_type,
                         &patch,
                     )
                 })

@@ -22,10 +22,12 @@
 //! - POST creating an object (`generateName` included); 409 `AlreadyExists` if it exists.
 //! - PATCH with `application/merge-patch+json` (RFC 7386: `null` removes a key) on an object or
 //!   its `status` subresource, which changes only metadata and status, the object itself
-//!   everything but status, as for pods. `application/strategic-merge-patch+json` is applied as a
-//!   merge patch: the same for maps such as labels and annotations, but lists are replaced rather
-//!   than merged by key. A `metadata.resourceVersion` in the patch is a precondition (409
-//!   `Conflict`); a patch that changes nothing keeps the version and notifies no watch.
+//!   everything but status, as for pods and nodes. `application/strategic-merge-patch+json` is
+//!   applied as a merge patch, except that the conditions of a Pod's or Node's status merge item
+//!   by item by their `type`, as the API server merges them; other lists are replaced rather than
+//!   merged by key, and directives (`$patch`, ...) are refused (400). A
+//!   `metadata.resourceVersion` in the patch is a precondition (409 `Conflict`); a patch that
+//!   changes nothing keeps the version and notifies no watch.
 //! - DELETE, honouring `preconditions` (uid, resourceVersion) in the DeleteOptions body (409
 //!   `Conflict`). The object goes at once, as with a grace period of 0.
 //! - On demand, no answer to the LISTs of a kind ([`ApiServer::withhold_lists`]), so a test can

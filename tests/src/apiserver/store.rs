@@ -35,7 +35,8 @@ const RESOURCES: [Resource; 6] = [
         plural: "namespaces",
         namespaced: false,
     },
-    // weir's SIGTERM rule reads its node's labels.
+    // weir's SIGTERM rule reads its node's labels; the agent patches its condition on the node's
+    // status.
     Resource {
         api_version: "v1",
         kind: "Node",
@@ -311,17 +312,26 @@ impl Store {
         Ok(self.write(key, Some(previous), Some(object)))
     }
 
-    /// Applies a JSON merge patch. Through the `status` subresource only metadata and status
-    /// change; through the object itself, everything but status.
-    pub(super) fn merge_patch(
+    /// Applies a patch. Through the `status` subresource only metadata and status change;
+    /// through the object itself, everything but status.
+    pub(super) fn patch(
         &mut self,
         resource: &'static Resource,
         namespace: &str,
         name: &str,
         status_subresource: bool,
+        patch_type: PatchType,
         patch: &Value,
     ) -> Result<Value, ApiError> {
         let previous = self.get(resource, namespace, name)?;
+        let merged_lists;
+        let patch = match patch_type {
+            PatchType::Merge => patch,
+            PatchType::StrategicMerge => {
+                merged_lists = lists_merged_by_key(resource, &previous, patch)?;
+                &merged_lists
+            }
+        };
         if let Some(wanted) = patch["metadata"]["resourceVersion"].as_str() {
             check_precondition(
                 "ResourceVersion",
@@ -476,6 +486,88 @@ impl Change {
 /// One line of a watch stream.
 pub(super) fn event_line(kind: &str, object: &Value) -> String {
     format!("{}\n", json!({ "type": kind, "object": object }))
+}
+
+/// How a PATCH's body applies, by its content type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PatchType {
+    /// `application/merge-patch+json`, RFC 7386.
+    Merge,
+    /// `application/strategic-merge-patch+json`: a merge patch, but the lists in [`MERGE_KEYS`]
+    /// merge item by item.
+    StrategicMerge,
+}
+
+impl PatchType {
+    pub(super) fn of(content_type: &str) -> Option<Self> {
+        match content_type {
+            "application/merge-patch+json" => Some(Self::Merge),
+            "application/strategic-merge-patch+json" => Some(Self::StrategicMerge),
+            _ => None,
+        }
+    }
+}
+
+/// The lists a strategic merge patch merges by a key (the Kubernetes types' `patchStrategy:
+/// merge` with their `patchMergeKey`): (kind, JSON pointer, key). Every other list is replaced,
+/// as by a merge patch.
+const MERGE_KEYS: [(&str, &str, &str); 2] = [
+    ("Node", "/status/conditions", "type"),
+    ("Pod", "/status/conditions", "type"),
+];
+
+/// `patch` with each list of [`MERGE_KEYS`] it holds made whole: the object's list, each item
+/// of the patch's merged into the item with its key or added at the end. The result applies as
+/// a merge patch. Strategic merge directives (`$patch`, `$setElementOrder`, ...) are refused.
+fn lists_merged_by_key(
+    resource: &Resource,
+    object: &Value,
+    patch: &Value,
+) -> Result<Value, ApiError> {
+    if let Some(directive) = directive_in(patch) {
+        let message = format!("the stand-in applies no strategic merge directive ({directive})");
+        return Err(ApiError::new(400, "BadRequest", message));
+    }
+    let mut patch = patch.clone();
+    for (_, pointer, key) in MERGE_KEYS
+        .iter()
+        .filter(|(kind, ..)| *kind == resource.kind)
+    {
+        let Some(items) = patch.pointer_mut(pointer).and_then(Value::as_array_mut) else {
+            continue;
+        };
+        let mut merged = (object.pointer(pointer).and_then(Value::as_array))
+            .cloned()
+            .unwrap_or_default();
+        for item in items.drain(..) {
+            if item.get(key).is_none_or(Value::is_null) {
+                let message = format!("{pointer}: an item without its merge key {key:?}");
+                return Err(ApiError::new(422, "Invalid", message));
+            }
+            match merged
+                .iter_mut()
+                .find(|existing| existing[key] == item[key])
+            {
+                Some(existing) => merge(existing, &item),
+                None => merged.push(item),
+            }
+        }
+        *items = merged;
+    }
+    Ok(patch)
+}
+
+/// The first key of `patch` (at any depth) that is a strategic merge directive.
+fn directive_in(patch: &Value) -> Option<String> {
+    match patch {
+        Value::Object(map) => map.iter().find_map(|(key, value)| {
+            key.starts_with('$')
+                .then(|| key.clone())
+                .or_else(|| directive_in(value))
+        }),
+        Value::Array(items) => items.iter().find_map(directive_in),
+        _ => None,
+    }
 }
 
 /// RFC 7386 JSON merge patch: objects merge key by key, `null` removes a key, anything else
