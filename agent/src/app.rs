@@ -218,6 +218,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
     for server in [
         http::serve_health(config.health_addr, ready.clone(), live.clone()).boxed(),
         http::serve(config.metrics_addr, ready, live, registry).boxed(),
+        http::serve_admin(config.admin_addr).boxed(),
     ] {
         tasks.spawn(async move {
             if let Err(error) = server.await {

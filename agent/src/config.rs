@@ -33,6 +33,8 @@ pub struct AgentConfig {
     pub service_account: Option<ServiceAccount>,
     pub health_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
+    /// Where `/logging` is served: loopback.
+    pub admin_addr: SocketAddr,
     pub uninstall_on_exit: bool,
     /// How often enrolled pods whose DEL never came are looked for.
     pub orphan_sweep_interval: Duration,

@@ -1,6 +1,8 @@
 //! Health and metrics over HTTP, as istio-cni serves them: `/healthz` (liveness) and `/readyz`
 //! (installed and serving) on the health address, `/metrics` (Prometheus text format) on the
-//! metrics address. Both are on the node's network, where every pod can reach them.
+//! metrics address. Both are on the node's network, where every pod can reach them. `/logging`
+//! (the log filter, shown and changed as ztunnel's admin port does) is on the admin address, on
+//! the node's loopback: what only someone on the node may do.
 use std::{
     collections::{HashMap, VecDeque},
     net::{IpAddr, SocketAddr},
@@ -11,7 +13,7 @@ use std::{
 use anyhow::{Context, Result};
 use axum::{
     extract::State,
-    http::StatusCode,
+    http::{StatusCode, Uri},
     response::{IntoResponse, Response},
     routing::get,
     Router,
@@ -23,6 +25,8 @@ use hyper_util::{
 };
 use prometheus_client::{encoding::text::encode, registry::Registry};
 use tokio::sync::{oneshot, watch};
+
+use crate::logging;
 
 #[derive(Clone)]
 struct Health {
@@ -76,6 +80,16 @@ pub async fn serve(
         });
     let routes = health_routes(ready, live).merge(scrapes);
     serve_routes(addr, routes, "/healthz /readyz /metrics").await
+}
+
+/// Serves `/logging` until the task is dropped: `GET` shows the log filter in force, `POST
+/// /logging?level=<filter>` (`RUST_LOG`'s syntax, e.g. `debug` or
+/// `info,weir_agent::datapath=debug`) puts another in force; an invalid one is refused (400) and
+/// changes nothing. `addr` is meant to be loopback: anyone who reaches it can fill the node's
+/// logs.
+pub async fn serve_admin(addr: SocketAddr) -> Result<()> {
+    let routes = Router::new().route("/logging", get(show_log_filter).post(set_log_filter));
+    serve_routes(addr, routes, "/logging").await
 }
 
 fn health_routes(ready: watch::Receiver<bool>, live: Liveness) -> Router {
@@ -163,6 +177,52 @@ async fn readyz(State(health): State<Health>) -> impl IntoResponse {
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
     }
+}
+
+async fn show_log_filter() -> (StatusCode, String) {
+    match logging::log_filter() {
+        Some(filter) => (StatusCode::OK, current_filter(&filter.current())),
+        None => filter_not_adjustable(),
+    }
+}
+
+async fn set_log_filter(uri: Uri) -> (StatusCode, String) {
+    let Some(filter) = logging::log_filter() else {
+        return filter_not_adjustable();
+    };
+    let query = uri.query().unwrap_or_default();
+    let Some((_, level)) = form_urlencoded::parse(query.as_bytes()).find(|(key, _)| key == "level")
+    else {
+        return (
+            StatusCode::BAD_REQUEST,
+            "no level: POST /logging?level=<filter>, e.g. level=debug or \
+             level=info,weir_agent::datapath=debug\n"
+                .to_owned(),
+        );
+    };
+    let before = filter.current();
+    match filter.set(&level) {
+        Ok(now) => {
+            tracing::info!(before, now, "log filter changed");
+            (StatusCode::OK, current_filter(&now))
+        }
+        Err(invalid) => (
+            StatusCode::BAD_REQUEST,
+            format!("{invalid}; the log filter stays {before}\n"),
+        ),
+    }
+}
+
+fn current_filter(filter: &str) -> String {
+    format!("current log level is {filter}\n")
+}
+
+/// A process whose logger is not weir's (the agent run inside a test) has no filter to change.
+fn filter_not_adjustable() -> (StatusCode, String) {
+    (
+        StatusCode::NOT_IMPLEMENTED,
+        "this process's log filter cannot be changed\n".to_owned(),
+    )
 }
 
 /// Encodes on a blocking thread: collectors read the pinned maps pod by pod, under a blocking

@@ -159,6 +159,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.clone()))
                 .collect(),
             valid_attachments: vec![],
+            plugin_log: None,
         }
     }
 

@@ -6,7 +6,8 @@
 //! speaks CNI 0.3.0 to 1.1.0 and keeps no state: each run reads `CNI_*` from the environment
 //! and the network config from stdin, asks the agent over its unix socket
 //! ([`protocol`]: one JSON request line, one JSON response line) and prints the result on
-//! stdout. Logs never go to stdout.
+//! stdout. Its log lines go to the agent once it has answered (the agent logs them with its own
+//! lines about the pod), else to `log_file` or stderr; never to stdout.
 //!
 //! # Commands
 //!
@@ -64,8 +65,8 @@
 //! | `enablement_selectors` | istio's default rule | which pods are ambient, as the agent's `--ambient-enablement-selector` |
 //! | `system_namespace` | `"istio-system"` | where ztunnel runs (its pods are never ambient) |
 //! | `pod_namespace`, `daemonset_name` | `"istio-system"`, `"weir"` | weir's own pods, never ambient |
-//! | `log_file` | none: stderr | file to append log lines to |
-//! | `log_level` | `"info"` | `"error"`, `"warn"`, `"info"` or `"debug"` |
+//! | `log_file` | none: stderr | file to append log lines to when the agent does not take them |
+//! | `log_level` | `"info"` | `"error"`, `"warn"`, `"info"` or `"debug"`, for the lines written here |
 //!
 //! plus the standard `cniVersion` (required), `name`, `capabilities` (the installer declares
 //! `{"io.kubernetes.cri.pod-annotations": true}`) and, filled in by the runtime, `prevResult` and

@@ -1,40 +1,33 @@
-//! A minimal line logger. stdout carries the CNI result, so logs go to the configured file or to
-//! stderr (which runtimes capture). Hand-written to keep the plugin small and quick to start.
+//! A minimal line logger, hand-written to keep the plugin small and quick to start. A run's
+//! lines are kept until it ends: when the agent answered the run's request they go to the agent,
+//! which logs them with its own lines about the pod (`kubectl logs` of the agent shows the whole
+//! CNI ADD); otherwise, or when the agent does not take them, they go to the configured file or
+//! to stderr (which runtimes capture). Never to stdout: it carries the CNI result.
 use std::fmt::Display;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::Path;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::Deserialize;
+use crate::agent;
+use crate::protocol::{Command, LogRecord, PluginLog, Request, Response};
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogLevel {
-    Error,
-    Warn,
-    #[default]
-    Info,
-    Debug,
-}
+pub use crate::protocol::LogLevel;
 
-impl LogLevel {
-    fn label(self) -> &'static str {
-        match self {
-            Self::Error => "error",
-            Self::Warn => "warn",
-            Self::Info => "info",
-            Self::Debug => "debug",
-        }
-    }
-}
+/// How long the agent may take to take a run's lines: the pod's verdict is known by then, and a
+/// log line is not worth holding its start up for long.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub struct Log {
+    /// The lowest level written locally; the agent gets every line and filters them itself.
     level: LogLevel,
     /// `None`: stderr.
     file: Option<File>,
     /// Who the lines are about (command, pod, container), set once known.
     context: String,
+    lines: Vec<(SystemTime, LogRecord)>,
+    /// The agent that answered this run's request, and the request.
+    answered_by: Option<(PathBuf, Request)>,
 }
 
 impl Log {
@@ -43,6 +36,8 @@ impl Log {
             level: LogLevel::default(),
             file: None,
             context: String::new(),
+            lines: Vec::new(),
+            answered_by: None,
         }
     }
 
@@ -66,25 +61,65 @@ impl Log {
         self.context.push_str(context);
     }
 
-    pub fn error(&self, msg: impl Display) {
-        self.write(LogLevel::Error, msg);
-    }
-    pub fn warn(&self, msg: impl Display) {
-        self.write(LogLevel::Warn, msg);
-    }
-    pub fn info(&self, msg: impl Display) {
-        self.write(LogLevel::Info, msg);
-    }
-    pub fn debug(&self, msg: impl Display) {
-        self.write(LogLevel::Debug, msg);
+    /// The agent at `socket` answered `request`: the run's lines go to it first.
+    pub fn answered(&mut self, socket: &Path, request: &Request) {
+        self.answered_by = Some((socket.to_owned(), request.clone()));
     }
 
-    fn write(&self, level: LogLevel, msg: impl Display) {
-        if level > self.level {
+    pub fn error(&mut self, msg: impl Display) {
+        self.push(LogLevel::Error, msg);
+    }
+    pub fn warn(&mut self, msg: impl Display) {
+        self.push(LogLevel::Warn, msg);
+    }
+    pub fn info(&mut self, msg: impl Display) {
+        self.push(LogLevel::Info, msg);
+    }
+    pub fn debug(&mut self, msg: impl Display) {
+        self.push(LogLevel::Debug, msg);
+    }
+
+    fn push(&mut self, level: LogLevel, msg: impl Display) {
+        let msg = msg.to_string();
+        self.lines
+            .push((SystemTime::now(), LogRecord { level, msg }));
+    }
+
+    /// Hands the run's lines to the agent that answered its request; writes them locally when
+    /// none did, or when it does not take them (an agent older than [`Command::Log`]).
+    pub fn finish(self) {
+        if self.lines.is_empty() {
             return;
         }
-        let time = utc_timestamp(SystemTime::now());
-        let level = level.label();
+        if let Some((socket, request)) = &self.answered_by {
+            let records = self.lines.iter().map(|(_, record)| record.clone());
+            let forwarded = Request {
+                command: Command::Log,
+                ips: Vec::new(),
+                annotations: Default::default(),
+                valid_attachments: Vec::new(),
+                plugin_log: Some(PluginLog {
+                    command: request.command,
+                    records: records.collect(),
+                }),
+                ..request.clone()
+            };
+            if let Ok(Response::Ok { .. }) = agent::call(socket, &forwarded, FORWARD_TIMEOUT) {
+                return;
+            }
+        }
+        for (time, record) in &self.lines {
+            self.write(*time, record);
+        }
+    }
+
+    fn write(&self, time: SystemTime, record: &LogRecord) {
+        if record.level > self.level {
+            return;
+        }
+        let time = utc_timestamp(time);
+        let level = record.level.label();
+        let msg = &record.msg;
         let line = if self.context.is_empty() {
             format!("{time} {level:5} {msg}\n")
         } else {

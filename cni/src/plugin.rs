@@ -62,7 +62,7 @@ pub fn run(env: &CniEnv, mut stdin: impl Read) -> Outcome {
             Err(CniError::new(code::IO_FAILURE, "cannot read stdin").with_details(e.to_string()))
         }
     };
-    match result {
+    let outcome = match result {
         Ok(stdout) => Outcome {
             stdout,
             exit_code: 0,
@@ -76,7 +76,9 @@ pub fn run(env: &CniEnv, mut stdin: impl Read) -> Outcome {
                 exit_code: 1,
             }
         }
-    }
+    };
+    log.finish();
+    outcome
 }
 
 /// Returns what to print: a result, or nothing (empty) for commands that have none.
@@ -181,7 +183,7 @@ fn del(conf: &NetConf, env: &CniEnv, log: &mut Log) -> Result<(), CniError> {
         return Ok(());
     }
     let socket = conf.agent_socket.display();
-    match agent::call(&conf.agent_socket, &request, conf.timeout()) {
+    match call_agent(conf, &request, log) {
         Ok(Response::Ok { .. }) => log.info("removed"),
         Ok(Response::Error { code, msg, details }) => log.warn(format!(
             "agent failed DEL (error {code}: {msg} {details}); teardown goes on"
@@ -227,8 +229,9 @@ fn gc(conf: &NetConf, log: &mut Log) -> Result<(), CniError> {
         ips: Vec::new(),
         annotations: Default::default(),
         valid_attachments,
+        plugin_log: None,
     };
-    match agent::call(&conf.agent_socket, &request, conf.timeout()) {
+    match call_agent(conf, &request, log) {
         Ok(Response::Ok { .. }) => {
             log.info("stale attachments collected");
             Ok(())
@@ -264,8 +267,8 @@ fn request(
         container_id.get(..12).unwrap_or(container_id)
     ));
     let netns = match command {
-        // The runtime's second DEL (RemovePodSandbox) has no netns left; GC names none.
-        Command::Del | Command::Gc => env.netns.clone().unwrap_or_default(),
+        // The runtime's second DEL (RemovePodSandbox) has no netns left; GC and LOG name none.
+        Command::Del | Command::Gc | Command::Log => env.netns.clone().unwrap_or_default(),
         Command::Add | Command::Check => env::require(&env.netns, "CNI_NETNS")?.to_owned(),
     };
     Ok(Request {
@@ -277,14 +280,24 @@ fn request(
         ips: prev.map(PrevResult::ips).unwrap_or_default(),
         annotations: conf.runtime_config.pod_annotations.clone(),
         valid_attachments: Vec::new(),
+        plugin_log: None,
     })
+}
+
+/// Asks the agent; once it has answered, the run's log lines go to it too.
+fn call_agent(conf: &NetConf, request: &Request, log: &mut Log) -> Result<Response, Failure> {
+    let answer = agent::call(&conf.agent_socket, request, conf.timeout());
+    if answer.is_ok() {
+        log.answered(&conf.agent_socket, request);
+    }
+    answer
 }
 
 /// ADD and CHECK: the agent's verdict. An agent that took the request and gave no answer may be
 /// enrolling the pod: the pod waits (11). An agent that cannot be reached at all leaves the
 /// decision to the API server, as istio-cni's plugin asks it, and to the verdict cache only when
 /// the API server cannot tell either.
-fn ask_agent(conf: &NetConf, request: &Request, log: &Log) -> Result<(), CniError> {
+fn ask_agent(conf: &NetConf, request: &Request, log: &mut Log) -> Result<(), CniError> {
     if conf.is_excluded(&request.pod.namespace) {
         log.info("namespace excluded: agent not asked");
         return Ok(());
@@ -293,7 +306,7 @@ fn ask_agent(conf: &NetConf, request: &Request, log: &Log) -> Result<(), CniErro
     let PodRef {
         namespace, name, ..
     } = &request.pod;
-    match agent::call(&conf.agent_socket, request, conf.timeout()) {
+    match call_agent(conf, request, log) {
         Ok(Response::Ok { enrolled }) => {
             log.info(if enrolled { "enrolled" } else { "not ambient" });
             Ok(())
@@ -318,7 +331,7 @@ fn decide_without_agent(
     conf: &NetConf,
     request: &Request,
     why: &str,
-    log: &Log,
+    log: &mut Log,
 ) -> Result<(), CniError> {
     let socket = conf.agent_socket.display();
     let PodRef {
@@ -431,6 +444,7 @@ mod tests {
             ips: vec![],
             annotations: Default::default(),
             valid_attachments: vec![],
+            plugin_log: None,
         }
     }
 
@@ -528,11 +542,14 @@ mod tests {
             .as_bytes(),
         )
         .unwrap();
-        let log = Log::stderr();
+        let mut log = Log::stderr();
         for namespace in ["kube-system", "infra"] {
-            assert_eq!(ask_agent(&conf, &add_request(namespace, "p"), &log), Ok(()));
+            assert_eq!(
+                ask_agent(&conf, &add_request(namespace, "p"), &mut log),
+                Ok(())
+            );
         }
-        let err = ask_agent(&conf, &add_request("plain", "p"), &log).unwrap_err();
+        let err = ask_agent(&conf, &add_request("plain", "p"), &mut log).unwrap_err();
         assert_eq!(err.code, code::TRY_AGAIN_LATER);
         assert!(
             err.msg.contains("unknown to the verdict cache"),

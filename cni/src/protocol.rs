@@ -1,5 +1,11 @@
 //! The plugin ↔ agent protocol: one JSON request line, one JSON response line, over the agent's
 //! unix socket (root only). Shared by both sides so the wire format is defined once.
+//!
+//! Both sides may be of different releases while a node upgrades (the agent installs its own
+//! plugin only once it runs), so what a newer side adds, an older one must get by without: new
+//! request fields are optional, and a new command is only sent where an agent that does not know
+//! it (and answers it with an error) loses nothing. [`Command::Log`] is such a command: an agent
+//! that answers it with an error leaves the plugin to write its lines itself, as it always has.
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -19,6 +25,22 @@ pub enum Command {
     Check,
     /// CNI GC: every pod enrolled through an attachment not in `valid_attachments` goes.
     Gc,
+    /// Not a CNI command: the plugin's log lines for a request the agent has answered, for the
+    /// agent to log with its own (`plugin_log`). The agent answers `ok`.
+    Log,
+}
+
+impl Command {
+    /// The name on the wire, as `CNI_COMMAND` has it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Add => "ADD",
+            Self::Del => "DEL",
+            Self::Check => "CHECK",
+            Self::Gc => "GC",
+            Self::Log => "LOG",
+        }
+    }
 }
 
 /// The pod as the runtime names it in `CNI_ARGS`.
@@ -60,6 +82,45 @@ pub struct Request {
     /// GC: the runtime's `cni.dev/valid-attachments` for this network; empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub valid_attachments: Vec<Attachment>,
+    /// LOG: what the plugin logged while it ran the command; `None` otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plugin_log: Option<PluginLog>,
+}
+
+/// The plugin's log lines for one of its runs, sent after the agent answered the run's request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PluginLog {
+    /// The command the plugin ran.
+    pub command: Command,
+    pub records: Vec<LogRecord>,
+}
+
+/// One of the plugin's log lines.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogRecord {
+    pub level: LogLevel,
+    pub msg: String,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Error,
+    Warn,
+    #[default]
+    Info,
+    Debug,
+}
+
+impl LogLevel {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::Warn => "warn",
+            Self::Info => "info",
+            Self::Debug => "debug",
+        }
+    }
 }
 
 /// One attachment of a container to the network, as CNI 1.1's GC names it.
@@ -122,6 +183,25 @@ impl VerdictCache {
             CachedVerdict::Ambient
         } else {
             CachedVerdict::Unknown
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_names_are_the_wire_names() {
+        for command in [
+            Command::Add,
+            Command::Del,
+            Command::Check,
+            Command::Gc,
+            Command::Log,
+        ] {
+            let wire = serde_json::to_string(&command).unwrap();
+            assert_eq!(wire, format!("\"{}\"", command.name()));
         }
     }
 }

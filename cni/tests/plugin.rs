@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tempfile::TempDir;
-use weir_cni::protocol::{self, Attachment, PodIp, PodRef, Request, Response, VerdictCache};
+use weir_cni::protocol::{
+    self, Attachment, LogLevel, LogRecord, PluginLog, PodIp, PodRef, Request, Response,
+    VerdictCache,
+};
 
 const SAMPLES: &str = include_str!("data/containerd-1.6-cni-calls.txt");
 
@@ -123,19 +126,25 @@ fn exec(env: &[(String, String)], stdin: &str) -> Output {
 /// (raw bytes, so tests can send garbage), or holds the connection open when `reply` is `None`.
 struct FakeAgent {
     requests: Receiver<Request>,
+    /// The LOG requests, the plugin's lines, apart from the requests about pods.
+    plugin_logs: Receiver<Request>,
 }
 
 impl FakeAgent {
     fn start(socket: &Path, reply: Option<Vec<u8>>) -> Self {
         let listener = UnixListener::bind(socket).unwrap();
         let (record, requests) = mpsc::channel();
+        let (record_log, plugin_logs) = mpsc::channel();
         thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming().map_while(Result::ok) {
                 let mut line = String::new();
                 let _ = BufReader::new(&stream).read_line(&mut line);
-                if let Ok(request) = serde_json::from_str(&line) {
-                    let _ = record.send(request);
+                if let Ok(request) = serde_json::from_str::<Request>(&line) {
+                    let _ = match request.command {
+                        protocol::Command::Log => record_log.send(request),
+                        _ => record.send(request),
+                    };
                 }
                 match &reply {
                     Some(reply) => {
@@ -145,7 +154,10 @@ impl FakeAgent {
                 }
             }
         });
-        Self { requests }
+        Self {
+            requests,
+            plugin_logs,
+        }
     }
 
     /// Accepts each connection and closes it at once, before the request is read: the plugin
@@ -153,17 +165,53 @@ impl FakeAgent {
     fn resetting(socket: &Path, _reply: Option<Vec<u8>>) -> Self {
         let listener = UnixListener::bind(socket).unwrap();
         let (_record, requests) = mpsc::channel();
+        let (_record_log, plugin_logs) = mpsc::channel();
         thread::spawn(move || {
             for stream in listener.incoming().map_while(Result::ok) {
                 drop(stream);
             }
         });
-        Self { requests }
+        Self {
+            requests,
+            plugin_logs,
+        }
     }
 
     fn answering(socket: &Path, response: &Response) -> Self {
         let line = serde_json::to_string(response).unwrap() + "\n";
         Self::start(socket, Some(line.into_bytes()))
+    }
+
+    /// An agent from before [`protocol::Command::Log`]: the ADD enrolled, the LOG undecodable.
+    fn before_log(socket: &Path) -> Self {
+        let listener = UnixListener::bind(socket).unwrap();
+        let (record, requests) = mpsc::channel();
+        thread::spawn(move || {
+            for stream in listener.incoming().map_while(Result::ok) {
+                let mut line = String::new();
+                let _ = BufReader::new(&stream).read_line(&mut line);
+                let response = match serde_json::from_str::<Request>(&line) {
+                    Ok(request) if request.command != protocol::Command::Log => {
+                        let _ = record.send(request);
+                        Response::Ok { enrolled: true }
+                    }
+                    _ => Response::Error {
+                        code: 6,
+                        msg: "malformed request".into(),
+                        details: "unknown variant `LOG`, expected one of `ADD`, `DEL`, `CHECK`, \
+                                  `GC`"
+                            .into(),
+                    },
+                };
+                let reply = serde_json::to_string(&response).unwrap() + "\n";
+                let _ = (&stream).write_all(reply.as_bytes());
+            }
+        });
+        let (_record_log, plugin_logs) = mpsc::channel();
+        Self {
+            requests,
+            plugin_logs,
+        }
     }
 
     fn ok(socket: &Path) -> Self {
@@ -172,6 +220,12 @@ impl FakeAgent {
 
     fn next_request(&self) -> Request {
         self.requests.recv_timeout(Duration::from_secs(5)).unwrap()
+    }
+
+    fn next_plugin_log(&self) -> Request {
+        self.plugin_logs
+            .recv_timeout(Duration::from_secs(5))
+            .unwrap()
     }
 
     fn assert_no_request(&self) {
@@ -266,11 +320,49 @@ fn add_forwards_the_pod_and_passes_prev_result_through() {
             }],
             annotations: serde_json::from_value(annotations.clone()).unwrap(),
             valid_attachments: vec![],
+            plugin_log: None,
         }
     );
-    assert!(node
-        .log()
-        .contains("ADD node1-ns/pod-2 container=4ea802200f95 enrolled"));
+    // The run's lines go to the agent that answered, about the same pod and container.
+    let log = agent.next_plugin_log();
+    assert_eq!(
+        (&log.pod, &log.container_id),
+        (&request.pod, &request.container_id)
+    );
+    assert!(log.annotations.is_empty() && log.ips.is_empty());
+    assert_eq!(
+        log.plugin_log,
+        Some(PluginLog {
+            command: protocol::Command::Add,
+            records: vec![LogRecord {
+                level: LogLevel::Info,
+                msg: "enrolled".into(),
+            }],
+        })
+    );
+    assert_eq!(node.log(), "", "the agent took the lines");
+    assert!(out.stderr.is_empty(), "{}", stderr(&out));
+}
+
+/// An agent older than the plugin's LOG answers it as a request it cannot decode: the plugin
+/// writes its lines to its log file instead, as before.
+#[test]
+fn an_agent_that_does_not_take_the_lines_leaves_them_in_the_log_file() {
+    let [add, ..] = &recorded_calls()[..] else {
+        unreachable!()
+    };
+    let node = Node::new();
+    let agent = FakeAgent::before_log(&node.socket());
+
+    let out = node.exec(add, no_extra());
+    assert_eq!(success_json(&out), prev_result(add));
+    assert_eq!(agent.next_request().command, protocol::Command::Add);
+    assert!(
+        node.log()
+            .contains("ADD node1-ns/pod-2 container=4ea802200f95 enrolled"),
+        "log: {}",
+        node.log()
+    );
     assert!(
         out.stderr.is_empty(),
         "logs go to the log file: {}",

@@ -92,6 +92,7 @@ impl NodeFiles {
             node.name(),
             free_port()?,
             free_port()?,
+            free_port()?,
         ))
     }
 }
@@ -102,6 +103,7 @@ pub fn agent_config_at(
     node_netns: &str,
     health_addr: SocketAddr,
     metrics_addr: SocketAddr,
+    admin_addr: SocketAddr,
 ) -> AgentConfig {
     let run = dir.join("run");
     AgentConfig {
@@ -121,6 +123,7 @@ pub fn agent_config_at(
         service_account: None,
         health_addr,
         metrics_addr,
+        admin_addr,
         uninstall_on_exit: false,
         orphan_sweep_interval: Duration::from_secs(60),
     }
@@ -275,10 +278,18 @@ pub fn http_status(addr: SocketAddr, path: &str) -> Result<u16> {
 
 /// A plain HTTP/1.0 GET on loopback; returns the status code and the body.
 pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    http_request(addr, "GET", path)
+}
+
+/// A plain HTTP/1.0 request without a body on loopback; returns the status code and the body.
+pub fn http_request(addr: SocketAddr, method: &str, path: &str) -> Result<(u16, String)> {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
     stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    write!(
+        stream,
+        "{method} {path} HTTP/1.0\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n"
+    )?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
     let status = response
@@ -346,6 +357,8 @@ pub fn agent_command(config: &AgentConfig, subcommand: &str) -> std::process::Co
         .arg(config.health_addr.to_string())
         .arg("--metrics-addr")
         .arg(config.metrics_addr.to_string())
+        .arg("--admin-addr")
+        .arg(config.admin_addr.to_string())
         .env("RUST_LOG", "warn");
     command
 }
@@ -360,6 +373,9 @@ pub struct AgentProcess {
     child: std::process::Child,
     /// The process's stdout lines, read on a thread of their own.
     lines: std::sync::mpsc::Receiver<String>,
+    /// Its log lines (stderr) so far, read on a thread of their own, which also passes them on
+    /// to the test's stderr.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl AgentProcess {
@@ -394,6 +410,7 @@ impl AgentProcess {
                     .arg(files.dir.path())
                     .arg(config.health_addr.to_string())
                     .arg(config.metrics_addr.to_string())
+                    .arg(config.admin_addr.to_string())
                     .args(pause_at);
                 command
             }
@@ -401,7 +418,8 @@ impl AgentProcess {
         let node_netns = node.open()?;
         command
             .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped());
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
         // SAFETY: setns is async-signal-safe, and the fd stays open until spawn returns.
         unsafe {
             command.pre_exec(move || crate::netns::enter(node_netns.as_fd()));
@@ -422,10 +440,24 @@ impl AgentProcess {
                 }
             }
         });
+        let stderr = child.stderr.take().context("the agent's stderr")?;
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = log.clone();
+        thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                eprintln!("{line}");
+                kept.lock().unwrap().push(line);
+            }
+        });
         let mut agent = Self {
             config,
             child,
             lines,
+            log,
         };
         try_wait_until(READY_TIMEOUT, || {
             match agent.child.try_wait() {
@@ -490,6 +522,11 @@ impl AgentProcess {
         }
         let total = ticks(14)? + ticks(15)?;
         Ok(Duration::from_secs_f64(total as f64 / per_second as f64))
+    }
+
+    /// Its log lines so far.
+    pub fn log_lines(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
     }
 
     /// Waits until the agent says it stopped at its pause point.

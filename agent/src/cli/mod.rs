@@ -213,6 +213,10 @@ pub struct RunArgs {
     /// Address for /metrics (per-pod series included), and /healthz and /readyz.
     #[arg(long, env = "WEIR_METRICS_ADDR", default_value = "0.0.0.0:15014")]
     pub metrics_addr: SocketAddr,
+    /// Address for /logging, which shows and changes the log filter: keep it on loopback, where
+    /// only someone on the node reaches it.
+    #[arg(long, env = "WEIR_ADMIN_ADDR", default_value = "127.0.0.1:15099")]
+    pub admin_addr: SocketAddr,
     /// On exit, remove weir from the node (plugin, config entry, datapath) instead of leaving it
     /// in place for the next agent (an upgrade or restart).
     #[arg(long, env = "WEIR_UNINSTALL_ON_EXIT")]
@@ -468,6 +472,7 @@ impl RunArgs {
             service_account,
             health_addr: self.health_addr,
             metrics_addr: self.metrics_addr,
+            admin_addr: self.admin_addr,
             uninstall_on_exit: self.uninstall_on_exit,
             orphan_sweep_interval: self.orphan_sweep_interval,
         })

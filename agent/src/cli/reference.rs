@@ -23,11 +23,14 @@ pub fn markdown() -> String {
          Log lines go to stderr.\n\n\
          - `RUST_LOG` sets which lines are written, as a \
          [tracing `EnvFilter`](https://docs.rs/tracing-subscriber/latest/tracing_subscriber/filter/struct.EnvFilter.html) \
-         (default `{DEFAULT_FILTER}`); `--bpf-log` adds `{BPF_LOG_FILTER}`.\n\
+         (default `{DEFAULT_FILTER}`); `--bpf-log` adds `{BPF_LOG_FILTER}`. \
+         An invalid `RUST_LOG` is reported in a warning and the default used instead; \
+         `/logging` on `--admin-addr` shows and changes the filter while the agent runs \
+         ([operations.md](operations.md#logs)).\n\
          - `LOG_FORMAT` (or `--log-format`) sets their form: `plain` text, coloured only when \
-         stderr is a terminal, or `json`, one object per line with `timestamp`, `level`, \
-         `target`, `message` and the line's fields. A line about a pod carries the pod's \
-         `namespace`, `name` and `uid`; an error carries its whole chain of causes \
+         stderr is a terminal, or `json`, one object per line with istio's keys, `time`, \
+         `level`, `scope` and `msg`, and the line's fields. A line about a pod carries the \
+         pod's `namespace`, `name` and `uid`; an error carries its whole chain of causes \
          (`binding 0.0.0.0:8000: Address already in use (os error 98)`).\n\n\
          ## Per-pod settings\n\n\
          What is redirected in one pod, and how, is read from the pod itself rather than from \

@@ -1,15 +1,15 @@
 //! Plugin requests decided from policy and turned into enrollment steps.
-use std::{net::IpAddr, path::PathBuf, sync::Arc};
+use std::{future::Future, net::IpAddr, path::PathBuf, sync::Arc};
 
 use prometheus_client::{
     encoding::EncodeLabelSet,
     metrics::{counter::Counter, family::Family},
     registry::Registry,
 };
-use tracing::Instrument;
+use tracing::{debug, error, info, warn, Instrument};
 use weir_cni::{
     code::{DECODE_FAILURE, INVALID_CONFIG, PLUGIN_SPECIFIC, TRY_AGAIN_LATER},
-    protocol::{Attachment, Command, Request, Response},
+    protocol::{Attachment, Command, LogLevel, LogRecord, PluginLog, Request, Response},
 };
 
 use super::responses::{
@@ -76,21 +76,32 @@ impl CniHandler {
 
     /// Serves one plugin request, in turn with every other step for the same pod.
     pub async fn handle(&self, request: &Request) -> Response {
+        match request.command {
+            Command::Add => self.serve("add", request, self.add(request)).await,
+            Command::Del => self.serve("del", request, self.del(request)).await,
+            Command::Check => self.serve("check", request, self.check(request)).await,
+            Command::Gc => {
+                let gc = self.gc(&request.valid_attachments);
+                self.serve("gc", request, gc).await
+            }
+            Command::Log => log_plugin_lines(request),
+        }
+    }
+
+    /// Runs `step`, the pod's `event`, in the pod's turn and span, and counts its result.
+    async fn serve(
+        &self,
+        event: &'static str,
+        request: &Request,
+        step: impl Future<Output = Response>,
+    ) -> Response {
         let key = if request.pod.uid.is_empty() {
             &request.container_id
         } else {
             &request.pod.uid
         };
-        let step = async {
-            match request.command {
-                Command::Add => ("add", self.add(request).await),
-                Command::Del => ("del", self.del(request).await),
-                Command::Check => ("check", self.check(request).await),
-                Command::Gc => ("gc", self.gc(&request.valid_attachments).await),
-            }
-        };
         // GC names no pod: it takes each stale pod's turn on its own.
-        let (event, result) = if request.command == Command::Gc {
+        let result = if request.command == Command::Gc {
             step.await
         } else {
             let pod = &request.pod;
@@ -254,6 +265,28 @@ impl CniHandler {
             Err(response) => response,
         }
     }
+}
+
+/// The target of the plugin's lines, `weir_cni=debug` in a filter; their scope is `cni`.
+const PLUGIN_TARGET: &str = "weir_cni";
+
+/// The plugin's lines about a request it sent before, logged as the agent's own lines about the
+/// pod are: in the pod's span, at the plugin's level, filtered by the agent's filter.
+fn log_plugin_lines(request: &Request) -> Response {
+    if let Some(PluginLog { command, records }) = &request.plugin_log {
+        let pod = &request.pod;
+        let _pod = pod_span(&pod.namespace, &pod.name, &pod.uid).entered();
+        let (command, container) = (command.name(), &request.container_id);
+        for LogRecord { level, msg } in records {
+            match level {
+                LogLevel::Error => error!(target: PLUGIN_TARGET, command, container, "{msg}"),
+                LogLevel::Warn => warn!(target: PLUGIN_TARGET, command, container, "{msg}"),
+                LogLevel::Info => info!(target: PLUGIN_TARGET, command, container, "{msg}"),
+                LogLevel::Debug => debug!(target: PLUGIN_TARGET, command, container, "{msg}"),
+            }
+        }
+    }
+    Response::Ok { enrolled: false }
 }
 
 /// The status istio-cni's agent would answer an ADD with: 400 for a request it cannot take as

@@ -1,6 +1,7 @@
 //! weir-agent with its fault-injection points reachable, for tests that kill it midway.
 //!
-//! `weir-agent-with-failpoints NODE_NETNS NODE_FILES_DIR HEALTH_ADDR METRICS_ADDR [PAUSE_AT]`
+//! `weir-agent-with-failpoints NODE_NETNS NODE_FILES_DIR HEALTH_ADDR METRICS_ADDR ADMIN_ADDR
+//! [PAUSE_AT]`
 //! runs the agent as `weir_tests::agent::NodeFiles::agent_config` configures it for that node.
 //! With `PAUSE_AT` (a `fail::fail_point!` name in the agent, e.g. `enroll-acked`), the first
 //! thread to reach that point prints `paused at PAUSE_AT` and stops there for good, so the test
@@ -13,13 +14,13 @@ use anyhow::Context;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let (node_netns, files_dir, health, metrics, pause_at) = match &args[..] {
-        [node_netns, files_dir, health, metrics, rest @ ..] if rest.len() <= 1 => {
-            (node_netns, files_dir, health, metrics, rest.first())
+    let (node_netns, files_dir, health, metrics, admin, pause_at) = match &args[..] {
+        [node_netns, files_dir, health, metrics, admin, rest @ ..] if rest.len() <= 1 => {
+            (node_netns, files_dir, health, metrics, admin, rest.first())
         }
         _ => anyhow::bail!(
             "usage: weir-agent-with-failpoints NODE_NETNS NODE_FILES_DIR HEALTH_ADDR \
-             METRICS_ADDR [PAUSE_AT]"
+             METRICS_ADDR ADMIN_ADDR [PAUSE_AT]"
         ),
     };
     tracing_subscriber::fmt()
@@ -45,6 +46,7 @@ fn main() -> anyhow::Result<()> {
         node_netns,
         health.parse().context("HEALTH_ADDR")?,
         metrics.parse().context("METRICS_ADDR")?,
+        admin.parse().context("ADMIN_ADDR")?,
     );
     tokio::runtime::Runtime::new()?.block_on(weir_agent::app::run(config, std::future::pending()))
 }
