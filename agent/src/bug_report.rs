@@ -31,6 +31,8 @@ pub struct Sources {
     pub cni_net_dir: PathBuf,
     /// The running agent's metrics address.
     pub metrics_addr: SocketAddr,
+    /// The running agent's admin address (loopback), which serves its recent log lines.
+    pub admin_addr: SocketAddr,
     pub check: check::CheckConfig,
 }
 
@@ -100,7 +102,11 @@ pub async fn write(sources: &Sources, output: &Path) -> Result<()> {
     archive.add_part("check.txt", Ok(check_lines(&sources.check).await));
     archive.add_part("pods.txt", pods(sources, false));
     archive.add_part("pods.json", pods(sources, true));
-    archive.add_part("metrics.txt", metrics(sources.metrics_addr).await);
+    archive.add_part(
+        "metrics.txt",
+        agent_get(sources.metrics_addr, "/metrics").await,
+    );
+    archive.add_part("logs.txt", agent_get(sources.admin_addr, "/logs").await);
     archive.add_part("bpf/maps.txt", maps(&sources.pin_root));
     archive.add_part("bpf/programs.txt", programs());
     archive.add_part("bpf/pins.txt", pins(&sources.pin_root));
@@ -157,8 +163,8 @@ fn pods(sources: &Sources, json: bool) -> Result<String> {
     }
 }
 
-/// The running agent's /metrics.
-async fn metrics(addr: SocketAddr) -> Result<String> {
+/// What the running agent answers at `path` on `addr`.
+async fn agent_get(addr: SocketAddr, path: &str) -> Result<String> {
     // The agent listens on every address when told 0.0.0.0 or [::]: ask it on loopback.
     let addr = match addr.ip() {
         IpAddr::V4(ip) if ip.is_unspecified() => {
@@ -174,7 +180,7 @@ async fn metrics(addr: SocketAddr) -> Result<String> {
         let (mut sender, connection) =
             hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(connection);
-        let request = hyper::Request::get("/metrics")
+        let request = hyper::Request::get(path)
             .header(hyper::header::HOST, addr.to_string())
             .body(Empty::<Bytes>::new())?;
         let response = sender.send_request(request).await?;
@@ -188,7 +194,7 @@ async fn metrics(addr: SocketAddr) -> Result<String> {
     tokio::time::timeout(AGENT_TIMEOUT, fetch)
         .await
         .map_err(|_| anyhow!("no answer within {AGENT_TIMEOUT:?}"))?
-        .with_context(|| format!("the agent's metrics at {addr}"))
+        .with_context(|| format!("the agent's {path} at {addr}"))
 }
 
 /// Every pinned map: its type, sizes and fill, then its entries in hex, `key: value`.

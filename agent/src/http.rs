@@ -86,10 +86,20 @@ pub async fn serve(
 /// /logging?level=<filter>` (`RUST_LOG`'s syntax, e.g. `debug` or
 /// `info,weir_agent::datapath=debug`) puts another in force; an invalid one is refused (400) and
 /// changes nothing. `addr` is meant to be loopback: anyone who reaches it can fill the node's
-/// logs.
+/// logs. `GET /logs` answers the agent's last lines ([`logging::recent_lines`]), for
+/// `weir-agent bug-report`.
 pub async fn serve_admin(addr: SocketAddr) -> Result<()> {
-    let routes = Router::new().route("/logging", get(show_log_filter).post(set_log_filter));
-    serve_routes(addr, routes, "/logging").await
+    let routes = Router::new()
+        .route("/logging", get(show_log_filter).post(set_log_filter))
+        .route("/logs", get(recent_logs));
+    serve_routes(addr, routes, "/logging /logs").await
+}
+
+async fn recent_logs() -> String {
+    logging::recent_lines()
+        .into_iter()
+        .flat_map(|line| [line, "\n".to_owned()])
+        .collect()
 }
 
 fn health_routes(ready: watch::Receiver<bool>, live: Liveness) -> Router {

@@ -4,7 +4,12 @@
 //! changes it while the agent runs ([`log_filter`]). Every line about a pod carries its
 //! `namespace`, `name` and `uid`: the pod's steps run inside [`pod_span`], whose fields the JSON
 //! lines hold at their top level (and the plain lines in the span's prefix).
-use std::{fmt, io::IsTerminal, sync::OnceLock};
+use std::{
+    collections::VecDeque,
+    fmt,
+    io::{self, IsTerminal, Write},
+    sync::{Mutex, OnceLock},
+};
 
 use anyhow::Result;
 use serde_json::{Map, Value};
@@ -40,6 +45,52 @@ pub const DEFAULT_FILTER: &str = "info,aya::bpf=error";
 
 /// What `--bpf-log` adds to the filter: the eBPF programs' records, at debug level.
 pub const BPF_LOG_FILTER: &str = "weir_ebpf=debug";
+
+/// Lines kept for [`recent_lines`]: about the last minutes of a busy node.
+const RECENT_LINES: usize = 5_000;
+
+static RECENT: OnceLock<Mutex<VecDeque<String>>> = OnceLock::new();
+
+/// The last lines this process wrote (at most [`RECENT_LINES`]), oldest first, as written: what
+/// `/logs` on the admin address serves, for `weir-agent bug-report`, which runs in the agent's
+/// container where `kubectl logs` cannot be read. Empty before [`init`].
+pub fn recent_lines() -> Vec<String> {
+    RECENT.get().map_or_else(Vec::new, |recent| {
+        recent.lock().unwrap().iter().cloned().collect()
+    })
+}
+
+/// stderr, with each line also kept in [`RECENT`].
+#[derive(Clone, Copy)]
+struct StderrAndRecent;
+
+impl<'writer> MakeWriter<'writer> for StderrAndRecent {
+    type Writer = StderrAndRecent;
+
+    fn make_writer(&'writer self) -> Self::Writer {
+        *self
+    }
+}
+
+impl Write for StderrAndRecent {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        // The formatter writes one whole event per call.
+        let written = io::stderr().write(buf)?;
+        let recent = RECENT.get_or_init(|| Mutex::new(VecDeque::with_capacity(RECENT_LINES)));
+        let mut recent = recent.lock().unwrap();
+        for line in String::from_utf8_lossy(&buf[..written]).lines() {
+            if recent.len() == RECENT_LINES {
+                recent.pop_front();
+            }
+            recent.push_back(line.to_owned());
+        }
+        Ok(written)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        io::stderr().flush()
+    }
+}
 
 /// The filter in force, and the means to change it while the process runs.
 #[derive(Clone)]
@@ -168,7 +219,7 @@ pub fn init(format: LogFormat, bpf_log: bool) -> Result<()> {
     // Colour only for a person at a terminal: `kubectl logs` and log files get plain text.
     let ansi = std::io::stderr().is_terminal();
     let (subscriber, handle) =
-        subscriber(format, with_bpf_log(filter, bpf_log), std::io::stderr, ansi);
+        subscriber(format, with_bpf_log(filter, bpf_log), StderrAndRecent, ansi);
     subscriber.try_init()?;
     let filter = LOG_FILTER.get_or_init(|| LogFilter { handle, bpf_log });
     if let Some(why) = rust_log_invalid {

@@ -8,8 +8,9 @@ use std::{collections::BTreeMap, fs::File, io::Read};
 use flate2::read::GzDecoder;
 use weir_tests::privileged;
 use weir_tests::{
-    agent::agent_command,
-    chain::{CniChainNode as Node, MESH},
+    agent::{agent_command, AgentBinary},
+    chain::CniChainNode as Node,
+    ZdsZtunnel,
 };
 
 const TOKEN: &str = "eyJhbGciOiJSUzI1NiJ9.a-service-account-token";
@@ -17,8 +18,11 @@ const TOKEN: &str = "eyJhbGciOiJSUzI1NiJ9.a-service-account-token";
 #[test]
 fn a_bug_report_holds_the_nodes_state_and_no_credential() {
     let node = privileged!(Node::new());
-    let (agent, _ztunnel) = node.start_agent_and_ztunnel();
-    let pod = node.pod(MESH, "app").unwrap();
+    let agent = node.start_agent_process(AgentBinary::Run {
+        env: &[("RUST_LOG", "info")],
+    });
+    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
+    let (pod, _stand_in) = node.ambient_pod(&ztunnel, "app");
     let net_dir = &agent.config.cni_net_dir;
     // What istio-cni and weir write for their plugin in a pod: a kubeconfig with the token, and
     // a config file that carries one.
@@ -35,10 +39,15 @@ fn a_bug_report_holds_the_nodes_state_and_no_credential() {
 
     let archive = tempfile::tempdir().unwrap();
     let path = archive.path().join("report.tar.gz");
-    let output = agent_command(&agent.config, "bug-report")
-        .arg("--output")
-        .arg(&path)
-        .output()
+    // Where weir's pod runs it: on the node's network, beside the agent's loopback addresses.
+    let output = node
+        .netns()
+        .run(|| {
+            agent_command(&agent.config, "bug-report")
+                .arg("--output")
+                .arg(&path)
+                .output()
+        })
         .unwrap();
     assert!(output.status.success(), "{output:?}");
     let files = read_archive(&path);
@@ -68,6 +77,12 @@ fn a_bug_report_holds_the_nodes_state_and_no_credential() {
     assert!(maps.contains(&pod_ip), "{pod_ip} in {maps}");
     assert!(file("bpf/programs.txt").contains("weir_connect4"));
     assert!(file("bpf/pins.txt").contains("PODS"));
+    let logs = file("logs.txt");
+    assert!(
+        logs.lines()
+            .any(|line| line.contains("pod enrolled") && line.contains(pod.uid())),
+        "{logs}"
+    );
     let metrics = file("metrics.txt");
     assert!(
         metrics.contains("weir_pods{mode=\"ambient\",state=\"enrolled\"} 1"),
@@ -84,7 +99,6 @@ fn a_bug_report_holds_the_nodes_state_and_no_credential() {
     for (name, content) in &files {
         assert!(!content.contains(TOKEN), "{name} holds the token");
     }
-    agent.stop().unwrap();
 }
 
 /// Every file of the archive under `weir-bug-report/`, by its name there.

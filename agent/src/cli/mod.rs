@@ -370,9 +370,9 @@ pub enum Command {
     #[command(after_long_help = trace::verdicts_help())]
     Trace(TraceArgs),
     /// Write one archive (.tar.gz) with what a bug report about this node needs: weir's version
-    /// and the kernel, `check`'s and `pods`' output, the running agent's metrics, weir's pinned
-    /// maps (entries in hex), programs and pins, and the CNI configuration. Credentials never go
-    /// in. Takes `run`'s flags, as `check` does, so that in weir's pod it reads what the agent
+    /// and the kernel, `check`'s and `pods`' output, the running agent's metrics and last log
+    /// lines, weir's pinned maps (entries in hex), programs and pins, and the CNI configuration.
+    /// Credentials never go in. Takes `run`'s flags, as `check` does, so that in weir's pod it reads what the agent
     /// was given. A part that cannot be collected is named, with why, in errors.txt.
     BugReport(Box<BugReportArgs>),
 }
@@ -396,6 +396,7 @@ impl BugReportArgs {
             state_file: run.state.state_file.clone(),
             cni_net_dir: run.cni_dirs.cni_net_dir.clone(),
             metrics_addr: run.metrics_addr,
+            admin_addr: run.admin_addr,
             check: run.check_config(datapath)?,
         })
     }
