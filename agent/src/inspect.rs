@@ -98,8 +98,8 @@ pub fn rows(pinned: Vec<PinnedPod>, mut records: BTreeMap<String, Record>) -> Ve
         .map(|pod| {
             let record = records.remove(&pod.uid);
             PodRow {
-                namespace: record.as_ref().map(|r| r.workload.namespace.clone()),
-                name: record.as_ref().map(|r| r.workload.name.clone()),
+                namespace: record.as_ref().map(|r| r.workload.pod.namespace.clone()),
+                name: record.as_ref().map(|r| r.workload.pod.name.clone()),
                 mode: pod.mode,
                 status: record
                     .as_ref()
@@ -126,8 +126,8 @@ pub fn rows(pinned: Vec<PinnedPod>, mut records: BTreeMap<String, Record>) -> Ve
     rows.extend(records.into_values().map(|record| PodRow {
         mode: record.workload.mode(),
         status: record.status.filter(|_| record.workload.sidecar.is_none()),
-        namespace: Some(record.workload.namespace),
-        name: Some(record.workload.name),
+        namespace: Some(record.workload.pod.namespace),
+        name: Some(record.workload.pod.name),
         uid: record.workload.uid,
         ips: record.workload.ips,
         netns_cookie: None,
@@ -236,7 +236,7 @@ pub fn json(rows: &[PodRow]) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::workload::{SidecarRedirect, Workload};
+    use crate::workload::{PodName, SidecarRedirect, Workload};
 
     const APP: &str = "0b1c9f4e-1111-4a5b-9c3d-000000000001";
     const STRAY: &str = "0b1c9f4e-2222-4a5b-9c3d-000000000002";
@@ -263,8 +263,7 @@ mod tests {
         Record {
             workload: Workload {
                 uid: uid.into(),
-                name: name.into(),
-                namespace: namespace.into(),
+                pod: PodName::new(namespace, name),
                 service_account: None,
                 netns: format!("/var/run/netns/{name}").into(),
                 ips: vec!["10.1.0.9".parse().unwrap()],

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use weir_cni::protocol::Attachment;
 
 /// A pod by namespace and name, as the runtime and the API server both name it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PodName {
     pub namespace: String,
     pub name: String,
@@ -53,8 +53,9 @@ impl Status {
 pub struct Workload {
     /// metadata.uid
     pub uid: String,
-    pub name: String,
-    pub namespace: String,
+    /// Flattened: the state file keeps `namespace` and `name` beside the uid.
+    #[serde(flatten)]
+    pub pod: PodName,
     /// `None` where nothing tells it (ztunnel then gets none).
     #[serde(default)]
     pub service_account: Option<String>,
@@ -81,11 +82,6 @@ impl Workload {
         } else {
             Mode::Ambient
         }
-    }
-
-    /// The name its status and warnings are published under.
-    pub fn pod_name(&self) -> PodName {
-        PodName::new(&self.namespace, &self.name)
     }
 }
 

@@ -18,7 +18,7 @@ use serde_json::{json, Map, Value};
 use tempfile::TempDir;
 use weir_agent::{
     datapath::DatapathConfig,
-    workload::{PodOptions, Workload},
+    workload::{PodName, PodOptions, Workload},
 };
 
 use crate::cni::{self, NetworkConfigList, RuntimeConf};
@@ -555,8 +555,7 @@ impl Pod {
     pub fn workload(&self, options: PodOptions) -> Workload {
         Workload {
             uid: self.uid.clone(),
-            name: self.spec.name.clone(),
-            namespace: self.spec.namespace.clone(),
+            pod: PodName::new(&self.spec.namespace, &self.spec.name),
             service_account: None,
             netns: self.netns_path().to_path_buf(),
             ips: self.ips().to_vec(),

@@ -179,8 +179,7 @@ impl CniHandler {
         }
         Ok(Some(Workload {
             uid: request.pod.uid.clone(),
-            name: request.pod.name.clone(),
-            namespace: request.pod.namespace.clone(),
+            pod: PodName::new(&request.pod.namespace, &request.pod.name),
             netns: PathBuf::from(&request.netns),
             ips,
             options,
@@ -207,13 +206,13 @@ impl CniHandler {
             Ok(Status::Pending) => Response::Error {
                 code: TRY_AGAIN_LATER,
                 msg: format!(
-                    "ztunnel has not acknowledged pod {}/{}: redirection is in place and pending",
-                    pod.namespace, pod.name
+                    "ztunnel has not acknowledged pod {}: redirection is in place and pending",
+                    pod.pod
                 ),
                 details: "the runtime retries; the pod completes when ztunnel connects".into(),
             },
             Err(error) => {
-                let name = pod.pod_name();
+                let name = pod.pod.clone();
                 let error_text = format!("{error:#}");
                 let warning = match pod.sidecar {
                     Some(_) => Warning::SidecarRedirectionFailed(error_text),

@@ -66,10 +66,7 @@ pub(super) fn incomplete_add(pod: &Workload) -> Option<Response> {
     };
     Some(Response::Error {
         code,
-        msg: format!(
-            "{missing}: ambient pod {}/{} cannot be enrolled",
-            pod.namespace, pod.name
-        ),
+        msg: format!("{missing}: ambient pod {} cannot be enrolled", pod.pod),
         details: details.into(),
     })
 }
@@ -218,8 +215,7 @@ mod tests {
     fn an_ambient_add_without_a_netns_names_the_variable() {
         let mut pod = Workload {
             uid: "u".into(),
-            name: "app".into(),
-            namespace: "mesh".into(),
+            pod: PodName::new("mesh", "app"),
             service_account: None,
             netns: "/var/run/netns/x".into(),
             ips: vec![IpAddr::from([10, 0, 0, 2])],

@@ -391,7 +391,7 @@ impl Owner {
             return;
         }
         let workload = watch.workload.clone();
-        let _pod = pod_span(&workload.namespace, &workload.name, uid).entered();
+        let _pod = pod_span(&workload.pod.namespace, &workload.pod.name, uid).entered();
         debug!("pod interfaces changed");
         // A failed attempt leaves the pod as it was enrolled; the next change tries again.
         if let Err(error) = self.enroll(&workload, EnrollNetns::Held) {

@@ -153,7 +153,7 @@ impl Enroller {
         let name = enrolled
             .or_else(|| {
                 let record = self.state.get(uid)?;
-                Some(record.pod_name())
+                Some(record.pod)
             })
             .unwrap_or_default();
         pod_span(&name.namespace, &name.name, uid)
@@ -214,8 +214,7 @@ impl Enroller {
         })?;
         let workload = Workload {
             uid: pod.uid,
-            name: pod.name.name,
-            namespace: pod.name.namespace,
+            pod: pod.name,
             service_account: pod.service_account,
             netns: found.path.clone(),
             ips: pod.ips,
@@ -292,7 +291,7 @@ impl Enroller {
         // The record first: it carries the status, so recording the status after it writes
         // nothing more (the other way round, a re-enrolled pod would cost two journal lines).
         let recorded = self.state.insert(pod, status);
-        self.set_status(&pod.uid, Some((status, pod.pod_name())))
+        self.set_status(&pod.uid, Some((status, pod.pod.clone())))
             .await;
         recorded?;
         info!(?status, "pod enrolled");
@@ -377,8 +376,8 @@ pub struct RunningPod {
 /// What ztunnel is told about a pod.
 fn zds_info(pod: &Workload) -> WorkloadInfo {
     WorkloadInfo {
-        name: pod.name.clone(),
-        namespace: pod.namespace.clone(),
+        name: pod.pod.name.clone(),
+        namespace: pod.pod.namespace.clone(),
         service_account: pod.service_account.clone().unwrap_or_default(),
     }
 }

@@ -44,7 +44,7 @@ impl Enroller {
                     Err(error) => warn!("moving the pod to this map layout: {error:#}"),
                 }
             }
-            .instrument(pod_span(&pod.namespace, &pod.name, &pod.uid))
+            .instrument(pod_span(&pod.pod.namespace, &pod.pod.name, &pod.uid))
             .await;
         }
         if let Err(error) = self.datapath.retire_other_layouts().await {

@@ -1,11 +1,11 @@
 //! The state file against real files: journal replay, folding, torn and unreadable lines.
 use super::*;
+use crate::workload::PodName;
 
 fn workload(uid: &str) -> Workload {
     Workload {
         uid: uid.into(),
-        name: "app".into(),
-        namespace: "mesh".into(),
+        pod: PodName::new("mesh", "app"),
         service_account: None,
         netns: "/var/run/netns/cni-1".into(),
         ips: vec!["10.1.0.5".parse().unwrap()],
@@ -99,6 +99,11 @@ fn every_change_reads_back_at_once_and_a_save_leaves_the_format_older_agents_rea
     assert_eq!(std::fs::read(journal_path(&path)).unwrap(), b"");
     let raw: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     assert_eq!(raw["u1"]["status"], "enabled");
+    // The pod's name as older agents wrote it: beside the uid, not nested.
+    assert_eq!(
+        (&raw["u1"]["namespace"], &raw["u1"]["name"]),
+        (&"mesh".into(), &"app".into())
+    );
     let as_older_agents_read_it: BTreeMap<String, Workload> = serde_json::from_value(raw).unwrap();
     assert_eq!(as_older_agents_read_it["u1"], workload("u1"));
     assert_eq!(StateFile::open(path).get("u1"), Some(workload("u1")));
