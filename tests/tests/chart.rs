@@ -291,7 +291,10 @@ fn weir_s_image_values_win_over_istio_s_global_ones() {
         ],
     )
     .unwrap();
-    assert_eq!(container(&objects)["image"], "weir.example.com/weir-agent:0.9.0");
+    assert_eq!(
+        container(&objects)["image"],
+        "weir.example.com/weir-agent:0.9.0"
+    );
     assert_eq!(container(&objects)["imagePullPolicy"], "Always");
     let objects = render(&helm, &["--set", "global.imagePullPolicy="]).unwrap();
     assert!(container(&objects).get("imagePullPolicy").is_none());
@@ -306,8 +309,8 @@ fn lint(helm: &Path, args: &[&str]) -> (bool, String) {
         .current_dir(deploy_dir())
         .output()
         .expect("helm runs");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned()
-        + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), text)
 }
 
