@@ -7,7 +7,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info};
 use weir_agent::{
     app, bug_report, check,
-    cli::{Cli, Command, Output},
+    cli::{istio, Cli, Command, Output},
     datapath::Datapath,
     inspect,
     install::Installer,
@@ -15,10 +15,19 @@ use weir_agent::{
 };
 
 fn main() -> ExitCode {
+    // Before clap reads the environment, and reported once the logger is there.
+    let istio_settings = istio::carry_over();
     let cli = Cli::parse();
     if let Err(error) = logging::init(cli.log_format, cli.datapath.bpf_log) {
         eprintln!("weir-agent: logging: {error:#}");
         return ExitCode::FAILURE;
+    }
+    match istio_settings {
+        Ok(resolved) => resolved.log(),
+        Err(error) => {
+            error!("{error:#}");
+            return ExitCode::FAILURE;
+        }
     }
     // Through the logger, so that a failure is a line of the chosen format, with its causes.
     match run(cli) {

@@ -232,7 +232,13 @@ fn istio_cni_values_configure_the_agent() {
             "--set-json",
             r#"ambient.enablementSelectors=[{"podSelector":{"matchLabels":{"mesh":"yes"}}}]"#,
             "--set",
-            "env.WEIR_RESYNC_INTERVAL=5m,hub=registry.example.com/istio,tag=1.2.3",
+            "env.WEIR_RESYNC_INTERVAL=5m,global.hub=registry.example.com/istio,global.tag=1.2.3",
+            "--set",
+            "global.imagePullPolicy=IfNotPresent,global.imagePullSecrets={pull-secret}",
+            "--set",
+            "cniNetnsDir=/var/run/docker/netns,podLabels.team=mesh,terminationGracePeriodSeconds=5",
+            "--set",
+            "seccompProfile.type=RuntimeDefault,priorityClassName=mesh-critical",
         ],
     )
     .unwrap();
@@ -249,11 +255,131 @@ fn istio_cni_values_configure_the_agent() {
     assert_eq!(env["RUST_LOG"], "debug");
     assert_eq!(run.ambient_enablement_selector.map(|s| s.len()), Some(1));
     assert_eq!(run.resync_interval, std::time::Duration::from_secs(300));
+    let container = container(&objects);
     assert_eq!(
-        container(&objects)["image"],
+        container["image"],
         "registry.example.com/istio/weir-agent:1.2.3"
     );
+    assert_eq!(container["imagePullPolicy"], "IfNotPresent");
+    assert_eq!(
+        container["securityContext"]["seccompProfile"],
+        json!({"type": "RuntimeDefault"})
+    );
+    assert_eq!(
+        host_path_mounted_at(&objects, "/var/run/docker/netns"),
+        "/var/run/docker/netns"
+    );
+    let template = &daemonset(&objects)["spec"]["template"];
+    assert_eq!(template["metadata"]["labels"]["team"], "mesh");
+    let pod = &template["spec"];
+    assert_eq!(pod["imagePullSecrets"], json!([{"name": "pull-secret"}]));
+    assert_eq!(pod["terminationGracePeriodSeconds"], 5);
+    assert_eq!(pod["priorityClassName"], "mesh-critical");
 }
+
+/// weir's own image values win over istio's global ones; an empty pull policy is Kubernetes'.
+#[test]
+fn weir_s_image_values_win_over_istio_s_global_ones() {
+    let Some(helm) = helm() else { return };
+    let objects = render(
+        &helm,
+        &[
+            "--set",
+            "hub=weir.example.com,tag=0.9.0,pullPolicy=Always",
+            "--set",
+            "global.hub=istio.example.com,global.tag=1.26.0,global.imagePullPolicy=Never",
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        container(&objects)["image"],
+        "weir.example.com/weir-agent:0.9.0"
+    );
+    assert_eq!(container(&objects)["imagePullPolicy"], "Always");
+    let objects = render(&helm, &["--set", "global.imagePullPolicy="]).unwrap();
+    assert!(container(&objects).get("imagePullPolicy").is_none());
+}
+
+/// `helm lint` with these arguments: helm's output, and whether it passed.
+fn lint(helm: &Path, args: &[&str]) -> (bool, String) {
+    let out = Command::new(helm)
+        .arg("lint")
+        .arg(deploy_dir().join("chart"))
+        .args(args)
+        .current_dir(deploy_dir())
+        .output()
+        .expect("helm runs");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// values.schema.json: the defaults, every profile and an istio-cni values file pass; a key the
+/// chart does not know, at any level, is refused naming it, as is an istio-cni value weir
+/// cannot honour.
+#[test]
+fn the_values_schema_refuses_unknown_keys_by_name() {
+    let Some(helm) = helm() else { return };
+    let (passed, out) = lint(&helm, &[]);
+    assert!(passed, "{out}");
+    for profile in std::fs::read_dir(deploy_dir().join("chart/profiles")).unwrap() {
+        let profile = profile.unwrap().path();
+        let (passed, out) = lint(&helm, &["-f", profile.to_str().unwrap()]);
+        assert!(passed, "{}: {out}", profile.display());
+    }
+    let istio_values = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(istio_values.path(), ISTIO_CNI_VALUES).unwrap();
+    let objects = render(&helm, &["-f", istio_values.path().to_str().unwrap()]).unwrap();
+    assert_eq!(
+        container(&objects)["image"],
+        "registry.example.com/istio/weir-agent:1.26.0"
+    );
+
+    for (set, named) in [
+        ("hubb=registry.example.com", "hubb"),
+        ("ambient.dnsCaptur=false", "dnsCaptur"),
+        ("monitoring.podMonitor.labelz.a=b", "labelz"),
+        ("global.proxy.image=proxyv2", "proxy"),
+        ("ambient.enabled=false", "enabled"),
+        ("repair.initContainerName=validation", "initContainerName"),
+    ] {
+        let error = render(&helm, &["--set", set]).expect_err(set);
+        assert!(error.contains(named), "{set}: {error}");
+        let (passed, out) = lint(&helm, &["--set", set]);
+        assert!(!passed && out.contains(named), "{set}: {out}");
+    }
+}
+
+/// An istio-cni values file as an ambient operator writes it.
+const ISTIO_CNI_VALUES: &str = "
+global:
+  hub: registry.example.com/istio
+  tag: 1.26.0
+  imagePullPolicy: IfNotPresent
+  imagePullSecrets: [pull-secret]
+cniBinDir: /opt/cni/bin
+cniConfDir: /etc/cni/net.d
+cniNetnsDir: /var/run/netns
+excludeNamespaces: [kube-system]
+podAnnotations: {}
+seccompProfile: {}
+ambient:
+  enabled: true
+  ipv6: true
+  dnsCapture: true
+  reconcileIptablesOnStartup: false
+  shareHostNetworkNamespace: false
+repair:
+  enabled: true
+  repairPods: true
+  deletePods: false
+  labelPods: false
+  initContainerName: istio-validation
+  brokenPodLabelKey: cni.istio.io/uninitialized
+  brokenPodLabelValue: \"true\"
+resources:
+  requests: {cpu: 100m, memory: 100Mi}
+";
 
 /// Pod deletion is granted exactly when it is configured, and as deploy/repair-delete grants it;
 /// values weir cannot honour are refused with a message, not ignored.

@@ -12,6 +12,7 @@ use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use weir_cni::protocol::{DEFAULT_AGENT_SOCKET, DEFAULT_VERDICT_CACHE};
 use weir_common::{PROBE_SOURCE_V4, PROBE_SOURCE_V6};
 
+pub mod istio;
 mod reference;
 
 pub use reference::markdown;

@@ -2,7 +2,10 @@
 //! definition so the two cannot drift apart.
 use clap::{Arg, ArgAction};
 
-use super::Cli;
+use super::{
+    istio::{carried_into, Reading, ISTIO_SETTINGS},
+    Cli,
+};
 use crate::logging::{BPF_LOG_FILTER, DEFAULT_FILTER};
 
 /// docs/configuration.md: every subcommand and flag of [`Cli`], with its environment variable,
@@ -40,6 +43,7 @@ pub fn markdown() -> String {
          its `istio-proxy` container's uid, gid, `ISTIO_META_DNS_CAPTURE` and \
          `ISTIO_DUAL_STACK` ([operations.md](operations.md#sidecar-pods)).\n",
     );
+    out += &istio_section();
     out += "\n## Global flags\n\nGiven before or after the subcommand.\n\n";
     out += &flag_table(command.get_arguments().filter(|arg| arg.is_global_set()));
     for subcommand in command.get_subcommands() {
@@ -65,6 +69,44 @@ pub fn markdown() -> String {
     out
 }
 
+/// How istio-cni's variables are read: those carried over are named beside weir's in the flag
+/// tables; the others are listed here.
+fn istio_section() -> String {
+    let mut out = String::from(
+        "\n## istio-cni's settings\n\n\
+         An istio-cni node agent's environment carries over: where weir has the same setting, \
+         istio-cni's variable is read as weir's (named beside it in the tables below, e.g. \
+         `AMBIENT_DNS_CAPTURE` for `WEIR_DNS_CAPTURE`), and each one read is logged at start. \
+         Where weir's variable is set too, or two of istio-cni's give the same setting, they \
+         must agree: two values for one setting stop the agent with an error naming both. A \
+         flag on the command line still wins over every variable. `REPAIR_ENABLED=false` \
+         means `REPAIR_REPAIR_PODS=false` and `WEIR_REPAIR_BROKEN_PODS=none`; \
+         `REPAIR_DELETE_PODS=true` and `REPAIR_LABEL_PODS=true` mean \
+         `WEIR_REPAIR_BROKEN_PODS=delete` and `label`; `MONITORING_PORT=<port>` means \
+         `WEIR_METRICS_ADDR=0.0.0.0:<port>`; `CNI_CONF_NAME` names the standalone config \
+         (with `CHAINED_CNI_PLUGIN=false`) and is refused with a chained plugin, where \
+         istio-cni appends to the file it names and weir to the file the runtime loads.\n\n\
+         The others weir honours at one value only, which is what it always does, and refuses \
+         any other at start with a message naming the variable; or has no use for, and \
+         ignores with a warning:\n\n\
+         | Variable | weir | Why |\n| --- | --- | --- |\n",
+    );
+    for setting in ISTIO_SETTINGS {
+        let (honoured, why) = match setting.reading {
+            Reading::Carried { .. } => continue,
+            Reading::Only { value: "", why } => ("refused when set".to_owned(), why),
+            Reading::Only { value, why } => (format!("refused unless `{value}`"), why),
+            Reading::Unused(why) => ("ignored".to_owned(), why),
+        };
+        out += &format!(
+            "| `{}` | {honoured} | {} |\n",
+            setting.name,
+            cell(&sentence(why))
+        );
+    }
+    out
+}
+
 /// `--help` and `--version`: clap's own.
 fn is_builtin(arg: &Arg) -> bool {
     matches!(
@@ -84,9 +126,17 @@ fn flag_table<'a>(args: impl Iterator<Item = &'a Arg>) -> String {
             (true, Some([value, ..])) => format!("`--{long} <{value}>`"),
             _ => format!("`--{long}`"),
         };
-        let env = arg
-            .get_env()
-            .map_or_else(String::new, |env| format!("`{}`", env.to_string_lossy()));
+        let env = arg.get_env().map_or_else(String::new, |env| {
+            let env = env.to_string_lossy();
+            let istio: Vec<String> = carried_into(&env)
+                .iter()
+                .map(|name| format!("`{name}`"))
+                .collect();
+            match istio.is_empty() {
+                true => format!("`{env}`"),
+                false => format!("`{env}`<br>istio-cni: {}", istio.join(", ")),
+            }
+        });
         let defaults: Vec<String> = arg
             .get_default_values()
             .iter()
