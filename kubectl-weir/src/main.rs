@@ -51,7 +51,10 @@ enum Command {
     #[command(flatten)]
     Node(NodeCommand),
     /// Print a completion script for this plugin, e.g. `kubectl-weir completion bash`.
-    Completion { shell: clap_complete::Shell },
+    Completion {
+        /// The shell the script is for.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// weir-agent's commands, each run in the weir pod of one node.
@@ -146,7 +149,10 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Node(command) => command,
         Command::Completion { shell } => {
             let mut command = Cli::command();
-            clap_complete::generate(shell, &mut command, "kubectl-weir", &mut std::io::stdout());
+            // Written whole, then printed: the generator panics on a failed write (a closed pipe).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut command, "kubectl-weir", &mut script);
+            std::io::stdout().write_all(&script)?;
             return Ok(ExitCode::SUCCESS);
         }
     };

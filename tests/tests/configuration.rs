@@ -88,3 +88,21 @@ fn the_reference_names_every_subcommand_flag_and_environment_variable() {
         );
     }
 }
+
+/// `weir-agent completion bash` (the built binary: `cargo build -p weir-agent` first) completes
+/// every subcommand.
+#[test]
+fn the_bash_completion_script_names_every_subcommand() {
+    let output = std::process::Command::new(weir_tests::agent::workspace_binary("weir-agent"))
+        .args(["completion", "bash"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let script = String::from_utf8(output.stdout).unwrap();
+    let mut command = Cli::command();
+    command.build();
+    for subcommand in command.get_subcommands() {
+        let name = subcommand.get_name();
+        assert!(script.contains(name), "{name} not in:\n{script}");
+    }
+}
