@@ -25,7 +25,8 @@ use crate::{
 
 /// The JSON output's fields, for `--help`.
 pub const JSON_FIELDS: &str = "\
-JSON output (--output json): one array, sorted like the table, of objects with these fields:
+JSON output (--output json): one array, sorted like the table, of objects with these fields (and
+YAML output, --output yaml, one sequence of the same):
   namespace, name    the pod's (null: the state file has no record of it)
   uid                metadata.uid
   mode               \"ambient\" (redirected to ztunnel) or \"sidecar\" (to its own istio-proxy)
@@ -160,19 +161,57 @@ const HEADER: [&str; 13] = [
     "NOTE",
 ];
 
+/// The wide table's columns besides the table's, before its NOTE.
+const WIDE_HEADER: [&str; 2] = ["NETNS", "REROUTED INTERFACES"];
+
+const NONE: &str = "-";
+
 /// The rows as an aligned text table, one line per pod under a header line.
 pub fn table(rows: &[PodRow]) -> String {
-    let cells: Vec<[String; 13]> = std::iter::once(HEADER.map(String::from))
-        .chain(rows.iter().map(row_cells))
+    aligned(
+        std::iter::once(HEADER.map(String::from).to_vec())
+            .chain(rows.iter().map(|row| row_cells(row).to_vec()))
+            .collect(),
+    )
+}
+
+/// [`table`] with the netns path the pod was enrolled with and the interfaces its traffic is
+/// rerouted from besides.
+pub fn wide_table(rows: &[PodRow]) -> String {
+    let widened = |mut cells: Vec<String>, wide: [String; 2]| {
+        let note = cells.len() - 1;
+        cells.splice(note..note, wide);
+        cells
+    };
+    aligned(
+        std::iter::once(widened(
+            HEADER.map(String::from).to_vec(),
+            WIDE_HEADER.map(String::from),
+        ))
+        .chain(rows.iter().map(|row| {
+            let netns = row
+                .netns
+                .as_ref()
+                .map_or(NONE.into(), |netns| netns.display().to_string());
+            let rerouted = or_none(row.options.reroute_interfaces.join(","));
+            widened(row_cells(row).to_vec(), [netns, rerouted])
+        }))
+        .collect(),
+    )
+}
+
+/// Lines of cells, each column as wide as its widest cell.
+fn aligned(cells: Vec<Vec<String>>) -> String {
+    let columns = cells.first().map_or(0, Vec::len);
+    let widths: Vec<usize> = (0..columns)
+        .map(|column| cells.iter().map(|row| row[column].len()).max().unwrap_or(0))
         .collect();
-    let widths: [usize; 13] =
-        std::array::from_fn(|column| cells.iter().map(|row| row[column].len()).max().unwrap_or(0));
     cells
         .iter()
         .map(|row| {
             let line: Vec<String> = row
                 .iter()
-                .zip(widths)
+                .zip(&widths)
                 .map(|(cell, width)| format!("{cell:width$}"))
                 .collect();
             format!("{}\n", line.join("  ").trim_end())
@@ -180,8 +219,15 @@ pub fn table(rows: &[PodRow]) -> String {
         .collect()
 }
 
+fn or_none(text: String) -> String {
+    if text.is_empty() {
+        NONE.into()
+    } else {
+        text
+    }
+}
+
 fn row_cells(row: &PodRow) -> [String; 13] {
-    const NONE: &str = "-";
     let pod = match (&row.namespace, &row.name) {
         (Some(namespace), Some(name)) => format!("{namespace}/{name}"),
         _ => "<unknown>".into(),
@@ -209,7 +255,6 @@ fn row_cells(row: &PodRow) -> [String; 13] {
         (true, false) => "not in the state file",
         (true, true) => "",
     };
-    let or_none = |text: String| if text.is_empty() { NONE.into() } else { text };
     [
         pod,
         row.uid.clone(),
@@ -231,6 +276,11 @@ fn row_cells(row: &PodRow) -> [String; 13] {
 /// The rows as one JSON array (fields: [`JSON_FIELDS`]).
 pub fn json(rows: &[PodRow]) -> Result<String> {
     Ok(serde_json::to_string_pretty(rows)? + "\n")
+}
+
+/// The rows as one YAML sequence, with the JSON output's fields.
+pub fn yaml(rows: &[PodRow]) -> Result<String> {
+    Ok(serde_saphyr::to_string(&rows)?)
 }
 
 #[cfg(test)]
@@ -349,6 +399,26 @@ mesh/app       0b1c9f4e-1111-4a5b-9c3d-000000000001  ambient  enabled  fe80::1,1
 <unknown>      0b1c9f4e-2222-4a5b-9c3d-000000000002  ambient  -        10.1.0.7                  4097          dns-capture     3         2        1    0         7        not in the state file
 ";
         assert_eq!(table(&node()), expected);
+    }
+
+    #[test]
+    fn the_wide_table_adds_the_netns_and_the_rerouted_interfaces() {
+        let mut rows = node();
+        rows[1].options.reroute_interfaces = vec!["net1".into(), "net2".into()];
+        let expected = "\
+POD            UID                                   MODE     STATUS   IPS                       NETNS COOKIE  OPTIONS         OUTBOUND  INBOUND  DNS  BYPASSED  DROPPED  NETNS                 REROUTED INTERFACES  NOTE
+default/ghost  0b1c9f4e-3333-4a5b-9c3d-000000000003  ambient  -        10.1.0.9                  -             inbound-bypass  -         -        -    -         -        /var/run/netns/ghost  -                    orphan: not in the maps, not redirected
+mesh/app       0b1c9f4e-1111-4a5b-9c3d-000000000001  ambient  enabled  fe80::1,10.1.0.5,fd00::5  4099          dns-capture     3         2        1    0         7        /var/run/netns/app    net1,net2
+<unknown>      0b1c9f4e-2222-4a5b-9c3d-000000000002  ambient  -        10.1.0.7                  4097          dns-capture     3         2        1    0         7        -                     -                    not in the state file
+";
+        assert_eq!(wide_table(&rows), expected);
+    }
+
+    #[test]
+    fn yaml_has_the_json_outputs_objects() {
+        let rows = node();
+        let read: serde_json::Value = serde_saphyr::from_str(&yaml(&rows).unwrap()).unwrap();
+        assert_eq!(read, serde_json::to_value(&rows).unwrap());
     }
 
     #[test]

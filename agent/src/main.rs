@@ -1,8 +1,8 @@
 //! weir-agent: the node agent binary. Its command line is [`weir_agent::cli`].
-use std::process::ExitCode;
+use std::{io::Write, process::ExitCode};
 
 use anyhow::Result;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::{error, info};
 use weir_agent::{
@@ -53,7 +53,9 @@ fn run(cli: Cli) -> Result<()> {
             let pods = inspect::pods(&cli.datapath.pin_root, &args.state.state_file)?;
             let shown = match args.output {
                 Output::Text => inspect::table(&pods),
+                Output::Wide => inspect::wide_table(&pods),
                 Output::Json => inspect::json(&pods)?,
+                Output::Yaml => inspect::yaml(&pods)?,
             };
             print!("{shown}");
             Ok(())
@@ -67,6 +69,14 @@ fn run(cli: Cli) -> Result<()> {
             let output = args.output.clone();
             let sources = args.sources(cli.datapath.config())?;
             tokio::runtime::Runtime::new()?.block_on(bug_report::write(&sources, &output))
+        }
+        Command::Completion { shell } => {
+            let mut command = Cli::command();
+            // Written whole, then printed: the generator panics on a failed write (a closed pipe).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut command, "weir-agent", &mut script);
+            std::io::stdout().write_all(&script)?;
+            Ok(())
         }
     }
 }

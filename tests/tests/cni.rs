@@ -986,7 +986,20 @@ fn pods_command_lists_what_the_node_holds() {
             "{line}"
         );
     }
-    println!("{table}{listed:#}");
+    // Wide: the netns each pod was enrolled with besides.
+    let wide = pods_command(&agent, &state_file, &["-o", "wide"]);
+    let wide = wide.as_str().unwrap();
+    for pod in [&client, &quiet] {
+        let line = wide.lines().find(|line| line.contains(pod.uid())).unwrap();
+        assert!(line.contains(pod.netns_path().to_str().unwrap()), "{line}");
+    }
+    assert!(wide.starts_with("POD "), "{wide}");
+    assert!(wide.lines().next().unwrap().contains(" NETNS "), "{wide}");
+    // YAML: the JSON output's objects.
+    let yaml = pods_command(&agent, &state_file, &["--output", "yaml"]);
+    let yaml: serde_json::Value = serde_norway::from_str(yaml.as_str().unwrap()).unwrap();
+    assert_eq!(yaml, listed);
+    println!("{table}{wide}{listed:#}");
 
     // A state file that lost `quiet` and still holds a pod the maps do not.
     let records = weir_agent::state::read(&state_file).unwrap();

@@ -205,3 +205,18 @@ fn the_agent_refuses_istio_cni_s_variables_it_cannot_honour() {
         "{stderr}"
     );
 }
+
+/// `weir-agent completion bash` (the built binary: `cargo build -p weir-agent` first) completes
+/// every subcommand.
+#[test]
+fn the_bash_completion_script_names_every_subcommand() {
+    let (output, stderr) = weir_agent(&["completion", "bash"], &[]);
+    assert!(output.status.success(), "{stderr}");
+    let script = String::from_utf8(output.stdout).unwrap();
+    let mut command = Cli::command();
+    command.build();
+    for subcommand in command.get_subcommands() {
+        let name = subcommand.get_name();
+        assert!(script.contains(name), "{name} not in:\n{script}");
+    }
+}

@@ -246,7 +246,7 @@ pub struct PodsArgs {
     #[command(flatten)]
     pub state: StateFileArg,
     /// How the pods are printed.
-    #[arg(long, value_enum, default_value_t = Output::Text)]
+    #[arg(long, short, value_enum, default_value_t = Output::Text)]
     pub output: Output,
 }
 
@@ -254,8 +254,12 @@ pub struct PodsArgs {
 pub enum Output {
     /// A table, one line per pod.
     Text,
+    /// The table with the netns path and the rerouted interfaces besides.
+    Wide,
     /// One JSON array of objects (fields below).
     Json,
+    /// One YAML sequence of the same objects.
+    Yaml,
 }
 
 /// Where the node's CNI plugins and configuration live.
@@ -376,6 +380,13 @@ pub enum Command {
     /// Credentials never go in. Takes `run`'s flags, as `check` does, so that in weir's pod it reads what the agent
     /// was given. A part that cannot be collected is named, with why, in errors.txt.
     BugReport(Box<BugReportArgs>),
+    /// Print a completion script for this command line, e.g.
+    /// `weir-agent completion bash > /etc/bash_completion.d/weir-agent`.
+    #[command(alias = "completions")]
+    Completion {
+        /// The shell the script is for.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(clap::Args)]

@@ -121,11 +121,16 @@ fn flag_table<'a>(args: impl Iterator<Item = &'a Arg>) -> String {
     let mut table =
         String::from("| Flag | Environment | Default | Description |\n| --- | --- | --- | --- |\n");
     for arg in args {
-        let long = arg.get_long().expect("every flag has a long name");
-        let flag = match (arg.get_action().takes_values(), arg.get_value_names()) {
-            (true, Some([value, ..])) => format!("`--{long} <{value}>`"),
-            _ => format!("`--{long}`"),
+        let mut flag = match (arg.get_long(), arg.get_value_names()) {
+            (None, _) => format!("`<{}>`", arg.get_id().as_str().to_uppercase()),
+            (Some(long), Some([value, ..])) if arg.get_action().takes_values() => {
+                format!("`--{long} <{value}>`")
+            }
+            (Some(long), _) => format!("`--{long}`"),
         };
+        if let Some(short) = arg.get_short() {
+            flag += &format!(" (`-{short}`)");
+        }
         let env = arg.get_env().map_or_else(String::new, |env| {
             let env = env.to_string_lossy();
             let istio: Vec<String> = carried_into(&env)
@@ -157,7 +162,10 @@ fn flag_table<'a>(args: impl Iterator<Item = &'a Arg>) -> String {
                 let meaning = value
                     .get_help()
                     .map_or_else(String::new, |help| sentence(&help.to_string()));
-                description += &format!("<br>`{}`: {}", value.get_name(), cell(&meaning));
+                description += &match cell(&meaning) {
+                    meaning if meaning.is_empty() => format!("<br>`{}`", value.get_name()),
+                    meaning => format!("<br>`{}`: {meaning}", value.get_name()),
+                };
             }
         }
         table += &format!("| {flag} | {env} | {default} | {description} |\n");
