@@ -79,10 +79,13 @@ fn flag_table<'a>(args: impl Iterator<Item = &'a Arg>) -> String {
     let mut table =
         String::from("| Flag | Environment | Default | Description |\n| --- | --- | --- | --- |\n");
     for arg in args {
-        let long = arg.get_long().expect("every flag has a long name");
-        let flag = match (arg.get_action().takes_values(), arg.get_value_names()) {
-            (true, Some([value, ..])) => format!("`--{long} <{value}>`"),
-            _ => format!("`--{long}`"),
+        let flag = match (arg.get_long(), arg.get_value_names()) {
+            // A positional argument, by the name its usage shows.
+            (None, _) => format!("`<{}>`", arg.get_id().as_str().to_uppercase()),
+            (Some(long), Some([value, ..])) if arg.get_action().takes_values() => {
+                format!("`--{long} <{value}>`")
+            }
+            (Some(long), _) => format!("`--{long}`"),
         };
         let env = arg
             .get_env()
