@@ -55,7 +55,8 @@ fn run(cli: Cli) -> Result<()> {
             tokio::runtime::Runtime::new()?.block_on(check::print(&config))
         }
         Command::Explain(args) => {
-            let explanation = explain::explain(&args, &cli.datapath.pin_root)?;
+            let explanation = tokio::runtime::Runtime::new()?
+                .block_on(explain::explain(&args, &cli.datapath.pin_root))?;
             let shown = match args.output {
                 ExplainOutput::Text => explain::text(&explanation),
                 ExplainOutput::Json => explain::json(&explanation)?,

@@ -2,24 +2,29 @@
 //! pods with a few annotations, the verdict it predicts for a connection is the one
 //! `weir-agent trace` then records for that connection, with the same target.
 //!
-//! Needs privileges and the built `weir-agent` (`cargo build -p weir-agent`).
+//! Needs the built `weir-agent` (`cargo build -p weir-agent`), and privileges but for the API
+//! server's part.
 use std::{
     collections::BTreeMap,
     net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket},
     process::Command,
 };
 
+use k8s_openapi::{
+    api::core::v1::{Namespace, Pod as K8sPod},
+    apimachinery::pkg::apis::meta::v1::ObjectMeta as K8sMeta,
+};
 use serde_json::{json, Value};
-use weir_agent::policy::local::ObjectMeta;
+use weir_agent::policy::{local::ObjectMeta, DATAPLANE_MODE_LABEL};
 use weir_common::{DNS_PORT, PROBE_SOURCE_V4};
 use weir_tests::{
-    agent::{workspace_binary, Agent},
+    agent::{workspace_binary, Agent, NodeFiles},
     chain::{ambient_policy, CniChainNode, MESH, WAIT},
     privileged,
     sidecar::{sidecar_pod, SidecarStandIn},
     tcp_request,
     trace_reader::{matches, wait_until_tracing, Reader},
-    try_wait_until, udp_request, EchoServer, Pod, APP_PORT,
+    try_wait_until, udp_request, ApiServer, EchoServer, Pod, APP_PORT,
 };
 
 /// `weir-agent explain` on the agent's pins, state file and policy file, with `args`.
@@ -393,4 +398,93 @@ fn a_pod_the_agent_does_not_hold_is_explained_as_not_captured() {
     let (ok, error) = explain(&node, &agent, &["default/plain", "--from", "10.0.0.1"]);
     assert!(!ok && error.contains("--port"), "{error}");
     agent.stop().unwrap();
+}
+
+/// On a node that follows the cluster, the API server's labels tell why a pod is or is not
+/// ambient: the selector that matches, the pod's opt-out, the excluded namespace. Read with
+/// `run`'s --kubeconfig, as the agent reads them; nothing of weir need run on the node.
+#[test]
+fn the_api_servers_labels_tell_why_a_pod_is_or_is_not_ambient() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let api = runtime.block_on(ApiServer::start()).unwrap();
+    let labelled = |name: &str, labels: &[(&str, &str)]| K8sMeta {
+        name: Some(name.into()),
+        labels: Some(
+            labels
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+                .collect(),
+        ),
+        ..K8sMeta::default()
+    };
+    api.create(&Namespace {
+        metadata: labelled(MESH, &[(DATAPLANE_MODE_LABEL, "ambient")]),
+        ..Namespace::default()
+    });
+    api.create(&Namespace {
+        metadata: labelled("kube-system", &[]),
+        ..Namespace::default()
+    });
+    api.create_pod(MESH, "app");
+    api.create_pod("kube-system", "dns");
+    let mut opted_out = K8sPod {
+        metadata: labelled("opted-out", &[(DATAPLANE_MODE_LABEL, "none")]),
+        ..K8sPod::default()
+    };
+    opted_out.metadata.namespace = Some(MESH.into());
+    api.create(&opted_out);
+
+    let files = NodeFiles::new().unwrap();
+    let kubeconfig = files.kubeconfig(&api).unwrap();
+    let explain = |pod: &str| -> Value {
+        let output = Command::new(workspace_binary("weir-agent"))
+            .arg("explain")
+            .arg(pod)
+            .arg("--pin-root")
+            .arg(files.run_dir().join("pins"))
+            .arg("--state-file")
+            .arg(files.run_dir().join("pods.json"))
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["-o", "json"])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        assert!(
+            output.status.success(),
+            "{pod}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let explanation: Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(explanation["enrolled"], false, "{explanation:#}");
+        assert_eq!(
+            explanation["policy"]["source"], "the API server",
+            "{explanation:#}"
+        );
+        explanation["policy"].clone()
+    };
+    for (pod, decision, reason) in [
+        (
+            "mesh/app",
+            "ambient",
+            "ambient: enablement selector 2 of 2 matches",
+        ),
+        (
+            "mesh/opted-out",
+            "none",
+            "not ambient: no enablement selector matches",
+        ),
+        (
+            "kube-system/dns",
+            "none",
+            "not ambient: its namespace is excluded",
+        ),
+    ] {
+        let policy = explain(pod);
+        assert_eq!(policy["decision"], decision, "{pod}: {policy:#}");
+        assert!(
+            policy["reasons"][0].as_str().unwrap().starts_with(reason),
+            "{pod}: {policy:#}"
+        );
+    }
 }

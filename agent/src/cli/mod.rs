@@ -370,8 +370,8 @@ pub enum Command {
     /// costs the datapath nothing once the last one leaves. Stops on Ctrl-C.
     #[command(after_long_help = trace::verdicts_help())]
     Trace(TraceArgs),
-    /// Explain a pod: whether it is captured and why (the state file, the pinned maps, and with
-    /// --policy-file the labels and annotations that decide it), its mode and options, and with
+    /// Explain a pod: whether it is captured and why (the state file, the pinned maps, and the
+    /// labels and annotations that decide it, from --policy-file or the API server), its mode and options, and with
     /// --to or --from what one connection would meet, predicted from the map entries the
     /// programs read: the verdict `weir-agent trace` would record, and the rule that gives it.
     /// Read-only: a running agent is not disturbed. Takes `run`'s flags, as `check` does.

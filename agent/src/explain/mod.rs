@@ -21,11 +21,15 @@ use weir_common::{
 
 pub use predict::{Outbound, Prediction};
 
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::{Api, ResourceExt};
+
 use crate::{
     cli::RunArgs,
+    cluster,
     datapath::PinnedLookups,
     inspect::{self, PodRow},
-    policy::{local::LocalPolicy, Decision, Labels, PolicyConfig},
+    policy::{local::LocalPolicy, Decision, Labels, PodFacts, PolicyConfig},
     workload::{AllOr, InterceptionMode, Mode, PodName, PodOptions, Status},
 };
 
@@ -48,8 +52,9 @@ pub struct ExplainArgs {
     /// How the explanation is printed.
     #[arg(long, short = 'o', value_enum, default_value_t = ExplainOutput::Text)]
     pub output: ExplainOutput,
-    /// `run`'s flags: --state-file, and --policy-file with the enablement flags to tell why the
-    /// policy does or does not enroll the pod.
+    /// `run`'s flags: --state-file, and --policy-file, or --kubeconfig or --node-name (the API
+    /// server), with the enablement flags, to tell why the policy does or does not enroll the
+    /// pod.
     #[command(flatten)]
     pub run: RunArgs,
 }
@@ -80,8 +85,8 @@ JSON output (--output json): one object with these fields:
                      proxy_gid, ipv6_captured, include_inbound_ports (\"all\" or {\"only\": [..]}),
                      exclude_inbound_ports, include_outbound_ports, exclude_outbound_ports,
                      include_outbound_ranges, exclude_outbound_ranges, excluded_interface_routes
-  policy             with --policy-file: {\"source\", \"decision\" (ambient, sidecar or none),
-                     \"reasons\"}
+  policy             with --policy-file, --kubeconfig or --node-name: {\"source\", \"decision\"
+                     (ambient, sidecar or none), \"reasons\"}
   connection         with --to or --from: {\"hook\", \"protocol\", \"source\", \"destination\",
                      \"verdict\" (as `weir-agent trace` records it; null: let through untouched,
                      unrecorded), \"target\", \"rule\", \"unless\"}";
@@ -122,7 +127,7 @@ pub struct SidecarCapture {
     pub excluded_interface_routes: Vec<IpNet>,
 }
 
-/// What the policy file says of the pod.
+/// What the policy decides for the pod, and why.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PolicyVerdict {
     pub source: String,
@@ -132,7 +137,7 @@ pub struct PolicyVerdict {
 }
 
 /// Explains `args.pod` from the maps pinned under `pin_root` and the state file.
-pub fn explain(args: &ExplainArgs, pin_root: &Path) -> Result<Explanation> {
+pub async fn explain(args: &ExplainArgs, pin_root: &Path) -> Result<Explanation> {
     let rows = inspect::pods(pin_root, &args.run.state.state_file)?;
     let row = find(&rows, &args.pod)?;
     let pod_name = match row {
@@ -146,9 +151,16 @@ pub fn explain(args: &ExplainArgs, pin_root: &Path) -> Result<Explanation> {
             .split_once('/')
             .map(|(namespace, name)| PodName::new(namespace, name)),
     };
-    let policy = match (&args.run.policy_file, &pod_name) {
-        (Some(file), Some(pod)) => Some(policy_verdict(&args.run.policy(), file, pod)?),
-        _ => None,
+    // The maps' part is worth showing when the policy's source cannot be read.
+    let (policy, policy_unread) = match &pod_name {
+        Some(pod) => match policy_verdict(&args.run, pod).await {
+            Ok(policy) => (policy, None),
+            Err(error) => (
+                None,
+                Some(format!("the policy could not be read: {error:#}")),
+            ),
+        },
+        None => (None, None),
     };
     let mut explanation = Explanation {
         pod: args.pod.clone(),
@@ -156,7 +168,7 @@ pub fn explain(args: &ExplainArgs, pin_root: &Path) -> Result<Explanation> {
         name: pod_name.as_ref().map(|pod| pod.name.clone()),
         uid: row.map(|row| row.uid.clone()),
         enrolled: false,
-        why: Vec::new(),
+        why: policy_unread.into_iter().collect(),
         mode: None,
         status: None,
         netns_cookie: None,
@@ -295,14 +307,46 @@ fn sidecar_capture(
     })
 }
 
-/// What the policy file and the node's enablement settings decide for the pod, and why.
-fn policy_verdict(config: &PolicyConfig, file: &Path, pod: &PodName) -> Result<PolicyVerdict> {
-    let facts = LocalPolicy::load(file)?.facts(pod, &Labels::new());
+/// What the policy decides for the pod, and why: from the policy file's labels and annotations,
+/// or the API server's (`--kubeconfig`, or `--node-name` in the cluster), with the node's
+/// enablement settings; `None` without either source.
+async fn policy_verdict(run: &RunArgs, pod: &PodName) -> Result<Option<PolicyVerdict>> {
+    let (source, facts) = match (&run.policy_file, &run.kubeconfig, &run.node_name) {
+        (Some(file), _, _) => (
+            format!("policy file {}", file.display()),
+            LocalPolicy::load(file)?.facts(pod, &Labels::new()),
+        ),
+        (None, None, None) => return Ok(None),
+        (None, kubeconfig, _) => (
+            "the API server".to_owned(),
+            cluster_facts(kubeconfig.as_deref(), pod).await?,
+        ),
+    };
+    Ok(Some(decide(&run.policy(), source, &facts)?))
+}
+
+/// The pod's and its namespace's labels and annotations, as the API server has them.
+async fn cluster_facts(kubeconfig: Option<&Path>, pod: &PodName) -> Result<PodFacts> {
+    let client = cluster::client(kubeconfig).await?;
+    let object = Api::<Pod>::namespaced(client.clone(), &pod.namespace)
+        .get_opt(&pod.name)
+        .await
+        .with_context(|| format!("reading pod {pod} from the API server"))?
+        .with_context(|| format!("the API server has no pod {pod}"))?;
+    let namespace = Api::<Namespace>::all(client)
+        .get(&pod.namespace)
+        .await
+        .with_context(|| format!("reading namespace {} from the API server", pod.namespace))?;
+    Ok(cluster::facts_of(&object, namespace.labels().clone()))
+}
+
+/// The rules' decision for a pod, with the rule that gave it.
+fn decide(config: &PolicyConfig, source: String, facts: &PodFacts) -> Result<PolicyVerdict> {
     let rule = config.rule();
     let mut reasons = Vec::new();
-    match rule.never_ambient(&facts) {
+    match rule.never_ambient(facts) {
         Some(never) => reasons.push(format!("not ambient: {}", never.describe())),
-        None => match rule.matching_selector(&facts) {
+        None => match rule.matching_selector(facts) {
             Some(index) => reasons.push(format!(
                 "ambient: enablement selector {} of {} matches: {}",
                 index + 1,
@@ -316,7 +360,7 @@ fn policy_verdict(config: &PolicyConfig, file: &Path, pod: &PodName) -> Result<P
             ),
         },
     }
-    let decision = match config.decide_mode(&facts) {
+    let decision = match config.decide_mode(facts) {
         Ok(Decision::Ambient(ambient)) => {
             for problem in ambient.problems {
                 reasons.push(format!(
@@ -348,7 +392,7 @@ fn policy_verdict(config: &PolicyConfig, file: &Path, pod: &PodName) -> Result<P
         }
     };
     Ok(PolicyVerdict {
-        source: format!("policy file {}", file.display()),
+        source,
         decision,
         reasons,
     })
