@@ -33,6 +33,7 @@ pub mod cni_server;
 pub mod config;
 pub mod datapath;
 pub mod enroll;
+pub mod explain;
 pub mod http;
 pub mod inspect;
 pub mod install;

@@ -9,6 +9,7 @@ use weir_agent::{
     app, bug_report, check,
     cli::{istio, Cli, Command, Output},
     datapath::Datapath,
+    explain::{self, ExplainOutput},
     inspect,
     install::Installer,
     logging, trace,
@@ -63,6 +64,16 @@ fn run(cli: Cli) -> Result<()> {
         Command::Check(args) => {
             let config = args.check_config(cli.datapath.config())?;
             tokio::runtime::Runtime::new()?.block_on(check::print(&config))
+        }
+        Command::Explain(args) => {
+            let explanation = tokio::runtime::Runtime::new()?
+                .block_on(explain::explain(&args, &cli.datapath.pin_root))?;
+            let shown = match args.output {
+                ExplainOutput::Text => explain::text(&explanation),
+                ExplainOutput::Json => explain::json(&explanation)?,
+            };
+            print!("{shown}");
+            Ok(())
         }
         Command::Trace(args) => tokio::runtime::Runtime::new()?.block_on(trace::run(args)),
         Command::BugReport(args) => {

@@ -61,6 +61,32 @@ impl OwnPods {
     }
 }
 
+/// The kinds of pods never in the ambient mesh, whatever the enablement selectors say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NeverAmbient {
+    HostNetwork,
+    /// istio's injector added a sidecar (`sidecar.istio.io/status`).
+    SidecarInjected,
+    ExcludedNamespace,
+    /// ztunnel's own pod (`app=ztunnel` in the system namespace).
+    Ztunnel,
+    /// weir's own pod.
+    Own,
+}
+
+impl NeverAmbient {
+    /// What it means, for an operator.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::HostNetwork => "a host-network pod",
+            Self::SidecarInjected => "a sidecar-injected pod (sidecar.istio.io/status)",
+            Self::ExcludedNamespace => "its namespace is excluded (--exclude-namespaces)",
+            Self::Ztunnel => "ztunnel's own pod (app=ztunnel in the system namespace)",
+            Self::Own => "weir's own pod",
+        }
+    }
+}
+
 /// The rule's node-wide settings, borrowed from whoever holds them (the agent's policy config,
 /// the plugin's network config).
 #[derive(Clone, Copy, Debug)]
@@ -78,12 +104,29 @@ impl Rule<'_> {
     /// Whether a pod belongs in the ambient mesh: never for the kinds of pods istio leaves out,
     /// otherwise when any enablement selector matches.
     pub fn is_ambient(&self, pod: &PodFacts) -> bool {
-        let never = pod.host_network
-            || pod.annotations.contains_key(SIDECAR_STATUS_ANNOTATION)
-            || self.exclude_namespaces.contains(&pod.namespace)
-            || self.is_ztunnel(pod)
-            || self.own.is_own(pod);
-        !never && self.enablement.iter().any(|s| s.matches(pod))
+        self.never_ambient(pod).is_none() && self.matching_selector(pod).is_some()
+    }
+
+    /// Why a pod is left out whatever the selectors say, if it is one of those kinds.
+    pub fn never_ambient(&self, pod: &PodFacts) -> Option<NeverAmbient> {
+        if pod.host_network {
+            Some(NeverAmbient::HostNetwork)
+        } else if pod.annotations.contains_key(SIDECAR_STATUS_ANNOTATION) {
+            Some(NeverAmbient::SidecarInjected)
+        } else if self.exclude_namespaces.contains(&pod.namespace) {
+            Some(NeverAmbient::ExcludedNamespace)
+        } else if self.is_ztunnel(pod) {
+            Some(NeverAmbient::Ztunnel)
+        } else if self.own.is_own(pod) {
+            Some(NeverAmbient::Own)
+        } else {
+            None
+        }
+    }
+
+    /// The index of the first enablement selector that matches the pod, if any.
+    pub fn matching_selector(&self, pod: &PodFacts) -> Option<usize> {
+        self.enablement.iter().position(|s| s.matches(pod))
     }
 
     fn is_ztunnel(&self, pod: &PodFacts) -> bool {

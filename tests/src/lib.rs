@@ -32,6 +32,7 @@ pub mod raw;
 pub mod receive_batch;
 pub mod sidecar;
 pub mod sockopt;
+pub mod trace_reader;
 pub mod traffic;
 pub mod traffic_loop;
 pub mod tunnel;

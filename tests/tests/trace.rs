@@ -5,102 +5,18 @@
 //!
 //! Needs privileges and the built `weir-agent` (`cargo build -p weir-agent`).
 use std::{
-    io::{BufRead, BufReader},
     net::{IpAddr, Ipv4Addr, SocketAddr},
-    process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
-    thread,
     time::Duration,
 };
 
-use aya::maps::{Array, Map};
-use nix::{
-    sys::signal::{kill, Signal},
-    unistd::Pid,
-};
 use serde_json::{json, Value};
-use weir_common::{maps, DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT};
+use weir_common::{DNS_PORT, DNS_PROXY_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
-    agent::{workspace_binary, Agent},
     chain::{CniChainNode, MESH, WAIT},
-    privileged, raw, tcp_request, try_wait_until, udp_request, wait_until, EchoServer, Metrics,
-    APP_PORT,
+    privileged, raw, tcp_request,
+    trace_reader::{matches, tracing_on, wait_until_tracing, Reader},
+    udp_request, wait_until, EchoServer, Metrics, APP_PORT,
 };
-
-/// A `weir-agent trace` process and the lines it printed so far.
-struct Reader {
-    child: Child,
-    lines: Arc<Mutex<Vec<Value>>>,
-}
-
-impl Reader {
-    fn start(agent: &Agent, filters: &[&str]) -> Self {
-        let mut child = Command::new(workspace_binary("weir-agent"))
-            .arg("trace")
-            .arg("--trace-socket")
-            .arg(&agent.config.trace_socket)
-            .args(["--output", "json"])
-            .args(filters)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("running weir-agent trace");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let stdout = child.stdout.take().unwrap();
-        let collected = lines.clone();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let line = line.unwrap();
-                let value = serde_json::from_str(&line)
-                    .unwrap_or_else(|_| panic!("not one JSON object: {line:?}"));
-                collected.lock().unwrap().push(value);
-            }
-        });
-        Self { child, lines }
-    }
-
-    /// The first decision that matches every field of `wanted`, within [`WAIT`].
-    fn wait_for(&self, wanted: &Value) -> Value {
-        let found = try_wait_until(WAIT, || {
-            self.lines().into_iter().find(|line| matches(line, wanted))
-        });
-        found.unwrap_or_else(|| {
-            let lines: Vec<String> = self.lines().iter().map(Value::to_string).collect();
-            panic!("no decision matching {wanted} in:\n{}", lines.join("\n"))
-        })
-    }
-
-    fn lines(&self) -> Vec<Value> {
-        self.lines.lock().unwrap().clone()
-    }
-
-    /// Ctrl-C, as an operator stops it: a clean exit.
-    fn interrupt(mut self) {
-        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGINT).unwrap();
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "weir-agent trace exited with {status}");
-    }
-}
-
-fn matches(line: &Value, wanted: &Value) -> bool {
-    wanted
-        .as_object()
-        .unwrap()
-        .iter()
-        .all(|(key, value)| &line[key] == value)
-}
-
-/// Whether the programs write records (`TRACE_ON`, as bpftool shows it).
-fn tracing_on(node: &CniChainNode) -> bool {
-    let map = node.test_node().pinned_map(maps::TRACE_ON).unwrap();
-    let flag: Array<_, u32> = Array::try_from(Map::Array(map)).unwrap();
-    flag.get(&0, 0).unwrap() != 0
-}
-
-fn wait_until_tracing(node: &CniChainNode, on: bool) {
-    wait_until(WAIT, &format!("tracing to be {on}"), || {
-        tracing_on(node) == on
-    });
-}
 
 fn at(ip: Ipv4Addr, port: u16) -> String {
     SocketAddr::new(IpAddr::V4(ip), port).to_string()

@@ -26,6 +26,7 @@ use crate::{
     },
     config::{AgentConfig, SourceConfig},
     datapath::{DatapathConfig, ProbeSource},
+    explain::{self, ExplainArgs},
     inspect,
     install::{
         CniPlacement, InstallConfig, Placement, ServiceAccount, DEFAULT_OWNED_CONFIG_FILE,
@@ -374,6 +375,13 @@ pub enum Command {
     /// costs the datapath nothing once the last one leaves. Stops on Ctrl-C.
     #[command(after_long_help = trace::verdicts_help())]
     Trace(TraceArgs),
+    /// Explain a pod: whether it is captured and why (the state file, the pinned maps, and the
+    /// labels and annotations that decide it, from --policy-file or the API server), its mode and options, and with
+    /// --to or --from what one connection would meet, predicted from the map entries the
+    /// programs read: the verdict `weir-agent trace` would record, and the rule that gives it.
+    /// Read-only: a running agent is not disturbed. Takes `run`'s flags, as `check` does.
+    #[command(after_long_help = explain::JSON_FIELDS)]
+    Explain(Box<ExplainArgs>),
     /// Write one archive (.tar.gz) with what a bug report about this node needs: weir's version
     /// and the kernel, `check`'s and `pods`' output, the running agent's metrics and last log
     /// lines, weir's pinned maps (entries in hex), programs and pins, and the CNI configuration.
@@ -431,12 +439,31 @@ impl RunArgs {
         Ok(CheckConfig::of(&self.config(datapath)?))
     }
 
+    /// The node-wide settings of the ambient and sidecar rules.
+    pub fn policy(&self) -> PolicyConfig {
+        PolicyConfig {
+            exclude_namespaces: self.exclude_namespaces.clone(),
+            system_namespace: self.system_namespace.clone(),
+            dns_capture: self.dns_capture,
+            enablement: self
+                .ambient_enablement_selector
+                .clone()
+                .unwrap_or_else(default_selectors),
+            own: OwnPods {
+                namespace: self.pod_namespace.clone(),
+                daemonset: self.daemonset_name.clone(),
+                pod_name: self.pod_name.clone(),
+            },
+        }
+    }
+
     /// The agent's configuration from these flags and the datapath's.
     pub fn config(self, datapath: DatapathConfig) -> Result<AgentConfig> {
         // The plugin gets the agent's own credentials, as istio-cni's does: in a pod that
         // follows the cluster with its service account.
         let in_pod = self.policy_file.is_none() && self.kubeconfig.is_none();
         let service_account = in_pod.then(ServiceAccount::in_cluster).flatten();
+        let policy = self.policy();
         let source = match (self.policy_file, self.node_name) {
             (Some(file), _) => SourceConfig::File(file),
             (None, Some(node_name)) => SourceConfig::Cluster(ClusterConfig {
@@ -455,19 +482,7 @@ impl RunArgs {
         };
         Ok(AgentConfig {
             datapath,
-            policy: PolicyConfig {
-                exclude_namespaces: self.exclude_namespaces,
-                system_namespace: self.system_namespace,
-                dns_capture: self.dns_capture,
-                enablement: self
-                    .ambient_enablement_selector
-                    .unwrap_or_else(default_selectors),
-                own: OwnPods {
-                    namespace: self.pod_namespace,
-                    daemonset: self.daemonset_name,
-                    pod_name: self.pod_name,
-                },
-            },
+            policy,
             source,
             cni_socket: self.cni_socket,
             verdict_cache: self.verdict_cache,

@@ -122,6 +122,7 @@ fn flag_table<'a>(args: impl Iterator<Item = &'a Arg>) -> String {
         String::from("| Flag | Environment | Default | Description |\n| --- | --- | --- | --- |\n");
     for arg in args {
         let mut flag = match (arg.get_long(), arg.get_value_names()) {
+            // A positional argument, by the name its usage shows.
             (None, _) => format!("`<{}>`", arg.get_id().as_str().to_uppercase()),
             (Some(long), Some([value, ..])) if arg.get_action().takes_values() => {
                 format!("`--{long} <{value}>`")

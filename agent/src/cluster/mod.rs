@@ -14,7 +14,13 @@ pub mod report;
 pub mod shutdown;
 pub mod sidecar_repair;
 
-use std::{collections::HashSet, fmt::Debug, hash::Hash, path::PathBuf, time::Duration};
+use std::{
+    collections::HashSet,
+    fmt::Debug,
+    hash::Hash,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
 use futures::{future::join3, StreamExt};
@@ -66,7 +72,12 @@ pub struct ClusterConfig {
 
 /// A kube client for `config`.
 pub async fn connect(config: &ClusterConfig) -> Result<Client> {
-    let kube_config = match &config.kubeconfig {
+    client(config.kubeconfig.as_deref()).await
+}
+
+/// A kube client from `kubeconfig`, or the in-cluster service account without one.
+pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
+    let kube_config = match kubeconfig {
         Some(path) => {
             let file = Kubeconfig::read_from(path)
                 .with_context(|| format!("reading kubeconfig {}", path.display()))?;

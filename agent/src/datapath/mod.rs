@@ -60,9 +60,9 @@ pub use discovery::PodNetns;
 pub use handle::{Datapath, Request};
 pub(crate) use handoff::inbound_path;
 pub use mounts::cgroup2_root;
-pub use pod_config::Unenrollable;
+pub use pod_config::{ip_addr, ip_key, Unenrollable};
 pub use recovery::Orphans;
-pub use snapshot::{map_dump, map_fill, pinned_pods, MapDump, MapFill, PinnedPod};
+pub use snapshot::{map_dump, map_fill, pinned_pods, MapDump, MapFill, PinnedLookups, PinnedPod};
 pub use trace_maps::TraceMaps;
 pub(crate) use ztunnels::identity_of as cgroup_identity_of;
 

@@ -171,14 +171,14 @@ pub(super) fn sum_over_cpus(per_cpu: &PerCpuValues<PodCounters>) -> PodCounters 
         })
 }
 
-pub(super) fn ip_key(ip: IpAddr) -> IpKey {
+pub fn ip_key(ip: IpAddr) -> IpKey {
     match ip {
         IpAddr::V4(v4) => IpKey::from_v4(v4.octets()),
         IpAddr::V6(v6) => IpKey::from_v6(v6.octets()),
     }
 }
 
-pub(super) fn ip_addr(key: &IpKey) -> IpAddr {
+pub fn ip_addr(key: &IpKey) -> IpAddr {
     match key.v4() {
         Some(v4) => IpAddr::from(v4),
         None => IpAddr::from(key.octets),

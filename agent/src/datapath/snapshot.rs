@@ -5,8 +5,14 @@
 use std::{collections::HashMap as StdHashMap, net::IpAddr, os::fd::AsFd, path::Path};
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData, MapError, MapInfo, MapType, PerCpuHashMap};
-use weir_common::{maps, IpKey, PodConfig, PodCounters, POD_UID_LEN};
+use aya::maps::{
+    lpm_trie::{Key, LpmTrie},
+    Array, HashMap, Map, MapData, MapError, MapInfo, MapType, PerCpuHashMap,
+};
+use ipnet::IpNet;
+use weir_common::{
+    maps, IpKey, NodeConfig, PodConfig, PodCounters, PortKey, RangeKey, POD_UID_LEN,
+};
 
 use super::bpf_sys;
 use super::{
@@ -268,4 +274,111 @@ pub(super) fn pod_entries(
             }
         })
         .collect()
+}
+
+/// The entries the programs look up to decide a pod's connection, looked up the same way through
+/// read-only fds on the pins: the pod's own entry, which pod holds an address, the node's probe
+/// source, and a sidecar pod's port and range lists (the range trie answers with the kernel's own
+/// longest-prefix match).
+pub struct PinnedLookups {
+    pods: HashMap<MapData, u64, PodConfig>,
+    pod_ips: HashMap<MapData, IpKey, u64>,
+    node: Array<MapData, NodeConfig>,
+    ports: HashMap<MapData, PortKey, u8>,
+    ranges: LpmTrie<MapData, RangeKey, u8>,
+}
+
+/// A lookup's value; `None` where the map has no such key.
+fn found<V>(result: Result<V, MapError>) -> Result<Option<V>> {
+    match result {
+        Ok(value) => Ok(Some(value)),
+        Err(MapError::KeyNotFound) => Ok(None),
+        Err(error) => Err(error.into()),
+    }
+}
+
+impl PinnedLookups {
+    /// The maps pinned under `pin_root` in this build's layout; `None` when nothing is pinned
+    /// there.
+    pub fn open(pin_root: &Path) -> Result<Option<Self>> {
+        let dir = maps_dir(pin_root);
+        if !dir.exists() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            pods: open_pinned(&dir, maps::PODS)?,
+            pod_ips: open_pinned(&dir, maps::POD_IPS)?,
+            node: open_pinned(&dir, maps::NODE_CONFIG)?,
+            ports: open_pinned(&dir, maps::SIDECAR_PORTS)?,
+            ranges: open_pinned(&dir, maps::SIDECAR_RANGES)?,
+        }))
+    }
+
+    pub fn pod(&self, netns_cookie: u64) -> Result<Option<PodConfig>> {
+        found(self.pods.get(&netns_cookie, 0))
+    }
+
+    /// The netns cookie of the pod `POD_IPS` indexes `ip` for.
+    pub fn pod_with_ip(&self, ip: &IpKey) -> Result<Option<u64>> {
+        found(self.pod_ips.get(ip, 0))
+    }
+
+    /// `NODE_CONFIG`: all zero until the agent writes it.
+    pub fn node_config(&self) -> Result<NodeConfig> {
+        Ok(self.node.get(&0, 0)?)
+    }
+
+    /// Whether `port` is in the pod's `list` (a `weir_common::list` value).
+    pub fn port_listed(&self, netns_cookie: u64, list: u8, port: u16) -> Result<bool> {
+        Ok(found(self.ports.get(&PortKey::new(netns_cookie, list, port), 0))?.is_some())
+    }
+
+    /// The value of the longest range of the pod's `list` holding `ip`, among the ranges of
+    /// `ip`'s family.
+    pub fn range_value(&self, netns_cookie: u64, list: u8, ip: &IpKey) -> Result<Option<u8>> {
+        let key = Key::new(
+            RangeKey::FULL_BITS,
+            RangeKey::range(netns_cookie, list, *ip, ip.v4().is_none()),
+        );
+        found(self.ranges.get(&key, 0))
+    }
+
+    /// Every port of the pod's lists, as `(list, port)`, sorted.
+    pub fn ports_of(&self, netns_cookie: u64) -> Result<Vec<(u8, u16)>> {
+        let mut ports = Vec::new();
+        for key in self.ports.keys() {
+            let key = key?;
+            if key.netns_cookie == netns_cookie {
+                ports.push((key.list, key.port));
+            }
+        }
+        ports.sort_unstable();
+        Ok(ports)
+    }
+
+    /// Every range of the pod's lists (its routes among them), as `(list, range, value)`,
+    /// sorted.
+    pub fn ranges_of(&self, netns_cookie: u64) -> Result<Vec<(u8, IpNet, u8)>> {
+        let cookie = netns_cookie.to_ne_bytes();
+        let mut ranges = Vec::new();
+        for key in self.ranges.keys() {
+            let key = key?;
+            let data = key.data();
+            if data.netns_cookie != cookie {
+                continue;
+            }
+            let value = found(self.ranges.get(&key, 0))?.unwrap_or_default();
+            let bits = key.prefix_len().saturating_sub(RangeKey::BITS_BEFORE_IP);
+            let range = if data.list & RangeKey::IPV6 != 0 {
+                IpNet::new(IpAddr::from(data.ip.octets), bits as u8)
+            } else {
+                let v4 = data.ip.v4().unwrap_or_default();
+                IpNet::new(IpAddr::from(v4), bits.saturating_sub(96) as u8)
+            }
+            .context("a range key with an impossible prefix")?;
+            ranges.push(((data.list & 0xff) as u8, range, value));
+        }
+        ranges.sort_unstable();
+        Ok(ranges)
+    }
 }

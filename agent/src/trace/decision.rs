@@ -166,14 +166,14 @@ pub const VERDICTS: [(TraceVerdict, &str, &str); 23] = [
     ),
 ];
 
-fn verdict_name(verdict: TraceVerdict) -> &'static str {
+pub(crate) fn verdict_name(verdict: TraceVerdict) -> &'static str {
     VERDICTS
         .iter()
         .find(|(v, _, _)| *v == verdict)
         .map_or("unknown", |(_, name, _)| name)
 }
 
-fn hook_name(hook: TraceHook) -> &'static str {
+pub(crate) fn hook_name(hook: TraceHook) -> &'static str {
     match hook {
         TraceHook::Connect => "connect",
         TraceHook::Sendmsg => "sendmsg",

@@ -12,6 +12,7 @@ mod server;
 use std::path::PathBuf;
 
 pub use client::{run, verdicts_help, TraceArgs, TraceOutput};
+pub(crate) use decision::{hook_name, verdict_name};
 pub use decision::{Decision, Message};
 pub use server::serve;
 
