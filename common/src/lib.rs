@@ -7,7 +7,7 @@
 #![no_std]
 
 /// Version of the map layouts below; part of the pin path (`<pin root>/abi-<N>`).
-pub const ABI_VERSION: u32 = 8;
+pub const ABI_VERSION: u32 = 9;
 
 /// ztunnel marks every socket it opens inside a pod with this `SO_MARK`...
 pub const ZTUNNEL_MARK: u32 = 0x539;
@@ -112,7 +112,7 @@ pub const HANDOFF_SLOTS: u32 = 64;
 /// runs take microseconds; a slot is never taken again while its SYN's lookup can still come.
 pub const HANDOFF_STALE_NS: u64 = 10_000_000;
 
-/// One CPU's hand-off slot (`HANDOFF_CONNECTION`): the connection whose listener is in
+/// One CPU's hand-off slot (`HANDOFF_CONNS`): the connection whose listener is in
 /// `HANDOFF` under the CPU's and slot's key, and when tc stored it (zero: free).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -497,13 +497,13 @@ pub mod maps {
     /// [`super::HandoffSlot::key`].
     pub const HANDOFF: &str = "HANDOFF";
     /// Per-CPU array of [`super::HandoffSlot`]s: the connections `HANDOFF`'s listeners are for.
-    pub const HANDOFF_CONNECTION: &str = "HANDOFF_CONNECTION";
+    pub const HANDOFF_CONNS: &str = "HANDOFF_CONNS";
     /// The cgroup (v2) ids of the connected ztunnels (`u64` to `u8`, the value unused): a socket
     /// is ztunnel's when it has ztunnel's mark and one of these.
     pub const ZTUNNEL_CGROUPS: &str = "ZTUNNEL_CGROUPS";
     /// Socket storage (`u8`, unused) on the sockets ztunnel bound to its listening ports in
     /// ambient pods: how tc tells ztunnel's listeners from a pod's.
-    pub const ZTUNNEL_LISTENERS: &str = "ZTUNNEL_LISTENERS";
+    pub const ZTUNNEL_LISTENS: &str = "ZTUNNEL_LISTENS";
     /// The netns cookie the connect hook answered on a socket (`NETNS_COOKIE_PORT`).
     pub const NETNS_COOKIES: &str = "NETNS_COOKIES";
     /// `u32` at index 0: non-zero while a reader is tracing (`weir-agent trace`).
@@ -530,9 +530,9 @@ pub mod maps {
         CONN_ORIG_DST,
         NODE_CONFIG,
         HANDOFF,
-        HANDOFF_CONNECTION,
+        HANDOFF_CONNS,
         ZTUNNEL_CGROUPS,
-        ZTUNNEL_LISTENERS,
+        ZTUNNEL_LISTENS,
         NETNS_COOKIES,
         TRACE_ON,
         TRACE_EVENTS,
@@ -595,6 +595,15 @@ mod user {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernel keeps 15 characters of a map's name: a longer one shows cut short in
+    /// `bpftool map list`, unlike its pin.
+    #[test]
+    fn every_map_name_fits_the_kernels_15_characters() {
+        for name in maps::ALL {
+            assert!(name.len() <= 15, "{name} is {} characters", name.len());
+        }
+    }
 
     #[test]
     fn layouts_have_no_hidden_padding() {

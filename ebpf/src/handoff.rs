@@ -31,7 +31,7 @@ use aya_ebpf::{
 use weir_common::{ConnectionKey, Endpoint, HandoffSlot, HANDOFF_SLOTS, HANDOFF_STALE_NS};
 
 use crate::{
-    maps::{HANDOFF, HANDOFF_CONNECTION},
+    maps::{HANDOFF, HANDOFF_CONNS},
     net::{ctx_read, socket_addresses, IPPROTO_TCP},
 };
 
@@ -45,7 +45,7 @@ pub fn hand_off(connection: &ConnectionKey, listener: *mut bpf_sock) -> bool {
     // SAFETY: helpers without arguments.
     let (cpu, now) = unsafe { (bpf_get_smp_processor_id(), bpf_ktime_get_ns()) };
     for index in 0..HANDOFF_SLOTS {
-        let Some(slot) = HANDOFF_CONNECTION.get_ptr_mut(index) else {
+        let Some(slot) = HANDOFF_CONNS.get_ptr_mut(index) else {
             return false;
         };
         // SAFETY: this CPU's element of a per-CPU array; no other program runs on it meanwhile.
@@ -90,7 +90,7 @@ unsafe fn take_handed_off(ctx: &SkLookupContext) {
     };
     let cpu = bpf_get_smp_processor_id();
     for index in 0..HANDOFF_SLOTS {
-        let Some(slot) = HANDOFF_CONNECTION.get_ptr_mut(index) else {
+        let Some(slot) = HANDOFF_CONNS.get_ptr_mut(index) else {
             return;
         };
         if (*slot).stored_ns == 0 || (*slot).connection != key {

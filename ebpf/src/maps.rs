@@ -241,8 +241,7 @@ pub static HANDOFF: SocketHash<u32, { MAX_CPUS * HANDOFF_SLOTS as usize }> = Soc
 
 /// The connection each of a CPU's `HANDOFF` listeners is for.
 #[btf_map]
-pub static HANDOFF_CONNECTION: PerCpuArray<HandoffSlot, { HANDOFF_SLOTS as usize }> =
-    PerCpuArray::new();
+pub static HANDOFF_CONNS: PerCpuArray<HandoffSlot, { HANDOFF_SLOTS as usize }> = PerCpuArray::new();
 
 /// The cgroups of the connected ztunnels, as the agent saw them connect (see [`crate::ztunnel`]):
 /// a few, more only while ztunnels overlap (an upgrade).
@@ -260,7 +259,7 @@ pub fn is_ztunnels_cgroup(cgroup: u64) -> bool {
 /// by the bind hook for ztunnel's cgroup, and by the agent for listeners ztunnel bound before
 /// (see [`crate::ztunnel`]). tc cannot read a socket's cgroup, but can read this.
 #[btf_map]
-pub static ZTUNNEL_LISTENERS: SocketStorage<u8> = SocketStorage::new();
+pub static ZTUNNEL_LISTENS: SocketStorage<u8> = SocketStorage::new();
 
 /// The netns cookie the connect hook read for the agent's question on this socket (kernels
 /// before 5.14, which have no `SO_NETNS_COOKIE`).

@@ -5,7 +5,7 @@
 //! belongs to the cgroup of a ztunnel the agent saw connect (`ZTUNNEL_CGROUPS`), which no pod
 //! can join: checked where a socket connects or sends, and where one binds ztunnel's listening
 //! ports in an ambient pod ([`weir_bind4`], [`weir_bind6`]). tc cannot read a socket's cgroup,
-//! so the bind hook marks the sockets ztunnel binds to those ports (`ZTUNNEL_LISTENERS`), and tc
+//! so the bind hook marks the sockets ztunnel binds to those ports (`ZTUNNEL_LISTENS`), and tc
 //! takes a listener for ztunnel's only when it carries that mark too ([`listens_for_ztunnel`]):
 //! a socket that `listen()`s unbound gets its port from the kernel (autobind) without any bind
 //! hook, and a pod can make that port 15006 with the namespaced `ip_local_port_range`. The agent
@@ -24,7 +24,7 @@ use weir_common::{
 
 use crate::{
     diag::diag,
-    maps::{is_ztunnels_cgroup, pod, ZTUNNEL_LISTENERS},
+    maps::{is_ztunnels_cgroup, pod, ZTUNNEL_LISTENS},
     net::{ctx_read, SockAddr, ALLOW, DENY, SOCK_STREAM},
 };
 
@@ -47,14 +47,14 @@ pub fn calls_from_ztunnel(mark: u32) -> bool {
 }
 
 /// In tc: whether a full socket listening on one of ztunnel's ports is ztunnel's: it has
-/// ztunnel's mark, and ztunnel bound it (`ZTUNNEL_LISTENERS`).
+/// ztunnel's mark, and ztunnel bound it (`ZTUNNEL_LISTENS`).
 ///
 /// # Safety
 ///
 /// `socket` is a non-null full socket (from `bpf_sk_fullsock`).
 #[inline(always)]
 pub unsafe fn listens_for_ztunnel(socket: *mut bpf_sock) -> bool {
-    has_ztunnels_mark(ctx_read!(socket, mark)) && ZTUNNEL_LISTENERS.of(socket).is_some()
+    has_ztunnels_mark(ctx_read!(socket, mark)) && ZTUNNEL_LISTENS.of(socket).is_some()
 }
 
 #[cgroup_sock_addr(bind4)]
@@ -89,7 +89,7 @@ fn keep_ztunnels_ports(sa: &SockAddr) -> i32 {
     }
     if caller_is_in_ztunnels_cgroup() {
         // Without room for the mark, the listener is of no use to tc, and never a pod's.
-        ZTUNNEL_LISTENERS.set(sa.sk(), &1);
+        ZTUNNEL_LISTENS.set(sa.sk(), &1);
         return ALLOW;
     }
     diag!(

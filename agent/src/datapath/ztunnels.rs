@@ -7,7 +7,7 @@
 //! cgroup id is never reused, so no pod can ever be in it.
 //!
 //! tc cannot read a socket's cgroup: it knows ztunnel's listeners by the mark the bind hook puts
-//! on the sockets ztunnel binds to its ports (`ZTUNNEL_LISTENERS`). Listeners ztunnel bound
+//! on the sockets ztunnel binds to its ports (`ZTUNNEL_LISTENS`). Listeners ztunnel bound
 //! before that (before this agent's layout of the maps, or before the datapath was loaded) get
 //! the mark here, when ztunnel connects: the agent takes a copy of each of ztunnel's listening
 //! sockets on those ports (`pidfd_getfd`) and marks it.
@@ -47,7 +47,7 @@ impl ZtunnelCgroups {
     pub(super) fn take(ebpf: &mut Ebpf, hierarchy: PathBuf) -> Result<Self> {
         Ok(Self {
             map: programs::take_map(ebpf, maps::ZTUNNEL_CGROUPS)?,
-            listeners: programs::take_map(ebpf, maps::ZTUNNEL_LISTENERS)?,
+            listeners: programs::take_map(ebpf, maps::ZTUNNEL_LISTENS)?,
             hierarchy,
             connections: StdHashMap::new(),
         })
