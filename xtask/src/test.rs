@@ -4,8 +4,6 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -64,21 +62,12 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     // The other kernels' guests run while this machine's tests do: the guests keep the CPUs
     // busy while the tests here mostly wait on their pods and agents. Their output goes to a log
     // file per kernel, printed whole for a kernel that failed.
-    let (host_done, host_is_done) = mpsc::channel::<()>();
     let kernels = (!host_only)
         .then(|| Matrix::prepare(&object, &Series::ALL, false, &[]))
         .transpose()?
-        .map(|matrix| {
-            thread::spawn(move || {
-                matrix.run(GuestOutput::LogFiles, move || {
-                    // Sent or dropped: either way this machine's tests are over.
-                    let _ = host_is_done.recv();
-                })
-            })
-        });
+        .map(|matrix| thread::spawn(move || matrix.run(GuestOutput::LogFiles)));
 
     let host = on_this_kernel(&object, test_args);
-    drop(host_done);
     let Some(kernels) = kernels else {
         return host;
     };
@@ -173,7 +162,7 @@ fn privileged_test_runner(test: &mut Command) -> Result<()> {
 /// Fetch the kernels, build the tests, run them in one guest per kernel, print the results.
 fn kernel_matrix(object: &Path, series: &[Series], all: bool, filter: &[String]) -> Result<()> {
     build_test_binaries(object)?;
-    Matrix::prepare(object, series, all, filter)?.run(GuestOutput::Streamed, || ())
+    Matrix::prepare(object, series, all, filter)?.run(GuestOutput::Streamed)
 }
 
 /// Where a guest's output goes.
@@ -218,40 +207,13 @@ impl Matrix {
         })
     }
 
-    /// Runs the tests in one guest per kernel, then prints the results. With their output in
-    /// log files, a second guest runs beside the first once `second_guest_may_start` returns
-    /// (the other tests here are done): a guest alone leaves a quarter of the CPUs idle while its
-    /// tests wait on their pods and agents. Streamed, the guests run in turn.
-    fn run(&self, output: GuestOutput, second_guest_may_start: impl FnOnce() + Send) -> Result<()> {
-        let next = AtomicUsize::new(0);
-        let runs: Mutex<Vec<Option<KernelRun>>> =
-            Mutex::new(self.kernels.iter().map(|_| None).collect());
-        // Takes the next kernel no guest has run yet, until none is left.
-        let guests_in_turn = || -> Result<()> {
-            loop {
-                let index = next.fetch_add(1, Ordering::Relaxed);
-                let Some(kernel) = self.kernels.get(index) else {
-                    return Ok(());
-                };
-                let run = run_on_kernel(&self.vm, kernel, &self.script, &self.targets, output)?;
-                runs.lock().unwrap()[index] = Some(run);
-            }
-        };
-        thread::scope(|scope| {
-            let second = matches!(output, GuestOutput::LogFiles).then(|| {
-                scope.spawn(|| {
-                    second_guest_may_start();
-                    guests_in_turn()
-                })
-            });
-            let first = guests_in_turn();
-            let second = second.map_or(Ok(()), |lane| {
-                lane.join()
-                    .unwrap_or_else(|_| Err(anyhow!("a guest's thread panicked")))
-            });
-            first.and(second)
-        })?;
-        let runs: Vec<KernelRun> = runs.into_inner().unwrap().into_iter().flatten().collect();
+    /// Runs the tests in one guest per kernel, in turn, then prints the results.
+    fn run(&self, output: GuestOutput) -> Result<()> {
+        let runs = self
+            .kernels
+            .iter()
+            .map(|kernel| run_on_kernel(&self.vm, kernel, &self.script, &self.targets, output))
+            .collect::<Result<Vec<_>>>()?;
         if let GuestOutput::LogFiles = output {
             for run in runs.iter().filter(|run| !run.passed()) {
                 print_log(&vm::log_path(run.kernel.series))?;
