@@ -134,8 +134,7 @@ fn version() -> String {
     let read = |path: &str| {
         fs::read_to_string(path).unwrap_or_else(|error| format!("unreadable: {error}\n"))
     };
-    let inbound = datapath::kernel::Kernel::read()
-        .map_or("unknown", |kernel| datapath::inbound_path(&kernel));
+    let inbound = datapath::running_inbound_path();
     format!(
         "weir-agent {}\nmap layout {ABI_VERSION}\ninbound hand-off {inbound}\narchitecture {}\nkernel {}",
         env!("CARGO_PKG_VERSION"),

@@ -27,21 +27,27 @@ pub(super) struct Handoff {
     pins: PathBuf,
 }
 
-/// How new inbound connections reach ztunnel's listeners on `kernel`: `tc` (assigned from tc) or
-/// `sk_lookup` (handed over through the socket lookup).
-pub(crate) fn inbound_path(kernel: &Kernel) -> &'static str {
+/// Whether tc assigns new inbound connections to ztunnel's listeners on `kernel` itself.
+fn tc_assigns(kernel: &Kernel) -> bool {
     let (major, minor) = TC_ASSIGNS_REUSEPORT;
-    if kernel.is_at_least(major, minor) {
-        "tc"
-    } else {
-        "sk_lookup"
+    kernel.is_at_least(major, minor)
+}
+
+/// How new inbound connections reach ztunnel's listeners on the running kernel: `tc` (assigned
+/// from tc) or `sk_lookup` (handed over through the socket lookup); `unknown` when its release
+/// cannot be read.
+pub(crate) fn running_inbound_path() -> &'static str {
+    match Kernel::read() {
+        Ok(kernel) if tc_assigns(&kernel) => "tc",
+        Ok(_) => "sk_lookup",
+        Err(_) => "unknown",
     }
 }
 
 impl Handoff {
     /// The hand-off, on a kernel that needs it; its links pinned under `links_dir`.
     pub(super) fn for_kernel(kernel: &Kernel, links_dir: &Path) -> Result<Option<Self>> {
-        if inbound_path(kernel) == "tc" {
+        if tc_assigns(kernel) {
             return Ok(None);
         }
         let (major, minor) = TC_ASSIGNS_REUSEPORT;

@@ -58,7 +58,7 @@ use owner::{Enrolled, Owner};
 
 pub use discovery::PodNetns;
 pub use handle::{Datapath, Request};
-pub(crate) use handoff::inbound_path;
+pub(crate) use handoff::running_inbound_path;
 pub use mounts::cgroup2_root;
 pub use pod_config::{ip_addr, ip_key, Unenrollable};
 pub use recovery::Orphans;

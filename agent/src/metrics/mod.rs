@@ -36,9 +36,7 @@ pub fn register(registry: &mut Registry, pin_root: &Path, state_file: &Path) {
     let build = Family::<BuildLabels, Gauge>::default();
     // The datapath started on this kernel, so reading its release again cannot fail but by a
     // vanished /proc; then the path is unknown rather than the metric missing.
-    let inbound_handoff = datapath::kernel::Kernel::read()
-        .map(|kernel| datapath::inbound_path(&kernel))
-        .unwrap_or("unknown");
+    let inbound_handoff = datapath::running_inbound_path();
     build
         .get_or_create(&BuildLabels {
             version: env!("CARGO_PKG_VERSION"),
