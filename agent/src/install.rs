@@ -368,6 +368,12 @@ impl Inner {
             return Ok((path, false, false));
         }
         let entry_was_missing = !config.holds_type(&self.config.plugin_name);
+        if config.holds_type(conflist::ISTIO_CNI_PLUGIN_TYPE) {
+            info!(
+                file = %path.display(),
+                "istio-cni's plugin is in the chain: weir's entry takes its place"
+            );
+        }
         let is_single = matches!(config, NetworkConfig::Single(_));
         let contents = to_json(&config.with_last(entry));
         let file = if is_single {

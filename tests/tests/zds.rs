@@ -8,6 +8,7 @@
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::OwnedFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -285,6 +286,33 @@ fn every_connect_gets_a_snapshot() {
         assert!(server.wait_connections(0));
     }
     assert!(acked.try_recv().is_err());
+}
+
+/// istio-cni's node agent removes the socket path when it leaves the node, the path weir listens
+/// on too once it takes the node over; and another agent starting meanwhile puts a socket of its
+/// own there. Either way ztunnel, which connects by path, must find weir when it reconnects,
+/// while a connection already made goes on.
+#[test]
+fn ztunnel_finds_the_agent_after_its_socket_file_is_removed_or_replaced() {
+    let server = Server::start();
+    let kept = server.connect();
+    std::fs::remove_file(&server.socket).unwrap();
+    let reconnected = wait_until(WAIT, "the socket's path bound again", || {
+        ZdsZtunnel::connect(&server.socket).ok()
+    });
+    assert!(reconnected.wait_for_snapshot(WAIT));
+
+    std::fs::remove_file(&server.socket).unwrap();
+    let other_agent = std::os::unix::net::UnixListener::bind(&server.socket).unwrap();
+    let other_file = std::fs::metadata(&server.socket).unwrap();
+    wait_until(WAIT, "the socket's path taken back", || {
+        let now = std::fs::metadata(&server.socket).ok()?;
+        (now.ino() != other_file.ino()).then_some(())
+    });
+    drop(other_agent);
+    let _third = server.connect();
+    assert!(server.wait_connections(3), "the first connections go on");
+    assert!(kept.events().iter().all(|event| *event != ZdsEvent::Closed));
 }
 
 #[test]

@@ -14,6 +14,10 @@ pub const POD_ANNOTATIONS_CAPABILITY: &str = "io.kubernetes.cri.pod-annotations"
 
 pub type Object = Map<String, Value>;
 
+/// istio-cni's plugin, whose place in the chain weir takes: its entry goes in the same write that
+/// puts weir's in, so no pod is ever set up by both or, between two writes, by neither.
+pub const ISTIO_CNI_PLUGIN_TYPE: &str = "istio-cni";
+
 /// How libcni reads a file, which it decides by the file's extension alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
@@ -59,7 +63,8 @@ impl NetworkConfig {
         }
     }
 
-    /// Whether `entry` is already in place: the list's last plugin, and the only one of its type.
+    /// Whether `entry` is already in place: the list's last plugin, the only one of its type,
+    /// and no istio-cni plugin beside it.
     pub fn holds_last(&self, entry: &Object) -> bool {
         let Self::List(list) = self else {
             return false;
@@ -69,7 +74,9 @@ impl NetworkConfig {
             .iter()
             .filter(|plugin| plugin_type(plugin) == Some(entry_type(entry)))
             .count();
-        ours == 1 && plugins.last().and_then(Value::as_object) == Some(entry)
+        ours == 1
+            && !self.holds_type(ISTIO_CNI_PLUGIN_TYPE)
+            && plugins.last().and_then(Value::as_object) == Some(entry)
     }
 
     /// Whether a plugin of `plugin_type` is in the configuration, wherever.
@@ -83,7 +90,7 @@ impl NetworkConfig {
     }
 
     /// The configuration as a list whose last plugin is `entry`, with any other plugin of
-    /// `entry`'s type (stale, or at the wrong position) dropped. A lone plugin is wrapped the way
+    /// `entry`'s type (stale, or at the wrong position) and istio-cni's plugin dropped. A lone plugin is wrapped the way
     /// libcni's `ConfListFromConf` wraps it in memory: the plugin unchanged, the list taking its
     /// `name` and `cniVersion`; so the runtime sees the same network name and IPAM state as before.
     pub fn with_last(self, entry: Object) -> Object {
@@ -92,6 +99,7 @@ impl NetworkConfig {
             Self::Single(plugin) => wrap(plugin),
         };
         remove_plugins(&mut list, entry_type(&entry));
+        remove_plugins(&mut list, ISTIO_CNI_PLUGIN_TYPE);
         plugins_mut(&mut list).push(Value::Object(entry));
         list
     }
@@ -300,6 +308,24 @@ mod tests {
             list["plugins"],
             json!([{"type": "a"}, {"type": "b"}, Value::Object(weir())])
         );
+    }
+
+    #[test]
+    fn with_last_takes_istio_cnis_place_in_the_same_write() {
+        let istio =
+            json!({"type": "istio-cni", "kubeconfig": "/etc/cni/net.d/ZZZ-istio-cni-kubeconfig"});
+        let config = NetworkConfig::List(object(json!({"name": "n",
+            "plugins": [{"type": "ptp"}, Value::Object(weir()), istio]})));
+        assert!(
+            !config.holds_last(&weir()),
+            "istio-cni is still in the chain"
+        );
+        let list = config.with_last(weir());
+        assert_eq!(
+            list["plugins"],
+            json!([{"type": "ptp"}, Value::Object(weir())])
+        );
+        assert!(NetworkConfig::List(list).holds_last(&weir()));
     }
 
     #[test]

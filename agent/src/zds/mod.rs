@@ -33,7 +33,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -63,6 +63,10 @@ const ACCEPT_INTERVAL: Duration = Duration::from_millis(200);
 /// Connections served at once; more wait in the listen backlog. Two is the normal maximum
 /// (rolling upgrade); connections that never say hello leave after [`IO_TIMEOUT`].
 const MAX_CONNECTIONS: usize = 8;
+/// How often the socket's path is checked: another node agent leaving the node (istio-cni's,
+/// when weir takes its place) removes the path it shared with weir, and ztunnel, which connects
+/// by path, would never find weir again.
+const SOCKET_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 /// Snapshot acks kept for slow [`ZdsHandle::acked`] receivers.
 const ACKED_CAPACITY: usize = 1024;
 
@@ -147,7 +151,7 @@ pub fn start(
     let handle = ZdsHandle {
         shared: shared.clone(),
     };
-    Ok((handle, serve(listener, shared)))
+    Ok((handle, serve(listener, config.socket_path, shared)))
 }
 
 impl ZdsHandle {
@@ -394,9 +398,11 @@ impl Drop for Registration {
 }
 
 /// Accepts connections at a bounded rate and serves each on a task of its own; the tasks are
-/// aborted when this future is dropped.
-async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
-    let listener = match seqpacket::Listener::new(listener) {
+/// aborted when this future is dropped. Binds `path` again whenever it no longer names the
+/// listening socket; connections already made go on.
+async fn serve(listener: OwnedFd, path: PathBuf, shared: Arc<Shared>) {
+    let mut bound = seqpacket::bound_file(&path).ok();
+    let mut listener = match seqpacket::Listener::new(listener) {
         Ok(listener) => listener,
         Err(err) => {
             error!(%err, "cannot serve ZDS: the socket cannot be registered with the runtime");
@@ -406,6 +412,7 @@ async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
     let mut connections = JoinSet::new();
     let mut pace = tokio::time::interval(ACCEPT_INTERVAL);
     pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut socket_check = tokio::time::interval(SOCKET_CHECK_INTERVAL);
     loop {
         pace.tick().await;
         while connections.len() >= MAX_CONNECTIONS {
@@ -416,6 +423,13 @@ async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
                 accepted = listener.accept() => break accepted,
                 // Reap finished connections while waiting.
                 Some(_) = connections.join_next() => {}
+                _ = socket_check.tick() => {
+                    if seqpacket::bound_file(&path).ok() != bound {
+                        if let Some(rebound) = bind_again(&path) {
+                            (listener, bound) = rebound;
+                        }
+                    }
+                }
             }
         };
         match accepted {
@@ -433,4 +447,21 @@ async fn serve(listener: OwnedFd, shared: Arc<Shared>) {
             Err(err) => warn!(%err, "ZDS accept failed"),
         }
     }
+}
+
+/// A new listener at `path`, whose file was removed or replaced; `None` (logged, tried again at
+/// the next check) when it cannot be made.
+fn bind_again(path: &Path) -> Option<(seqpacket::Listener, Option<(u64, u64)>)> {
+    warn!(
+        socket = %path.display(),
+        "the ZDS socket's file was removed or replaced (by another node agent leaving the node?): \
+         listening there again, so that ztunnel finds this agent when it reconnects"
+    );
+    let rebound = seqpacket::bind_listener(path).and_then(|fd| {
+        let bound = seqpacket::bound_file(path).ok();
+        Ok((seqpacket::Listener::new(fd)?, bound))
+    });
+    rebound
+        .inspect_err(|err| error!(%err, socket = %path.display(), "cannot listen for ztunnel"))
+        .ok()
 }

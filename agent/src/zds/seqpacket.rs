@@ -43,6 +43,13 @@ pub fn bind_listener(path: &Path) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// The file a socket was bound to, as (device, inode), to tell whether `path` still names it.
+pub fn bound_file(path: &Path) -> io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::symlink_metadata(path)?;
+    Ok((metadata.dev(), metadata.ino()))
+}
+
 /// A listening seqpacket socket.
 pub struct Listener(AsyncFd<OwnedFd>);
 
