@@ -415,7 +415,9 @@ fn decide<const ETHERNET: bool>(
         // and is taken by the listener (one sent while ztunnel's listener was flooded names the
         // original destination, and the app's listener would accept it).
         let opens = flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-            || (flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK && owner == Some(TCP_LISTEN));
+            || (flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_ACK
+                && owner == Some(TCP_LISTEN)
+                && !redirected_by_netfilter(ctx, packet, sport));
         if bypass {
             if opens {
                 count(netns, |c: &mut PodCounters| &mut c.bypassed);
@@ -696,6 +698,20 @@ fn sock_tuple(packet: &NetworkHeader, sport: u16, dport: u16) -> (bpf_sock_tuple
         };
         (tuple, IPV4_TUPLE_LEN)
     }
+}
+
+/// Whether the segment belongs to a connection that netfilter's `REDIRECT` to 15006 made before
+/// weir took the pod over from iptables rules (istio-cni's, istio-init's): the proxy accepted it
+/// at the pod's address and 15006, and conntrack maps the segment there after this program, so
+/// it is no SYN cookie's ACK for the proxy's listener. Only the proxy's connection holds that
+/// tuple: weir's own hand-off keeps the original destination as the local address.
+#[inline(always)]
+fn redirected_by_netfilter(ctx: &TcContext, packet: &NetworkHeader, sport: u16) -> bool {
+    let (mut tuple, len) = sock_tuple(packet, sport, INBOUND_PORT.to_be());
+    matches!(
+        socket_state(ctx, &mut tuple, len),
+        Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT && state != TCP_NEW_SYN_RECV
+    )
 }
 
 /// The TCP state of the socket the kernel would deliver `tuple` to, if any.

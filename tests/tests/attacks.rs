@@ -438,6 +438,85 @@ fn generated_frames_reach_no_app_around_ztunnel() {
     datapath.uninstall().wait().unwrap();
 }
 
+/// A segment from the tuple of a connection ztunnel holds at 15006 itself passes the inbound
+/// program as a segment of that connection would (only netfilter's `REDIRECT` makes such
+/// connections, for a pod weir took over from iptables rules, and conntrack takes their segments
+/// there). Sent to a port the app listens on, with the pod answering every SYN with a cookie:
+/// no ACK, with or without data or FIN, opens anything at the app, and no SYN from that tuple
+/// reaches it.
+#[test]
+fn segments_from_a_tuple_ztunnel_holds_at_15006_reach_no_app() {
+    use weir_tests::raw::{self, Answer, Shape, Syn, Tcp};
+
+    const MARKED_PORT: u16 = 8090;
+    let fixture = privileged!(DatapathNode::new());
+    let (attacker, pod) = (fixture.pod("attacker"), fixture.pod("app"));
+    let app = pod.run(|| marked_listener(MARKED_PORT)).unwrap();
+    app.set_nonblocking(true).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    pod.run(|| fs::write("/proc/sys/net/ipv4/tcp_syncookies", "2"))
+        .unwrap();
+
+    for destination in [IpAddr::from(pod.ipv4()), IpAddr::from(pod.ipv6())] {
+        // ztunnel refuses a connection to its own port and closes its side; the attacker keeps
+        // its own open, so ztunnel's socket stays (FIN_WAIT2) under that tuple.
+        let lingering = attacker
+            .run(|| std::net::TcpStream::connect((destination, INBOUND_PORT)))
+            .unwrap();
+        let source = lingering.local_addr().unwrap();
+        ztunnel
+            .wait_for(
+                |s| s.listener == INBOUND_PORT && s.peer == canonical(source),
+                WAIT,
+            )
+            .expect("ztunnel holds the connection");
+        let segment = |flags| Syn {
+            source,
+            destination: SocketAddr::new(destination, MARKED_PORT),
+            shape: Shape::Whole,
+            tcp: Tcp {
+                flags,
+                checksum_valid: true,
+            },
+        };
+        let segments: Vec<Syn> = [
+            raw::TCP_ACK,
+            raw::TCP_ACK | raw::TCP_PSH,
+            raw::TCP_ACK | raw::TCP_FIN,
+            raw::TCP_ACK | raw::TCP_URG,
+        ]
+        .into_iter()
+        .map(segment)
+        .collect();
+        attacker
+            .run(|| raw::probe_replies(&segments, Duration::from_millis(300)))
+            .unwrap();
+        let accepted = app.accept().map(|(_, peer)| peer.as_socket());
+        assert!(
+            matches!(&accepted, Err(error) if error.kind() == io::ErrorKind::WouldBlock),
+            "from {source}: the app accepted {accepted:?}"
+        );
+        let syn = attacker
+            .run(|| raw::probe_replies(&[segment(raw::TCP_SYN)], Duration::from_millis(500)))
+            .unwrap();
+        // ztunnel's listener cannot take it either (its connection holds the tuple at 15006):
+        // dropped, never the app's.
+        assert_ne!(
+            syn[0].mss,
+            Some(APP_MSS),
+            "from {source}: the SYN reached the app"
+        );
+        assert_ne!(
+            syn[0].answer,
+            Answer::Reset,
+            "from {source}: the pod's kernel answered"
+        );
+        drop(lingering);
+    }
+    datapath.uninstall().wait().unwrap();
+}
+
 /// A dual-stack listener on `port` whose SYN-ACKs offer [`APP_MSS`]. Runs in the pod's netns.
 fn marked_listener(port: u16) -> io::Result<Socket> {
     let socket = Socket::new(Domain::IPV6, Type::STREAM, None)?;

@@ -3,7 +3,7 @@
 //! in parallel; the datapath is uninstalled when a test ends, also when it fails.
 use std::{
     io::{BufRead, BufReader, ErrorKind, Write},
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6, TcpListener, TcpStream},
     os::fd::AsRawFd,
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     thread,
@@ -11,7 +11,9 @@ use std::{
 };
 
 use weir_agent::{
-    datapath::{Datapath, DatapathConfig, ProbeSource},
+    datapath::{
+        istio_rules::IstioRules, netlink::Rtnl, Datapath, DatapathConfig, EnrollNetns, ProbeSource,
+    },
     workload::{PodOptions, Workload},
 };
 use weir_common::{
@@ -20,10 +22,12 @@ use weir_common::{
 };
 use weir_tests::{cgroup, privileged};
 use weir_tests::{
+    istio_iptables,
     netns::{ip, ip_output},
     raw::{self, Answer},
     receive_batch::kernel_needs_the_handoff,
     sockopt, tcp_request, tcp_request_within,
+    traffic::{read_line, set_timeouts, write_line},
     traffic_loop::{wait_for_connections, Connection, TrafficLoop},
     udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
@@ -1635,5 +1639,136 @@ fn bpf_log_reports_the_programs_decisions() {
         "to {}:{APP_PORT}: a first fragment no connection owns",
         server.ipv4()
     ));
+    datapath.uninstall().wait().unwrap();
+}
+
+/// A pod istio-cni redirected with its in-pod rules is enrolled live and moves to weir's
+/// programs in place: connections made under istio's rules (through ztunnel both ways) go on,
+/// new ones take weir's path, none reaches the app around ztunnel at any moment of the move,
+/// istio's redirection is gone at once and its return path once its last connection closed.
+#[test]
+fn a_pod_istio_cni_redirected_moves_to_weir_in_place() {
+    let fixture = privileged!(DatapathNode::new());
+    let (client, app, server) = (
+        fixture.pod("client"),
+        fixture.pod("app"),
+        fixture.pod("server"),
+    );
+    let any = SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), APP_PORT);
+    let app_echo = EchoServer::start_lasting(app.netns(), "app", any).unwrap();
+    let server_echo = EchoServer::start_lasting(server.netns(), "server", any).unwrap();
+    let ztunnel = ZtunnelStandIn::start(&app).unwrap();
+    istio_iptables::apply(app.netns()).unwrap();
+
+    // Held across the move: the app's connection out, and one into the app.
+    let held_out = app.run(|| TcpStream::connect(server.app_v4())).unwrap();
+    let held_in = client.run(|| TcpStream::connect(app.app_v4())).unwrap();
+    let exchange = |stream: &TcpStream, echo: &EchoServer, line: &str| {
+        set_timeouts(stream).unwrap();
+        write_line(stream, line).unwrap();
+        let answer = read_line(stream)
+            .unwrap_or_else(|error| panic!("{line}: {error}: {:#?}", ztunnel.dials()));
+        assert_eq!(answer, echo.reply_to(line), "{line}");
+    };
+    exchange(&held_out, &server_echo, "out before");
+    exchange(&held_in, &app_echo, "in before");
+    let under_istio = ztunnel.seen();
+    assert!(
+        under_istio
+            .iter()
+            .any(|s| s.listener == INBOUND_PORT && s.local.port() == INBOUND_PORT),
+        "istio's REDIRECT brought the connection in: {under_istio:?}"
+    );
+
+    // New connections all through the move, both ways.
+    let loop_in = TrafficLoop::start(client.netns(), app.app_v4(), app_echo.reply_to("loop"));
+    let loop_out = TrafficLoop::start(app.netns(), server.app_v4(), server_echo.reply_to("loop"));
+    wait_for_connections(&[&loop_in, &loop_out], Instant::now(), 3);
+    let datapath = fixture.start_datapath();
+    let netns = std::fs::File::open(app.netns_path()).unwrap();
+    datapath
+        .enroll_in(
+            app.workload(PodOptions::default()),
+            EnrollNetns::Found(netns.into()),
+        )
+        .wait()
+        .unwrap();
+    wait_for_connections(&[&loop_in, &loop_out], Instant::now(), 3);
+    for (direction, connections) in [("in", loop_in.stop()), ("out", loop_out.stop())] {
+        let failed: Vec<_> = connections.iter().filter(|c| c.outcome.is_err()).collect();
+        assert!(failed.is_empty(), "{direction}: {failed:?}");
+    }
+
+    let left = app
+        .run(|| IstioRules::find(&mut Rtnl::new().unwrap()))
+        .unwrap();
+    assert!(!left.redirects(), "istio's redirection is gone: {left:?}");
+    assert!(
+        !left.return_path.is_empty() && left.return_rules == 2,
+        "its return path stays for the connection ztunnel made under it: {left:?}"
+    );
+    exchange(&held_out, &server_echo, "out after");
+    exchange(&held_in, &app_echo, "in after");
+
+    // New connections take weir's path: the accepted socket has the original destination.
+    for (source, target) in [
+        (IpAddr::V4(client.ipv4()), app.app_v4()),
+        (IpAddr::V6(client.ipv6()), app.app_v6()),
+    ] {
+        let reply = client.run(|| tcp_request(target, "new in")).unwrap();
+        assert_eq!(reply.response, app_echo.reply_to("new in"));
+        ztunnel
+            .wait_for(
+                |s| s.listener == INBOUND_PORT && s.peer.ip() == source && s.local == target,
+                WAIT,
+            )
+            .unwrap_or_else(|| panic!("{target}: not by weir's hand-off: {:?}", ztunnel.seen()));
+    }
+    let reply = app.run(|| tcp_request(server.app_v6(), "new out")).unwrap();
+    assert_eq!(reply.response, server_echo.reply_to("new out"));
+    ztunnel
+        .wait_for(
+            |s| s.listener == OUTBOUND_PORT && s.original_dst == Some(server.app_v6()),
+            WAIT,
+        )
+        .expect("outbound through ztunnel");
+
+    // Whatever reached the app came from ztunnel's dials.
+    let dialed: Vec<SocketAddr> = ztunnel
+        .dials()
+        .iter()
+        .filter(|dial| dial.listener == INBOUND_PORT)
+        .filter_map(|dial| dial.source)
+        .collect();
+    for received in app_echo.received() {
+        assert!(
+            dialed.contains(&sockopt::canonical(received.peer)),
+            "reached the app around ztunnel: {received:?}"
+        );
+    }
+
+    // The return path goes once the last connection made under it has.
+    drop(held_in);
+    datapath.audit().wait().unwrap();
+    exchange(&held_out, &server_echo, "out at the end");
+    let left = app
+        .run(|| IstioRules::find(&mut Rtnl::new().unwrap()))
+        .unwrap();
+    assert_eq!(left.return_rules, 2, "{left:?}");
+    drop(held_out);
+    let gone = try_wait_until(WAIT, || {
+        datapath.audit().wait().unwrap();
+        let left = app
+            .run(|| IstioRules::find(&mut Rtnl::new().unwrap()))
+            .unwrap();
+        left.is_empty().then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "istio's return path outlived its connections: {:?}\n{}",
+        app.run(|| IstioRules::find(&mut Rtnl::new().unwrap())),
+        app.run(|| std::fs::read_to_string("/proc/thread-self/net/nf_conntrack"))
+            .unwrap_or_default()
+    );
     datapath.uninstall().wait().unwrap();
 }

@@ -9,6 +9,7 @@
 use std::os::fd::AsFd;
 
 use super::{
+    istio_rules,
     netlink::Rtnl,
     pod_config::ip_addr,
     pod_netns::{restore_pod_netns, Drift, TcProgramIds},
@@ -170,7 +171,27 @@ impl Owner {
         if self.follow_probe_cgroup() {
             found.push(PROBE_CGROUP_MOVED);
         }
+        self.retire_istio_rules();
         found
+    }
+
+    /// Takes what is left of istio's in-pod rules out of the pods taken over from istio-cni,
+    /// once no connection needs it (see [`istio_rules`]).
+    fn retire_istio_rules(&mut self) {
+        let home = &self.home;
+        for (uid, pod) in self.pods.iter_mut().filter(|(_, pod)| pod.istio_rules_left) {
+            let Some(netns) = &pod.netns else {
+                continue;
+            };
+            let left = home.enter(netns.as_fd()).and_then(|_inside| {
+                let mut rtnl = Rtnl::new()?;
+                Ok(istio_rules::take_over(uid, &mut rtnl))
+            });
+            match left {
+                Ok(left) => pod.istio_rules_left = left,
+                Err(error) => warn!(uid, %error, "entering the pod's netns for istio's rules"),
+            }
+        }
     }
 
     /// How an enrolled pod's netns differs from how it was set up, put right where it can be

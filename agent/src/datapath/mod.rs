@@ -23,6 +23,7 @@ mod discovery;
 mod enroll_steps;
 mod handle;
 mod handoff;
+pub mod istio_rules;
 pub(crate) mod kernel;
 mod layouts;
 pub(crate) mod mounts;

@@ -36,6 +36,10 @@ pub(super) struct Enrolled {
     /// Held so per-pod state can be undone while the pod lives; `None` for pods found in the
     /// pinned maps after a restart.
     pub(super) netns: Option<File>,
+    /// Some of istio's in-pod rules may still be there (its return path, kept for connections
+    /// made under istio's rules before weir took the pod over): the audit looks again until
+    /// nothing is left.
+    pub(super) istio_rules_left: bool,
 }
 
 pub(super) struct Owner {

@@ -14,6 +14,7 @@ use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6, POD
 
 use super::{
     enroll_steps::Stopwatch,
+    istio_rules,
     netlink::{Link, Reroute, Rtnl},
     netns,
     pod_config::{ip_key, pod_config, sum_over_cpus, Unenrollable},
@@ -48,6 +49,7 @@ impl Owner {
         let mut stopwatch = steps.stopwatch();
         let mut config = pod_config(pod, self.handoff.is_some())?;
         let pod_ips: Vec<IpKey> = pod.ips.iter().map(|ip| ip_key(*ip)).collect();
+        let live = matches!(netns, EnrollNetns::Found(_));
         let netns_file = self.open_netns(pod, netns)?;
         if pod.sidecar.is_some() {
             // The proxy's ids as the programs see them, when the pod has ids of its own.
@@ -148,6 +150,12 @@ impl Owner {
                 self.remove_ip_entries(netns_cookie, &gone);
             }
         }
+        // A running pod enrolled live may have been redirected by istio-cni until now; its
+        // rules go only once weir's programs redirect it: never a moment without redirection.
+        let istio_rules_left = match live {
+            true => istio_rules::take_over(&pod.uid, &mut rtnl),
+            false => (self.pods.get(&pod.uid)).is_some_and(|enrolled| enrolled.istio_rules_left),
+        };
         debug!(uid = %pod.uid, netns_cookie, "pod enrolled");
         self.pods.insert(
             pod.uid.clone(),
@@ -157,6 +165,7 @@ impl Owner {
                 config,
                 lists: Some(lists),
                 netns: Some(netns_file),
+                istio_rules_left,
             },
         );
         drop(inside);

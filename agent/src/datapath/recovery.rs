@@ -40,6 +40,8 @@ pub(super) fn recover_pods(
                 lists: (!entry.config.has(weir_common::POD_SIDECAR))
                     .then(sidecar_lists::ListEntries::default),
                 netns: None,
+                // Not known after a restart: the audit looks.
+                istio_rules_left: true,
             };
             (entry.uid, enrolled)
         })

@@ -433,6 +433,38 @@ impl Rtnl {
         Ok(WeirFilter::Missing)
     }
 
+    /// The rules `fwmark <mark>/<mask> lookup RETURN_ROUTE_TABLE` of either family: another
+    /// agent's return path to the same table (istio-cni's), not weir's.
+    pub fn istio_return_rules(&mut self, mark: u32, mask: u32) -> io::Result<Vec<RuleMessage>> {
+        Ok(self
+            .rules()?
+            .into_iter()
+            .filter(|rule| {
+                let has = |wanted: &RuleAttribute| rule.attributes.contains(wanted);
+                has(&RuleAttribute::FwMark(mark))
+                    && has(&RuleAttribute::FwMask(mask))
+                    && has(&RuleAttribute::Table(RETURN_ROUTE_TABLE))
+            })
+            .collect())
+    }
+
+    /// Deletes `rules` (as a dump returned them); one already gone is no error.
+    pub fn delete_rules(&mut self, rules: Vec<RuleMessage>) -> io::Result<()> {
+        if rules.is_empty() {
+            return Ok(());
+        }
+        let messages = rules
+            .into_iter()
+            .map(|rule| (RouteNetlinkMessage::DelRule(rule), 0))
+            .collect();
+        for errno in self.execute(messages)? {
+            if errno != 0 && errno != libc::ENOENT {
+                return Err(io::Error::from_raw_os_error(errno));
+            }
+        }
+        Ok(())
+    }
+
     /// Every policy routing rule of the namespace (`RTM_GETRULE` dump).
     fn rules(&mut self) -> io::Result<Vec<RuleMessage>> {
         Ok(self
