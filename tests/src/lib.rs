@@ -24,6 +24,7 @@ pub mod cgroup;
 pub mod chain;
 pub mod cni;
 mod datapath_node;
+pub mod istio_cni;
 pub mod istio_iptables;
 pub mod metrics;
 pub mod netns;
@@ -46,6 +47,7 @@ mod server;
 
 pub use apiserver::{ApiRequest, ApiServer};
 pub use datapath_node::DatapathNode;
+pub use istio_cni::{IstioCniAgent, IstioCniError};
 pub use metrics::Metrics;
 pub use netns::NetNs;
 pub use node::{FailedAdd, Families, NodeOptions, Pod, PodSpec, TestNode};

@@ -264,6 +264,26 @@ impl<T: Clone> Log<T> {
         }
     }
 
+    /// Whether the entries came to satisfy `done` (which sees them all, in order) within
+    /// `timeout`.
+    pub fn wait_until(&self, done: impl Fn(&[T]) -> bool, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut entries = self.lock();
+        loop {
+            if done(&entries) {
+                return true;
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            entries = self
+                .grew
+                .wait_timeout(entries, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, Vec<T>> {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -1,19 +1,26 @@
 //! The harness checked against itself, with no weir datapath: pods wired by CNI reach each other
 //! and the node, and the ztunnel stand-in behaves as ztunnel does, including (with istio's own
 //! iptables redirection in place of weir) the original-destination lookup, the relays and the
-//! source-preserving inbound dial.
+//! source-preserving inbound dial; and ztunnel keeps its proxies when istio-cni's node agent
+//! hands the node to weir's ZDS server.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::OwnedFd;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use prometheus_client::registry::Registry;
+use weir_agent::zds::{self, ZdsConfig, ZdsError};
 use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
+use weir_tests::istio_cni::{self, IstioCniAgent};
 use weir_tests::privileged;
+use weir_tests::traffic::{read_line, write_line};
 use weir_tests::ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY};
 use weir_tests::{
-    istio_iptables, tcp_request, udp_request, udp_request_connected, DatapathNode, EchoServer, Pod,
-    Reply, ZtunnelStandIn, APP_PORT,
+    istio_iptables, tcp_connect_from, tcp_request, udp_request, udp_request_connected,
+    DatapathNode, EchoServer, Pod, Reply, ZdsEvent, ZdsZtunnel, ZtunnelStandIn, APP_PORT,
 };
 
 /// A cluster DNS service address: not routed anywhere, only reachable through redirection.
@@ -22,6 +29,9 @@ const CLUSTER_DNS: [IpAddr; 2] = [
     IpAddr::V6(Ipv6Addr::new(0xfd00, 0x10, 0x96, 0, 0, 0, 0, 0xa)),
 ];
 const WAIT: Duration = Duration::from_secs(2);
+/// For a ztunnel to connect and take a snapshot: it tries every 100 ms, weir's server accepts
+/// at most every 200 ms.
+const ZDS_WAIT: Duration = Duration::from_secs(10);
 
 /// The same-family address pairs of two pods: (a's IPv4, b's IPv4), (a's IPv6, b's IPv6).
 fn address_pairs(a: &Pod, b: &Pod) -> [(IpAddr, IpAddr); 2] {
@@ -346,5 +356,138 @@ fn standin_stops_promptly_with_connections_open() {
             io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset
         ),
         "{error}"
+    );
+}
+
+/// A node taken over from istio-cni with no window: istio-cni enrolled the pods (its rules in
+/// them, each handed to ztunnel), its agent leaves, weir's ZDS server takes the same socket path
+/// with the pods it knows, and ztunnel, connecting again, keeps the proxy of a pod weir names in
+/// the same namespace (a connection through it goes on) and drains the one of a pod weir does not
+/// name.
+#[test]
+fn ztunnel_keeps_its_proxies_when_weir_takes_over_from_istio_cni() {
+    let fixture = privileged!(DatapathNode::new());
+    let (client, gone, server) = (
+        fixture.pod("client"),
+        fixture.pod("gone"),
+        fixture.pod("server"),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ztunnel").join("ztunnel.sock");
+    let istio_cni = IstioCniAgent::start(&socket).unwrap();
+    let ztunnel = ZdsZtunnel::follow(&socket).unwrap();
+    assert!(
+        ztunnel.wait_for_snapshot(ZDS_WAIT),
+        "{:?}",
+        ztunnel.events()
+    );
+    istio_cni.enroll(&client).unwrap();
+    istio_cni.enroll(&gone).unwrap();
+    let proxy = ztunnel.wait_for_pod(client.uid(), WAIT).unwrap();
+    assert!(ztunnel.wait_for_pod(gone.uid(), WAIT).is_some());
+
+    // istio's rules take the client's traffic to its proxy's 15001.
+    let echo =
+        EchoServer::start_lasting(server.netns(), "server", (server.ipv4(), APP_PORT).into())
+            .unwrap();
+    let reply = client.run(|| tcp_request(echo.addr(), "before")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("before"));
+    relayed(
+        &proxy,
+        OUTBOUND_PORT,
+        &reply,
+        echo.addr(),
+        client.ipv4().into(),
+    );
+    let held = client.run(|| tcp_connect_from(0, echo.addr())).unwrap();
+    write_line(&held, "held").unwrap();
+    assert_eq!(read_line(&held).unwrap(), echo.reply_to("held"));
+    let held_local = held.local_addr().unwrap();
+    assert!(proxy
+        .wait_for(
+            |s| s.listener == OUTBOUND_PORT && s.peer == held_local,
+            WAIT
+        )
+        .is_some());
+
+    istio_cni.stop();
+    assert!(ztunnel.wait_for_close(WAIT), "{:?}", ztunnel.events());
+    assert!(
+        !socket.exists(),
+        "istio-cni's listener takes its path along"
+    );
+
+    // weir's ZDS server, holding snapshots until it has registered the pods it knows: only the
+    // client.
+    let mut registry = Registry::default();
+    let (weir, serve) = zds::start(
+        ZdsConfig {
+            socket_path: socket.clone(),
+        },
+        None,
+        &mut registry,
+    )
+    .unwrap();
+    weir.hold_snapshots();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.spawn(serve);
+    let netns = Arc::new(OwnedFd::from(client.netns().open().unwrap()));
+    let info = istio_cni::workload_info(&client);
+    let added = runtime.block_on(weir.add(client.uid(), info, Some(netns)));
+    assert!(matches!(added, Err(ZdsError::NotConnected)), "{added:?}");
+    weir.release_snapshots();
+
+    assert!(
+        ztunnel.wait_for_snapshots(2, ZDS_WAIT),
+        "{:?}",
+        ztunnel.events()
+    );
+    let kept = ztunnel.stand_in(client.uid()).unwrap();
+    assert!(
+        Arc::ptr_eq(&kept, &proxy),
+        "the client's proxy was restarted"
+    );
+    assert!(ztunnel.wait_for_drained(gone.uid(), WAIT));
+    assert!(ztunnel.stand_in(gone.uid()).is_none());
+    let events = ztunnel.events();
+    let closed = events.iter().position(|e| *e == ZdsEvent::Closed).unwrap();
+    let second: Vec<(&str, Option<&str>)> = events[closed + 1..]
+        .iter()
+        .map(|event| {
+            let kind = match event {
+                ZdsEvent::Connected => "connected",
+                ZdsEvent::Add { .. } => "add",
+                ZdsEvent::Drained { .. } => "drained",
+                ZdsEvent::SnapshotSent => "snapshot",
+                other => panic!("unexpected on the second connection: {other:?}"),
+            };
+            (kind, event.uid())
+        })
+        .collect();
+    assert_eq!(
+        second,
+        [
+            ("connected", None),
+            ("add", Some(client.uid())),
+            ("drained", Some(gone.uid())),
+            ("snapshot", None),
+        ]
+    );
+
+    // The connection made under istio-cni goes on, and new ones take the same proxy.
+    write_line(&held, "still").unwrap();
+    assert_eq!(read_line(&held).unwrap(), echo.reply_to("still"));
+    let reply = client.run(|| tcp_request(echo.addr(), "after")).unwrap();
+    assert_eq!(reply.response, echo.reply_to("after"));
+    relayed(
+        &proxy,
+        OUTBOUND_PORT,
+        &reply,
+        echo.addr(),
+        client.ipv4().into(),
     );
 }

@@ -388,6 +388,35 @@ fn nack_is_an_error_and_the_connection_stays() {
     assert_eq!(server.metrics().value("ztunnel_connected", &[]), Some(1.0));
 }
 
+/// ztunnel's Add is idempotent per namespace: the same pod added again in the same netns keeps
+/// its proxy, in another netns (a sandbox made again) gets a new one.
+#[test]
+fn add_again_keeps_the_proxy_in_the_same_netns_only() {
+    let (first, second) = privileged!(Ok((
+        pod_netns("zdsagain1", Ipv4Addr::new(10, 251, 5, 1))?,
+        pod_netns("zdsagain2", Ipv4Addr::new(10, 251, 5, 2))?,
+    )));
+    let server = Server::start();
+    let client = server.connect();
+    server.add("p", Some(&first)).unwrap();
+    let proxy = client.stand_in("p").unwrap();
+    server.add("p", Some(&first)).unwrap();
+    assert!(Arc::ptr_eq(&client.stand_in("p").unwrap(), &proxy));
+
+    server.add("p", Some(&second)).unwrap();
+    let replaced = client.stand_in("p").unwrap();
+    assert!(!Arc::ptr_eq(&replaced, &proxy));
+    let reply = second
+        .run(|| tcp_request((Ipv4Addr::new(10, 251, 5, 2), HBONE_PORT).into(), "CONNECT"))
+        .unwrap();
+    assert_eq!(reply.response, HBONE_REPLY);
+    assert_eq!(adds(&client), ["p", "p", "p"]);
+    assert!(!client
+        .events()
+        .iter()
+        .any(|e| matches!(e, ZdsEvent::Drained { .. })));
+}
+
 #[test]
 fn unacked_request_times_out_and_closes_the_connection() {
     let netns = privileged!(pod_netns("zdsmute", Ipv4Addr::new(10, 251, 4, 1)));
