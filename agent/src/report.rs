@@ -79,6 +79,9 @@ pub enum Warning {
     CniConfigRewritten {
         file: String,
     },
+    /// A running pod another node agent (istio-cni's) redirected was taken over in place: not
+    /// a warning, a Normal Event.
+    TakenOver,
 }
 
 /// What istio's repair controller labels a broken pod with, for its owner to act on.
@@ -94,7 +97,13 @@ impl Warning {
             Warning::DeleteBrokenPod { .. } => "DeleteBrokenPod",
             Warning::LabelBrokenPod { .. } => "LabelBrokenPod",
             Warning::CniConfigRewritten { .. } => "CniConfigRewritten",
+            Warning::TakenOver => "TakenOver",
         }
+    }
+
+    /// Whether it is news rather than trouble: a Normal Event, not a Warning.
+    pub fn is_normal(&self) -> bool {
+        matches!(self, Warning::TakenOver)
     }
 
     /// What tells this warning apart from others with the same reason on the same pod, where
@@ -110,7 +119,8 @@ impl Warning {
             | Warning::SidecarRedirectionFailed(_)
             | Warning::RepairedPod
             | Warning::DeleteBrokenPod { .. }
-            | Warning::LabelBrokenPod { .. } => None,
+            | Warning::LabelBrokenPod { .. }
+            | Warning::TakenOver => None,
         }
     }
 
@@ -133,6 +143,7 @@ impl Warning {
             | Warning::DeleteBrokenPod { .. }
             | Warning::LabelBrokenPod { .. } => "Repair",
             Warning::CniConfigRewritten { .. } => "Install",
+            Warning::TakenOver => "TakeOver",
         }
     }
 
@@ -168,6 +179,10 @@ impl Warning {
                 let (done, doing) = (format!("labelled {label}"), format!("labelling it {label}"));
                 broken(why, act(&done, &doing, failed))
             }
+            Warning::TakenOver => "the pod was redirected by istio-cni's in-pod rules; weir's \
+                 eBPF programs redirect it now, taken over in place: its connections go on, and \
+                 istio's rules leave the pod once none needs them"
+                .into(),
             Warning::CniConfigRewritten { file } => format!(
                 "another component rewrote the CNI config {file} without weir-cni; weir put it \
                  back at the end of the chain. Pods that started meanwhile ran without \

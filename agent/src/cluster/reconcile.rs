@@ -34,9 +34,9 @@ use crate::{
     datapath::EnrollNetns,
     enroll::{Enroller, RunningPod},
     logging::pod_span,
-    policy::{AmbientPod, AnnotationProblem, PolicyConfig},
+    policy::{AmbientPod, AnnotationProblem, PolicyConfig, REDIRECTION_ANNOTATION},
     report::{report_problems, Reporter, Warning},
-    workload::{PodName, Workload},
+    workload::{PodName, Status, Workload},
 };
 
 /// A failing pod is retried after this, doubling up to [`MAX_BACKOFF`].
@@ -115,9 +115,16 @@ impl Reconciler {
         first_pass.send_replace(true);
         let mut resync = tokio::time::interval(self.resync_interval);
         resync.reset();
+        let mut ztunnels = self.enroller.ztunnel_connections();
         loop {
             let next_retry = self.next_retry();
             tokio::select! {
+                // Pods taken over from another node agent wait for a ztunnel.
+                Ok(()) = ztunnels.changed() => {
+                    if *ztunnels.borrow_and_update() > 0 {
+                        self.full_pass().await;
+                    }
+                }
                 change = changes.recv() => match change {
                     Ok(Change::Pod(pod)) => self.reconcile_named(&pod).await,
                     Ok(Change::Namespace(namespace)) => self.reconcile_namespace(&namespace).await,
@@ -311,7 +318,13 @@ impl Reconciler {
                     // No address or sandbox yet: its CNI ADD enrolls it.
                     return Ok(());
                 }
-                let broken = !self.seen_out.lock().unwrap().contains(uid);
+                // istio-cni's agent annotates the pods it redirects, as weir does; one this agent
+                // never enrolled is being taken over from it.
+                let handed_over = object
+                    .annotations()
+                    .get(REDIRECTION_ANNOTATION)
+                    .is_some_and(|value| value == Status::Enabled.as_str());
+                let broken = !handed_over && !self.seen_out.lock().unwrap().contains(uid);
                 let running = RunningPod {
                     uid: uid.to_owned(),
                     name: name.clone(),
@@ -320,11 +333,26 @@ impl Reconciler {
                     options: ambient.options,
                     sidecar: None,
                 };
+                if handed_over && !self.enroller.ztunnel_connected() {
+                    // Its rules redirect it to ztunnel until then; enrolled now, ztunnel's own
+                    // connections out of the pod would be redirected too, since only a ztunnel
+                    // connected to this agent is known to the datapath.
+                    self.enroller.keep_for_ztunnel(&running).await?;
+                    info!(
+                        "pod redirected by another node agent (istio-cni): taken over once \
+                         ztunnel connects to this agent, which keeps its proxy meanwhile"
+                    );
+                    return Ok(());
+                }
                 let enrolled = self.enroller.enroll_running(running).await;
                 if broken {
                     return self.repaired(name, &object, enrolled).await;
                 }
                 enrolled?;
+                if handed_over {
+                    info!("pod taken over from another node agent (istio-cni) in place");
+                    self.reporter.warn(name, Warning::TakenOver).await;
+                }
             }
         }
         Ok(())

@@ -134,7 +134,11 @@ impl ApiReporter {
             return Ok(false);
         }
         let event = Event {
-            type_: EventType::Warning,
+            type_: if warning.is_normal() {
+                EventType::Normal
+            } else {
+                EventType::Warning
+            },
             reason: warning.reason().into(),
             note: Some(warning.note()),
             action: warning.action().into(),

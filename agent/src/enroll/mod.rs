@@ -228,6 +228,31 @@ impl Enroller {
         Ok(())
     }
 
+    /// Whether a ztunnel is connected to this agent: then the datapath knows its sockets (its
+    /// cgroup is recorded before it counts as connected), and a pod enrolled now never has
+    /// ztunnel's own connections redirected back to ztunnel.
+    pub fn ztunnel_connected(&self) -> bool {
+        *self.zds.connections().borrow() > 0
+    }
+
+    /// Changes of how many ztunnels are connected.
+    pub fn ztunnel_connections(&self) -> tokio::sync::watch::Receiver<usize> {
+        self.zds.connections()
+    }
+
+    /// Names a running pod that another node agent (istio-cni's) handed to ztunnel in every
+    /// snapshot, with Keep: the ztunnel that comes over from that agent keeps the pod's proxy,
+    /// and its connections, until this agent takes the pod over.
+    pub async fn keep_for_ztunnel(&self, pod: &RunningPod) -> Result<()> {
+        let info = WorkloadInfo {
+            name: pod.name.name.clone(),
+            namespace: pod.name.namespace.clone(),
+            service_account: pod.service_account.clone().unwrap_or_default(),
+        };
+        self.zds.add(&pod.uid, info, None).await?;
+        Ok(())
+    }
+
     /// Enrolls a pod in the netns at its path, as the runtime gives it.
     pub async fn enroll(&self, pod: &Workload) -> Result<Status> {
         self.enroll_in(pod, EnrollNetns::Path).await
