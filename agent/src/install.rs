@@ -29,7 +29,7 @@
 //! [`kubeconfig`]) from the agent's service account, names it in weir's entry, rewrites it when
 //! the token rotates, and removes it on uninstall.
 pub mod conflist;
-mod files;
+pub(crate) mod files;
 pub mod kubeconfig;
 mod net_dir;
 mod watch;

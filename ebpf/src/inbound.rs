@@ -701,16 +701,18 @@ fn sock_tuple(packet: &NetworkHeader, sport: u16, dport: u16) -> (bpf_sock_tuple
 }
 
 /// Whether the segment belongs to a connection that netfilter's `REDIRECT` to 15006 made before
-/// weir took the pod over from iptables rules (istio-cni's, istio-init's): the proxy accepted it
-/// at the pod's address and 15006, and conntrack maps the segment there after this program, so
-/// it is no SYN cookie's ACK for the proxy's listener. Only the proxy's connection holds that
-/// tuple: weir's own hand-off keeps the original destination as the local address.
+/// weir took the pod over from iptables rules (istio-cni's, istio-init's): the proxy has it, or
+/// its handshake, at the pod's address and 15006, and conntrack maps the segment there after
+/// this program, so it is no SYN cookie's ACK for the proxy's listener (assigned to the
+/// listener, the handshake's last ACK would miss its request and the connection would stall).
+/// Only netfilter makes that tuple: weir's own hand-off keeps the original destination as the
+/// local address.
 #[inline(always)]
 fn redirected_by_netfilter(ctx: &TcContext, packet: &NetworkHeader, sport: u16) -> bool {
     let (mut tuple, len) = sock_tuple(packet, sport, INBOUND_PORT.to_be());
     matches!(
         socket_state(ctx, &mut tuple, len),
-        Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT && state != TCP_NEW_SYN_RECV
+        Some(state) if state != TCP_LISTEN && state != TCP_TIME_WAIT
     )
 }
 

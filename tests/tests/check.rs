@@ -170,6 +170,7 @@ fn every_requirement_is_met_on_this_machine() {
         "bpffs at the pin root ",
         "primary CNI network config: ",
         "directory of the ZDS socket ",
+        "no istio-cni node agent leftovers: none",
         "API server reachable: Kubernetes v1.34.0",
         "this node's Node object: node-a is readable",
     ] {
@@ -205,6 +206,38 @@ fn an_empty_cni_config_dir_is_a_failed_line_with_what_to_do() {
         )
     );
     assert_only_failure(&lines, "primary CNI network config");
+}
+
+/// What istio-cni's node agent leaves on a node weir took over is listed, for the operator to
+/// remove; the agent starts anyway.
+#[test]
+fn istio_cni_leftovers_are_a_failed_line_with_what_to_do() {
+    weir_tests::privileged!();
+    let setup = Setup::new();
+    let primary = setup.files.net_dir().join("10-bridge.conflist");
+    let mut list: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&primary).unwrap()).unwrap();
+    list["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(weir_tests::istio_cni::plugin_entry());
+    std::fs::write(&primary, list.to_string()).unwrap();
+    let kubeconfig = setup.files.net_dir().join("ZZZ-istio-cni-kubeconfig");
+    std::fs::write(&kubeconfig, "apiVersion: v1\n").unwrap();
+    let output = setup.check(&[]);
+    let lines = lines(&output);
+    assert_eq!(output.status.code(), Some(1), "{}", lines.join("\n"));
+    let leftovers = line(&lines, "no istio-cni node agent leftovers");
+    assert!(
+        leftovers.starts_with(&format!(
+            "✗ no istio-cni node agent leftovers: istio-cni's plugin in {}, {} — once istio-cni's \
+             node agent is off this node",
+            primary.display(),
+            kubeconfig.display()
+        )),
+        "{leftovers}"
+    );
+    assert_only_failure(&lines, "no istio-cni node agent leftovers");
 }
 
 #[test]

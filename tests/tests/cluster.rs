@@ -1595,6 +1595,17 @@ fn runtime_check(cluster: &Cluster, pod: &weir_tests::Pod) {
 /// through weir.
 #[test]
 fn a_node_istio_cni_ran_is_taken_over_without_a_window() {
+    take_over_from_istio_cni(false);
+}
+
+/// The same, with weir's agent restarted while the pods wait for ztunnel (killed midway): the
+/// new agent names them in its snapshots again, from the cluster's word alone.
+#[test]
+fn a_takeover_from_istio_cni_survives_a_restart_midway() {
+    take_over_from_istio_cni(true);
+}
+
+fn take_over_from_istio_cni(restart_midway: bool) {
     use weir_agent::datapath::{istio_rules::IstioRules, netlink::Rtnl};
     use weir_common::INBOUND_PORT;
     use weir_tests::istio_cni::{self, IstioCniAgent};
@@ -1602,6 +1613,8 @@ fn a_node_istio_cni_ran_is_taken_over_without_a_window() {
     use weir_tests::traffic_loop::{wait_for_connections, TrafficLoop};
 
     let cluster = privileged!(Cluster::new());
+    // Its DaemonSet selects the node: a stopping agent leaves weir in place, as in a restart.
+    cluster.daemonset();
     let config = cluster.agent_config();
     let any = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), weir_tests::APP_PORT);
     let server = cluster.pod("default", "server").unwrap();
@@ -1651,7 +1664,12 @@ fn a_node_istio_cni_ran_is_taken_over_without_a_window() {
     wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
 
     // weir beside istio-cni's agent, then istio-cni's agent leaves.
-    let agent = cluster.start_agent();
+    let mut agent = cluster.start_agent();
+    if restart_midway {
+        wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+        agent.stop().unwrap();
+        agent = cluster.start_agent();
+    }
     assert!(cluster.plugin_installed());
     let plugins = weir_conflist(&cluster.chain).plugins;
     assert!(
@@ -1662,6 +1680,8 @@ fn a_node_istio_cni_ran_is_taken_over_without_a_window() {
     istio.stop();
     let snapshots = ztunnel.wait_for_snapshots(2, 2 * WAIT);
     assert!(snapshots, "ztunnel found weir: {:?}", ztunnel.events());
+    let taken_over = cluster.wait_for_warnings("TakenOver");
+    assert_eq!(taken_over[0]["type"], "Normal", "{taken_over:?}");
     wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
     for (direction, connections) in [("in", loop_in.stop()), ("out", loop_out.stop())] {
         let failed: Vec<_> = connections.iter().filter(|c| c.outcome.is_err()).collect();
@@ -1702,8 +1722,7 @@ fn a_node_istio_cni_ran_is_taken_over_without_a_window() {
         assert!(dialed.contains(&peer), "around ztunnel: {received:?}");
     }
     assert!(cluster.warnings("RepairedPod").is_empty());
-    let taken_over = cluster.wait_for_warnings("TakenOver");
-    assert_eq!(taken_over[0]["type"], "Normal", "{taken_over:?}");
+    wait_for_metric(&agent, "weir_pods_taken_over_total", &[], 1.0);
     // A pod created now starts through weir.
     let (later_uid, _later) = cluster.pod_with_object(MESH, "later");
     ztunnel

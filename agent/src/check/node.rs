@@ -6,7 +6,7 @@ use std::{io, path::Path};
 use super::{CheckConfig, Finding};
 use crate::{
     datapath::{
-        cgroup2_root, cgroup_identity_of,
+        cgroup2_root, cgroup_identity_of, istio_rules,
         kernel::{BpfType, Kernel, BPF_FEATURES, OLDEST, OLDEST_BECAUSE},
         mounts::{self, PinRootFs, DEFAULT_BPF_FS},
     },
@@ -28,8 +28,45 @@ pub(super) fn findings(config: &CheckConfig) -> Vec<Finding> {
         ));
     }
     findings.push(zds_socket_dir(&config.zds_socket));
+    findings.push(istio_cni_leftovers(&config.cni_net_dir));
     findings
 }
+
+/// What istio-cni's node agent leaves on a node weir took over: its plugin in a CNI config, its
+/// plugin's kubeconfig, its nf_tables chains in the node's netns (the probe SNAT). Harmless to
+/// weir, which starts anyway; the operator removes them once istio-cni's agent is gone.
+fn istio_cni_leftovers(net_dir: &Path) -> Finding {
+    let requirement = "no istio-cni node agent leftovers";
+    let mut found = Vec::new();
+    for (file, format) in install::files::config_files(net_dir).unwrap_or_default() {
+        let config = install::files::read_config(&file, format);
+        if config.is_ok_and(|config| config.holds_type(install::conflist::ISTIO_CNI_PLUGIN_TYPE)) {
+            found.push(format!("istio-cni's plugin in {}", file.display()));
+        }
+    }
+    let kubeconfig = net_dir.join(ISTIO_CNI_KUBECONFIG);
+    if kubeconfig.exists() {
+        found.push(kubeconfig.display().to_string());
+    }
+    match istio_rules::nft_leftovers() {
+        Ok(objects) => found.extend(objects.into_iter().map(|object| format!("nft {object}"))),
+        Err(error) => found.push(format!("(the node's nf_tables cannot be read: {error})")),
+    }
+    if found.is_empty() {
+        return Finding::met(requirement, "none");
+    }
+    Finding::partly_unmet(
+        requirement,
+        found.join(", "),
+        "once istio-cni's node agent is off this node (docs/install.md, Taking over from \
+         istio-cni), delete them: its plugin's entry and kubeconfig file, and its chains (e.g. \
+         `iptables -t nat -D POSTROUTING -j ISTIO_POSTRT; iptables -t nat -X ISTIO_POSTRT`) and \
+         ipsets (`ipset destroy istio-inpod-probes-v4`)",
+    )
+}
+
+/// The kubeconfig istio-cni's installer writes for its plugin, in the CNI net dir.
+const ISTIO_CNI_KUBECONFIG: &str = "ZZZ-istio-cni-kubeconfig";
 
 fn kernel_release() -> Finding {
     let requirement = format!("Linux {}.{} or later", OLDEST.0, OLDEST.1);

@@ -59,6 +59,7 @@ pub struct Reconciler {
     /// as at ADD, once, not on every pass.
     annotation_problems: Mutex<HashMap<String, Vec<AnnotationProblem>>>,
     failures: Counter,
+    taken_over: Counter,
 }
 
 /// What one pod should be, from the API server's view of it.
@@ -93,6 +94,7 @@ impl Reconciler {
             seen_out: Mutex::new(HashSet::new()),
             annotation_problems: Mutex::new(HashMap::new()),
             failures: Counter::default(),
+            taken_over: Counter::default(),
         })
     }
 
@@ -101,6 +103,11 @@ impl Reconciler {
             "weir_reconcile_failures",
             "Pods the reconcile loop could not bring to what the cluster asks (each is retried)",
             self.failures.clone(),
+        );
+        registry.register(
+            "weir_pods_taken_over",
+            "Running pods another node agent (istio-cni's) redirected, taken over in place",
+            self.taken_over.clone(),
         );
         self.repair.register_metrics(registry);
     }
@@ -350,6 +357,7 @@ impl Reconciler {
                 }
                 enrolled?;
                 if handed_over {
+                    self.taken_over.inc();
                     info!("pod taken over from another node agent (istio-cni) in place");
                     self.reporter.warn(name, Warning::TakenOver).await;
                 }

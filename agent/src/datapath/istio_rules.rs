@@ -220,6 +220,32 @@ fn retire(uid: &str, rules: &mut IstioRules, rtnl: &mut Rtnl) -> bool {
     }
 }
 
+/// istio's nf_tables tables and chains in the calling thread's netns, as `family table [chain]`:
+/// on the node, what istio-cni's agent left there (its probe SNAT chain); in a pod, its rules.
+pub fn nft_leftovers() -> io::Result<Vec<String>> {
+    let mut nft = Nft::new()?;
+    let family = |family: u8| match i32::from(family) {
+        libc::NFPROTO_IPV4 => "ip",
+        libc::NFPROTO_IPV6 => "ip6",
+        libc::NFPROTO_INET => "inet",
+        _ => "other",
+    };
+    let tables = nft
+        .tables()?
+        .into_iter()
+        .filter(|t| t.name.starts_with("istio-"));
+    let mut found: Vec<String> = tables
+        .map(|table| format!("{} {}", family(table.family), table.name))
+        .collect();
+    let chains = nft.chains()?.into_iter();
+    found.extend(
+        chains
+            .filter(|chain| chain.name.starts_with(ISTIO_CHAIN_PREFIX))
+            .map(|chain| format!("{} {} {}", family(chain.family), chain.table, chain.name)),
+    );
+    Ok(found)
+}
+
 /// Whether no connection in the netns's conntrack table needs istio's return path.
 /// Unreadable (conntrack's procfs off) counts as not drained: the return path then stays.
 fn return_path_drained() -> io::Result<bool> {
