@@ -1638,6 +1638,17 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     let proxy = ztunnel
         .wait_for_pod(&uid, WAIT)
         .expect("ztunnel runs the pod's proxy");
+    // And one deleted while the node changes hands: ztunnel must drop its proxy in the end.
+    let (gone_uid, gone) = cluster.pod_with_object(MESH, "gone");
+    let mut gone_object: PodObject = cluster.api.get(MESH, "gone").unwrap();
+    gone_object.status = Some(running_at(&ips_of(&gone)));
+    (gone_object.metadata.annotations.get_or_insert_default())
+        .insert(REDIRECTION_ANNOTATION.into(), "enabled".into());
+    cluster.api.update(&gone_object);
+    istio.enroll(&gone).unwrap();
+    ztunnel
+        .wait_for_pod(&gone_uid, WAIT)
+        .expect("ztunnel runs its proxy");
     let conflist = cluster.chain.files.net_dir().join("10-weir-test.conflist");
     let mut chain: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
     chain["plugins"]
@@ -1677,6 +1688,7 @@ fn take_over_from_istio_cni(restart_midway: bool) {
         "istio-cni's plugin left the chain: {plugins:?}"
     );
     wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+    cluster.api.delete::<PodObject>(MESH, "gone");
     istio.stop();
     let snapshots = ztunnel.wait_for_snapshots(2, 2 * WAIT);
     assert!(snapshots, "ztunnel found weir: {:?}", ztunnel.events());
@@ -1689,10 +1701,15 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     }
     let events = ztunnel.events();
     assert!(
-        events
-            .iter()
-            .all(|event| !matches!(event, ZdsEvent::Del { .. } | ZdsEvent::Drained { .. })),
+        events.iter().all(|event| !matches!(
+            event,
+            ZdsEvent::Del { uid: dropped } | ZdsEvent::Drained { uid: dropped } if *dropped == uid
+        )),
         "{events:?}"
+    );
+    assert!(
+        ztunnel.wait_for_drained(&gone_uid, WAIT) || ztunnel.wait_for_del(&gone_uid, WAIT),
+        "the deleted pod's proxy is dropped: {events:?}"
     );
     let kept = ztunnel
         .pod(&uid)

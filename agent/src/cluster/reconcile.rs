@@ -204,11 +204,18 @@ impl Reconciler {
             }
             known.insert(uid);
         }
-        for (uid, name) in self.enroller.enrolled_pods() {
+        for (uid, name) in self.enrolled_or_kept() {
             if !known.contains(&uid) && selected(&uid) {
                 self.apply(&uid, &name, Wanted::Out).await;
             }
         }
+    }
+
+    /// The pods this agent enrolled, and those it names to ztunnel until it takes them over.
+    fn enrolled_or_kept(&self) -> Vec<(String, PodName)> {
+        let mut pods = self.enroller.enrolled_pods();
+        pods.extend(self.enroller.kept_pods());
+        pods
     }
 
     async fn reconcile_namespace(&self, namespace: &str) {
@@ -225,7 +232,7 @@ impl Reconciler {
         match self.reflectors.pod(name) {
             Some(pod) => self.reconcile(&pod).await,
             None => {
-                let gone = self.enroller.enrolled_pods();
+                let gone = self.enrolled_or_kept();
                 for (uid, _) in gone.iter().filter(|(_, enrolled)| enrolled == name) {
                     self.apply(uid, name, Wanted::Out).await;
                 }
@@ -301,7 +308,10 @@ impl Reconciler {
                 self.enroller.unenroll(uid).await?;
                 info!("pod no longer ambient: removed");
             }
-            Wanted::Out | Wanted::Terminating => {}
+            // A pod named with Keep while it waited to be taken over, gone since: ztunnel drops
+            // its proxy.
+            Wanted::Out => self.enroller.release_kept(uid).await?,
+            Wanted::Terminating => {}
             Wanted::Enrolled(..) if !enrolled && self.enroller.sandbox_removed(uid) => {
                 // The runtime removed its sandbox (a DEL) and the next one's ADD enrolls it: a
                 // pod between sandboxes is not broken.

@@ -73,6 +73,9 @@ pub struct Enroller {
     /// Pods whose sandbox the runtime removed (a DEL) and that no ADD enrolled since: between
     /// sandboxes, or going away, never broken.
     removed_sandboxes: Mutex<HashSet<String>>,
+    /// Running pods another node agent redirected, named to ztunnel with Keep until they are
+    /// taken over ([`Enroller::keep_for_ztunnel`]), with their names.
+    kept: Mutex<HashMap<String, PodName>>,
 }
 
 impl Enroller {
@@ -98,6 +101,7 @@ impl Enroller {
             orphans_removed: Counter::default(),
             orphans_kept: Counter::default(),
             removed_sandboxes: Mutex::default(),
+            kept: Mutex::default(),
         })
     }
 
@@ -224,6 +228,7 @@ impl Enroller {
         };
         self.enroll_in(&workload, EnrollNetns::Found(found.netns))
             .await?;
+        self.kept.lock().unwrap().remove(&workload.uid);
         info!(mode = workload.mode().as_str(), "running pod enrolled");
         Ok(())
     }
@@ -250,6 +255,24 @@ impl Enroller {
             service_account: pod.service_account.clone().unwrap_or_default(),
         };
         self.zds.add(&pod.uid, info, None).await?;
+        (self.kept.lock().unwrap()).insert(pod.uid.clone(), pod.name.clone());
+        Ok(())
+    }
+
+    /// The pods [`Self::keep_for_ztunnel`] names, with their names.
+    pub fn kept_pods(&self) -> Vec<(String, PodName)> {
+        let kept = self.kept.lock().unwrap();
+        kept.iter()
+            .map(|(uid, name)| (uid.clone(), name.clone()))
+            .collect()
+    }
+
+    /// Stops naming a pod [`Self::keep_for_ztunnel`] named, and tells ztunnel to drop it; nothing
+    /// for a pod it never named.
+    pub async fn release_kept(&self, uid: &str) -> Result<()> {
+        if self.kept.lock().unwrap().remove(uid).is_some() {
+            self.zds.del(uid).await?;
+        }
         Ok(())
     }
 
