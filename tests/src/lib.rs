@@ -40,6 +40,7 @@ pub mod tunnel;
 pub mod virtual_machine;
 pub mod wait;
 pub mod zds_client;
+pub mod zds_server;
 pub mod ztunnel;
 
 pub mod ids;

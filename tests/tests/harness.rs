@@ -11,12 +11,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prometheus_client::registry::Registry;
-use weir_agent::zds::{self, ZdsConfig, ZdsError};
+use weir_agent::zds::ZdsError;
 use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::istio_cni::{self, IstioCniAgent};
 use weir_tests::privileged;
 use weir_tests::traffic::{read_line, write_line};
+use weir_tests::zds_server::ZdsServer;
 use weir_tests::ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY};
 use weir_tests::{
     istio_iptables, tcp_connect_from, tcp_request, udp_request, udp_request_connected,
@@ -390,15 +390,19 @@ fn ztunnel_keeps_its_proxies_when_weir_takes_over_from_istio_cni() {
     let echo =
         EchoServer::start_lasting(server.netns(), "server", (server.ipv4(), APP_PORT).into())
             .unwrap();
-    let reply = client.run(|| tcp_request(echo.addr(), "before")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("before"));
-    relayed(
-        &proxy,
-        OUTBOUND_PORT,
-        &reply,
-        echo.addr(),
-        client.ipv4().into(),
-    );
+    // A new connection from the client, answered through its proxy's 15001.
+    let through_proxy = |line: &str| {
+        let reply = client.run(|| tcp_request(echo.addr(), line)).unwrap();
+        assert_eq!(reply.response, echo.reply_to(line));
+        relayed(
+            &proxy,
+            OUTBOUND_PORT,
+            &reply,
+            echo.addr(),
+            client.ipv4().into(),
+        );
+    };
+    through_proxy("before");
     let held = client.run(|| tcp_connect_from(0, echo.addr())).unwrap();
     write_line(&held, "held").unwrap();
     assert_eq!(read_line(&held).unwrap(), echo.reply_to("held"));
@@ -419,27 +423,13 @@ fn ztunnel_keeps_its_proxies_when_weir_takes_over_from_istio_cni() {
 
     // weir's ZDS server, holding snapshots until it has registered the pods it knows: only the
     // client.
-    let mut registry = Registry::default();
-    let (weir, serve) = zds::start(
-        ZdsConfig {
-            socket_path: socket.clone(),
-        },
-        None,
-        &mut registry,
-    )
-    .unwrap();
-    weir.hold_snapshots();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.spawn(serve);
+    let weir = ZdsServer::start(&socket);
+    weir.handle.hold_snapshots();
     let netns = Arc::new(OwnedFd::from(client.netns().open().unwrap()));
     let info = istio_cni::workload_info(&client);
-    let added = runtime.block_on(weir.add(client.uid(), info, Some(netns)));
+    let added = weir.block_on(weir.handle.add(client.uid(), info, Some(netns)));
     assert!(matches!(added, Err(ZdsError::NotConnected)), "{added:?}");
-    weir.release_snapshots();
+    weir.handle.release_snapshots();
 
     assert!(
         ztunnel.wait_for_snapshots(2, ZDS_WAIT),
@@ -481,13 +471,5 @@ fn ztunnel_keeps_its_proxies_when_weir_takes_over_from_istio_cni() {
     // The connection made under istio-cni goes on, and new ones take the same proxy.
     write_line(&held, "still").unwrap();
     assert_eq!(read_line(&held).unwrap(), echo.reply_to("still"));
-    let reply = client.run(|| tcp_request(echo.addr(), "after")).unwrap();
-    assert_eq!(reply.response, echo.reply_to("after"));
-    relayed(
-        &proxy,
-        OUTBOUND_PORT,
-        &reply,
-        echo.addr(),
-        client.ipv4().into(),
-    );
+    through_proxy("after");
 }

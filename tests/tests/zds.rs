@@ -13,10 +13,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prometheus_client::registry::Registry;
 use tempfile::TempDir;
-use weir_agent::zds::{self, WorkloadInfo, ZdsConfig, ZdsError, ZdsHandle};
+use weir_agent::zds::{WorkloadInfo, ZdsError, ZdsHandle};
 use weir_common::HBONE_PORT;
+use weir_tests::zds_server::ZdsServer;
 use weir_tests::ztunnel::HBONE_REPLY;
 use weir_tests::{
     netns, privileged, tcp_request, wait_until, Metrics, NetNs, NetnsId, ZdsEvent, ZdsReply,
@@ -28,10 +28,9 @@ const WAIT: Duration = Duration::from_secs(10);
 
 /// A ZDS server on a runtime of its own: the test thread stays free to block on the client.
 struct Server {
+    server: ZdsServer,
     handle: ZdsHandle,
-    registry: Registry,
     socket: PathBuf,
-    runtime: tokio::runtime::Runtime,
     _dir: TempDir,
 }
 
@@ -42,32 +41,17 @@ impl Server {
         let socket = dir.path().join("ztunnel").join("ztunnel.sock");
         std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
         std::fs::write(&socket, "stale").unwrap();
-        let mut registry = Registry::default();
-        let (handle, serve) = zds::start(
-            ZdsConfig {
-                socket_path: socket.clone(),
-            },
-            None,
-            &mut registry,
-        )
-        .unwrap();
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.spawn(serve);
+        let server = ZdsServer::start(&socket);
         Self {
-            handle,
-            registry,
+            handle: server.handle.clone(),
+            server,
             socket,
-            runtime,
             _dir: dir,
         }
     }
 
     fn block_on<F: Future>(&self, future: F) -> F::Output {
-        self.runtime.block_on(future)
+        self.server.block_on(future)
     }
 
     fn connect(&self) -> ZdsZtunnel {
@@ -101,7 +85,7 @@ impl Server {
 
     /// The server's metrics, as the agent would serve them.
     fn metrics(&self) -> Metrics {
-        Metrics::of_registry(&self.registry)
+        Metrics::of_registry(&self.server.registry)
     }
 
     /// The snapshots ztunnels acknowledged.
