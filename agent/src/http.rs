@@ -102,6 +102,27 @@ async fn recent_logs() -> String {
         .collect()
 }
 
+/// Binds `addr`, waiting while another process holds it: the node agent weir takes a node over
+/// from (istio-cni's) serves the same ports until it leaves the node.
+async fn bind_when_free(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let mut told = false;
+    loop {
+        match tokio::net::TcpListener::bind(addr).await {
+            Err(error) if error.kind() == std::io::ErrorKind::AddrInUse => {
+                if !std::mem::replace(&mut told, true) {
+                    tracing::warn!(
+                        %addr,
+                        "the port is in use (by istio-cni's node agent, leaving the node?): \
+                         serving there once it is free"
+                    );
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            bound => return bound,
+        }
+    }
+}
+
 fn health_routes(ready: watch::Receiver<bool>, live: Liveness) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
@@ -110,7 +131,7 @@ fn health_routes(ready: watch::Receiver<bool>, live: Liveness) -> Router {
 }
 
 async fn serve_routes(addr: SocketAddr, routes: Router, paths: &str) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr)
+    let listener = bind_when_free(addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
     tracing::info!(addr = %listener.local_addr()?, "serving {paths}");

@@ -1674,12 +1674,16 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     let loop_out = TrafficLoop::start(app.netns(), server.app_v4(), server_echo.reply_to("loop"));
     wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
 
-    // weir beside istio-cni's agent, then istio-cni's agent leaves.
-    let mut agent = cluster.start_agent();
+    // weir beside istio-cni's agent, which serves the metrics port weir is given (15014 for
+    // both in a cluster) until it leaves; then istio-cni's agent leaves.
+    let istio_metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let metrics_addr = istio_metrics.local_addr().unwrap();
+    let start_weir = || cluster.start_agent_with(|config| config.metrics_addr = metrics_addr);
+    let mut agent = start_weir();
     if restart_midway {
         wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
         agent.stop().unwrap();
-        agent = cluster.start_agent();
+        agent = start_weir();
     }
     assert!(cluster.plugin_installed());
     let plugins = weir_conflist(&cluster.chain).plugins;
@@ -1690,6 +1694,7 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
     cluster.api.delete::<PodObject>(MESH, "gone");
     istio.stop();
+    drop(istio_metrics);
     let snapshots = ztunnel.wait_for_snapshots(2, 2 * WAIT);
     assert!(snapshots, "ztunnel found weir: {:?}", ztunnel.events());
     let taken_over = cluster.wait_for_warnings("TakenOver");
