@@ -163,14 +163,15 @@ impl IstioRules {
 /// Takes the pod (whose netns the calling thread is in, and which weir's programs redirect
 /// now) over from istio's in-pod redirection: removes the redirection at once, and the return
 /// path if no connection needs it. Returns whether something is left, for a later call (the
-/// owner's audit). Failures are logged, never fatal: istio's rules redirect to the same ztunnel
-/// ports as weir's programs, so with them left the pod is still captured.
+/// owner's audit, which calls it again). Failures are logged and left for that later call, never
+/// fatal: istio's rules redirect to the same ztunnel ports as weir's programs, so with them left
+/// the pod is still captured.
 pub fn take_over(uid: &str, rtnl: &mut Rtnl) -> bool {
     let mut rules = match IstioRules::find(rtnl) {
         Ok(rules) => rules,
         Err(error) => {
             warn!(uid, %error, "looking for istio's in-pod rules");
-            return false;
+            return true;
         }
     };
     if !rules.legacy_tables.is_empty() && rules.is_empty() {
@@ -181,16 +182,18 @@ pub fn take_over(uid: &str, rtnl: &mut Rtnl) -> bool {
         );
     }
     if rules.redirects() {
-        match rules.remove_redirection() {
-            Ok(()) => info!(
-                uid,
-                "istio's in-pod redirection removed: weir's programs redirect the pod, and \
-                 connections istio's rules redirected go on"
-            ),
-            Err(error) => warn!(uid, %error, "removing istio's in-pod redirection"),
+        if let Err(error) = rules.remove_redirection() {
+            // The return path stays with it: the connections it marks need it.
+            warn!(uid, %error, "removing istio's in-pod redirection");
+            return true;
         }
+        info!(
+            uid,
+            "istio's in-pod redirection removed: weir's programs redirect the pod, and \
+             connections istio's rules redirected go on"
+        );
     }
-    !retire(uid, &mut rules, rtnl) || rules.redirects()
+    !retire(uid, &mut rules, rtnl)
 }
 
 fn retire(uid: &str, rules: &mut IstioRules, rtnl: &mut Rtnl) -> bool {
