@@ -354,11 +354,12 @@ impl Reconciler {
                     // Its rules redirect it to ztunnel until then; enrolled now, ztunnel's own
                     // connections out of the pod would be redirected too, since only a ztunnel
                     // connected to this agent is known to the datapath.
-                    self.enroller.keep_for_ztunnel(&running).await?;
-                    info!(
-                        "pod redirected by another node agent (istio-cni): taken over once \
-                         ztunnel connects to this agent, which keeps its proxy meanwhile"
-                    );
+                    if self.enroller.keep_for_ztunnel(&running).await? {
+                        info!(
+                            "pod redirected by another node agent (istio-cni): taken over once \
+                             ztunnel connects to this agent, which keeps its proxy meanwhile"
+                        );
+                    }
                     return Ok(());
                 }
                 let enrolled = self.enroller.enroll_running(running).await;

@@ -248,15 +248,16 @@ impl Enroller {
     /// Names a running pod that another node agent (istio-cni's) handed to ztunnel in every
     /// snapshot, with Keep: the ztunnel that comes over from that agent keeps the pod's proxy,
     /// and its connections, until this agent takes the pod over.
-    pub async fn keep_for_ztunnel(&self, pod: &RunningPod) -> Result<()> {
-        let info = WorkloadInfo {
-            name: pod.name.name.clone(),
-            namespace: pod.name.namespace.clone(),
-            service_account: pod.service_account.clone().unwrap_or_default(),
-        };
+    /// Returns whether the pod was not named so before.
+    pub async fn keep_for_ztunnel(&self, pod: &RunningPod) -> Result<bool> {
+        let info = zds_info(&pod.name, pod.service_account.as_deref());
         self.zds.add(&pod.uid, info, None).await?;
-        (self.kept.lock().unwrap()).insert(pod.uid.clone(), pod.name.clone());
-        Ok(())
+        let kept = self
+            .kept
+            .lock()
+            .unwrap()
+            .insert(pod.uid.clone(), pod.name.clone());
+        Ok(kept.is_none())
     }
 
     /// The pods [`Self::keep_for_ztunnel`] names, with their names.
@@ -325,7 +326,11 @@ impl Enroller {
         }
         let status = match self
             .zds
-            .add(&pod.uid, zds_info(pod), Some(Arc::new(netns)))
+            .add(
+                &pod.uid,
+                zds_info(&pod.pod, pod.service_account.as_deref()),
+                Some(Arc::new(netns)),
+            )
             .await
         {
             Ok(()) => Status::Enabled,
@@ -422,10 +427,10 @@ pub struct RunningPod {
 }
 
 /// What ztunnel is told about a pod.
-fn zds_info(pod: &Workload) -> WorkloadInfo {
+fn zds_info(pod: &PodName, service_account: Option<&str>) -> WorkloadInfo {
     WorkloadInfo {
-        name: pod.pod.name.clone(),
-        namespace: pod.pod.namespace.clone(),
-        service_account: pod.service_account.clone().unwrap_or_default(),
+        name: pod.name.clone(),
+        namespace: pod.namespace.clone(),
+        service_account: service_account.unwrap_or_default().to_owned(),
     }
 }

@@ -76,7 +76,10 @@ impl Enroller {
             );
             return;
         }
-        let info: WorkloadInfo = record.as_ref().map(zds_info).unwrap_or_default();
+        let info: WorkloadInfo = record
+            .as_ref()
+            .map(|pod| zds_info(&pod.pod, pod.service_account.as_deref()))
+            .unwrap_or_default();
         let name = PodName::new(&info.namespace, &info.name);
         info!(netns_found = netns.is_some(), "recovered an enrolled pod");
         let handed_over = netns.is_some();
