@@ -323,6 +323,13 @@ pub fn read_line(stream: &TcpStream) -> io::Result<String> {
     Ok(line)
 }
 
+/// Sends `line` on a connection held open and reads the answer, each bounded by [`IO_TIMEOUT`].
+pub fn exchange_line(stream: &TcpStream, line: &str) -> io::Result<String> {
+    set_timeouts(stream)?;
+    write_line(stream, line)?;
+    read_line(stream)
+}
+
 /// Writes `line` and a newline.
 pub fn write_line(mut stream: &TcpStream, line: &str) -> io::Result<()> {
     stream.write_all(format!("{line}\n").as_bytes())

@@ -1609,7 +1609,7 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     use weir_agent::datapath::{istio_rules::IstioRules, netlink::Rtnl};
     use weir_common::INBOUND_PORT;
     use weir_tests::istio_cni::{self, IstioCniAgent};
-    use weir_tests::traffic::{read_line, set_timeouts, write_line};
+    use weir_tests::traffic::exchange_line;
     use weir_tests::traffic_loop::{wait_for_connections, TrafficLoop};
 
     let cluster = privileged!(Cluster::new());
@@ -1664,9 +1664,11 @@ fn take_over_from_istio_cni(restart_midway: bool) {
         .run(|| std::net::TcpStream::connect(server.app_v4()))
         .unwrap();
     let exchange = |stream: &std::net::TcpStream, echo: &EchoServer, line: &str| {
-        set_timeouts(stream).unwrap();
-        write_line(stream, line).unwrap();
-        assert_eq!(read_line(stream).unwrap(), echo.reply_to(line), "{line}");
+        assert_eq!(
+            exchange_line(stream, line).unwrap(),
+            echo.reply_to(line),
+            "{line}"
+        );
     };
     exchange(&held_in, &app_echo, "in under istio");
     exchange(&held_out, &server_echo, "out under istio");

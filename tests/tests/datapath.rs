@@ -27,7 +27,7 @@ use weir_tests::{
     raw::{self, Answer},
     receive_batch::kernel_needs_the_handoff,
     sockopt, tcp_request, tcp_request_within,
-    traffic::{read_line, set_timeouts, write_line},
+    traffic::exchange_line,
     traffic_loop::{wait_for_connections, Connection, TrafficLoop},
     udp_request, udp_request_connected,
     ztunnel::{DNS_REPLY_PREFIX, HBONE_REPLY},
@@ -1664,9 +1664,7 @@ fn a_pod_istio_cni_redirected_moves_to_weir_in_place() {
     let held_out = app.run(|| TcpStream::connect(server.app_v4())).unwrap();
     let held_in = client.run(|| TcpStream::connect(app.app_v4())).unwrap();
     let exchange = |stream: &TcpStream, echo: &EchoServer, line: &str| {
-        set_timeouts(stream).unwrap();
-        write_line(stream, line).unwrap();
-        let answer = read_line(stream)
+        let answer = exchange_line(stream, line)
             .unwrap_or_else(|error| panic!("{line}: {error}: {:#?}", ztunnel.dials()));
         assert_eq!(answer, echo.reply_to(line), "{line}");
     };
