@@ -2,9 +2,10 @@
 //! own thread and tokio runtime, with every path (sockets, CNI directories, pins) private to the
 //! node, so tests run in parallel.
 use std::{
-    net::{SocketAddr, TcpListener},
+    net::{Ipv4Addr, SocketAddr, TcpListener},
     os::{fd::AsFd, unix::process::CommandExt},
     path::{Path, PathBuf},
+    sync::atomic::{AtomicU32, Ordering},
     thread,
     time::{Duration, Instant},
 };
@@ -87,12 +88,13 @@ impl NodeFiles {
 
     /// The agent's configuration for `node`.
     pub fn agent_config(&self, node: &NetNs) -> Result<AgentConfig> {
+        let [health, metrics, admin] = own_loopback_ports()?;
         Ok(agent_config_at(
             self.dir.path(),
             node.name(),
-            free_port()?,
-            free_port()?,
-            free_port()?,
+            health,
+            metrics,
+            admin,
         ))
     }
 }
@@ -188,8 +190,24 @@ pub(crate) fn remove_datapath(pin_root: &Path) {
     }
 }
 
-fn free_port() -> Result<SocketAddr> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+/// `N` distinct ports, free now, on a loopback address of their own: no other agent this
+/// process configures is given that address. An agent waits for a port another process holds
+/// (as it does for a node agent leaving the node), so a port picked twice would have another
+/// test's agent answer for one still starting.
+fn own_loopback_ports<const N: usize>() -> Result<[SocketAddr; N]> {
+    static AGENTS: AtomicU32 = AtomicU32::new(1);
+    let agent = AGENTS.fetch_add(1, Ordering::Relaxed);
+    // 127.0.0.0/8 is all loopback: the process and the agent's number make the address.
+    let [_, _, high, low] = agent.to_be_bytes();
+    let address = Ipv4Addr::new(127, 1 + (std::process::id() % 250) as u8, high, low);
+    // Held until all are picked, so that they differ.
+    let listeners = (0..N)
+        .map(|_| TcpListener::bind((address, 0)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let addrs = (listeners.iter())
+        .map(TcpListener::local_addr)
+        .collect::<std::io::Result<Vec<_>>>()?;
+    Ok(addrs.try_into().expect("N addresses"))
 }
 
 /// How long an agent may take to become ready: it loads and verifies the programs first, which
