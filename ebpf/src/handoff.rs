@@ -44,24 +44,62 @@ pub const ESOCKTNOSUPPORT: i64 = 94;
 pub fn hand_off(connection: &ConnectionKey, listener: *mut bpf_sock) -> bool {
     // SAFETY: helpers without arguments.
     let (cpu, now) = unsafe { (bpf_get_smp_processor_id(), bpf_ktime_get_ns()) };
+    // An empty slot before a stale one: a slot is only presumed stale, its SYN may still be on
+    // its way on a CPU that stalled, and taking it would give that connection to the app. Two
+    // passes, each ending at its first match, keep the verifier's work linear in the slots.
     for index in 0..HANDOFF_SLOTS {
         let Some(slot) = HANDOFF_CONNS.get_ptr_mut(index) else {
             return false;
         };
         // SAFETY: this CPU's element of a per-CPU array; no other program runs on it meanwhile.
         unsafe {
-            let free = (*slot).stored_ns == 0
-                || now.wrapping_sub((*slot).stored_ns) > HANDOFF_STALE_NS
-                // A retransmitted SYN in the same batch: one slot serves both lookups' first.
-                || (*slot).connection == *connection;
-            if free {
-                (*slot).connection = *connection;
-                (*slot).stored_ns = now;
-                return HANDOFF.insert(&HandoffSlot::key(cpu, index), listener);
+            // A retransmitted SYN in the same batch: one slot serves both lookups' first.
+            if (*slot).stored_ns == 0 || (*slot).connection == *connection {
+                return store(
+                    slot,
+                    HandoffSlot::key(cpu, index),
+                    connection,
+                    listener,
+                    now,
+                );
+            }
+        }
+    }
+    for index in 0..HANDOFF_SLOTS {
+        let Some(slot) = HANDOFF_CONNS.get_ptr_mut(index) else {
+            return false;
+        };
+        // SAFETY: as above.
+        unsafe {
+            if now.wrapping_sub((*slot).stored_ns) > HANDOFF_STALE_NS {
+                return store(
+                    slot,
+                    HandoffSlot::key(cpu, index),
+                    connection,
+                    listener,
+                    now,
+                );
             }
         }
     }
     false
+}
+
+/// Takes `slot` (this CPU's, at `key`) for the connection.
+///
+/// # Safety
+/// `slot` points to this CPU's element of `HANDOFF_CONNS`.
+#[inline(always)]
+unsafe fn store(
+    slot: *mut HandoffSlot,
+    key: u32,
+    connection: &ConnectionKey,
+    listener: *mut bpf_sock,
+    now: u64,
+) -> bool {
+    (*slot).connection = *connection;
+    (*slot).stored_ns = now;
+    HANDOFF.insert(&key, listener)
 }
 
 #[sk_lookup]
