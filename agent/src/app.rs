@@ -139,6 +139,7 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             repair,
         );
         reconciler.register_metrics(&mut registry);
+        sidecars.register_metrics(&mut registry);
         (reconciler, sidecars)
     });
     let cni_server = CniServer::bind(&config.cni_socket)?;

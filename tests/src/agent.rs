@@ -549,7 +549,7 @@ impl AgentProcess {
 
     /// Waits until the agent says it stopped at its pause point.
     pub fn wait_until_paused(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + crate::wait::scaled(timeout);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {

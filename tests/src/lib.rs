@@ -77,20 +77,22 @@ pub fn require_privileges() -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
     }
-    if under_ci() {
-        panic!(
-            "privileged tests must run under CI, but this process is not root: \
-             run them as root (`cargo xtask test` does)"
-        );
-    }
-    let test = std::thread::current().name().unwrap_or("test").to_owned();
-    eprintln!("skipping {test}: needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)");
+    skip_or_fail(
+        "needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN); under CI, privileged tests must run: run them \
+         as root (`cargo xtask test` does)",
+    );
     false
 }
 
-/// Whether this is a CI run (`CI=true`), where a test must not skip.
-fn under_ci() -> bool {
-    std::env::var("CI").is_ok_and(|ci| ci == "true")
+/// The one way a test skips: under CI (`CI=true`) it panics with `reason`, because a skipped
+/// test there would look like a passed one; elsewhere it prints `skipping <test>: <reason>`, and
+/// the test returns.
+pub fn skip_or_fail(reason: &str) {
+    if std::env::var("CI").is_ok_and(|ci| ci == "true") {
+        panic!("{reason}");
+    }
+    let test = std::thread::current().name().unwrap_or("test").to_owned();
+    eprintln!("skipping {test}: {reason}");
 }
 
 /// The program a test runs: the path in the environment variable `env` when it is set, else
@@ -107,12 +109,7 @@ pub fn required_program(name: &str, env: Option<&str>, hint: &str) -> Option<std
             .find(|file| file.is_file())
     });
     if on_path.is_none() {
-        let reason = format!("no {name}: {hint}");
-        if under_ci() {
-            panic!("{reason}");
-        }
-        let test = std::thread::current().name().unwrap_or("test").to_owned();
-        eprintln!("skipping {test}: {reason}");
+        skip_or_fail(&format!("no {name}: {hint}"));
     }
     on_path
 }

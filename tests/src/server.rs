@@ -249,7 +249,7 @@ impl<T: Clone> Log<T> {
 
     /// The first entry matching `predicate`, waiting up to `timeout` for one to arrive.
     pub fn wait_for(&self, predicate: impl Fn(&T) -> bool, timeout: Duration) -> Option<T> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + crate::wait::scaled(timeout);
         let mut entries = self.lock();
         loop {
             if let Some(found) = entries.iter().find(|entry| predicate(entry)) {
@@ -267,7 +267,7 @@ impl<T: Clone> Log<T> {
     /// Whether the entries came to satisfy `done` (which sees them all, in order) within
     /// `timeout`.
     pub fn wait_until(&self, done: impl Fn(&[T]) -> bool, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + crate::wait::scaled(timeout);
         let mut entries = self.lock();
         loop {
             if done(&entries) {

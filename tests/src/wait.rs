@@ -4,8 +4,32 @@
 //! A check answers `bool` (done or not) or `Option<T>` (the thing, once there). [`wait_until`]
 //! fails the test with what it waited for when the deadline passes; [`try_wait_until`] returns
 //! `None` instead, for a test that asserts on the timeout itself or reports more than the name.
+//!
+//! A deadline says how long the thing takes on a node, with room; every one is stretched by
+//! [`WAIT_SCALE_ENV`] where everything runs slower (the kernel guests, whose CPUs are emulated).
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::OnceLock,
+    time::{Duration, Instant},
+};
+
+/// A factor for every deadline (a decimal number, at least 1; 1 when unset).
+pub const WAIT_SCALE_ENV: &str = "WEIR_TEST_WAIT_SCALE";
+
+/// `timeout` stretched by [`WAIT_SCALE_ENV`].
+pub fn scaled(timeout: Duration) -> Duration {
+    static SCALE: OnceLock<f64> = OnceLock::new();
+    let scale = SCALE.get_or_init(|| {
+        let Some(value) = std::env::var_os(WAIT_SCALE_ENV) else {
+            return 1.0;
+        };
+        match value.to_str().and_then(|value| value.parse::<f64>().ok()) {
+            Some(scale) if scale >= 1.0 => scale,
+            _ => panic!("{WAIT_SCALE_ENV} is {value:?}: a number, at least 1"),
+        }
+    });
+    timeout.mul_f64(*scale)
+}
 
 /// How long the check rests between two tries.
 const POLL_INTERVAL: Duration = Duration::from_millis(20);
@@ -34,7 +58,7 @@ impl<T> Check for Option<T> {
 #[track_caller]
 pub fn wait_until<C: Check>(timeout: Duration, what: &str, check: impl FnMut() -> C) -> C::Found {
     try_wait_until(timeout, check)
-        .unwrap_or_else(|| panic!("timed out after {timeout:?} waiting for {what}"))
+        .unwrap_or_else(|| panic!("timed out after {:?} waiting for {what}", scaled(timeout)))
 }
 
 /// Runs `check` until it answers done; `None` once `timeout` passed without it. The check runs
@@ -43,7 +67,7 @@ pub fn try_wait_until<C: Check>(
     timeout: Duration,
     mut check: impl FnMut() -> C,
 ) -> Option<C::Found> {
-    let deadline = Instant::now() + timeout;
+    let deadline = Instant::now() + scaled(timeout);
     loop {
         let past_deadline = Instant::now() >= deadline;
         if let Some(found) = check().found() {
@@ -63,7 +87,7 @@ pub async fn wait_until_async<C: Check>(
     what: &str,
     mut check: impl FnMut() -> C,
 ) -> C::Found {
-    let deadline = Instant::now() + timeout;
+    let deadline = Instant::now() + scaled(timeout);
     loop {
         let past_deadline = Instant::now() >= deadline;
         if let Some(found) = check().found() {
@@ -71,7 +95,8 @@ pub async fn wait_until_async<C: Check>(
         }
         assert!(
             !past_deadline,
-            "timed out after {timeout:?} waiting for {what}"
+            "timed out after {:?} waiting for {what}",
+            scaled(timeout)
         );
         tokio::time::sleep(POLL_INTERVAL).await;
     }

@@ -31,6 +31,10 @@ const KERNEL_FACING: &[&str] = &[
 const GUEST_TEST_THREADS: u32 = 2;
 /// A test executable that hangs in a guest fails its target after this, and the next one runs.
 const GUEST_TARGET_TIMEOUT_SECS: u32 = 20 * 60;
+/// The guests' factor for every deadline the tests wait with (`WEIR_TEST_WAIT_SCALE`, read by
+/// `tests/src/wait.rs`): their CPUs are emulated. A passing test waits only as long as the
+/// thing takes, so the factor costs nothing where it was not needed.
+const GUEST_WAIT_SCALE: u32 = 4;
 
 pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     step("checking test system packages");
@@ -323,7 +327,7 @@ fn guest_script(object: &Path, targets: &[TestTarget], filter: &[String]) -> Str
     let marker = vm::MARKER;
     let quote = |path: &Path| vm::shell_quote(&path.to_string_lossy());
     let mut script = format!(
-        r#"export CI=true RUST_BACKTRACE=1 WEIR_EBPF_OBJECT={object}
+        r#"export CI=true RUST_BACKTRACE=1 WEIR_EBPF_OBJECT={object} WEIR_TEST_WAIT_SCALE={GUEST_WAIT_SCALE}
 failed=0
 # run_target INDEX LABEL DIR EXECUTABLE ARGS...
 run_target() {{

@@ -101,6 +101,28 @@ pub enum Change {
     Relisted,
 }
 
+/// The runs of a loop that follows the caches' [`Change`]s, by what started each: `change` (a
+/// pod's or a namespace's), `pass` (every pod: the first pass, a resync, a relist, a ztunnel
+/// that connected) or `retry` (pods whose backoff expired). Counted once a run is done, so that
+/// what it did can be waited on.
+#[derive(Clone, Default)]
+pub struct LoopRuns(Family<RunLabels, Counter>);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RunLabels {
+    trigger: &'static str,
+}
+
+impl LoopRuns {
+    pub fn register(&self, registry: &mut Registry, name: &str, help: &str) {
+        registry.register(name, help, self.0.clone());
+    }
+
+    pub fn ran(&self, trigger: &'static str) {
+        self.0.get_or_create(&RunLabels { trigger }).inc();
+    }
+}
+
 /// The caches the agent decides from, kept current by watches that relist when the API server
 /// has forgotten their resourceVersion (410), and the stream of their changes.
 #[derive(Clone)]

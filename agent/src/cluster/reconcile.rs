@@ -29,7 +29,7 @@ use prometheus_client::{metrics::counter::Counter, registry::Registry};
 use tokio::sync::{broadcast::error::RecvError, watch};
 use tracing::{debug, info, warn, Instrument};
 
-use super::{facts_of, ips_of, repair::Repair, Change, Reflectors};
+use super::{facts_of, ips_of, repair::Repair, Change, LoopRuns, Reflectors};
 use crate::{
     datapath::EnrollNetns,
     enroll::{Enroller, RunningPod},
@@ -60,6 +60,7 @@ pub struct Reconciler {
     annotation_problems: Mutex<HashMap<String, Vec<AnnotationProblem>>>,
     failures: Counter,
     taken_over: Counter,
+    runs: LoopRuns,
 }
 
 /// What one pod should be, from the API server's view of it.
@@ -95,6 +96,7 @@ impl Reconciler {
             annotation_problems: Mutex::new(HashMap::new()),
             failures: Counter::default(),
             taken_over: Counter::default(),
+            runs: LoopRuns::default(),
         })
     }
 
@@ -103,6 +105,12 @@ impl Reconciler {
             "weir_reconcile_failures",
             "Pods the reconcile loop could not bring to what the cluster asks (each is retried)",
             self.failures.clone(),
+        );
+        self.runs.register(
+            registry,
+            "weir_reconcile_runs",
+            "Runs of the reconcile loop, counted once done, by what started them: a change from \
+             the watches, a full pass, or pods whose backoff expired",
         );
         registry.register(
             "weir_pods_taken_over",
@@ -133,8 +141,14 @@ impl Reconciler {
                     }
                 }
                 change = changes.recv() => match change {
-                    Ok(Change::Pod(pod)) => self.reconcile_named(&pod).await,
-                    Ok(Change::Namespace(namespace)) => self.reconcile_namespace(&namespace).await,
+                    Ok(Change::Pod(pod)) => {
+                        self.reconcile_named(&pod).await;
+                        self.runs.ran("change");
+                    }
+                    Ok(Change::Namespace(namespace)) => {
+                        self.reconcile_namespace(&namespace).await;
+                        self.runs.ran("change");
+                    }
                     Ok(Change::DaemonSet) => {}
                     Ok(Change::Relisted) => self.full_pass().await,
                     // Changes were missed: only the stores know them now.
@@ -142,7 +156,10 @@ impl Reconciler {
                     Err(RecvError::Closed) => return,
                 },
                 _ = resync.tick() => self.full_pass().await,
-                () = sleep_until(next_retry) => self.retry_due().await,
+                () = sleep_until(next_retry) => {
+                    self.retry_due().await;
+                    self.runs.ran("retry");
+                }
             }
         }
     }
@@ -165,6 +182,7 @@ impl Reconciler {
             .unwrap()
             .retain(|uid, _| known.contains(uid));
         self.reconcile_selected(&pods, |_| true).await;
+        self.runs.ran("pass");
         debug!(pods = pods.len(), "full reconcile pass done");
     }
 

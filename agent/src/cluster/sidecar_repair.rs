@@ -21,7 +21,7 @@ use kube::ResourceExt;
 use tokio::sync::broadcast::error::RecvError;
 use tracing::{debug, info, warn, Instrument};
 
-use super::{facts_of, ips_of, repair::Repair, Change, Reflectors};
+use super::{facts_of, ips_of, repair::Repair, Change, LoopRuns, Reflectors};
 use crate::{
     enroll::{Enroller, RunningPod},
     logging::pod_span,
@@ -77,6 +77,7 @@ pub struct SidecarRepair {
     /// The pods repaired in place, by uid: each only once, as istio. Until its istio-validation
     /// passes on its next restart, a repaired pod still looks broken.
     repaired: Mutex<HashSet<String>>,
+    runs: LoopRuns,
 }
 
 /// How an in-place repair went.
@@ -104,7 +105,17 @@ impl SidecarRepair {
             in_place,
             resync_interval,
             repaired: Mutex::new(HashSet::new()),
+            runs: LoopRuns::default(),
         })
+    }
+
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.runs.register(
+            registry,
+            "weir_sidecar_repair_runs",
+            "Runs of the sidecar pods' repair, counted once done, by what started them: a pod's \
+             change from the watches, or a full pass",
+        );
     }
 
     /// Runs until the agent stops.
@@ -122,6 +133,7 @@ impl SidecarRepair {
                         if let Some(pod) = self.reflectors.pod(&name) {
                             self.check(&pod).await;
                         }
+                        self.runs.ran("change");
                     }
                     Ok(Change::Namespace(_) | Change::DaemonSet) => {}
                     // Changes were missed: only the store knows them now.
@@ -143,6 +155,7 @@ impl SidecarRepair {
         for pod in &pods {
             self.check(pod).await;
         }
+        self.runs.ran("pass");
     }
 
     /// Repairs the pod if it is a broken sidecar pod, in istio's order of modes.

@@ -143,7 +143,7 @@ mod tests {
     }
 
     /// Each cause keeps its code under the context an enrollment adds on its way up (the
-    /// netns causes are shown end to end in `tests/tests/cni.rs`).
+    /// netns causes are shown end to end in `tests/tests/cni/`).
     #[test]
     fn enrollments_that_can_never_succeed_name_the_culprit() {
         for (cause, code, msg) in [

@@ -35,6 +35,7 @@ async fn wait_for_snapshots(socket: &SeqpacketConnection, shared: &Shared) -> an
         return Ok(());
     }
     info!("ztunnel said hello; its snapshot waits until the agent knows its pods");
+    let _held = shared.metrics.held_snapshot();
     tokio::select! {
         // The sender lives in `shared`, as long as this connection.
         _ = released.wait_for(|released| *released) => Ok(()),

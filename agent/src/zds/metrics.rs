@@ -25,6 +25,8 @@ pub(super) struct Metrics {
     pub(super) connections: Counter,
     /// Adds sent (or queued) to ztunnel that have no answer yet.
     pending_adds: Gauge,
+    /// Connections that said hello and wait for their snapshot until the agent knows its pods.
+    held_snapshots: Gauge,
     requests: Family<MessageLabels, Counter>,
     acks: Family<MessageLabels, Counter>,
     errors: Family<ErrorLabels, Counter>,
@@ -48,6 +50,12 @@ impl Metrics {
                 "weir_zds_pending_adds",
                 "Adds sent or queued to ztunnel and not yet answered",
             ),
+            held_snapshots: registered(
+                registry,
+                "weir_zds_held_snapshots",
+                "ztunnel connections that said hello and whose snapshot waits until the agent \
+                 knows its pods (its first reconcile pass)",
+            ),
             requests: registered(
                 registry,
                 "weir_zds_requests",
@@ -67,9 +75,13 @@ impl Metrics {
     }
 
     /// Counts an Add as pending for as long as the guard lives, also when its caller gives up.
-    pub(super) fn pending_add(&self) -> PendingAdd {
-        self.pending_adds.inc();
-        PendingAdd(self.pending_adds.clone())
+    pub(super) fn pending_add(&self) -> CountedWhileAlive {
+        CountedWhileAlive::new(&self.pending_adds)
+    }
+
+    /// Counts a connection's snapshot as held for as long as the guard lives.
+    pub(super) fn held_snapshot(&self) -> CountedWhileAlive {
+        CountedWhileAlive::new(&self.held_snapshots)
     }
 
     pub(super) fn request(&self, message: &'static str) {
@@ -89,10 +101,17 @@ impl Metrics {
     }
 }
 
-/// An Add counted in `weir_zds_pending_adds` until dropped.
-pub(super) struct PendingAdd(Gauge);
+/// One in a gauge's count until dropped.
+pub(super) struct CountedWhileAlive(Gauge);
 
-impl Drop for PendingAdd {
+impl CountedWhileAlive {
+    fn new(gauge: &Gauge) -> Self {
+        gauge.inc();
+        Self(gauge.clone())
+    }
+}
+
+impl Drop for CountedWhileAlive {
     fn drop(&mut self) {
         self.0.dec();
     }
