@@ -1,6 +1,6 @@
 //! Missed events never leak state: pods whose removal the agent was never told about, through
 //! the runtime's CNI GC or a DEL that never came, are unenrolled, and a pod an agent start cannot
-//! recover costs only itself. Through the real chain and the real agent, as tests/tests/cni.rs.
+//! recover costs only itself. Through the real chain and the real agent, as tests/tests/cni/.
 use std::{collections::BTreeSet, path::Path, process::Command as Process, time::Duration};
 
 use weir_agent::{config::AgentConfig, datapath::pinned_pods, state};

@@ -33,7 +33,6 @@ use k8s_openapi::api::core::v1::{Container, PodSpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Deserialize;
 use tempfile::TempDir;
-use weir_tests::try_wait_until;
 use weir_tests::{
     agent::{http_status, NodeFiles},
     chain::{ambient_policy, assert_through_ztunnel, CniChainNode},
@@ -41,6 +40,7 @@ use weir_tests::{
     zds_client::ZdsZtunnel,
     DatapathNode, NodeOptions,
 };
+use weir_tests::{skip_or_fail, try_wait_until};
 
 /// Where `cargo xtask test` says the archive is.
 const ARCHIVE_ENV: &str = "WEIR_IMAGE_ARCHIVE";
@@ -374,13 +374,6 @@ fn containerd_installed() -> bool {
         skip_or_fail("containerd, ctr and runc are needed: apt-get install containerd");
     }
     found
-}
-
-fn skip_or_fail(reason: &str) {
-    if std::env::var("CI").is_ok_and(|ci| ci == "true") {
-        panic!("{reason}");
-    }
-    eprintln!("skipping: {reason}");
 }
 
 /// The readiness probe's address on the node (the agent shares the node's network) and path.

@@ -1,0 +1,172 @@
+//! A node istio-cni's agent ran, taken over under traffic: no window, no restarts.
+use super::*;
+
+/// A node istio-cni's ambient agent runs, taken over by weir as docs/install.md says: weir starts
+/// beside it, then istio-cni's agent leaves. Its plugin leaves the chain in the write that puts
+/// weir's in; ztunnel, connected to istio-cni's agent until it goes (which removes the socket
+/// path the two shared), finds weir and keeps the proxy it runs for the pod, with the same uid
+/// and netns (no Del, nothing drained); the pod moves from istio's rules to weir's programs in
+/// place, its connections held open and a stream of new ones never failing, none reaching the
+/// app around ztunnel; istio's redirection leaves the pod; a pod created afterwards starts
+/// through weir.
+#[test]
+fn a_node_istio_cni_ran_is_taken_over_without_a_window() {
+    take_over_from_istio_cni(false);
+}
+
+/// The same, with weir's agent restarted while the pods wait for ztunnel (killed midway): the
+/// new agent names them in its snapshots again, from the cluster's word alone.
+#[test]
+fn a_takeover_from_istio_cni_survives_a_restart_midway() {
+    take_over_from_istio_cni(true);
+}
+
+fn take_over_from_istio_cni(restart_midway: bool) {
+    use weir_agent::datapath::{istio_rules::IstioRules, netlink::Rtnl};
+    use weir_common::INBOUND_PORT;
+    use weir_tests::istio_cni::{self, IstioCniAgent};
+    use weir_tests::traffic::exchange_line;
+    use weir_tests::traffic_loop::{wait_for_connections, TrafficLoop};
+
+    let cluster = privileged!(Cluster::new());
+    // Its DaemonSet selects the node: a stopping agent leaves weir in place, as in a restart.
+    cluster.daemonset();
+    let config = cluster.agent_config();
+    let any = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), weir_tests::APP_PORT);
+    let server = cluster.pod("default", "server").unwrap();
+    let server_echo = EchoServer::start_lasting(server.netns(), "server", any).unwrap();
+    let client = cluster.pod("default", "client").unwrap();
+    // An ambient pod istio-cni enrolled: its rules in the pod, handed to ztunnel, annotated.
+    let (uid, app) = cluster.pod_with_object(MESH, "app");
+    let _process = PodProcess::start(app.netns(), &uid, CgroupDriver::Cgroupfs).unwrap();
+    let app_echo = EchoServer::start_lasting(app.netns(), "app", any).unwrap();
+    let mut object: PodObject = cluster.api.get(MESH, "app").unwrap();
+    object.status = Some(running_at(&ips_of(&app)));
+    object
+        .metadata
+        .annotations
+        .get_or_insert_default()
+        .insert(REDIRECTION_ANNOTATION.into(), "enabled".into());
+    cluster.api.update(&object);
+    let istio = IstioCniAgent::start(&config.zds_socket).unwrap();
+    let ztunnel = ZdsZtunnel::follow(&config.zds_socket).unwrap();
+    istio.enroll(&app).unwrap();
+    let proxy = ztunnel
+        .wait_for_pod(&uid, WAIT)
+        .expect("ztunnel runs the pod's proxy");
+    // And one deleted while the node changes hands: ztunnel must drop its proxy in the end.
+    let (gone_uid, gone) = cluster.pod_with_object(MESH, "gone");
+    let mut gone_object: PodObject = cluster.api.get(MESH, "gone").unwrap();
+    gone_object.status = Some(running_at(&ips_of(&gone)));
+    (gone_object.metadata.annotations.get_or_insert_default())
+        .insert(REDIRECTION_ANNOTATION.into(), "enabled".into());
+    cluster.api.update(&gone_object);
+    istio.enroll(&gone).unwrap();
+    ztunnel
+        .wait_for_pod(&gone_uid, WAIT)
+        .expect("ztunnel runs its proxy");
+    let conflist = cluster.chain.files.net_dir().join("10-weir-test.conflist");
+    let mut chain: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
+    chain["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(istio_cni::plugin_entry());
+    std::fs::write(&conflist, serde_json::to_vec_pretty(&chain).unwrap()).unwrap();
+
+    let held_in = client
+        .run(|| std::net::TcpStream::connect(app.app_v4()))
+        .unwrap();
+    let held_out = app
+        .run(|| std::net::TcpStream::connect(server.app_v4()))
+        .unwrap();
+    let exchange = |stream: &std::net::TcpStream, echo: &EchoServer, line: &str| {
+        assert_eq!(
+            exchange_line(stream, line).unwrap(),
+            echo.reply_to(line),
+            "{line}"
+        );
+    };
+    exchange(&held_in, &app_echo, "in under istio");
+    exchange(&held_out, &server_echo, "out under istio");
+    let loop_in = TrafficLoop::start(client.netns(), app.app_v4(), app_echo.reply_to("loop"));
+    let loop_out = TrafficLoop::start(app.netns(), server.app_v4(), server_echo.reply_to("loop"));
+    wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+
+    // weir beside istio-cni's agent, which serves the metrics port weir is given (15014 for
+    // both in a cluster) until it leaves; then istio-cni's agent leaves.
+    let istio_metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let metrics_addr = istio_metrics.local_addr().unwrap();
+    let start_weir = || cluster.start_agent_with(|config| config.metrics_addr = metrics_addr);
+    let mut agent = start_weir();
+    if restart_midway {
+        wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+        agent.stop().unwrap();
+        agent = start_weir();
+    }
+    assert!(cluster.plugin_installed());
+    let plugins = weir_conflist(&cluster.chain).plugins;
+    assert!(
+        plugins.iter().all(|plugin| plugin["type"] != "istio-cni"),
+        "istio-cni's plugin left the chain: {plugins:?}"
+    );
+    wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+    cluster.api.delete::<PodObject>(MESH, "gone");
+    istio.stop();
+    drop(istio_metrics);
+    let snapshots = ztunnel.wait_for_snapshots(2, 2 * WAIT);
+    assert!(snapshots, "ztunnel found weir: {:?}", ztunnel.events());
+    let taken_over = cluster.wait_for_warnings("TakenOver");
+    assert_eq!(taken_over[0]["type"], "Normal", "{taken_over:?}");
+    wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+    for (direction, connections) in [("in", loop_in.stop()), ("out", loop_out.stop())] {
+        let failed: Vec<_> = connections.iter().filter(|c| c.outcome.is_err()).collect();
+        assert!(failed.is_empty(), "{direction}: {failed:?}");
+    }
+    let events = ztunnel.events();
+    assert!(
+        events.iter().all(|event| !matches!(
+            event,
+            ZdsEvent::Del { uid: dropped } | ZdsEvent::Drained { uid: dropped } if *dropped == uid
+        )),
+        "{events:?}"
+    );
+    assert!(
+        ztunnel.wait_for_drained(&gone_uid, WAIT) || ztunnel.wait_for_del(&gone_uid, WAIT),
+        "the deleted pod's proxy is dropped: {events:?}"
+    );
+    let kept = ztunnel
+        .pod(&uid)
+        .expect("ztunnel still runs the pod's proxy");
+    assert!(std::sync::Arc::ptr_eq(&kept, &proxy), "the same proxy");
+    exchange(&held_in, &app_echo, "in under weir");
+    exchange(&held_out, &server_echo, "out under weir");
+    let left = app
+        .run(|| IstioRules::find(&mut Rtnl::new().unwrap()))
+        .unwrap();
+    assert!(!left.redirects(), "{left:?}");
+    // New connections take weir's hand-off: the original destination as the local address.
+    let reply = client.run(|| tcp_request(app.app_v4(), "new")).unwrap();
+    assert_eq!(reply.response, app_echo.reply_to("new"));
+    proxy
+        .wait_for(
+            |s| s.listener == INBOUND_PORT && s.local == app.app_v4(),
+            WAIT,
+        )
+        .expect("by weir's hand-off");
+    let dialed: Vec<SocketAddr> = (proxy.dials().iter())
+        .filter(|dial| dial.listener == INBOUND_PORT)
+        .filter_map(|dial| dial.source)
+        .collect();
+    for received in app_echo.received() {
+        let peer = weir_tests::sockopt::canonical(received.peer);
+        assert!(dialed.contains(&peer), "around ztunnel: {received:?}");
+    }
+    assert!(cluster.warnings("RepairedPod").is_empty());
+    wait_for_metric(&agent, "weir_pods_taken_over_total", &[], 1.0);
+    // A pod created now starts through weir.
+    let (later_uid, _later) = cluster.pod_with_object(MESH, "later");
+    ztunnel
+        .wait_for_pod(&later_uid, WAIT)
+        .expect("through weir");
+    agent.stop().unwrap();
+}
