@@ -13,17 +13,31 @@
 //! machine's image. Every time in it is the Unix
 //! epoch, so the same binaries make the same archive.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsStr;
 use std::fs;
 use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::str::FromStr;
 
 use anyhow::{bail, Context, Result};
 use flate2::{write::GzEncoder, Compression};
-use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
+use object::{
+    elf,
+    read::elf::{FileHeader, ProgramHeader},
+    Endianness,
+};
+use oci_spec::image::{
+    Arch, ConfigBuilder, Descriptor, DescriptorBuilder, Digest, HistoryBuilder,
+    ImageConfigurationBuilder, ImageIndex, ImageIndexBuilder, ImageManifestBuilder, MediaType,
+    OciLayoutBuilder, Os, PlatformBuilder, RootFsBuilder,
+};
+use serde::Serialize;
+use serde_json::json;
+use sha2::{Digest as _, Sha256};
 
 use crate::{ebpf, step, system};
 
@@ -39,11 +53,8 @@ const BIN_DIR: &str = "usr/local/bin";
 const ENTRYPOINT: &str = "/usr/local/bin/weir-agent";
 /// The Unix epoch, for every time the archive records.
 const EPOCH: &str = "1970-01-01T00:00:00Z";
-
-const INDEX_MEDIA_TYPE: &str = "application/vnd.oci.image.index.v1+json";
-const MANIFEST_MEDIA_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
-const CONFIG_MEDIA_TYPE: &str = "application/vnd.oci.image.config.v1+json";
-const LAYER_MEDIA_TYPE: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+/// The OCI image spec's `schemaVersion` for manifests and indexes.
+const SCHEMA_VERSION: u32 = 2;
 
 /// `localhost/weir-agent:<version of this workspace>`.
 pub fn reference() -> String {
@@ -172,7 +183,8 @@ impl Platform {
     /// binary.
     fn shared_libraries(self, binary: &Path) -> Result<BTreeMap<String, PathBuf>> {
         let mut files = BTreeMap::new();
-        let Some(interpreter) = interpreter(binary)? else {
+        let linking = DynamicLinking::of(binary)?;
+        let Some(interpreter) = linking.interpreter else {
             return Ok(files);
         };
         let interpreter_name = file_name(&interpreter)?;
@@ -182,7 +194,7 @@ impl Platform {
             self.library_dirs()[0].join(&interpreter_name)
         };
         files.insert(image_path(&interpreter)?, source);
-        let mut pending = needed(binary)?;
+        let mut pending = linking.needed;
         while let Some(library) = pending.pop() {
             let image_path = format!("lib/{}/{library}", self.multiarch());
             if library == interpreter_name || files.contains_key(&image_path) {
@@ -196,7 +208,7 @@ impl Platform {
                 .with_context(|| {
                     format!("{library}, which {} needs, is not found", binary.display())
                 })?;
-            pending.extend(needed(&source)?);
+            pending.extend(DynamicLinking::of(&source)?.needed);
             files.insert(image_path, source);
         }
         Ok(files)
@@ -353,55 +365,56 @@ pub fn build(object: &Path, profile: Profile) -> Result<PathBuf> {
     step(&format!("writing the image {}", reference()));
     let archive = target.join("image").join("weir-agent.tar");
     let partial = archive.with_extension("tar.partial");
-    Image::new(images, &reference())
+    Image::new(images, &reference())?
         .write(std::io::BufWriter::new(fs::File::create(&partial)?))
         .with_context(|| format!("writing {}", partial.display()))?;
     fs::rename(&partial, &archive)?;
     Ok(archive)
 }
 
-/// `readelf` (Debian's binutils, any architecture's ELF) on `file`.
-fn readelf(option: &str, file: &Path) -> Result<String> {
-    let out = Command::new("readelf")
-        .args([option, "-W"])
-        .arg(file)
-        .output()
-        .context("cannot run readelf (Debian's binutils)")?;
-    if !out.status.success() {
-        bail!(
-            "readelf {option} {} failed: {}",
-            file.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+/// What the dynamic loader reads of an ELF file (of any architecture): the loader it names
+/// (`PT_INTERP`; none for a static binary) and the libraries it names (`DT_NEEDED`).
+#[derive(Debug)]
+struct DynamicLinking {
+    interpreter: Option<PathBuf>,
+    needed: Vec<String>,
+}
+
+impl DynamicLinking {
+    fn of(file: &Path) -> Result<Self> {
+        let data = fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+        let parsed = match object::FileKind::parse(&*data) {
+            Ok(object::FileKind::Elf64) => Self::parse::<elf::FileHeader64<Endianness>>(&data),
+            Ok(object::FileKind::Elf32) => Self::parse::<elf::FileHeader32<Endianness>>(&data),
+            Ok(kind) => bail!("{kind:?} is no ELF file"),
+            Err(error) => Err(error.into()),
+        };
+        parsed.with_context(|| format!("reading the ELF headers of {}", file.display()))
     }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
 
-/// The dynamic loader `binary` names (`PT_INTERP`); none for a static binary.
-fn interpreter(binary: &Path) -> Result<Option<PathBuf>> {
-    Ok(parse_interpreter(&readelf("-l", binary)?))
-}
-
-fn parse_interpreter(program_headers: &str) -> Option<PathBuf> {
-    let (_, rest) = program_headers.split_once("[Requesting program interpreter: ")?;
-    let (path, _) = rest.split_once(']')?;
-    Some(PathBuf::from(path))
-}
-
-/// The libraries `file` names as `DT_NEEDED`.
-fn needed(file: &Path) -> Result<Vec<String>> {
-    Ok(parse_needed(&readelf("-d", file)?))
-}
-
-fn parse_needed(dynamic_section: &str) -> Vec<String> {
-    dynamic_section
-        .lines()
-        .filter(|line| line.contains("(NEEDED)"))
-        .filter_map(|line| {
-            let (_, rest) = line.split_once("Shared library: [")?;
-            Some(rest.split_once(']')?.0.to_owned())
+    fn parse<Elf: FileHeader<Endian = Endianness>>(data: &[u8]) -> Result<Self> {
+        let header = Elf::parse(data)?;
+        let endian = header.endian()?;
+        let mut interpreter = None;
+        for segment in header.program_headers(endian, data)? {
+            if let Some(path) = segment.interpreter(endian, data)? {
+                interpreter = Some(PathBuf::from(OsStr::from_bytes(path)));
+            }
+        }
+        let dynamic = header.sections(endian, data)?.dynamic_table(endian, data)?;
+        let needed = dynamic
+            .iter()
+            .filter(|entry| entry.tag == elf::DT_NEEDED)
+            .map(|entry| {
+                let name = dynamic.string(entry)?;
+                String::from_utf8(name.to_vec()).context("a library name that is not UTF-8")
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            interpreter,
+            needed,
         })
-        .collect()
+    }
 }
 
 /// Where a file of this machine goes in the image: at the same path, relative to the layer's root.
@@ -428,8 +441,10 @@ impl Blob {
         Self { bytes, digest }
     }
 
-    fn of_json(value: &Value) -> Self {
-        Self::new(serde_json::to_vec(value).expect("JSON values serialize"))
+    /// `value` as JSON, through serde_json's `Value`, whose objects keep their keys sorted:
+    /// oci-spec keeps annotations in a `HashMap`, and the same image must make the same bytes.
+    fn of_json(value: &impl Serialize) -> Result<Self> {
+        Ok(Self::new(json_bytes(value)?))
     }
 
     /// Its path in the archive, under `blobs/`.
@@ -438,9 +453,18 @@ impl Blob {
     }
 
     /// An OCI descriptor of it.
-    fn descriptor(&self, media_type: &str) -> Value {
-        json!({"mediaType": media_type, "digest": self.digest, "size": self.bytes.len()})
+    fn descriptor(&self, media_type: MediaType) -> Result<Descriptor> {
+        Ok(DescriptorBuilder::default()
+            .media_type(media_type)
+            .digest(Digest::from_str(&self.digest)?)
+            .size(u64::try_from(self.bytes.len())?)
+            .build()?)
     }
+}
+
+/// `value` as JSON, with every object's keys sorted (see [`Blob::of_json`]).
+fn json_bytes(value: &impl Serialize) -> Result<Vec<u8>> {
+    Ok(serde_json::to_vec(&serde_json::to_value(value)?)?)
 }
 
 fn sha256(bytes: &[u8]) -> String {
@@ -465,20 +489,32 @@ impl PlatformImage {
         let mut gzip = GzEncoder::new(Vec::new(), Compression::best());
         gzip.write_all(&layer_tar)?;
         let layer = Blob::new(gzip.finish()?);
-        let config = Blob::of_json(&json!({
-            "architecture": architecture,
-            "os": "linux",
-            "created": EPOCH,
-            "config": {"Entrypoint": [ENTRYPOINT], "Cmd": ["run"]},
-            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-            "history": [{"created": EPOCH, "created_by": "cargo xtask image"}],
-        }));
-        let manifest = Blob::of_json(&json!({
-            "schemaVersion": 2,
-            "mediaType": MANIFEST_MEDIA_TYPE,
-            "config": config.descriptor(CONFIG_MEDIA_TYPE),
-            "layers": [layer.descriptor(LAYER_MEDIA_TYPE)],
-        }));
+        let config = Blob::of_json(
+            &ImageConfigurationBuilder::default()
+                .architecture(Arch::from(architecture))
+                .os(Os::Linux)
+                .created(EPOCH)
+                .config(
+                    ConfigBuilder::default()
+                        .entrypoint(vec![ENTRYPOINT.to_owned()])
+                        .cmd(vec!["run".to_owned()])
+                        .build()?,
+                )
+                .rootfs(RootFsBuilder::default().diff_ids(vec![diff_id]).build()?)
+                .history(vec![HistoryBuilder::default()
+                    .created(EPOCH)
+                    .created_by("cargo xtask image")
+                    .build()?])
+                .build()?,
+        )?;
+        let manifest = Blob::of_json(
+            &ImageManifestBuilder::default()
+                .schema_version(SCHEMA_VERSION)
+                .media_type(MediaType::ImageManifest)
+                .config(config.descriptor(MediaType::ImageConfig)?)
+                .layers(vec![layer.descriptor(MediaType::ImageLayerGzip)?])
+                .build()?,
+        )?;
         Ok(Self {
             architecture,
             layer,
@@ -497,25 +533,26 @@ struct Image {
 }
 
 impl Image {
-    fn new(platforms: Vec<PlatformImage>, reference: &str) -> Self {
-        let manifests: Vec<Value> = platforms
+    fn new(platforms: Vec<PlatformImage>, reference: &str) -> Result<Self> {
+        let manifests = platforms
             .iter()
             .map(|image| {
-                let mut descriptor = image.manifest.descriptor(MANIFEST_MEDIA_TYPE);
-                descriptor["platform"] = json!({"architecture": image.architecture, "os": "linux"});
-                descriptor
+                let mut descriptor = image.manifest.descriptor(MediaType::ImageManifest)?;
+                descriptor.set_platform(Some(
+                    PlatformBuilder::default()
+                        .architecture(Arch::from(image.architecture))
+                        .os(Os::Linux)
+                        .build()?,
+                ));
+                Ok(descriptor)
             })
-            .collect();
-        let index = Blob::of_json(&json!({
-            "schemaVersion": 2,
-            "mediaType": INDEX_MEDIA_TYPE,
-            "manifests": manifests,
-        }));
-        Self {
+            .collect::<Result<Vec<_>>>()?;
+        let index = Blob::of_json(&image_index(manifests)?)?;
+        Ok(Self {
             reference: reference.to_owned(),
             platforms,
             index,
-        }
+        })
     }
 
     /// The archive: the OCI layout's `oci-layout` and `index.json` (naming the image index),
@@ -526,17 +563,19 @@ impl Image {
             .reference
             .rsplit_once(':')
             .context("the image reference has no tag")?;
-        let mut index_descriptor = self.index.descriptor(INDEX_MEDIA_TYPE);
+        let mut index_descriptor = self.index.descriptor(MediaType::ImageIndex)?;
         // containerd names the image by the first, podman by the second; both the full name.
-        index_descriptor["annotations"] = json!({
-            "io.containerd.image.name": self.reference,
-            "org.opencontainers.image.ref.name": self.reference,
-        });
-        let layout_index = json!({
-            "schemaVersion": 2,
-            "mediaType": INDEX_MEDIA_TYPE,
-            "manifests": [index_descriptor],
-        });
+        index_descriptor.set_annotations(Some(HashMap::from([
+            (
+                "io.containerd.image.name".to_owned(),
+                self.reference.clone(),
+            ),
+            (
+                "org.opencontainers.image.ref.name".to_owned(),
+                self.reference.clone(),
+            ),
+        ])));
+        let layout_index = image_index(vec![index_descriptor])?;
         let first = self.platforms.first().context("an image of no platform")?;
         let docker_manifest = json!([{
             "Config": first.config.path(),
@@ -548,7 +587,6 @@ impl Image {
         let repositories = json!({repository: {tag: layer_hex}});
 
         let mut archive = tar::Builder::new(out);
-        let json_file = |value: &Value| serde_json::to_vec(value).expect("JSON values serialize");
         for dir in ["blobs/", "blobs/sha256/"] {
             append(&mut archive, dir, None)?;
         }
@@ -560,18 +598,30 @@ impl Image {
         for blob in blobs {
             append(&mut archive, &blob.path(), Some((0o644, &blob.bytes)))?;
         }
-        let oci_layout = json_file(&json!({"imageLayoutVersion": "1.0.0"}));
+        let oci_layout = OciLayoutBuilder::default()
+            .image_layout_version("1.0.0")
+            .build()?;
         for (path, bytes) in [
-            ("oci-layout", oci_layout),
-            ("index.json", json_file(&layout_index)),
-            ("manifest.json", json_file(&docker_manifest)),
-            ("repositories", json_file(&repositories)),
+            ("oci-layout", json_bytes(&oci_layout)?),
+            ("index.json", json_bytes(&layout_index)?),
+            // docker-archive's files have no types in oci-spec.
+            ("manifest.json", json_bytes(&docker_manifest)?),
+            ("repositories", json_bytes(&repositories)?),
         ] {
             append(&mut archive, path, Some((0o644, &bytes)))?;
         }
         archive.into_inner()?.flush()?;
         Ok(())
     }
+}
+
+/// An OCI image index of `manifests`.
+fn image_index(manifests: Vec<Descriptor>) -> Result<ImageIndex> {
+    Ok(ImageIndexBuilder::default()
+        .schema_version(SCHEMA_VERSION)
+        .media_type(MediaType::ImageIndex)
+        .manifests(manifests)
+        .build()?)
 }
 
 /// The layer's tar: `files` (path in the image → file on this machine, read through symlinks)
@@ -637,6 +687,7 @@ fn append<W: Write>(
 mod tests {
     use super::*;
     use flate2::read::GzDecoder;
+    use serde_json::Value;
 
     /// The archive's files, by path.
     fn entries(archive: &[u8]) -> BTreeMap<String, (tar::Header, Vec<u8>)> {
@@ -696,6 +747,7 @@ mod tests {
         ];
         let mut archive = Vec::new();
         Image::new(images, "localhost/weir-agent:1.2.3")
+            .unwrap()
             .write(&mut archive)
             .unwrap();
         archive
@@ -706,7 +758,10 @@ mod tests {
         let layout = json_at(entries, "index.json");
         let descriptors = layout["manifests"].as_array().unwrap();
         assert_eq!(descriptors.len(), 1);
-        assert_eq!(descriptors[0]["mediaType"], INDEX_MEDIA_TYPE);
+        assert_eq!(
+            descriptors[0]["mediaType"],
+            "application/vnd.oci.image.index.v1+json"
+        );
         let index: Value = serde_json::from_slice(blob(entries, &descriptors[0])).unwrap();
         index["manifests"]
             .as_array()
@@ -745,7 +800,10 @@ mod tests {
             "a multi-platform index"
         );
         for (architecture, manifest) in &manifests {
-            assert_eq!(manifest["mediaType"], MANIFEST_MEDIA_TYPE);
+            assert_eq!(
+                manifest["mediaType"],
+                "application/vnd.oci.image.manifest.v1+json"
+            );
             let config: Value =
                 serde_json::from_slice(blob(&entries, &manifest["config"])).unwrap();
             let layers = manifest["layers"].as_array().unwrap();
@@ -825,26 +883,27 @@ mod tests {
     }
 
     #[test]
-    fn readelf_names_the_loader_and_the_needed_libraries() {
-        let program_headers = "
-Program Headers:
-  Type           Offset   VirtAddr           PhysAddr           FileSiz  MemSiz   Flg Align
-  PHDR           0x000040 0x0000000000000040 0x0000000000000040 0x0002d8 0x0002d8 R   0x8
-  INTERP         0x000318 0x0000000000000318 0x0000000000000318 0x00001b 0x00001b R   0x1
-      [Requesting program interpreter: /lib/ld-linux-aarch64.so.1]
-";
-        assert_eq!(
-            parse_interpreter(program_headers),
-            Some(PathBuf::from("/lib/ld-linux-aarch64.so.1"))
+    fn the_loader_and_the_needed_libraries_are_read_from_the_elf_headers() {
+        // This test's own executable: built for this machine's glibc, dynamically.
+        let linking = DynamicLinking::of(&std::env::current_exe().unwrap()).unwrap();
+        let interpreter = linking
+            .interpreter
+            .expect("a dynamic executable names its loader");
+        assert!(
+            interpreter.is_absolute() && interpreter.exists(),
+            "{interpreter:?}"
         );
-        assert_eq!(parse_interpreter("There are no program headers"), None);
-        let dynamic = "
-Dynamic section at offset 0x1d8 contains 30 entries:
-  Tag        Type                         Name/Value
- 0x0000000000000001 (NEEDED)             Shared library: [libgcc_s.so.1]
- 0x0000000000000001 (NEEDED)             Shared library: [libc.so.6]
- 0x000000000000000c (INIT)               0x2a000
-";
-        assert_eq!(parse_needed(dynamic), ["libgcc_s.so.1", "libc.so.6"]);
+        assert!(
+            linking.needed.iter().any(|library| library == "libc.so.6"),
+            "{:?}",
+            linking.needed
+        );
+        let libc = DynamicLinking::of(Path::new("/lib/x86_64-linux-gnu/libc.so.6"))
+            .or_else(|_| DynamicLinking::of(Path::new("/lib/aarch64-linux-gnu/libc.so.6")))
+            .unwrap();
+        assert!(libc.needed.iter().all(|library| library != "libc.so.6"));
+
+        let error = DynamicLinking::of(Path::new(env!("CARGO_MANIFEST_PATH"))).unwrap_err();
+        assert!(format!("{error:#}").contains("Cargo.toml"), "{error:#}");
     }
 }
