@@ -92,8 +92,7 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
     let cluster = privileged!(Cluster::new());
     // With its DaemonSet selecting the node, a stopping agent leaves weir in place (an upgrade).
     cluster.daemonset();
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let names = ["stays", "deleted", "opted-out"];
     let mut pods = Vec::new();
     for name in names {
@@ -136,8 +135,7 @@ fn a_restarted_agent_is_ready_only_once_stale_pods_are_gone() {
 fn a_restart_writes_no_annotation_for_pods_that_stay_enabled() {
     let cluster = privileged!(Cluster::new());
     cluster.daemonset();
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let (uid, _pod) = cluster.pod_with_object(MESH, "app");
     ztunnel.wait_for_pod(&uid, WAIT).unwrap();
     cluster.wait_for_redirection(MESH, "app", Some("enabled"));
@@ -153,8 +151,7 @@ fn a_restart_writes_no_annotation_for_pods_that_stay_enabled() {
     };
     let before = status_writes();
 
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     assert!(ztunnel.wait_for_pod(&uid, WAIT).is_some(), "handed back");
     // The first pass, and the one that follows ztunnel's connection.
     Loop::Reconcile.wait_for_runs(&agent, "pass", 0.0, 2);

@@ -21,8 +21,7 @@ fn add_decides_from_the_cluster_cache() {
     cluster.pod_object("default", "labelled", |pod| {
         pod.metadata.labels = map(&[(DATAPLANE_MODE_LABEL, "ambient")]);
     });
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
 
     for (namespace, name) in [(MESH, "app"), ("default", "labelled")] {
         let pod = cluster.pod(namespace, name).unwrap();
@@ -70,8 +69,7 @@ fn add_decides_from_the_cluster_cache() {
 fn add_never_decides_from_a_namesake_with_another_uid() {
     let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "app", |_| {});
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let namesake = cluster.chain.test_node().add_pod_with(PodSpec {
         namespace: MESH.into(),
         uid: Some("00000000-0000-0000-0000-00000000beef".into()),
@@ -90,8 +88,7 @@ fn add_never_decides_from_a_namesake_with_another_uid() {
 fn redirection_annotation_follows_enrollment() {
     let cluster = privileged!(Cluster::new());
     cluster.pod_object(MESH, "app", |_| {});
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let pod = cluster.pod(MESH, "app").unwrap();
     ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
     cluster.wait_for_redirection(MESH, "app", Some("enabled"));
@@ -114,8 +111,7 @@ fn invalid_annotation_is_one_warning_event_per_window() {
     cluster.pod_object(MESH, "odd", |pod| {
         pod.metadata.annotations = map(&[(DNS_CAPTURE_ANNOTATION, "yes")]);
     });
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let pod = cluster.pod(MESH, "odd").expect("enrolled with the default");
     ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
     let warnings = cluster.warnings("InvalidAmbientAnnotation");
@@ -158,8 +154,7 @@ fn istio_cni_metrics_keep_istios_names_labels_and_meaning() {
         ("ztunnel_connected", &[]),
     ];
     let cluster = privileged!(Cluster::new());
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let events = |kind| {
         agent
             .metrics()

@@ -154,11 +154,17 @@ impl Cluster {
         self.start_agent_with(|_| {})
     }
 
+    /// An agent, and a ztunnel connected to it.
+    fn start_agent_and_ztunnel(&self) -> (Agent, ZdsZtunnel) {
+        let agent = self.start_agent();
+        let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).expect("ztunnel connects");
+        (agent, ztunnel)
+    }
+
     /// An agent, a ztunnel connected to it, and pod `app` of the mesh namespace enrolled,
     /// running and reported redirected.
     fn running_ambient_app(&self) -> (Agent, ZdsZtunnel, weir_tests::Pod) {
-        let agent = self.start_agent();
-        let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+        let (agent, ztunnel) = self.start_agent_and_ztunnel();
         let (uid, pod) = self.pod_with_object(MESH, "app");
         ztunnel.wait_for_pod(&uid, WAIT).unwrap();
         self.set_running(MESH, "app", &ips_of(&pod));

@@ -11,8 +11,7 @@ fn a_pod_that_started_without_weir_cni_is_repaired_live_with_an_event() {
     let _process = PodProcess::start(pod.netns(), &uid, CgroupDriver::Cgroupfs).unwrap();
     let server = cluster.pod("default", "server").unwrap();
     let echo = EchoServer::app(&server).unwrap();
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
 
     // kubelet reports the pod running: ambient all along, running, and not enrolled.
     cluster.set_running(MESH, "app", &ips_of(&pod));
@@ -57,8 +56,7 @@ fn a_live_enrolled_pod_keeps_its_netns_when_the_process_it_was_found_by_exits() 
     let cluster = privileged!(Cluster::new());
     let (uid, pod) = cluster.pod_with_object(MESH, "app");
     let process = PodProcess::start(pod.netns(), &uid, CgroupDriver::Cgroupfs).unwrap();
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     cluster.set_running(MESH, "app", &ips_of(&pod));
     ztunnel.wait_for_pod(&uid, WAIT).expect("enrolled live");
     cluster.wait_for_redirection(MESH, "app", Some("enabled"));

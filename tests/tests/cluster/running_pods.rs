@@ -19,8 +19,7 @@ fn namespace_label_enrolls_and_removes_a_running_pod() {
         weir_tests::cgroup::CgroupDriver::Cgroupfs,
     )
     .unwrap();
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     assert!(ztunnel.pod(&uid).is_none(), "not ambient yet");
 
     let labelled = |labels: &[(&str, &str)]| Namespace {
@@ -49,8 +48,7 @@ fn namespace_label_enrolls_and_removes_a_running_pod() {
 #[test]
 fn opt_out_deletion_and_completion_remove_running_pods_live() {
     let cluster = privileged!(Cluster::new());
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let names = ["opting-out", "deleted", "completed"];
     let mut running = Vec::new();
     for name in names {
@@ -99,8 +97,7 @@ fn opt_out_deletion_and_completion_remove_running_pods_live() {
 #[test]
 fn a_pod_whose_sandbox_is_gone_is_neither_repaired_nor_reported() {
     let cluster = privileged!(Cluster::new());
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let mut sandboxes = Vec::new();
     for name in ["terminating", "restarting"] {
         let (uid, pod) = cluster.pod_with_object(MESH, name);
@@ -161,8 +158,7 @@ fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
     )
     .unwrap();
 
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     assert!(
         ztunnel.wait_for_pod(&uid, WAIT).is_some(),
         "the healthy pod is enrolled"
@@ -178,8 +174,7 @@ fn a_pod_that_cannot_be_enrolled_stops_neither_readiness_nor_the_others() {
 #[test]
 fn an_annotation_change_applies_to_a_running_pod() {
     let cluster = privileged!(Cluster::new());
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
     let (_, pod) = cluster.pod_with_object(MESH, "app");
     ztunnel.wait_for_pod(pod.uid(), WAIT).unwrap();
     let resolver = std::net::SocketAddr::new(

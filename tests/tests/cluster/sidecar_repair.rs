@@ -343,8 +343,7 @@ fn a_broken_sidecar_pod_is_repaired_in_place_once() {
         echo.reply_to("before"),
         "not redirected yet"
     );
-    let agent = cluster.start_agent();
-    let ztunnel = ZdsZtunnel::connect(&agent.config.zds_socket).unwrap();
+    let (agent, ztunnel) = cluster.start_agent_and_ztunnel();
 
     // istio-validation found no redirection and waits for its restart.
     let broken = |restarts| {
