@@ -4,12 +4,12 @@
 //! start, so that a node without what weir needs is told so in its terms, not by a verifier log or
 //! an errno from deep in the datapath.
 //!
-//! The node: the kernel release (the floor in `datapath::kernel`), every BPF program and map type
-//! weir's object uses, probed by loading a trivial one (and whether bpf() is allowed at all), the
-//! cgroup v2 hierarchy the socket programs attach to, whether containers get cgroups of their own
-//! in it (ztunnel's sockets are known by its cgroup), bpffs at the pin root, the primary CNI
-//! network config weir chains into, and the directory of ztunnel's socket. The cluster, when the
-//! agent follows one: the API server answers, the Node is readable, and every access in
+//! The node: the kernel release (the floor in `datapath::kernel::support`), every BPF program and
+//! map type weir's object uses, probed by loading a trivial one (and whether bpf() is allowed at
+//! all), the cgroup v2 hierarchy the socket programs attach to, whether containers get cgroups of
+//! their own in it (ztunnel's sockets are known by its cgroup), bpffs at the pin root, the primary
+//! CNI network config weir chains into, and the directory of ztunnel's socket. The cluster, when
+//! the agent follows one: the API server answers, the Node is readable, and every access in
 //! [`REQUIRED_ACCESS`] is granted, each asked with a SelfSubjectAccessReview.
 //!
 //! At start ([`before_start`]) an unmet requirement that only the operator can meet stops the

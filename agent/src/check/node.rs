@@ -7,8 +7,10 @@ use super::{CheckConfig, Finding};
 use crate::{
     datapath::{
         cgroup2_root, cgroup_identity_of, istio_rules,
-        kernel::{BpfType, Kernel, BPF_FEATURES, OLDEST, OLDEST_BECAUSE},
-        mounts::{self, PinRootFs, DEFAULT_BPF_FS},
+        kernel::{
+            mounts::{self, PinRootFs, DEFAULT_BPF_FS},
+            support::{BpfType, Kernel, BPF_FEATURES, OLDEST, OLDEST_BECAUSE},
+        },
     },
     install::{self, NoNetworkConfig, Placement},
 };

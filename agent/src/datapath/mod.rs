@@ -7,43 +7,38 @@
 //! restart, and on start takes over pinned links with `BPF_LINK_UPDATE` rather than
 //! detach-then-attach, so there is never a window without redirection. Its two waits on sockets
 //! (the pods' interface changes, the programs' log records) are tasks on the caller's runtime
-//! (`tasks.rs`), not threads.
+//! (`owner/tasks.rs`), not threads.
 //!
-//! `Owner::enroll` (in `pods.rs`) is where a pod is enrolled, all inside the pod's netns: the
-//! reply-mark sysctls, then the map entries that switch redirection on, then the return path and
-//! the tc program (which never runs before the maps name the pod). Unenroll removes the map
+//! `Owner::enroll` (in `pod/enroll.rs`) is where a pod is enrolled, all inside the pod's netns:
+//! the reply-mark sysctls, then the map entries that switch redirection on, then the return path
+//! and the tc program (which never runs before the maps name the pod). Unenroll removes the map
 //! entries first. Both are idempotent.
 //!
 //! [`pinned_pods`] is the one reader that needs no owner: it opens the pinned maps read-only, for
 //! an operator's `weir-agent pods` next to a running agent.
-mod audit;
-mod bpf_log;
-mod bpf_sys;
-mod discovery;
-mod enroll_steps;
-mod handle;
-mod handoff;
-pub mod istio_rules;
+//!
+//! The files, by role:
+//!
+//! - `owner/`: the owner thread and the handle that drives it: its state, start and command loop
+//!   (`thread.rs`), the [`Datapath`] handle and its commands (`handle.rs`), the tasks that wait
+//!   on its sockets (`tasks.rs`, `bpf_log.rs`), the audit (`audit.rs`), recovery after a restart
+//!   and the orphan check (`recovery.rs`), and retiring other map layouts (`layouts.rs`).
+//! - `pod/`: a pod's enrollment: `Owner::enroll` and unenrollment (`enroll.rs`) and the timing of
+//!   its steps (`enroll_steps.rs`); a pod's map entries (`config.rs`), slot (`slots.rs`), sidecar
+//!   port and range lists (`sidecar_lists.rs`), translation map (`translations.rs`), user
+//!   namespace (`userns.rs`); what enrollment puts in its netns (`netns_setup.rs`); the watch on
+//!   its interfaces (`interface_watch.rs`); finding a running pod's netns (`discovery.rs`); and
+//!   istio's in-pod rules it takes over (`istio_rules.rs`).
+//! - `kernel/`: the kernel and weir's objects in it: what the running kernel supports
+//!   (`support.rs`), the programs (`programs.rs`), the bpf syscalls aya lacks (`bpf_sys.rs`),
+//!   bpffs and cgroup2 (`mounts.rs`), the socket lookup hand-off (`handoff.rs`), the ztunnels'
+//!   cgroups (`ztunnels.rs`), network namespaces (`netns.rs`) and rtnetlink (`netlink/`).
+//! - `readers/`: what reads the pinned maps without an owner: the pods and map fill
+//!   (`snapshot.rs`), the trace maps (`trace_maps.rs`).
 pub(crate) mod kernel;
-mod layouts;
-pub(crate) mod mounts;
-pub mod netlink;
-pub mod netns;
 mod owner;
-mod pod_config;
-mod pod_netns;
-mod pod_slots;
-mod pods;
-mod programs;
-mod recovery;
-mod sidecar_lists;
-mod snapshot;
-mod tasks;
-mod trace_maps;
-mod translations;
-mod userns;
-mod watch;
-mod ztunnels;
+mod pod;
+mod readers;
 
 use std::{
     net::{Ipv4Addr, Ipv6Addr},
@@ -54,18 +49,23 @@ use std::{
 
 use weir_common::{ABI_VERSION, PROBE_SOURCE_V4, PROBE_SOURCE_V6};
 
-use handle::{Command, Reply, Traced};
-use owner::{Enrolled, Owner};
-
-pub use discovery::PodNetns;
-pub use handle::{Datapath, Request};
-pub(crate) use handoff::running_inbound_path;
-pub use mounts::cgroup2_root;
-pub use pod_config::{ip_addr, ip_key, Unenrollable};
-pub use recovery::Orphans;
-pub use snapshot::{map_dump, map_fill, pinned_pods, MapDump, MapFill, PinnedLookups, PinnedPod};
-pub use trace_maps::TraceMaps;
-pub(crate) use ztunnels::identity_of as cgroup_identity_of;
+pub(crate) use kernel::{
+    handoff::running_inbound_path, ztunnels::identity_of as cgroup_identity_of,
+};
+pub use kernel::{mounts::cgroup2_root, netlink, netns};
+pub use owner::{
+    handle::{Datapath, Request},
+    recovery::Orphans,
+};
+pub use pod::{
+    config::{ip_addr, ip_key, Unenrollable},
+    discovery::PodNetns,
+    istio_rules,
+};
+pub use readers::{
+    snapshot::{map_dump, map_fill, pinned_pods, MapDump, MapFill, PinnedLookups, PinnedPod},
+    trace_maps::TraceMaps,
+};
 
 #[derive(Clone, Debug)]
 pub struct DatapathConfig {

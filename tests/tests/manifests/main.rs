@@ -82,7 +82,7 @@ mod expected {
             "/etc/cni/net.d",
             "/etc/cni/net.d",
         ),
-        // agent/src/cli.rs `DatapathArgs::pin_root`; agent/src/datapath/mounts.rs
+        // agent/src/cli.rs `DatapathArgs::pin_root`; agent/src/datapath/kernel/mounts.rs
         // `ensure_bpffs` mounts a bpffs at /sys/fs/bpf when the host has none there.
         (
             "--pin-root",
@@ -93,13 +93,13 @@ mod expected {
     ];
     /// The bpffs directory: its mount must be Bidirectional (`ensure_bpffs` may mount it).
     pub const BPFFS: &str = "/sys/fs/bpf";
-    /// `--cgroup` unset: agent/src/datapath/mounts.rs `cgroup2_root`, the cgroup2 mount point.
+    /// `--cgroup` unset: agent/src/datapath/kernel/mounts.rs `cgroup2_root`, the cgroup2 mount point.
     pub const CGROUP: &str = "/sys/fs/cgroup";
-    /// agent/src/datapath/recovery.rs `named_namespaces`, and the netns paths the CNI plugin
+    /// agent/src/datapath/owner/recovery.rs `named_namespaces`, and the netns paths the CNI plugin
     /// passes on from containerd (`/var/run/netns/cni-<uuid>`). Created by the
     /// runtime after the agent starts: the mount must let host mounts propagate in.
     pub const NETNS: &str = "/var/run/netns";
-    /// agent/src/datapath/recovery.rs `process_namespaces` walks `/proc` for
+    /// agent/src/datapath/owner/recovery.rs `process_namespaces` walks `/proc` for
     /// `/proc/<pid>/ns/net`: the pod must share the host's PID namespace.
     pub const PROC: &str = "/proc";
 
