@@ -99,7 +99,7 @@ mod expected {
     /// passes on from containerd (`/var/run/netns/cni-<uuid>`). Created by the
     /// runtime after the agent starts: the mount must let host mounts propagate in.
     pub const NETNS: &str = "/var/run/netns";
-    /// agent/src/datapath/owner/recovery.rs `process_namespaces` walks `/proc` for
+    /// agent/src/datapath/owner/recovery.rs `held_namespaces` walks `/proc` for
     /// `/proc/<pid>/ns/net`: the pod must share the host's PID namespace.
     pub const PROC: &str = "/proc";
 
