@@ -71,6 +71,11 @@ fn with_datapath(
     let (enroll, weir_median) =
         enrollment(datapath, &runtime, &weir_pods, &iptables_pods, &floor_pods)?;
     report.push(enroll);
+    // Only the first of each is used below; the others give their addresses back (CNI DEL) for
+    // the pods of the sections after this one: the node's pods share one /24.
+    let first = |pods: Vec<Pod>| pods.into_iter().next().context("no pods were made");
+    let (weir_pod, iptables_pod) = (first(weir_pods)?, first(iptables_pods)?);
+    drop(floor_pods);
     let handoff = handoff_round_trips(datapath, &runtime)?;
     report.push(enrollment_steps(metrics, weir_median, &handoff)?);
     println!("enrollment beside a pod flapping its addresses...");
@@ -79,8 +84,8 @@ fn with_datapath(
     let trace = TraceServer::start(&runtime, node)?;
     println!("connection path...");
     report.push(connection_path(
-        &weir_pods[0],
-        &iptables_pods[0],
+        &weir_pod,
+        &iptables_pod,
         plain,
         app,
         &trace,
