@@ -64,7 +64,7 @@ pub fn reference() -> String {
 /// `cargo xtask image`.
 pub fn run() -> Result<()> {
     let object = ebpf::build(false)?;
-    let archive = build(&object, Profile::Release)?;
+    let archive = build(&object, Profile::Release, None)?;
     let size = fs::metadata(&archive)?.len();
     println!(
         "{}: {} ({:.1} MiB)",
@@ -331,25 +331,51 @@ fn file_name(path: &Path) -> Result<String> {
 
 /// Builds weir-agent and weir-cni with `profile` for every platform and writes the image
 /// archive, `<target dir>/image/weir-agent.tar`; returns its path.
-pub fn build(object: &Path, profile: Profile) -> Result<PathBuf> {
+///
+/// `native_agent`: this machine's weir-agent, built already (`cargo xtask test` builds the
+/// workspace's binaries for the tests first): taken as it is rather than built again for the
+/// image, one build of the agent's crates less. That one has the test harness's fault-injection
+/// points compiled in (cargo unifies features), inert unless a process sets them up, which only
+/// weir-agent-with-failpoints does; so it is for the tests' image, never a release.
+pub fn build(object: &Path, profile: Profile, native_agent: Option<&Path>) -> Result<PathBuf> {
     // This machine's first: docker-archive's manifest names one image, the one that runs here.
     let mut platforms = PLATFORMS.to_vec();
     platforms.sort_by_key(|platform| !platform.is_native());
-    let names = platforms
-        .iter()
-        .map(|p| p.oci)
-        .collect::<Vec<_>>()
-        .join(", ");
+    let names = |platforms: &[Platform]| {
+        platforms
+            .iter()
+            .map(|p| p.oci)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
     let name = profile.name();
-    step(&format!("building {AGENT} ({name}) for {names}"));
+    let prebuilt = native_agent.filter(|_| platforms[0].is_native());
+    let to_build = &platforms[usize::from(prebuilt.is_some())..];
+    if let Some(agent) = prebuilt {
+        step(&format!(
+            "taking {} for {}",
+            agent.display(),
+            platforms[0].oci
+        ));
+    }
+    step(&format!(
+        "building {AGENT} ({name}) for {}",
+        names(to_build)
+    ));
     // Only this package: built with the test harness, weir-agent would get its fault-injection
     // points (cargo unifies features).
-    let agents = build_for_platforms(
-        &platforms,
+    let built = build_for_platforms(
+        to_build,
         (AGENT, profile),
         Libc::Gnu,
         &[("WEIR_EBPF_OBJECT", object)],
     )?;
+    let agents: Vec<PathBuf> = prebuilt
+        .map(Path::to_path_buf)
+        .into_iter()
+        .chain(built)
+        .collect();
+    let names = names(&platforms);
     step(&format!(
         "building {PLUGIN} ({name}, static with musl) for {names}"
     ));

@@ -88,7 +88,8 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
 /// quick configuration.
 fn on_this_kernel(object: &Path, test_args: &[String]) -> Result<()> {
     // The image test runs the image as a node would.
-    let image = image::build(object, image::Profile::Test)?;
+    let agent = crate::target_dir()?.join("debug").join("weir-agent");
+    let image = image::build(object, image::Profile::Test, Some(&agent))?;
     // The chart test renders deploy/chart.
     let helm = helm::ensure()?;
 
