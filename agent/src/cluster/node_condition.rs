@@ -107,7 +107,7 @@ impl Condition {
 /// The status and transition time of the condition on the Node, as last read or written.
 #[derive(Clone, Debug)]
 enum OnNode {
-    /// Not read yet: the first write reads it.
+    /// Not read yet, or not known since a write that got no answer: the next write reads it.
     Unread,
     Absent,
     Present {
@@ -202,6 +202,10 @@ impl NodeConditionWriter {
         let patch = Patch::Strategic(serde_json::json!({ "status": { "conditions": [written] } }));
         let params = PatchParams::default();
         let request = self.nodes.patch_status(&self.node_name, &params, &patch);
+        // Unknown until the API server answers: a write cut short (its task stopped at
+        // shutdown, no answer in time) may have been applied, and the next write must not take
+        // its transition time from what the Node held before it.
+        *on_node = OnNode::Unread;
         tokio::time::timeout(API_TIMEOUT, request)
             .await
             .with_context(|| format!("no answer within {API_TIMEOUT:?}"))?
