@@ -67,11 +67,26 @@ impl Reader {
         self.lines.lock().unwrap().clone()
     }
 
-    /// Ctrl-C, as an operator stops it: a clean exit.
+    /// Ctrl-C, as an operator stops it: a clean exit, within [`WAIT`].
     pub fn interrupt(mut self) {
         kill(Pid::from_raw(self.child.id() as i32), Signal::SIGINT).unwrap();
-        let status = self.child.wait().unwrap();
+        let exited = try_wait_until(WAIT, || self.child.try_wait().unwrap());
+        let Some(status) = exited else {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            panic!("weir-agent trace did not stop on Ctrl-C within {WAIT:?}");
+        };
         assert!(status.success(), "weir-agent trace exited with {status}");
+    }
+}
+
+impl Drop for Reader {
+    /// A test that failed before [`Reader::interrupt`] leaves no `weir-agent trace` behind.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 }
 

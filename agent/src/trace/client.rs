@@ -6,6 +6,7 @@ use clap::ValueEnum;
 use tokio::{
     io::{AsyncBufReadExt, BufReader},
     net::UnixStream,
+    signal::unix::{signal, SignalKind},
 };
 
 use super::{
@@ -61,6 +62,9 @@ pub async fn run(args: TraceArgs) -> Result<()> {
             bail!("unknown verdict {verdict:?} (see `weir-agent trace --help`)");
         }
     }
+    // Listened for from the start, not per line: a Ctrl-C that comes while a line is being
+    // printed (or while connecting) is kept for the next wait instead of lost.
+    let mut interrupt = signal(SignalKind::interrupt()).context("listening for Ctrl-C")?;
     let path = &args.socket.trace_socket;
     let stream = UnixStream::connect(path).await.with_context(|| {
         format!(
@@ -73,7 +77,7 @@ pub async fn run(args: TraceArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     loop {
         let line = tokio::select! {
-            _ = tokio::signal::ctrl_c() => break,
+            _ = interrupt.recv() => break,
             line = lines.next_line() => match line.context("reading from the agent")? {
                 Some(line) => line,
                 None => {
