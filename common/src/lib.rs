@@ -479,7 +479,28 @@ impl TraceVerdict {
             .into_iter()
             .find(|verdict| *verdict as u8 == value)
     }
+
+    /// Whether the connection or packet was dropped (`Drop*`) or its connect refused
+    /// (`Refuse*`): the verdicts counted node-wide in [`maps::DENIALS`].
+    pub const fn denies(self) -> bool {
+        matches!(
+            self,
+            Self::DropFragment
+                | Self::DropUnparsable
+                | Self::DropVlan
+                | Self::DropHboneNotZtunnel
+                | Self::DropNoZtunnel
+                | Self::DropTupleTaken
+                | Self::DropNoProxy
+                | Self::RefuseProbeAddress
+                | Self::RefuseNoAddress
+                | Self::RefuseNoRoom
+        )
+    }
 }
+
+/// Entries of [`maps::DENIALS`]: one per verdict value, with room for verdicts to come.
+pub const DENIAL_SLOTS: u32 = 32;
 
 /// Map names, as pinned under `<pin root>/abi-<ABI_VERSION>/`.
 pub mod maps {
@@ -512,6 +533,9 @@ pub mod maps {
     pub const TRACE_EVENTS: &str = "TRACE_EVENTS";
     /// Per-CPU `u64` at index 0: records the ring buffer had no room for.
     pub const TRACE_LOST: &str = "TRACE_LOST";
+    /// Per-CPU `u64` at a verdict's value ([`super::TraceVerdict::denies`]): the drops and
+    /// refusals of every pod on the node, traced or not.
+    pub const DENIALS: &str = "DENIALS";
     /// REDIRECT-mode sidecar pods' translated rerouted connections: a hash of maps, a pod's
     /// netns cookie (`u64`) to its own LRU map of [`super::ConnectionKey`] to
     /// [`super::NatEntry`], both ways, at most [`super::REROUTE_NAT_ENTRIES`].
@@ -521,7 +545,7 @@ pub mod maps {
     /// Sidecar pods' IP range lists, an LPM trie of [`super::RangeKey`].
     pub const SIDECAR_RANGES: &str = "SIDECAR_RANGES";
     /// Every map, each pinned under its name.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         PODS,
         POD_IPS,
         POD_SLOTS,
@@ -537,6 +561,7 @@ pub mod maps {
         TRACE_ON,
         TRACE_EVENTS,
         TRACE_LOST,
+        DENIALS,
         SIDECAR_PORTS,
         SIDECAR_RANGES,
         REROUTE_NAT,

@@ -1,5 +1,6 @@
 //! Decision records for `weir-agent trace`: one per verdict, into a ring buffer the agent
-//! reads, only while a reader is attached.
+//! reads, only while a reader is attached; and the node-wide count of drops and refusals by
+//! verdict, kept whether anyone traces or not.
 //!
 //! With tracing off a decision costs one array lookup (which the verifier inlines) and a
 //! branch. A record is written in place in the ring buffer, never built on the stack: the tc
@@ -10,7 +11,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use weir_common::{
-    Endpoint, IpKey, PodConfig, TraceHook, TraceRecord, TraceVerdict, POD_HAS_IPV4, POD_HAS_IPV6,
+    Endpoint, IpKey, PodConfig, TraceHook, TraceRecord, TraceVerdict, DENIAL_SLOTS, POD_HAS_IPV4,
+    POD_HAS_IPV6,
 };
 
 use crate::net::is_v4_mapped;
@@ -26,6 +28,21 @@ static TRACE_EVENTS: RingBuf<TraceRecord, RING_BYTES> = RingBuf::new();
 
 #[btf_map]
 static TRACE_LOST: PerCpuArray<u64, 1> = PerCpuArray::new();
+
+#[btf_map]
+static DENIALS: PerCpuArray<u64, { DENIAL_SLOTS as usize }> = PerCpuArray::new();
+
+/// Counts a drop or refusal node-wide; other verdicts cost nothing where the verdict is a
+/// constant, a comparison where it is not.
+#[inline(always)]
+pub fn count_denial(verdict: TraceVerdict) {
+    if verdict.denies() {
+        if let Some(count) = DENIALS.get_ptr_mut(verdict as u32) {
+            // SAFETY: per-CPU value, only this CPU writes it while this program runs.
+            unsafe { *count += 1 };
+        }
+    }
+}
 
 /// Whether a reader is tracing.
 #[inline(always)]
@@ -122,14 +139,16 @@ pub fn record(
     entry.submit(0);
 }
 
-/// `trace!(hook, verdict, netns, protocol, source, destination, target)`: a record when tracing
-/// is on. The arguments are evaluated only then, so a path that traces costs nothing more with
-/// tracing off.
+/// `trace!(hook, verdict, netns, protocol, source, destination, target)`: a drop or refusal
+/// counted, and a record when tracing is on. The arguments but the verdict are evaluated only
+/// then, so a path that traces costs nothing more with tracing off.
 macro_rules! trace {
-    ($($arg:expr),+ $(,)?) => {
+    ($hook:expr, $verdict:expr, $($arg:expr),+ $(,)?) => {{
+        let verdict = $verdict;
+        $crate::trace::count_denial(verdict);
         if $crate::trace::on() {
-            $crate::trace::record($($arg),+);
+            $crate::trace::record($hook, verdict, $($arg),+);
         }
-    };
+    }};
 }
 pub(crate) use trace;

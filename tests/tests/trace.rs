@@ -1,7 +1,8 @@
 //! `weir-agent trace` as an operator runs it next to a live agent: every kind of decision the
 //! programs make for an enrolled pod shows up once, with the pod's name, the tuple and the
 //! verdict; several readers trace at once, each with its filters; tracing is off again once the
-//! last reader leaves. And the per-pod series on `/metrics`, gone with the pod.
+//! last reader leaves. And the per-pod series on `/metrics`, gone with the pod, and the node's
+//! drops and refusals by reason.
 //!
 //! Needs privileges and the built `weir-agent` (`cargo build -p weir-agent`).
 use std::{
@@ -192,5 +193,59 @@ fn each_enrolled_pod_has_its_series_until_it_leaves() {
     wait_until(WAIT, "the deleted pod's series to go", || {
         pod_series(&agent.metrics()) == 0
     });
+    agent.stop().unwrap();
+}
+
+#[test]
+fn the_nodes_drops_and_refusals_are_counted_by_reason_with_no_reader() {
+    let node = privileged!(CniChainNode::new());
+    let (agent, ztunnel) = node.start_agent_and_ztunnel();
+    let (server, _echo, client, _stand_in) = node.server_and_ambient_pod(&ztunnel, "client");
+    let _client_app = EchoServer::app(&client).unwrap();
+    let count = |metrics: &Metrics, family: &str, reason: &str| {
+        metrics
+            .value(family, &[("reason", reason)])
+            .unwrap_or_else(|| panic!("no {family}{{reason={reason}}} in\n{metrics}"))
+    };
+    let metrics = agent.metrics();
+    for (family, reason) in [
+        ("weir_drops_total", "drop-fragment"),
+        ("weir_drops_total", "drop-no-proxy"),
+        ("weir_refusals_total", "refuse-probe-address"),
+        ("weir_refusals_total", "refuse-no-room"),
+    ] {
+        assert_eq!(count(&metrics, family, reason), 0.0, "{family} {reason}");
+    }
+
+    let to_client = SocketAddr::new(IpAddr::V4(client.ipv4()), APP_PORT);
+    let fragmented_syn = raw::Syn {
+        source: SocketAddr::new(IpAddr::V4(server.ipv4()), 41001),
+        destination: to_client,
+        shape: raw::Fragmented(8),
+        tcp: raw::Tcp::SYN,
+    };
+    for _ in 0..2 {
+        server
+            .run(|| raw::probe(&[fragmented_syn], Duration::from_millis(100)))
+            .unwrap();
+    }
+    let to_probe_source = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(169, 254, 7, 127)), APP_PORT);
+    let refused = client
+        .run(|| tcp_request(to_probe_source, "spoof"))
+        .unwrap_err();
+    assert!(!tracing_on(&node), "counted with tracing off");
+
+    let metrics = agent.metrics();
+    assert_eq!(count(&metrics, "weir_drops_total", "drop-fragment"), 2.0);
+    assert_eq!(
+        count(&metrics, "weir_refusals_total", "refuse-probe-address"),
+        1.0,
+        "the pod's connect to the probe source failed: {refused}"
+    );
+    assert_eq!(count(&metrics, "weir_drops_total", "drop-no-ztunnel"), 0.0);
+    assert_eq!(
+        count(&metrics, "weir_refusals_total", "refuse-no-address"),
+        0.0
+    );
     agent.stop().unwrap();
 }

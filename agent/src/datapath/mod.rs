@@ -63,7 +63,9 @@ pub use pod::{
     istio_rules,
 };
 pub use readers::{
-    snapshot::{map_dump, map_fill, pinned_pods, MapDump, MapFill, PinnedLookups, PinnedPod},
+    snapshot::{
+        denials, map_dump, map_fill, pinned_pods, MapDump, MapFill, PinnedLookups, PinnedPod,
+    },
     trace_maps::TraceMaps,
 };
 

@@ -1,6 +1,7 @@
 //! The agent-wide series read at each scrape rather than counted as things happen: the
-//! enrolled pods' counters and the maps' fill from the pins, the process's own resources, and
-//! what this agent is. The counters of each part of the agent are registered by that part.
+//! enrolled pods' counters, the node's drops and refusals and the maps' fill from the pins, the
+//! process's own resources, and what this agent is. The counters of each part of the agent are registered by that part.
+mod denials;
 mod maps;
 mod pods;
 mod process;
@@ -30,6 +31,9 @@ pub fn register(registry: &mut Registry, pin_root: &Path, state_file: &Path) {
         state_file: state_file.to_owned(),
     }));
     registry.register_collector(Box::new(maps::MapFill {
+        pin_root: pin_root.to_owned(),
+    }));
+    registry.register_collector(Box::new(denials::Denials {
         pin_root: pin_root.to_owned(),
     }));
     registry.register_collector(Box::new(process::ProcessMetrics));

@@ -7,11 +7,11 @@ use std::{collections::HashMap as StdHashMap, net::IpAddr, os::fd::AsFd, path::P
 use anyhow::{Context, Result};
 use aya::maps::{
     lpm_trie::{Key, LpmTrie},
-    Array, HashMap, Map, MapData, MapError, MapInfo, MapType, PerCpuHashMap,
+    Array, HashMap, Map, MapData, MapError, MapInfo, MapType, PerCpuArray, PerCpuHashMap,
 };
 use ipnet::IpNet;
 use weir_common::{
-    maps, IpKey, NodeConfig, PodConfig, PodCounters, PortKey, RangeKey, POD_UID_LEN,
+    maps, IpKey, NodeConfig, PodConfig, PodCounters, PortKey, RangeKey, TraceVerdict, POD_UID_LEN,
 };
 
 use crate::datapath::kernel::bpf_sys;
@@ -69,6 +69,27 @@ pub fn pinned_pods(pin_root: &Path) -> Result<Option<Vec<PinnedPod>>> {
         })
         .collect();
     Ok(Some(pods))
+}
+
+/// The drops and refusals of every pod on the node since the maps were pinned, by verdict
+/// (summed over CPUs), every denying verdict listed; `None` when nothing is pinned.
+pub fn denials(pin_root: &Path) -> Result<Option<Vec<(TraceVerdict, u64)>>> {
+    let dir = maps_dir(pin_root);
+    if !dir.exists() {
+        return Ok(None);
+    }
+    let counts: PerCpuArray<MapData, u64> = open_pinned(&dir, maps::DENIALS)?;
+    TraceVerdict::ALL
+        .into_iter()
+        .filter(|verdict| verdict.denies())
+        .map(|verdict| {
+            let per_cpu = counts
+                .get(&u32::from(verdict as u8), 0)
+                .with_context(|| format!("reading {}", maps::DENIALS))?;
+            Ok((verdict, per_cpu.iter().sum()))
+        })
+        .collect::<Result<_>>()
+        .map(Some)
 }
 
 /// How full one of weir's pinned maps is.
