@@ -12,7 +12,8 @@
 //! cgroup2) and the network namespaces are the machine's; the datapath is pinned under a pin root
 //! of the test node's.
 //!
-//! The weir-cni the image carries is also run alone in an empty root, as on a node without glibc.
+//! The weir-cni and kubectl-weir the image carries are also run alone in an empty root, as on a
+//! node or a workstation without glibc.
 //!
 //! Needs root, containerd and runc (Debian's `containerd`, which `cargo xtask test` installs), and
 //! the archive: `WEIR_IMAGE_ARCHIVE` (`cargo xtask test` builds it and passes it on), else
@@ -141,17 +142,34 @@ fn daemonset() -> DaemonSet {
 
 /// The runtime runs weir-cni on the node, whatever its libc: the image's copy, alone in an empty
 /// root (no loader, no libc, no /proc), answers the runtime's VERSION and turns a malformed ADD
-/// into a CNI error, as it does on a glibc node.
+/// into a CNI error, as it does on a glibc node. The image's kubectl-weir, copied out onto any
+/// Linux workstation, runs there the same way.
 #[test]
-fn the_images_weir_cni_runs_in_a_root_without_libc() {
+fn the_images_static_binaries_run_in_a_root_without_libc() {
     weir_tests::privileged!();
     let Some(archive) = image_archive() else {
         return;
     };
     let root = TempDir::new().unwrap();
-    let plugin = root.path().join("weir-cni");
-    fs::write(&plugin, native_binary(&archive, "weir-cni")).unwrap();
-    fs::set_permissions(&plugin, fs::Permissions::from_mode(0o755)).unwrap();
+    for binary in ["weir-cni", "kubectl-weir"] {
+        let path = root.path().join(binary);
+        fs::write(&path, native_binary(&archive, binary)).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    let out = chrooted(root.path(), "/kubectl-weir")
+        .arg("--version")
+        .output()
+        .expect("kubectl-weir runs with no libc in its root");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("kubectl-weir {}", env!("CARGO_PKG_VERSION"))
+    );
 
     let (succeeded, version) = run_chrooted(root.path(), "VERSION", br#"{"cniVersion":"1.1.0"}"#);
     assert!(succeeded, "{version}");
@@ -229,8 +247,8 @@ fn native_binary(archive: &Path, name: &str) -> Vec<u8> {
 }
 
 /// The image is for arm64 nodes too: its index has an arm64 image whose binaries are arm64's,
-/// and they run (under qemu): weir-cni alone, and weir-agent with the loader and libraries of
-/// its own layer, nothing of this machine's.
+/// and they run (under qemu): weir-cni and kubectl-weir alone, and weir-agent with the loader
+/// and libraries of its own layer, nothing of this machine's.
 #[test]
 fn the_images_arm64_binaries_are_arm64s_and_run_with_their_own_layer() {
     let Some(archive) = image_archive() else {
@@ -271,6 +289,22 @@ fn the_images_arm64_binaries_are_arm64s_and_run_with_their_own_layer() {
     let version: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(version["cniVersion"], "1.1.0");
 
+    let out = Command::new(&qemu)
+        .arg(bin.join("kubectl-weir"))
+        .arg("--version")
+        .env_clear()
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("kubectl-weir {}", env!("CARGO_PKG_VERSION"))
+    );
+
     // -L: the loader named in the binary, and the libraries, are looked up under the layer.
     let out = Command::new(&qemu)
         .arg("-L")
@@ -302,13 +336,26 @@ fn qemu_aarch64() -> Option<PathBuf> {
     None
 }
 
+/// `program` (a path under `root`) to be run with `root` as its root and no environment.
+fn chrooted(root: &Path, program: &str) -> Command {
+    let root = root.to_owned();
+    let mut command = Command::new(program);
+    command.env_clear();
+    // SAFETY: between fork and exec, only async-signal-safe calls (chroot, chdir).
+    unsafe {
+        command.pre_exec(move || {
+            std::os::unix::fs::chroot(&root)?;
+            std::env::set_current_dir("/")
+        });
+    }
+    command
+}
+
 /// Runs `/weir-cni` with `root` as its root, as the runtime runs a plugin for `command` (on a
 /// pod that does not exist); returns whether it succeeded and what it printed.
 fn run_chrooted(root: &Path, command: &str, config: &[u8]) -> (bool, serde_json::Value) {
-    let root = root.to_owned();
-    let mut child = Command::new("/weir-cni");
+    let mut child = chrooted(root, "/weir-cni");
     child
-        .env_clear()
         .env("CNI_COMMAND", command)
         .env("CNI_CONTAINERID", "0123456789abcdef")
         .env("CNI_NETNS", "/var/run/netns/none")
@@ -317,13 +364,6 @@ fn run_chrooted(root: &Path, command: &str, config: &[u8]) -> (bool, serde_json:
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    // SAFETY: between fork and exec, only async-signal-safe calls (chroot, chdir).
-    unsafe {
-        child.pre_exec(move || {
-            std::os::unix::fs::chroot(&root)?;
-            std::env::set_current_dir("/")
-        });
-    }
     let mut child = child
         .spawn()
         .expect("weir-cni runs with no libc in its root");

@@ -1,11 +1,13 @@
 //! `cargo xtask image`: weir's container image, written here from the release binaries (the
 //! tests' image from the same sources unoptimized), with no base image and no container engine,
 //! for amd64 and arm64 under one image index (this machine's architecture built natively, the
-//! other cross-compiled with Debian's cross toolchain; the eBPF object is the same). Each platform's one layer holds weir-agent (the entrypoint), weir-cni
-//! beside it (the agent installs the plugin from next to itself), both without debug info, and
-//! the shared libraries weir-agent loads, where that platform's loader finds them. Nothing else:
-//! the agent runs no other program. weir-cni is linked statically against musl: the runtime runs
-//! it on the node, whose libc (glibc of any age, musl, none) is not the image's.
+//! other cross-compiled with Debian's cross toolchain; the eBPF object is the same). Each
+//! platform's one layer holds weir-agent (the entrypoint), weir-cni beside it (the agent installs
+//! the plugin from next to itself), kubectl-weir (for operators to copy out), all without debug
+//! info, and the shared libraries weir-agent loads, where that platform's loader finds them.
+//! Nothing else: the agent runs no other program. weir-cni and kubectl-weir are linked
+//! statically against musl: the runtime runs the plugin on the node, and an operator the kubectl
+//! plugin on a workstation, whose libc (glibc of any age, musl, none) is not the image's.
 //!
 //! The archive is an OCI image layout and a docker-archive at once, over the same blobs, as
 //! `docker save` writes it since Docker 25: `ctr images import` reads the index (and unpacks its
@@ -49,6 +51,7 @@ pub const REPOSITORY: &str = "localhost/weir-agent";
 pub const ARCHIVE_ENV: &str = "WEIR_IMAGE_ARCHIVE";
 const AGENT: &str = "weir-agent";
 const PLUGIN: &str = "weir-cni";
+const KUBECTL_PLUGIN: &str = "kubectl-weir";
 const BIN_DIR: &str = "usr/local/bin";
 const ENTRYPOINT: &str = "/usr/local/bin/weir-agent";
 /// The Unix epoch, for every time the archive records.
@@ -144,13 +147,13 @@ impl Platform {
         Some((format!("{}-gcc", self.multiarch()), packages))
     }
 
-    /// The files of the platform's image: the two binaries without debug info, and the shared
-    /// libraries weir-agent loads.
-    fn files(self, binaries: [(&str, &Path); 2]) -> Result<BTreeMap<String, PathBuf>> {
+    /// The files of the platform's image: the binaries without debug info, and the shared
+    /// libraries they load.
+    fn files(self, binaries: &[(&str, &Path)]) -> Result<BTreeMap<String, PathBuf>> {
         let stripped_dir = crate::target_dir()?.join("image").join(self.oci);
         fs::create_dir_all(&stripped_dir)?;
         let mut files = BTreeMap::new();
-        for (binary, built) in binaries {
+        for &(binary, built) in binaries {
             files.extend(self.shared_libraries(built)?);
             let stripped = stripped_dir.join(binary);
             self.strip_debug_info(built, &stripped)?;
@@ -252,29 +255,26 @@ impl Libc {
     }
 }
 
-/// Builds `package` with `profile` for every platform in one cargo run, in target dirs the
-/// image's builds have to themselves; returns each platform's binary. One run, because then the
-/// platforms' builds share the cores (one build alone leaves a core idle through its largest
-/// crates and its link) and build scripts and proc macros are built once. `env` is for every
+/// Builds `packages` (each one's binary of its name) with `profile` for every platform in one
+/// cargo run, in target dirs the image's builds have to themselves; returns each platform's
+/// binaries, in the order of `packages`. One run, because then the platforms' builds share the
+/// cores (one build alone leaves a core idle through its largest crates and its link) and build
+/// scripts, proc macros and the packages' common dependencies are built once. `env` is for every
 /// platform (the eBPF object weir-agent embeds).
 fn build_for_platforms(
     platforms: &[Platform],
-    (package, profile): (&str, Profile),
+    (packages, profile): (&[&str], Profile),
     libc: Libc,
     env: &[(&str, &Path)],
-) -> Result<Vec<PathBuf>> {
+) -> Result<Vec<Vec<PathBuf>>> {
     let mut cargo = system::cargo();
     cargo
         .current_dir(crate::workspace_root())
-        .args([
-            "build",
-            "--profile",
-            profile.name(),
-            "-p",
-            package,
-            "--bin",
-            package,
-        ])
+        .args(["build", "--profile", profile.name()]);
+    for package in packages {
+        cargo.args(["-p", package, "--bin", package]);
+    }
+    cargo
         // The image strips debug info anyway, and not making it is a good part of the build.
         .env("CARGO_PROFILE_RELEASE_DEBUG", "0")
         .envs(env.iter().copied());
@@ -282,11 +282,14 @@ fn build_for_platforms(
         let triple = platform.triple(libc);
         add_rust_target(&triple)?;
         cargo.args(["--target", &triple]);
-        if let Some((cc, packages)) = platform.c_compiler(libc) {
-            let packages = packages.iter().map(String::as_str).collect::<Vec<_>>();
+        if let Some((cc, debian_packages)) = platform.c_compiler(libc) {
+            let debian_packages = debian_packages
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>();
             system::ensure_packages(
-                &packages,
-                &format!("{package} cannot be built for {triple}"),
+                &debian_packages,
+                &format!("{} cannot be built for {triple}", packages.join(" and ")),
             )?;
             cargo.env(format!("CC_{}", triple.replace('-', "_")), &cc);
             let linker = match libc {
@@ -301,10 +304,8 @@ fn build_for_platforms(
     Ok(platforms
         .iter()
         .map(|platform| {
-            target_dir
-                .join(platform.triple(libc))
-                .join(profile.name())
-                .join(package)
+            let dir = target_dir.join(platform.triple(libc)).join(profile.name());
+            packages.iter().map(|package| dir.join(package)).collect()
         })
         .collect())
 }
@@ -329,7 +330,7 @@ fn file_name(path: &Path) -> Result<String> {
         .with_context(|| format!("{} has no file name", path.display()))
 }
 
-/// Builds weir-agent and weir-cni with `profile` for every platform and writes the image
+/// Builds weir-agent, weir-cni and kubectl-weir with `profile` for every platform and writes the image
 /// archive, `<target dir>/image/weir-agent.tar`; returns its path.
 ///
 /// `native_agent`: this machine's weir-agent, built already (`cargo xtask test` builds the
@@ -366,24 +367,31 @@ pub fn build(object: &Path, profile: Profile, native_agent: Option<&Path>) -> Re
     // points (cargo unifies features).
     let built = build_for_platforms(
         to_build,
-        (AGENT, profile),
+        (&[AGENT], profile),
         Libc::Gnu,
         &[("WEIR_EBPF_OBJECT", object)],
     )?;
     let agents: Vec<PathBuf> = prebuilt
         .map(Path::to_path_buf)
         .into_iter()
-        .chain(built)
+        .chain(built.into_iter().flatten())
         .collect();
     let names = names(&platforms);
     step(&format!(
-        "building {PLUGIN} ({name}, static with musl) for {names}"
+        "building {PLUGIN} and {KUBECTL_PLUGIN} ({name}, static with musl) for {names}"
     ));
-    let plugins = build_for_platforms(&platforms, (PLUGIN, profile), Libc::Musl, &[])?;
+    let static_binaries = [PLUGIN, KUBECTL_PLUGIN];
+    let statics = build_for_platforms(&platforms, (&static_binaries, profile), Libc::Musl, &[])?;
     let mut images = Vec::new();
-    for ((platform, agent), plugin) in platforms.iter().zip(&agents).zip(&plugins) {
+    for ((platform, agent), statics) in platforms.iter().zip(&agents).zip(&statics) {
+        let mut binaries = vec![(AGENT, agent.as_path())];
+        binaries.extend(
+            static_binaries
+                .into_iter()
+                .zip(statics.iter().map(PathBuf::as_path)),
+        );
         images.push(PlatformImage::new(
-            &platform.files([(AGENT, agent), (PLUGIN, plugin)])?,
+            &platform.files(&binaries)?,
             platform.oci,
         )?);
     }
