@@ -25,7 +25,7 @@ use crate::{
     config::{AgentConfig, SourceConfig},
     datapath::Datapath,
     enroll::Enroller,
-    http,
+    hand_back, http,
     install::{InstallConfig, InstallStatus, Installer, PLUGIN_NAME},
     metrics,
     policy::{local::LocalSource, Policy},
@@ -255,9 +255,25 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
         cluster.node_condition.write_stopped(removing).await;
     }
     if removing {
-        installer.uninstall().context("removing the CNI plugin")?;
-        datapath.uninstall().await?;
-        info!("weir removed from this node");
+        let kept = match config.hand_back_to_istio_cni {
+            Some(within) => {
+                hand_back::run(&installer, &datapath, &config.cni_net_dir, within).await?
+            }
+            None => {
+                installer.uninstall().context("removing the CNI plugin")?;
+                Vec::new()
+            }
+        };
+        if kept.is_empty() {
+            datapath.uninstall().await?;
+            info!("weir removed from this node");
+        } else {
+            datapath.shutdown().await?;
+            info!(
+                pods = kept.len(),
+                "stopped; redirection stays in place for the pods not handed back"
+            );
+        }
     } else {
         if let Err(error) = enroller.save_state() {
             warn!("recording the enrolled pods: {error:#}");

@@ -36,6 +36,9 @@ pub struct AgentConfig {
     /// Where `/logging` is served: loopback.
     pub admin_addr: SocketAddr,
     pub uninstall_on_exit: bool,
+    /// When weir leaves the node: how long to wait for istio-cni's node agent to take its pods
+    /// ([`crate::hand_back`]); `None` unenrolls them at once.
+    pub hand_back_to_istio_cni: Option<Duration>,
     /// How often enrolled pods whose DEL never came are looked for.
     pub orphan_sweep_interval: Duration,
 }

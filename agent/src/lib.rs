@@ -15,6 +15,7 @@
 //! - [`state`]: the agent's record of enrolled pods, for the next agent after a restart.
 //! - [`datapath`]: the owner of every BPF object; `enroll`/`unenroll` a pod's redirection, with
 //!   its per-pod network namespace work (`datapath::netns`, `datapath::netlink`) on its own thread.
+//! - [`hand_back`]: leaving the node to istio-cni's node agent without a window.
 //! - [`check`]: what weir needs of the node and the cluster, one line per requirement
 //!   (`weir-agent check`, and the agent at start).
 //! - [`cli`]: `weir-agent`'s command line, and the configuration reference generated from it.
@@ -34,6 +35,7 @@ pub mod config;
 pub mod datapath;
 pub mod enroll;
 pub mod explain;
+pub mod hand_back;
 pub mod http;
 pub mod inspect;
 pub mod install;

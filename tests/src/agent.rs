@@ -127,6 +127,7 @@ pub fn agent_config_at(
         metrics_addr,
         admin_addr,
         uninstall_on_exit: false,
+        hand_back_to_istio_cni: None,
         orphan_sweep_interval: Duration::from_secs(60),
     }
 }

@@ -29,14 +29,17 @@ use crate::sidecar::PROXY_ID;
 pub const CONNMARK: u32 = 0x111;
 pub const ROUTE_TABLE: u32 = 100;
 
-/// Installs the rules and routes in the pod's namespace `pod`.
+/// Installs the rules and routes in the pod's namespace `pod`, as istio's `AddInpodMarkIPRule` and
+/// `AddLoopbackRoutes` do after its iptables rules.
 pub fn apply(pod: &NetNs) -> Result<()> {
     for family in [Family::V4, Family::V6] {
         restore(pod, family, &rules(family))?;
         let (table, mark, mask) = (ROUTE_TABLE.to_string(), CONNMARK, ZTUNNEL_MARK_MASK);
         let fwmark = format!("{mark:#x}/{mask:#x}");
         let any = family.any();
-        netns::ip(&[
+        // istio ignores a rule that exists (netlink's EEXIST): weir adds it ahead of istio on a
+        // pod it hands back.
+        let added = netns::ip(&[
             "-n",
             pod.name(),
             family.flag(),
@@ -44,15 +47,24 @@ pub fn apply(pod: &NetNs) -> Result<()> {
             "add",
             "fwmark",
             &fwmark,
+            "pref",
+            "32764",
             "lookup",
             &table,
-        ])?;
+        ]);
+        if let Err(error) = added {
+            if !format!("{error:#}").contains("File exists") {
+                return Err(error);
+            }
+        }
+        // istio replaces the route (netlink's RouteReplace): another agent's identical route,
+        // weir's on a pod handed back, is no error.
         netns::ip(&[
             "-n",
             pod.name(),
             family.flag(),
             "route",
-            "add",
+            "replace",
             "local",
             &any,
             "dev",

@@ -40,11 +40,8 @@ pub(super) fn findings(config: &CheckConfig) -> Vec<Finding> {
 fn istio_cni_leftovers(net_dir: &Path) -> Finding {
     let requirement = "no istio-cni node agent leftovers";
     let mut found = Vec::new();
-    for (file, format) in install::files::config_files(net_dir).unwrap_or_default() {
-        let config = install::files::read_config(&file, format);
-        if config.is_ok_and(|config| config.holds_type(install::conflist::ISTIO_CNI_PLUGIN_TYPE)) {
-            found.push(format!("istio-cni's plugin in {}", file.display()));
-        }
+    for file in install::files::istio_cni_configs(net_dir) {
+        found.push(format!("istio-cni's plugin in {}", file.display()));
     }
     let kubeconfig = net_dir.join(ISTIO_CNI_KUBECONFIG);
     if kubeconfig.exists() {

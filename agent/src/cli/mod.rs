@@ -223,6 +223,13 @@ pub struct RunArgs {
     /// in place for the next agent (an upgrade or restart).
     #[arg(long, env = "WEIR_UNINSTALL_ON_EXIT")]
     pub uninstall_on_exit: bool,
+    /// When weir leaves the node (as with --uninstall-on-exit, or its DaemonSet no longer
+    /// selecting the node), hand the ambient pods to istio-cni's node agent starting there
+    /// instead of unenrolling them: wait up to this long (e.g. `90s`; below the pod's
+    /// terminationGracePeriodSeconds) for istio-cni's plugin in the CNI config and istio's
+    /// in-pod rules in each pod, then leave. See docs/install.md, "Handing a node back".
+    #[arg(long, env = "WEIR_HAND_BACK_TO_ISTIO_CNI", value_parser = interval)]
+    pub hand_back_to_istio_cni: Option<Duration>,
     /// How often to look for enrolled pods whose DEL never came (no process and no mount holds
     /// their netns any more) and unenroll them, e.g. `60s`, `5m` (a bare number is seconds).
     #[arg(long, env = "WEIR_ORPHAN_SWEEP_INTERVAL", default_value = "60s", value_parser = interval)]
@@ -502,6 +509,7 @@ impl RunArgs {
             metrics_addr: self.metrics_addr,
             admin_addr: self.admin_addr,
             uninstall_on_exit: self.uninstall_on_exit,
+            hand_back_to_istio_cni: self.hand_back_to_istio_cni,
             orphan_sweep_interval: self.orphan_sweep_interval,
         })
     }

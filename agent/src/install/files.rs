@@ -34,6 +34,20 @@ pub fn read_config(path: &Path, format: Format) -> Result<NetworkConfig> {
     NetworkConfig::parse(format, &bytes).with_context(|| format!("parsing {}", path.display()))
 }
 
+/// The network config files of `dir` that hold istio-cni's plugin (none where `dir` cannot be
+/// read): where istio-cni's node agent installed itself.
+pub fn istio_cni_configs(dir: &Path) -> Vec<PathBuf> {
+    config_files(dir)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(file, format)| {
+            read_config(file, *format)
+                .is_ok_and(|config| config.holds_type(super::conflist::ISTIO_CNI_PLUGIN_TYPE))
+        })
+        .map(|(file, _)| file)
+        .collect()
+}
+
 /// The mode and owner a written file gets.
 pub struct FileAttrs {
     mode: u32,

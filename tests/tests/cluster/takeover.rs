@@ -1,4 +1,5 @@
-//! A node istio-cni's agent ran, taken over under traffic: no window, no restarts.
+//! A node istio-cni's agent ran, taken over under traffic, and handed back: no window, no
+//! restarts.
 use super::*;
 
 /// A node istio-cni's ambient agent runs, taken over by weir as docs/install.md says: weir starts
@@ -169,4 +170,174 @@ fn take_over_from_istio_cni(restart_midway: bool) {
         .wait_for_pod(&later_uid, WAIT)
         .expect("through weir");
     agent.stop().unwrap();
+}
+
+/// The reverse, as docs/install.md says: weir, told to hand its pods back, leaves the node while
+/// istio-cni's ambient agent starts there (its plugin into the chain, its ZDS server at the
+/// shared path, istio's rules written into the pods it finds annotated). Until istio-cni's
+/// plugin is in the chain a new ambient pod fails its ADD, never starts unredirected; ztunnel
+/// finds istio-cni's agent and keeps the pod's proxy (no Del, nothing drained); weir's programs
+/// leave the pod only once istio's rules redirect it, its connections held open and in use and
+/// a stream of new ones never failing, none reaching the app around ztunnel; then weir's plugin,
+/// pins and programs are gone from the node.
+#[test]
+fn a_node_is_handed_back_to_istio_cni_without_a_window() {
+    use weir_agent::datapath::{istio_rules::IstioRules, netlink::Rtnl};
+    use weir_common::INBOUND_PORT;
+    use weir_tests::istio_cni::{self, IstioCniAgent};
+    use weir_tests::traffic::exchange_line;
+    use weir_tests::traffic_loop::{wait_for_connections, TrafficLoop};
+
+    let cluster = privileged!(Cluster::new());
+    cluster.daemonset();
+    let any = SocketAddr::new(std::net::Ipv6Addr::UNSPECIFIED.into(), weir_tests::APP_PORT);
+    let server = cluster.pod("default", "server").unwrap();
+    let server_echo = EchoServer::start_lasting(server.netns(), "server", any).unwrap();
+    let client = cluster.pod("default", "client").unwrap();
+    let agent = cluster.start_agent_with(|config| {
+        config.uninstall_on_exit = true;
+        config.hand_back_to_istio_cni = Some(Duration::from_secs(60));
+    });
+    let config = agent.config.clone();
+    let ztunnel = ZdsZtunnel::follow(&config.zds_socket).unwrap();
+    let (uid, app) = cluster.pod_with_object(MESH, "app");
+    let proxy = ztunnel
+        .wait_for_pod(&uid, WAIT)
+        .expect("ztunnel runs the pod's proxy");
+    cluster.set_running(MESH, "app", &ips_of(&app));
+    cluster.wait_for_redirection(MESH, "app", Some("enabled"));
+    let app_echo = EchoServer::start_lasting(app.netns(), "app", any).unwrap();
+
+    let held_in = client
+        .run(|| std::net::TcpStream::connect(app.app_v4()))
+        .unwrap();
+    let held_out = app
+        .run(|| std::net::TcpStream::connect(server.app_v4()))
+        .unwrap();
+    let exchange = |stream: &std::net::TcpStream, echo: &EchoServer, line: &str| {
+        assert_eq!(
+            exchange_line(stream, line).unwrap(),
+            echo.reply_to(line),
+            "{line}"
+        );
+    };
+    exchange(&held_in, &app_echo, "in under weir");
+    exchange(&held_out, &server_echo, "out under weir");
+    // Long-lived connections in use across the move, as with keepalives.
+    let in_use = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let keep_using = |stream: std::net::TcpStream, echo: &EchoServer| {
+        let (in_use, reply) = (in_use.clone(), echo.reply_to("tick"));
+        std::thread::spawn(move || {
+            while in_use.load(std::sync::atomic::Ordering::Relaxed) {
+                let answer = exchange_line(&stream, "tick").map_err(|e| e.to_string())?;
+                if answer != reply {
+                    return Err(format!("{answer:?}"));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Ok(stream)
+        })
+    };
+    let held_in = keep_using(held_in, &app_echo);
+    let held_out = keep_using(held_out, &server_echo);
+    let loop_in = TrafficLoop::start(client.netns(), app.app_v4(), app_echo.reply_to("loop"));
+    let loop_out = TrafficLoop::start(app.netns(), server.app_v4(), server_echo.reply_to("loop"));
+    wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+
+    // weir's DaemonSet no longer selects the node: its agent stops, and hands the node back.
+    let leaving = std::thread::spawn(move || agent.stop());
+    wait_until(WAIT, "weir's agent to stop serving", || {
+        http_status(config.health_addr, "/readyz").is_err()
+    });
+    cluster.pod_object(MESH, "during", |_| {});
+    let during = cluster.pod(MESH, "during");
+    assert!(
+        during.is_err(),
+        "a pod started while no agent serves the node"
+    );
+    wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+
+    // istio-cni's agent starts: its plugin into the chain, its ZDS server at the path, and
+    // istio's rules in the pods it finds annotated (reconcileIptablesOnStartup).
+    let conflist = cluster.chain.files.net_dir().join("10-weir-test.conflist");
+    let mut chain: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
+    chain["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .push(istio_cni::plugin_entry());
+    std::fs::write(&conflist, serde_json::to_vec_pretty(&chain).unwrap()).unwrap();
+    let istio = IstioCniAgent::start(&config.zds_socket).unwrap();
+    match istio.enroll(&app) {
+        Ok(()) | Err(istio_cni::IstioCniError::NotConnected) => {}
+        Err(error) => panic!("istio-cni's agent enrolls the pod: {error}"),
+    }
+    leaving
+        .join()
+        .unwrap()
+        .expect("weir's agent leaves the node");
+    assert!(
+        !config.datapath.pin_root.exists(),
+        "weir's pins and programs are gone"
+    );
+    let plugins = weir_conflist(&cluster.chain).plugins;
+    assert!(
+        plugins.iter().all(|plugin| plugin["type"] != "weir-cni")
+            && plugins.iter().any(|plugin| plugin["type"] == "istio-cni"),
+        "istio-cni's plugin alone in the chain: {plugins:?}"
+    );
+    assert!(
+        ztunnel.wait_for_snapshots(2, 2 * WAIT),
+        "ztunnel found istio-cni's agent: {:?}",
+        ztunnel.events()
+    );
+    wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
+    for (direction, connections) in [("in", loop_in.stop()), ("out", loop_out.stop())] {
+        let failed: Vec<_> = connections.iter().filter(|c| c.outcome.is_err()).collect();
+        assert!(failed.is_empty(), "{direction}: {failed:?}");
+    }
+    let events = ztunnel.events();
+    assert!(
+        events.iter().all(|event| !matches!(
+            event,
+            ZdsEvent::Del { uid: dropped } | ZdsEvent::Drained { uid: dropped } if *dropped == uid
+        )),
+        "{events:?}"
+    );
+    let kept = ztunnel
+        .pod(&uid)
+        .expect("ztunnel still runs the pod's proxy");
+    assert!(std::sync::Arc::ptr_eq(&kept, &proxy), "the same proxy");
+    in_use.store(false, std::sync::atomic::Ordering::Relaxed);
+    let held_in = held_in.join().unwrap().expect("in, used across the move");
+    let held_out = held_out.join().unwrap().expect("out, used across the move");
+    exchange(&held_in, &app_echo, "in under istio");
+    exchange(&held_out, &server_echo, "out under istio");
+    let rules = app
+        .run(|| IstioRules::find(&mut Rtnl::new().unwrap()))
+        .unwrap();
+    assert!(rules.redirects(), "{rules:?}");
+    let filters = app
+        .run(|| {
+            std::process::Command::new("tc")
+                .args(["filter", "show", "dev", "eth0", "ingress"])
+                .output()
+        })
+        .unwrap();
+    assert!(
+        filters.stdout.is_empty(),
+        "weir's tc program left the pod: {}",
+        String::from_utf8_lossy(&filters.stdout)
+    );
+    // New connections now take istio's redirection, to ztunnel like every one before.
+    let reply = client.run(|| tcp_request(app.app_v4(), "new")).unwrap();
+    assert_eq!(reply.response, app_echo.reply_to("new"));
+    let dialed: Vec<SocketAddr> = (proxy.dials().iter())
+        .filter(|dial| dial.listener == INBOUND_PORT)
+        .filter_map(|dial| dial.source)
+        .collect();
+    for received in app_echo.received() {
+        let peer = weir_tests::sockopt::canonical(received.peer);
+        assert!(dialed.contains(&peer), "around ztunnel: {received:?}");
+    }
+    istio.stop();
 }

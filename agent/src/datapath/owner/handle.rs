@@ -34,6 +34,7 @@ pub(in crate::datapath) type Traced = (tracing::Span, Command);
 pub(in crate::datapath) enum Command {
     Enroll(Workload, EnrollNetns, Reply<OwnedFd>),
     Unenroll(String, Reply<bool>),
+    HandBack(String, Reply<bool>),
     Counters(String, Reply<Option<PodCounters>>),
     IsRedirected(String, Reply<bool>),
     Adopt(String, Option<Workload>, Reply<Option<OwnedFd>>),
@@ -239,6 +240,13 @@ impl Datapath {
     /// draining, or about to connect again); its entry may make room for another ztunnel's.
     pub fn ztunnel_disconnected(&self, cgroup: u64) -> Request<()> {
         self.ask(|reply| Command::ZtunnelDisconnected(cgroup, reply))
+    }
+
+    /// Leaves the enrolled ambient pod `uid` to istio's in-pod rules if they redirect it now
+    /// (istio-cni's agent taking the node back): weir's programs and entries for it go, its
+    /// return path stays. Answers whether the pod is no longer weir's.
+    pub fn hand_back(&self, uid: &str) -> Request<bool> {
+        self.ask(|reply| Command::HandBack(uid.to_owned(), reply))
     }
 
     /// Uids of the enrolled pods.

@@ -45,6 +45,7 @@ pub(super) fn recover_pods(
                 netns: None,
                 // Not known after a restart: the audit looks.
                 istio_rules_left: true,
+                tracked_ahead_of_istio: false,
             };
             (entry.uid, enrolled)
         })

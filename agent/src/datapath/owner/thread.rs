@@ -42,6 +42,9 @@ pub(in crate::datapath) struct Enrolled {
     /// made under istio's rules before weir took the pod over): the audit looks again until
     /// nothing is left.
     pub(in crate::datapath) istio_rules_left: bool,
+    /// Being handed back to istio-cni: conntrack follows its connections already
+    /// (`istio_rules::track_ahead_of_istio`).
+    pub(in crate::datapath) tracked_ahead_of_istio: bool,
 }
 
 pub(in crate::datapath) struct Owner {
@@ -242,6 +245,9 @@ impl Owner {
                 }
                 Command::Unenroll(uid, reply) => {
                     let _ = reply.send(self.unenroll(&uid));
+                }
+                Command::HandBack(uid, reply) => {
+                    let _ = reply.send(self.hand_back(&uid));
                 }
                 Command::Counters(uid, reply) => {
                     let _ = reply.send(self.pod_counters(&uid));

@@ -9,7 +9,7 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 use weir_common::{IpKey, PodConfig, PodCounters, POD_HAS_IPV4, POD_HAS_IPV6, POD_SIDECAR_IPV6};
 
 use super::{
@@ -23,7 +23,7 @@ use super::{
 };
 use crate::datapath::{
     kernel::{
-        netlink::{Link, Reroute, Rtnl},
+        netlink::{Link, Reroute, ReturnPath, Rtnl},
         netns,
     },
     owner::{Enrolled, Owner},
@@ -175,6 +175,7 @@ impl Owner {
                 lists: Some(lists),
                 netns: Some(netns_file),
                 istio_rules_left,
+                tracked_ahead_of_istio: false,
             },
         );
         drop(inside);
@@ -211,7 +212,7 @@ impl Owner {
     ) {
         let Some(before) = before else {
             self.remove_entries(netns_cookie, written, Some(lists));
-            undo_pod_netns(rtnl);
+            undo_pod_netns(rtnl, ReturnPath::Remove);
             return;
         };
         let new: Vec<IpKey> = written
@@ -245,7 +246,7 @@ impl Owner {
         // Another netns: the attempt's entries all go, and addresses it took over from the
         // previous netns are handed back.
         self.remove_entries(netns_cookie, &new, Some(lists));
-        undo_pod_netns(rtnl);
+        undo_pod_netns(rtnl, ReturnPath::Remove);
         for ip in &before.ips {
             if self.pod_ips.get(ip, 0).is_err() {
                 if let Err(error) = self.pod_ips.insert(ip, before.netns_cookie, BPF_NOEXIST) {
@@ -383,7 +384,7 @@ impl Owner {
                 .and_then(|inside| Ok((inside, Rtnl::new()?)));
             match inside {
                 Ok((_inside, mut rtnl)) => {
-                    undo_pod_netns(&mut rtnl);
+                    undo_pod_netns(&mut rtnl, ReturnPath::Remove);
                     if let Err(error) = self.sysctls.reset() {
                         debug!(uid, %error, "resetting the pod's reply-mark sysctls");
                     }
@@ -392,6 +393,53 @@ impl Owner {
             }
         }
         debug!(uid, "pod unenrolled");
+        Ok(true)
+    }
+
+    /// Leaves the ambient pod to istio's in-pod rules once they redirect it (istio-cni's agent
+    /// put them there): weir's map entries and tc programs go and the pod is forgotten; its
+    /// return path stays. Until then conntrack is made to follow the pod's connections, so that
+    /// istio's rules leave those made under weir's path alone. Returns whether the pod was left:
+    /// not while istio's rules are not there yet, nor for a sidecar pod (istio-cni redirects
+    /// those only when they start) or one whose netns this owner does not hold.
+    pub(in crate::datapath) fn hand_back(&mut self, uid: &str) -> Result<bool> {
+        let Some(pod) = self.pods.get_mut(uid) else {
+            return Ok(true);
+        };
+        // istio's rules are istio-cni's again: the audit must not take them out of the pod.
+        pod.istio_rules_left = false;
+        if pod.config.has(weir_common::POD_SIDECAR) {
+            return Ok(false);
+        }
+        let Some(netns) = &pod.netns else {
+            return Ok(false);
+        };
+        let inside = match self.home.enter(netns.as_fd()) {
+            Ok(inside) => inside,
+            // Gone with the pod: nothing is left to redirect.
+            Err(error) => {
+                debug!(uid, %error, "pod netns not entered: the pod is gone");
+                drop(self.remove_map_entries(uid));
+                return Ok(true);
+            }
+        };
+        let mut rtnl = Rtnl::new()?;
+        if !istio_rules::IstioRules::find(&mut rtnl)?.redirect_with_return_path() {
+            if !pod.tracked_ahead_of_istio {
+                istio_rules::track_ahead_of_istio(&mut rtnl)?;
+                pod.tracked_ahead_of_istio = true;
+            }
+            return Ok(false);
+        }
+        // Maps first, as for an unenrollment: a packet tc still sees meets no pod and passes
+        // on to istio's rules.
+        drop(self.remove_map_entries(uid));
+        undo_pod_netns(&mut rtnl, ReturnPath::Keep);
+        if let Err(error) = istio_rules::stop_tracking_ahead_of_istio() {
+            warn!(uid, %error, "removing weir's hand-back table from the pod");
+        }
+        drop(inside);
+        info!(uid, "the pod is left to istio's in-pod rules");
         Ok(true)
     }
 

@@ -60,6 +60,21 @@ impl IstioRules {
         !self.redirection.is_empty()
     }
 
+    /// Whether istio's rules redirect the pod and bring the app's replies back to ztunnel, for
+    /// each family they redirect: all istio-cni's agent writes into a pod it enrolls, the
+    /// routing rules last.
+    pub fn redirect_with_return_path(&self) -> bool {
+        let families: std::collections::BTreeSet<u8> = (self.redirection.iter())
+            .flat_map(|object| match object.family() {
+                inet if inet == libc::NFPROTO_INET as u8 => {
+                    vec![libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8]
+                }
+                family => vec![family],
+            })
+            .collect();
+        self.redirects() && self.return_rules >= families.len()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.redirection.is_empty() && self.return_path.is_empty() && self.return_rules == 0
     }
@@ -223,6 +238,101 @@ fn retire(uid: &str, rules: &mut IstioRules, rtnl: &mut Rtnl) -> bool {
     }
 }
 
+/// weir's table in a pod it hands back to istio-cni's agent (see [`track_ahead_of_istio`]).
+const HAND_BACK_TABLE: &str = "weir-hand-back";
+
+/// Readies the pod (whose netns the calling thread is in) for istio's rules, so that they take
+/// over no connection made under weir's path:
+/// - conntrack follows the pod's connections, each with a NAT binding of none, before istio's
+///   rules come: `nat` chains accepting all at the hooks and priority of istio's, each with a
+///   rule that reads the connection's state (what turns conntrack on in the netns). istio's
+///   `REDIRECT`s then apply only to connections whose first packet conntrack sees after they
+///   came, never to one made under weir's path, whose packets they would send to a port where
+///   no socket holds it. A connection with no packet between this and istio's rules is not
+///   followed in time;
+/// - istio's return rules are there before its netfilter rules mark the packets they route
+///   (istio-cni's agent adds them only after).
+///
+/// Idempotent.
+pub fn track_ahead_of_istio(rtnl: &mut Rtnl) -> io::Result<()> {
+    rtnl.add_istio_return_rules(ISTIO_CONNMARK, ISTIO_MARK_MASK)?;
+    let mut nft = Nft::new()?;
+    if nft
+        .tables()?
+        .iter()
+        .any(|table| table.name == HAND_BACK_TABLE)
+    {
+        return Ok(());
+    }
+    let family = libc::NFPROTO_INET as u8;
+    let mut messages = vec![NftMessage {
+        kind: NFT_MSG_NEWTABLE,
+        flags: libc::NLM_F_CREATE as u16,
+        family,
+        attrs: vec![string(NFTA_TABLE_NAME, HAND_BACK_TABLE)],
+        what: format!("adding table inet {HAND_BACK_TABLE}"),
+    }];
+    for (name, hook) in NAT_HOOKS {
+        let hook = nested(&[
+            (NFTA_HOOK_HOOKNUM, hook.to_be_bytes().to_vec()),
+            (NFTA_HOOK_PRIORITY, NAT_PRIORITY.to_be_bytes().to_vec()),
+        ]);
+        messages.push(NftMessage {
+            kind: NFT_MSG_NEWCHAIN,
+            flags: libc::NLM_F_CREATE as u16,
+            family,
+            attrs: vec![
+                string(NFTA_CHAIN_TABLE, HAND_BACK_TABLE),
+                string(NFTA_CHAIN_NAME, name),
+                (NFTA_CHAIN_HOOK | NLA_F_NESTED, hook),
+                (NFTA_CHAIN_POLICY, NF_ACCEPT.to_be_bytes().to_vec()),
+                string(NFTA_CHAIN_TYPE, "nat"),
+            ],
+            what: format!("adding chain inet {HAND_BACK_TABLE} {name}"),
+        });
+        // `ct load state => reg 1`, read by nothing: the chain's need of conntrack.
+        let ct_state = nested(&[
+            (NFTA_CT_DREG, NFT_REG_1.to_be_bytes().to_vec()),
+            (NFTA_CT_KEY, NFT_CT_STATE.to_be_bytes().to_vec()),
+        ]);
+        let expression = nested(&[
+            string(NFTA_EXPR_NAME, "ct"),
+            (NFTA_EXPR_DATA | NLA_F_NESTED, ct_state),
+        ]);
+        messages.push(NftMessage {
+            kind: NFT_MSG_NEWRULE,
+            flags: (libc::NLM_F_CREATE | libc::NLM_F_APPEND) as u16,
+            family,
+            attrs: vec![
+                string(NFTA_RULE_TABLE, HAND_BACK_TABLE),
+                string(NFTA_RULE_CHAIN, name),
+                (
+                    NFTA_RULE_EXPRESSIONS | NLA_F_NESTED,
+                    nested(&[(NFTA_LIST_ELEM | NLA_F_NESTED, expression)]),
+                ),
+            ],
+            what: format!("adding a rule to chain inet {HAND_BACK_TABLE} {name}"),
+        });
+    }
+    nft.commit(messages)
+}
+
+/// Removes what [`track_ahead_of_istio`] added, if it is there; the connections it made
+/// conntrack follow keep their bindings.
+pub fn stop_tracking_ahead_of_istio() -> io::Result<()> {
+    let mut nft = Nft::new()?;
+    let ours = nft
+        .tables()?
+        .into_iter()
+        .filter(|table| table.name == HAND_BACK_TABLE)
+        .map(|table| NftObject::Table {
+            family: table.family,
+            name: table.name,
+        })
+        .collect::<Vec<_>>();
+    nft.delete(&ours)
+}
+
 /// istio's nf_tables tables and chains in the calling thread's netns, as `family table [chain]`:
 /// on the node, what istio-cni's agent left there (its probe SNAT chain); in a pod, its rules.
 pub fn nft_leftovers() -> io::Result<Vec<String>> {
@@ -345,6 +455,16 @@ pub enum NftObject {
     },
 }
 
+impl NftObject {
+    fn family(&self) -> u8 {
+        match self {
+            Self::Table { family, .. } | Self::Chain { family, .. } | Self::Rule { family, .. } => {
+                *family
+            }
+        }
+    }
+}
+
 struct NftTable {
     family: u8,
     name: String,
@@ -369,15 +489,33 @@ struct NftRule {
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 16;
 const NFNL_MSG_BATCH_END: u16 = 17;
+const NFT_MSG_NEWTABLE: u16 = 0;
 const NFT_MSG_GETTABLE: u16 = 1;
 const NFT_MSG_DELTABLE: u16 = 2;
+const NFT_MSG_NEWCHAIN: u16 = 3;
 const NFT_MSG_GETCHAIN: u16 = 4;
 const NFT_MSG_DELCHAIN: u16 = 5;
+const NFT_MSG_NEWRULE: u16 = 6;
 const NFT_MSG_GETRULE: u16 = 7;
 const NFT_MSG_DELRULE: u16 = 8;
 const NFTA_TABLE_NAME: u16 = 1;
 const NFTA_CHAIN_TABLE: u16 = 1;
 const NFTA_CHAIN_NAME: u16 = 3;
+const NFTA_CHAIN_HOOK: u16 = 4;
+const NFTA_CHAIN_POLICY: u16 = 5;
+const NFTA_CHAIN_TYPE: u16 = 7;
+const NFTA_HOOK_HOOKNUM: u16 = 1;
+const NFTA_HOOK_PRIORITY: u16 = 2;
+const NLA_F_NESTED: u16 = 0x8000;
+const NFTA_CT_DREG: u16 = 1;
+const NFTA_CT_KEY: u16 = 2;
+const NFT_CT_STATE: u32 = 0;
+const NFT_REG_1: u32 = 1;
+const NF_ACCEPT: u32 = 1;
+/// `NF_INET_PRE_ROUTING` and `NF_INET_LOCAL_OUT`: where istio's `nat` chains hook.
+const NAT_HOOKS: [(&str, u32); 2] = [("prerouting", 0), ("output", 3)];
+/// `NF_IP_PRI_NAT_DST`, istio's `nat` chains' priority.
+const NAT_PRIORITY: i32 = -100;
 const NFTA_RULE_TABLE: u16 = 1;
 const NFTA_RULE_CHAIN: u16 = 2;
 const NFTA_RULE_HANDLE: u16 = 3;
@@ -399,6 +537,15 @@ const NFGENMSG_LEN: usize = 4;
 const NLMSG_HDRLEN: usize = 16;
 /// Room for one datagram: the kernel fills at most 32 KiB per `recv`.
 const RECV_BUFFER: usize = 32 * 1024;
+
+/// One message of a transaction, with what it does for an error's message.
+struct NftMessage {
+    kind: u16,
+    flags: u16,
+    family: u8,
+    attrs: Vec<(u16, Vec<u8>)>,
+    what: String,
+}
 
 /// A netlink socket for nf_tables, in the calling thread's netns.
 struct Nft {
@@ -467,7 +614,57 @@ impl Nft {
 
     /// Deletes `objects`, in order, in one transaction.
     fn delete(&mut self, objects: &[NftObject]) -> io::Result<()> {
-        if objects.is_empty() {
+        let messages = objects
+            .iter()
+            .map(|object| {
+                let (kind, family, attrs) = match object {
+                    NftObject::Table { family, name } => (
+                        NFT_MSG_DELTABLE,
+                        *family,
+                        vec![string(NFTA_TABLE_NAME, name)],
+                    ),
+                    NftObject::Chain {
+                        family,
+                        table,
+                        name,
+                    } => (
+                        NFT_MSG_DELCHAIN,
+                        *family,
+                        vec![
+                            string(NFTA_CHAIN_TABLE, table),
+                            string(NFTA_CHAIN_NAME, name),
+                        ],
+                    ),
+                    NftObject::Rule {
+                        family,
+                        table,
+                        chain,
+                        handle,
+                    } => (
+                        NFT_MSG_DELRULE,
+                        *family,
+                        vec![
+                            string(NFTA_RULE_TABLE, table),
+                            string(NFTA_RULE_CHAIN, chain),
+                            (NFTA_RULE_HANDLE, handle.to_be_bytes().to_vec()),
+                        ],
+                    ),
+                };
+                NftMessage {
+                    kind,
+                    flags: 0,
+                    family,
+                    attrs,
+                    what: format!("deleting {object:?}"),
+                }
+            })
+            .collect();
+        self.commit(messages)
+    }
+
+    /// Sends `messages` in one transaction: all of them happen, or none.
+    fn commit(&mut self, messages: Vec<NftMessage>) -> io::Result<()> {
+        if messages.is_empty() {
             return Ok(());
         }
         let mut datagram = Vec::new();
@@ -481,48 +678,15 @@ impl Nft {
             &[],
         );
         let first = begin.wrapping_add(1);
-        for object in objects {
+        for message in &messages {
             let sequence = self.next_sequence();
-            let (kind, family, attrs) = match object {
-                NftObject::Table { family, name } => (
-                    NFT_MSG_DELTABLE,
-                    *family,
-                    vec![string(NFTA_TABLE_NAME, name)],
-                ),
-                NftObject::Chain {
-                    family,
-                    table,
-                    name,
-                } => (
-                    NFT_MSG_DELCHAIN,
-                    *family,
-                    vec![
-                        string(NFTA_CHAIN_TABLE, table),
-                        string(NFTA_CHAIN_NAME, name),
-                    ],
-                ),
-                NftObject::Rule {
-                    family,
-                    table,
-                    chain,
-                    handle,
-                } => (
-                    NFT_MSG_DELRULE,
-                    *family,
-                    vec![
-                        string(NFTA_RULE_TABLE, table),
-                        string(NFTA_RULE_CHAIN, chain),
-                        (NFTA_RULE_HANDLE, handle.to_be_bytes().to_vec()),
-                    ],
-                ),
-            };
             push_message(
                 &mut datagram,
-                nft_type(kind),
-                libc::NLM_F_ACK as u16,
+                nft_type(message.kind),
+                message.flags | libc::NLM_F_ACK as u16,
                 sequence,
-                (family, 0),
-                &attrs,
+                (message.family, 0),
+                &message.attrs,
             );
         }
         let end = self.next_sequence();
@@ -535,22 +699,20 @@ impl Nft {
             &[],
         );
         self.socket.send(&datagram, 0)?;
-        // One answer per object: an ack, or the error that aborted the whole transaction.
+        // One answer per message: an ack, or the error that aborted the whole transaction.
         let mut answered = 0;
-        while answered < objects.len() {
-            for (kind, sequence, payload) in messages(self.recv()?) {
-                if kind != NLMSG_ERROR || sequence.wrapping_sub(first) as usize >= objects.len() {
+        while answered < messages.len() {
+            for (kind, sequence, payload) in netlink_messages(self.recv()?) {
+                let index = sequence.wrapping_sub(first) as usize;
+                if kind != NLMSG_ERROR || index >= messages.len() {
                     continue;
                 }
                 let errno = error_code(payload);
                 if errno != 0 {
-                    let object = &objects[sequence.wrapping_sub(first) as usize];
+                    let error = io::Error::from_raw_os_error(-errno);
                     return Err(io::Error::new(
-                        io::Error::from_raw_os_error(-errno).kind(),
-                        format!(
-                            "deleting {object:?}: {}",
-                            io::Error::from_raw_os_error(-errno)
-                        ),
+                        error.kind(),
+                        format!("{}: {error}", messages[index].what),
                     ));
                 }
                 answered += 1;
@@ -574,7 +736,7 @@ impl Nft {
         self.socket.send(&request, 0)?;
         let mut found = Vec::new();
         loop {
-            for (message_kind, message_sequence, payload) in messages(self.recv()?) {
+            for (message_kind, message_sequence, payload) in netlink_messages(self.recv()?) {
                 if message_sequence != sequence {
                     continue;
                 }
@@ -606,6 +768,19 @@ impl Nft {
         self.sequence = self.sequence.wrapping_add(1);
         self.sequence
     }
+}
+
+/// Netlink attributes, encoded one after the other (a nested attribute's payload).
+fn nested(attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    for (kind, value) in attrs {
+        let length = 4 + value.len();
+        bytes.extend_from_slice(&(length as u16).to_ne_bytes());
+        bytes.extend_from_slice(&kind.to_ne_bytes());
+        bytes.extend_from_slice(value);
+        bytes.resize(bytes.len() + padding(length), 0);
+    }
+    bytes
 }
 
 /// The (negative) errno of an `NLMSG_ERROR` message's payload; 0 is an ack.
@@ -643,13 +818,7 @@ fn push_message(
     datagram.extend_from_slice(&0u32.to_ne_bytes());
     datagram.extend_from_slice(&[family, 0]);
     datagram.extend_from_slice(&resource.to_be_bytes());
-    for (attr_kind, value) in attrs {
-        let length = 4 + value.len();
-        datagram.extend_from_slice(&(length as u16).to_ne_bytes());
-        datagram.extend_from_slice(&attr_kind.to_ne_bytes());
-        datagram.extend_from_slice(value);
-        datagram.resize(datagram.len() + padding(length), 0);
-    }
+    datagram.extend_from_slice(&nested(attrs));
     let length = (datagram.len() - start) as u32;
     datagram[start..start + 4].copy_from_slice(&length.to_ne_bytes());
 }
@@ -659,7 +828,7 @@ fn padding(length: usize) -> usize {
 }
 
 /// The netlink messages of a datagram: (type, sequence, payload after the netlink header).
-fn messages(mut datagram: &[u8]) -> impl Iterator<Item = (u16, u32, &[u8])> {
+fn netlink_messages(mut datagram: &[u8]) -> impl Iterator<Item = (u16, u32, &[u8])> {
     std::iter::from_fn(move || {
         let header = datagram.get(..NLMSG_HDRLEN)?;
         let length = u32::from_ne_bytes(header[..4].try_into().ok()?) as usize;

@@ -9,7 +9,7 @@ use weir_common::{PodConfig, POD_SIDECAR_IPV6};
 
 use crate::datapath::kernel::{
     handoff::Handoff,
-    netlink::{self, Link, PodSetup, Reroute, Rtnl, WeirFilter},
+    netlink::{self, Link, PodSetup, Reroute, ReturnPath, Rtnl, WeirFilter},
     netns::ReplyMarkSysctls,
     programs,
 };
@@ -231,11 +231,12 @@ pub(in crate::datapath) fn restore_pod_netns(
     Ok(drifts)
 }
 
-/// Best effort: called on rollback and unenroll, where the pod may be half set up or gone.
-pub(super) fn undo_pod_netns(rtnl: &mut Rtnl) {
+/// Best effort: called on rollback and unenroll, where the pod may be half set up or gone, and
+/// when a pod is handed back to istio's rules (its return path kept).
+pub(super) fn undo_pod_netns(rtnl: &mut Rtnl, return_path: ReturnPath) {
     let undone = rtnl
         .non_loopback_interfaces()
-        .and_then(|interfaces| rtnl.tear_down_pod(&interfaces));
+        .and_then(|interfaces| rtnl.tear_down_pod(&interfaces, return_path));
     if let Err(error) = undone {
         debug!(%error, "removing the pod's tc programs and routing");
     }

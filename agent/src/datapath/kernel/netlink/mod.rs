@@ -30,7 +30,7 @@ mod transport;
 
 pub use changes::{recv_change, subscribe_interface_changes, Change};
 pub use objects::TcProgram;
-pub use pod_changes::{PodSetup, Reroute};
+pub use pod_changes::{PodSetup, Reroute, ReturnPath};
 pub use pod_state::{
     non_loopback_addresses, non_loopback_interfaces, reroute_rules, Link, WeirFilter,
 };

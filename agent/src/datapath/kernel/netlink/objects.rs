@@ -66,14 +66,20 @@ fn header_table(table: u32) -> u8 {
 
 /// `fwmark RETURN_MARK/RETURN_MARK lookup RETURN_ROUTE_TABLE`, for the family of `any`.
 pub(super) fn return_rule(any: IpAddr) -> RuleMessage {
+    mark_rule(any, RETURN_MARK, RETURN_MARK)
+}
+
+/// `fwmark <mark>/<mask> lookup RETURN_ROUTE_TABLE priority 32764`, in the family of `any`:
+/// weir's return rule, or istio's (`0x111/0xfff`, the same table and priority).
+pub(super) fn mark_rule(any: IpAddr, mark: u32, mask: u32) -> RuleMessage {
     let mut rule = RuleMessage::default();
     rule.header.family = family_of(any);
     rule.header.table = header_table(RETURN_ROUTE_TABLE);
     rule.header.action = RuleAction::ToTable;
     rule.attributes = vec![
         RuleAttribute::Priority(RETURN_RULE_PRIORITY),
-        RuleAttribute::FwMark(RETURN_MARK),
-        RuleAttribute::FwMask(RETURN_MARK),
+        RuleAttribute::FwMark(mark),
+        RuleAttribute::FwMask(mask),
         RuleAttribute::Table(RETURN_ROUTE_TABLE),
     ];
     rule

@@ -1,7 +1,7 @@
 //! What changes a pod's namespace, through the socket made in it: the return path, weir's tc
 //! programs and rerouting rules, their removal, and the deletion of another agent's rules.
 use std::io;
-use std::net::{Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
@@ -10,8 +10,8 @@ use weir_common::{PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
 
 use super::objects::Op;
 use super::objects::{
-    clsact, local_route, loopback_address, reroute_rule, return_rule, tc_filter, Direction, Object,
-    TcProgram,
+    clsact, local_route, loopback_address, mark_rule, reroute_rule, return_rule, tc_filter,
+    Direction, Object, TcProgram,
 };
 use super::pod_state::{installed_reroutes, Link};
 use super::transport::Rtnl;
@@ -103,6 +103,16 @@ pub(super) fn return_path() -> [Object; 4] {
     ]
 }
 
+/// What a pod's teardown does with weir's return path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReturnPath {
+    /// Unenrollment: it goes with the rest.
+    Remove,
+    /// A pod handed back to istio's in-pod rules: it stays, for the connections ztunnel made
+    /// under weir's path, and istio's return path shares its route in table 100.
+    Keep,
+}
+
 impl Rtnl {
     /// The return path (see [`return_path`]), in one datagram, with the IPv6 passthrough
     /// source `::6` on `lo` when `passthrough_v6` (a sidecar pod whose IPv6 is captured: its
@@ -113,6 +123,15 @@ impl Rtnl {
             passthrough_v6.then(|| Object::Address(loopback_address(PASSTHROUGH_SOURCE_V6.into())));
         let objects = return_path().into_iter().chain(passthrough);
         self.apply(objects.map(|object| (Op::Add, object)))
+    }
+
+    /// istio's return path's routing rules (`fwmark <mark>/<mask> lookup 100`, both families),
+    /// which istio-cni's agent adds after its netfilter rules: a pod handed back to it gets them
+    /// first, so the replies to ztunnel's connections its rules mark never go without them.
+    /// Idempotent.
+    pub fn add_istio_return_rules(&mut self, mark: u32, mask: u32) -> io::Result<()> {
+        let [v4, v6]: [IpAddr; 2] = [Ipv4Addr::UNSPECIFIED.into(), Ipv6Addr::UNSPECIFIED.into()];
+        self.apply([v4, v6].map(|any| (Op::Add, Object::Rule(mark_rule(any, mark, mask)))))
     }
 
     /// weir's programs on the pod's interfaces, in one datagram and in this order: on every
@@ -167,10 +186,14 @@ impl Rtnl {
         self.apply(tc.chain(stale).chain(rerouted))
     }
 
-    /// Undoes [`Self::set_up_return_path`] and [`Self::attach_programs`] on `interfaces`, in one
-    /// datagram: weir's filters, every rerouting rule, the return path. Best effort: what is
-    /// already gone is success.
-    pub fn tear_down_pod(&mut self, interfaces: &[Link]) -> io::Result<()> {
+    /// Undoes [`Self::attach_programs`] on `interfaces` and, with [`ReturnPath::Remove`],
+    /// [`Self::set_up_return_path`], in one datagram: weir's filters, every rerouting rule, the
+    /// return path. Best effort: what is already gone is success.
+    pub fn tear_down_pod(
+        &mut self,
+        interfaces: &[Link],
+        return_path: ReturnPath,
+    ) -> io::Result<()> {
         let filters = interfaces.iter().flat_map(|link| {
             [Direction::Ingress, Direction::Egress].map(|direction| {
                 (
@@ -183,7 +206,11 @@ impl Rtnl {
             .into_iter()
             .map(|(name, destination)| (Op::Delete, Object::Rule(reroute_rule(destination, &name))))
             .collect();
-        let return_path = return_path()
+        let return_path = match return_path {
+            ReturnPath::Remove => Vec::from(self::return_path()),
+            ReturnPath::Keep => Vec::new(),
+        };
+        let return_path = return_path
             .into_iter()
             .rev()
             .map(|object| (Op::Delete, object));
