@@ -424,7 +424,8 @@ impl Owner {
             }
         };
         let mut rtnl = Rtnl::new()?;
-        if !istio_rules::IstioRules::find(&mut rtnl)?.redirect_with_return_path() {
+        let families = (pod.config.has(POD_HAS_IPV4), pod.config.has(POD_HAS_IPV6));
+        if !istio_rules::IstioRules::find(&mut rtnl)?.redirect_families(families.0, families.1) {
             if !pod.tracked_ahead_of_istio {
                 istio_rules::track_ahead_of_istio(&mut rtnl)?;
                 pod.tracked_ahead_of_istio = true;

@@ -60,19 +60,23 @@ impl IstioRules {
         !self.redirection.is_empty()
     }
 
-    /// Whether istio's rules redirect the pod and bring the app's replies back to ztunnel, for
-    /// each family they redirect: all istio-cni's agent writes into a pod it enrolls, the
-    /// routing rules last.
-    pub fn redirect_with_return_path(&self) -> bool {
-        let families: std::collections::BTreeSet<u8> = (self.redirection.iter())
-            .flat_map(|object| match object.family() {
-                inet if inet == libc::NFPROTO_INET as u8 => {
-                    vec![libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8]
-                }
-                family => vec![family],
-            })
+    /// Whether istio's `nat` redirection (its `nat` table's `ISTIO_*` chains, or its nftables
+    /// backend's `istio-ambient-nat`) is there for IPv4 when `ipv4`, and for IPv6 when `ipv6`:
+    /// what sends the pod's new connections to ztunnel. istio writes its tables one at a time
+    /// and a family after the other, so another part of its rules says nothing of this.
+    pub fn redirect_families(&self, ipv4: bool, ipv6: bool) -> bool {
+        let nat_families: Vec<u8> = (self.redirection.iter())
+            .filter(|object| matches!(object.table(), "nat" | "istio-ambient-nat"))
+            .map(NftObject::family)
             .collect();
-        self.redirects() && self.return_rules >= families.len()
+        let covered = |family: i32| {
+            nat_families
+                .iter()
+                .any(|&f| i32::from(f) == family || i32::from(f) == libc::NFPROTO_INET)
+        };
+        (ipv4 || ipv6)
+            && (!ipv4 || covered(libc::NFPROTO_IPV4))
+            && (!ipv6 || covered(libc::NFPROTO_IPV6))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -461,6 +465,13 @@ impl NftObject {
             Self::Table { family, .. } | Self::Chain { family, .. } | Self::Rule { family, .. } => {
                 *family
             }
+        }
+    }
+
+    fn table(&self) -> &str {
+        match self {
+            Self::Table { name, .. } => name,
+            Self::Chain { table, .. } | Self::Rule { table, .. } => table,
         }
     }
 }
@@ -896,6 +907,31 @@ fn jump_targets(expressions: &[u8]) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_family_is_redirected_once_istios_nat_rules_for_it_are_there() {
+        let chain = |family: i32, table: &str| NftObject::Chain {
+            family: family as u8,
+            table: table.into(),
+            name: "ISTIO_PRERT".into(),
+        };
+        let rules = |redirection| IstioRules {
+            redirection,
+            ..IstioRules::default()
+        };
+        // Its mangle table is written before its nat table: not yet.
+        let mangle_only = rules(vec![chain(libc::NFPROTO_IPV4, "mangle")]);
+        assert!(!mangle_only.redirect_families(true, false));
+        let ipv4_only = rules(vec![
+            chain(libc::NFPROTO_IPV4, "mangle"),
+            chain(libc::NFPROTO_IPV4, "nat"),
+        ]);
+        assert!(ipv4_only.redirect_families(true, false));
+        assert!(!ipv4_only.redirect_families(true, true), "IPv6 not yet");
+        let nft_backend = rules(vec![chain(libc::NFPROTO_INET, "istio-ambient-nat")]);
+        assert!(nft_backend.redirect_families(true, true));
+        assert!(!rules(Vec::new()).redirect_families(false, false));
+    }
 
     #[test]
     fn open_connections_marked_under_istios_rules_need_the_return_path() {
