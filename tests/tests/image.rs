@@ -161,15 +161,7 @@ fn the_images_static_binaries_run_in_a_root_without_libc() {
         .arg("--version")
         .output()
         .expect("kubectl-weir runs with no libc in its root");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        format!("kubectl-weir {}", env!("CARGO_PKG_VERSION"))
-    );
+    assert_prints_its_version(&out, "kubectl-weir");
 
     let (succeeded, version) = run_chrooted(root.path(), "VERSION", br#"{"cniVersion":"1.1.0"}"#);
     assert!(succeeded, "{version}");
@@ -295,15 +287,7 @@ fn the_images_arm64_binaries_are_arm64s_and_run_with_their_own_layer() {
         .env_clear()
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        format!("kubectl-weir {}", env!("CARGO_PKG_VERSION"))
-    );
+    assert_prints_its_version(&out, "kubectl-weir");
 
     // -L: the loader named in the binary, and the libraries, are looked up under the layer.
     let out = Command::new(&qemu)
@@ -313,15 +297,19 @@ fn the_images_arm64_binaries_are_arm64s_and_run_with_their_own_layer() {
         .arg("--version")
         .output()
         .unwrap();
+    assert_prints_its_version(&out, "weir-agent");
+}
+
+/// `program --version` succeeded and printed the workspace's version, as clap prints it.
+fn assert_prints_its_version(out: &std::process::Output, program: &str) {
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let version = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
-        version.trim(),
-        format!("weir-agent {}", env!("CARGO_PKG_VERSION"))
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("{program} {}", env!("CARGO_PKG_VERSION"))
     );
 }
 

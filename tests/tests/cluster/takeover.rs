@@ -1,6 +1,7 @@
 //! A node istio-cni's agent ran, taken over under traffic, and handed back: no window, no
 //! restarts.
 use super::*;
+use weir_tests::traffic::exchange_line;
 
 /// A node istio-cni's ambient agent runs, taken over by weir as docs/install.md says: weir starts
 /// beside it, then istio-cni's agent leaves. Its plugin leaves the chain in the write that puts
@@ -26,7 +27,6 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     use weir_agent::datapath::{istio_rules::IstioRules, netlink::Rtnl};
     use weir_common::INBOUND_PORT;
     use weir_tests::istio_cni::{self, IstioCniAgent};
-    use weir_tests::traffic::exchange_line;
     use weir_tests::traffic_loop::{wait_for_connections, TrafficLoop};
 
     let cluster = privileged!(Cluster::new());
@@ -74,19 +74,7 @@ fn take_over_from_istio_cni(restart_midway: bool) {
         .push(istio_cni::plugin_entry());
     std::fs::write(&conflist, serde_json::to_vec_pretty(&chain).unwrap()).unwrap();
 
-    let held_in = client
-        .run(|| std::net::TcpStream::connect(app.app_v4()))
-        .unwrap();
-    let held_out = app
-        .run(|| std::net::TcpStream::connect(server.app_v4()))
-        .unwrap();
-    let exchange = |stream: &std::net::TcpStream, echo: &EchoServer, line: &str| {
-        assert_eq!(
-            exchange_line(stream, line).unwrap(),
-            echo.reply_to(line),
-            "{line}"
-        );
-    };
+    let (held_in, held_out) = hold_both_ways(&client, &app, &server);
     exchange(&held_in, &app_echo, "in under istio");
     exchange(&held_out, &server_echo, "out under istio");
     let loop_in = TrafficLoop::start(client.netns(), app.app_v4(), app_echo.reply_to("loop"));
@@ -185,7 +173,6 @@ fn a_node_is_handed_back_to_istio_cni_without_a_window() {
     use weir_agent::datapath::{istio_rules::IstioRules, netlink::Rtnl};
     use weir_common::INBOUND_PORT;
     use weir_tests::istio_cni::{self, IstioCniAgent};
-    use weir_tests::traffic::exchange_line;
     use weir_tests::traffic_loop::{wait_for_connections, TrafficLoop};
 
     let cluster = privileged!(Cluster::new());
@@ -208,19 +195,7 @@ fn a_node_is_handed_back_to_istio_cni_without_a_window() {
     cluster.wait_for_redirection(MESH, "app", Some("enabled"));
     let app_echo = EchoServer::start_lasting(app.netns(), "app", any).unwrap();
 
-    let held_in = client
-        .run(|| std::net::TcpStream::connect(app.app_v4()))
-        .unwrap();
-    let held_out = app
-        .run(|| std::net::TcpStream::connect(server.app_v4()))
-        .unwrap();
-    let exchange = |stream: &std::net::TcpStream, echo: &EchoServer, line: &str| {
-        assert_eq!(
-            exchange_line(stream, line).unwrap(),
-            echo.reply_to(line),
-            "{line}"
-        );
-    };
+    let (held_in, held_out) = hold_both_ways(&client, &app, &server);
     exchange(&held_in, &app_echo, "in under weir");
     exchange(&held_out, &server_echo, "out under weir");
     // Long-lived connections in use across the move, as with keepalives.
@@ -340,4 +315,28 @@ fn a_node_is_handed_back_to_istio_cni_without_a_window() {
         assert!(dialed.contains(&peer), "around ztunnel: {received:?}");
     }
     istio.stop();
+}
+
+/// A connection from `client` into `app` and one from `app` out to `server`, to be held open.
+fn hold_both_ways(
+    client: &weir_tests::Pod,
+    app: &weir_tests::Pod,
+    server: &weir_tests::Pod,
+) -> (std::net::TcpStream, std::net::TcpStream) {
+    let into_app = client
+        .run(|| std::net::TcpStream::connect(app.app_v4()))
+        .unwrap();
+    let out_of_app = app
+        .run(|| std::net::TcpStream::connect(server.app_v4()))
+        .unwrap();
+    (into_app, out_of_app)
+}
+
+/// One line over a held connection, answered by `echo`.
+fn exchange(stream: &std::net::TcpStream, echo: &EchoServer, line: &str) {
+    assert_eq!(
+        exchange_line(stream, line).unwrap(),
+        echo.reply_to(line),
+        "{line}"
+    );
 }
