@@ -107,18 +107,8 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     let taken_over = cluster.wait_for_warnings("TakenOver");
     assert_eq!(taken_over[0]["type"], "Normal", "{taken_over:?}");
     wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
-    for (direction, connections) in [("in", loop_in.stop()), ("out", loop_out.stop())] {
-        let failed: Vec<_> = connections.iter().filter(|c| c.outcome.is_err()).collect();
-        assert!(failed.is_empty(), "{direction}: {failed:?}");
-    }
+    assert_nothing_failed_or_dropped(loop_in, loop_out, &ztunnel, &uid);
     let events = ztunnel.events();
-    assert!(
-        events.iter().all(|event| !matches!(
-            event,
-            ZdsEvent::Del { uid: dropped } | ZdsEvent::Drained { uid: dropped } if *dropped == uid
-        )),
-        "{events:?}"
-    );
     assert!(
         ztunnel.wait_for_drained(&gone_uid, WAIT) || ztunnel.wait_for_del(&gone_uid, WAIT),
         "the deleted pod's proxy is dropped: {events:?}"
@@ -266,18 +256,7 @@ fn a_node_is_handed_back_to_istio_cni_without_a_window() {
         ztunnel.events()
     );
     wait_for_connections(&[&loop_in, &loop_out], std::time::Instant::now(), 3);
-    for (direction, connections) in [("in", loop_in.stop()), ("out", loop_out.stop())] {
-        let failed: Vec<_> = connections.iter().filter(|c| c.outcome.is_err()).collect();
-        assert!(failed.is_empty(), "{direction}: {failed:?}");
-    }
-    let events = ztunnel.events();
-    assert!(
-        events.iter().all(|event| !matches!(
-            event,
-            ZdsEvent::Del { uid: dropped } | ZdsEvent::Drained { uid: dropped } if *dropped == uid
-        )),
-        "{events:?}"
-    );
+    assert_nothing_failed_or_dropped(loop_in, loop_out, &ztunnel, &uid);
     let kept = ztunnel
         .pod(&uid)
         .expect("ztunnel still runs the pod's proxy");
@@ -338,5 +317,27 @@ fn exchange(stream: &std::net::TcpStream, echo: &EchoServer, line: &str) {
         exchange_line(stream, line).unwrap(),
         echo.reply_to(line),
         "{line}"
+    );
+}
+
+/// Across the move: no connection of either stream failed, and ztunnel neither deleted nor
+/// drained the pod's proxy.
+fn assert_nothing_failed_or_dropped(
+    loop_in: weir_tests::traffic_loop::TrafficLoop,
+    loop_out: weir_tests::traffic_loop::TrafficLoop,
+    ztunnel: &ZdsZtunnel,
+    uid: &str,
+) {
+    for (direction, connections) in [("in", loop_in.stop()), ("out", loop_out.stop())] {
+        let failed: Vec<_> = connections.iter().filter(|c| c.outcome.is_err()).collect();
+        assert!(failed.is_empty(), "{direction}: {failed:?}");
+    }
+    let events = ztunnel.events();
+    assert!(
+        events.iter().all(|event| !matches!(
+            event,
+            ZdsEvent::Del { uid: dropped } | ZdsEvent::Drained { uid: dropped } if dropped == uid
+        )),
+        "{events:?}"
     );
 }
