@@ -33,7 +33,7 @@ pub const ROUTE_TABLE: u32 = 100;
 /// `AddLoopbackRoutes` do after its iptables rules.
 pub fn apply(pod: &NetNs) -> Result<()> {
     for family in [Family::V4, Family::V6] {
-        restore(pod, family, &rules(family))?;
+        restore(pod, &[], family, &rules(family))?;
         let (table, mark, mask) = (ROUTE_TABLE.to_string(), CONNMARK, ZTUNNEL_MARK_MASK);
         let fwmark = format!("{mark:#x}/{mask:#x}");
         let any = family.any();
@@ -76,12 +76,22 @@ pub fn apply(pod: &NetNs) -> Result<()> {
     Ok(())
 }
 
+/// Writes [`apply`]'s iptables rules, both families, as a process of the pod would: by
+/// `iptables-restore` run in the pod's netns under `wrapper` (a command such as `setpriv` or
+/// `unshare` that runs the rest with other credentials or in namespaces of its own).
+pub fn restore_as(pod: &NetNs, wrapper: &[&str]) -> Result<()> {
+    for family in [Family::V4, Family::V6] {
+        restore(pod, wrapper, family, &rules(family))?;
+    }
+    Ok(())
+}
+
 /// Installs istio-init's sidecar rules for a pod with every default (REDIRECT, the proxy's uid
 /// and gid 1337, every outbound range and inbound port captured but the proxy's own ports, no DNS
 /// capture) in the pod's namespace `pod`. IPv4 only: istio adds the IPv6 rules only when the
 /// pod's first address is IPv6.
 pub fn apply_sidecar(pod: &NetNs) -> Result<()> {
-    restore(pod, Family::V4, &sidecar_rules())
+    restore(pod, &[], Family::V4, &sidecar_rules())
 }
 
 #[derive(Clone, Copy)]
@@ -201,10 +211,12 @@ COMMIT
 }
 
 /// Feeds `rules` to the family's `iptables-restore --noflush` inside the pod, as istio does.
-fn restore(pod: &NetNs, family: Family, rules: &str) -> Result<()> {
+fn restore(pod: &NetNs, wrapper: &[&str], family: Family, rules: &str) -> Result<()> {
     let command = family.restore_command();
     let mut child = Command::new("ip")
-        .args(["netns", "exec", pod.name(), command, "--noflush"])
+        .args(["netns", "exec", pod.name()])
+        .args(wrapper)
+        .args([command, "--noflush"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -22,12 +22,13 @@ use weir_common::{HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::{
     cgroup,
     chain::{CniChainNode, WAIT as AGENT_WAIT},
+    istio_iptables,
     netns::ip,
     privileged,
     receive_batch::{delay_egress, kernel_needs_the_handoff, XdpPass},
     sidecar::{sidecar_pod, SidecarStandIn},
     sockopt::canonical,
-    tcp_request,
+    tcp_attempt, tcp_request,
     traffic::{read_line, set_timeouts, write_line},
     wait_until, DatapathNode, EchoServer, Pod, ZtunnelStandIn, APP_PORT,
 };
@@ -85,7 +86,7 @@ fn a_listener_autobound_to_ztunnels_ports_with_its_mark_gets_no_connection() {
         let (reply, attacker) = thread::scope(|scope| {
             let attacker = scope.spawn(|| marked_socket(&pod, &["listen", "0.0.0.0:0", "6"]));
             wait_until(WAIT, "the attacker's listener", || listening_on(&pod, port));
-            let reply = client.run(|| tcp_request(target, "around ztunnel"));
+            let reply = client.run(|| tcp_attempt(target, "around ztunnel"));
             (reply, attacker.join().unwrap())
         });
         assert_eq!(attacker, format!("listening {port}\nnone"), "to {target}");
@@ -272,7 +273,7 @@ fn a_sidecar_pods_ranges_and_passthrough_source_keep_to_their_family_and_to_loop
         .run(|| {
             let socket = Socket::new(Domain::IPV6, Type::STREAM, None)?;
             socket.bind(&SocketAddr::new(IpAddr::V6(passthrough), 0).into())?;
-            socket.connect_timeout(&target.into(), weir_tests::IO_TIMEOUT)?;
+            socket.connect_timeout(&target.into(), weir_tests::io_timeout())?;
             let stream = std::net::TcpStream::from(socket);
             set_timeouts(&stream)?;
             write_line(&stream, "from ::6")?;
@@ -525,4 +526,96 @@ fn marked_listener(port: u16) -> io::Result<Socket> {
     socket.bind(&SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)).into())?;
     socket.listen(4_096)?;
     Ok(socket)
+}
+
+/// An agent handing the node back to istio-cni leaves an ambient pod only once istio's in-pod
+/// rules redirect it, as istio-cni's agent writes them into the pod's netns. A pod's own process
+/// that writes the same rules first, to be left and then remove them, must fail at it: as a
+/// container's root without `CAP_NET_ADMIN` (the runtime's default set), as `nobody`, as root of
+/// a user namespace of its own (which does not own the pod's netns), or there with a network
+/// namespace of its own too, where its rules land (no error) but weir does not look. After each,
+/// the pod is still weir's and its traffic still goes through ztunnel both ways. The same rules
+/// written with `CAP_NET_ADMIN` in the pod's netns do hand it back: what a pod with that
+/// capability can do to istio's rules as well (docs/failure-modes.md).
+#[test]
+fn a_pods_own_process_cannot_get_it_handed_back_around_ztunnel() {
+    let fixture = privileged!(DatapathNode::new());
+    let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
+    let (client_app, app) = (
+        EchoServer::app(&client).unwrap(),
+        EchoServer::app(&pod).unwrap(),
+    );
+    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let hand_back = || datapath.hand_back(pod.uid()).wait().unwrap();
+    assert!(!hand_back(), "handed back before istio's rules are there");
+
+    let denied = ["Permission denied", "Operation not permitted"];
+    for (attacker, wrapper, writes_them) in [
+        (
+            "root without CAP_NET_ADMIN",
+            &[
+                "setpriv",
+                "--bounding-set=-net_admin",
+                "--inh-caps=-net_admin",
+            ][..],
+            false,
+        ),
+        (
+            "nobody",
+            &[
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+            ],
+            false,
+        ),
+        (
+            "root of its own user namespace",
+            &["unshare", "--user", "--map-root-user"],
+            false,
+        ),
+        (
+            "root of its own user and network namespaces",
+            &["unshare", "--user", "--map-root-user", "--net"],
+            true,
+        ),
+    ] {
+        let written = istio_iptables::restore_as(pod.netns(), wrapper);
+        match &written {
+            Ok(()) => assert!(writes_them, "{attacker} wrote istio's rules in the pod"),
+            Err(error) => {
+                let error = format!("{error:#}");
+                assert!(!writes_them, "{attacker}: {error}");
+                assert!(
+                    denied.iter().any(|d| error.contains(d)),
+                    "{attacker}: {error}"
+                );
+            }
+        }
+        assert!(!hand_back(), "{attacker} got the pod handed back");
+
+        let line = format!("in after {attacker}");
+        let reply = client.run(|| tcp_request(pod.app_v4(), &line)).unwrap();
+        assert_eq!(reply.response, app.reply_to(&line));
+        let peer = canonical(reply.local);
+        ztunnel
+            .wait_for(|s| s.listener == INBOUND_PORT && s.peer == peer, WAIT)
+            .unwrap_or_else(|| panic!("after {attacker}, {peer} reached the app around ztunnel"));
+        let line = format!("out after {attacker}");
+        let reply = pod.run(|| tcp_request(client.app_v4(), &line)).unwrap();
+        assert_eq!(reply.response, client_app.reply_to(&line));
+        let local = canonical(reply.local);
+        ztunnel
+            .wait_for(|s| s.listener == OUTBOUND_PORT && s.peer == local, WAIT)
+            .unwrap_or_else(|| panic!("after {attacker}, {local} went out around ztunnel"));
+    }
+
+    istio_iptables::restore_as(pod.netns(), &[]).unwrap();
+    assert!(
+        hand_back(),
+        "istio's rules written with CAP_NET_ADMIN hand the pod back"
+    );
+    datapath.uninstall().wait().unwrap();
 }
