@@ -53,8 +53,8 @@ pub use metrics::Metrics;
 pub use netns::NetNs;
 pub use node::{FailedAdd, Families, NodeOptions, Pod, PodSpec, TestNode};
 pub use traffic::{
-    tcp_connect_from, tcp_request, tcp_request_within, udp_request, udp_request_connected,
-    EchoServer, Received, Reply, UdpReply,
+    tcp_attempt, tcp_connect_from, tcp_request, tcp_request_within, udp_request,
+    udp_request_connected, EchoServer, Received, Reply, UdpReply,
 };
 pub use wait::{try_wait_until, wait_until, wait_until_async};
 pub use zds_client::{NetnsId, ZdsEvent, ZdsReply, ZdsZtunnel};
@@ -63,8 +63,15 @@ pub use ztunnel::{Dial, Seen, ZtunnelStandIn};
 /// The port the pods' apps listen on ([`EchoServer::app`]).
 pub const APP_PORT: u16 = 8080;
 
-/// How long any single network operation of the harness (connect, read, write, receive) may take.
+/// How long any single network operation of the harness (connect, read, write, receive) takes at
+/// most on a node; [`io_timeout`] stretches it where everything runs slower.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// [`IO_TIMEOUT`] stretched by the wait scale: the bound of an operation that must succeed, which
+/// in an emulated guest may need a SYN's retransmissions (one second, then two more).
+pub fn io_timeout() -> Duration {
+    wait::scaled(IO_TIMEOUT)
+}
 
 /// Whether this process may run the privileged tests: they create network namespaces, veths and
 /// bridges, which needs `CAP_NET_ADMIN` and `CAP_SYS_ADMIN`; being root (euid 0) is taken as

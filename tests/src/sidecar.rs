@@ -30,7 +30,7 @@ use crate::netns;
 use crate::server::{Listener, Log, Server, Tracker};
 use crate::sockopt::{self, canonical};
 use crate::ztunnel::{Dial, Seen};
-use crate::{Pod, IO_TIMEOUT};
+use crate::{io_timeout, Pod};
 
 /// The proxy's uid and gid, istio's default.
 pub const PROXY_ID: u32 = 1337;
@@ -280,7 +280,7 @@ fn dial(source: Option<Source>, target: SocketAddr) -> io::Result<TcpStream> {
     if let Some(source) = source {
         socket.bind(&SocketAddr::new(source, 0).into())?;
     }
-    socket.connect_timeout(&target.into(), IO_TIMEOUT)?;
+    socket.connect_timeout(&target.into(), io_timeout())?;
     Ok(socket.into())
 }
 

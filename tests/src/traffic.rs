@@ -1,5 +1,6 @@
 //! Small blocking servers and clients: one line (TCP) or one datagram (UDP) each way, every step
-//! bounded by [`IO_TIMEOUT`], so a broken datapath fails a test instead of hanging it.
+//! bounded by [`io_timeout`], so a broken datapath fails a test instead of hanging it; a
+//! connection the test expects not to be made is [`tcp_attempt`]ed within [`IO_TIMEOUT`].
 //!
 //! Servers record what they saw, with addresses canonical (an IPv4 peer of a dual-stack socket is
 //! recorded as IPv4). Clients report what the kernel told them, untouched: whether the app sees
@@ -15,7 +16,7 @@ use socket2::{Domain, Protocol, Socket, Type};
 
 use crate::server::{Listener, Log, Server, Tracker};
 use crate::sockopt::canonical;
-use crate::{NetNs, Pod, APP_PORT, IO_TIMEOUT};
+use crate::{io_timeout, NetNs, Pod, APP_PORT, IO_TIMEOUT};
 
 /// One connection (TCP) or datagram (UDP) as a server saw it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -220,13 +221,29 @@ pub struct Reply {
 /// Connects to `addr`, sends `msg` as a line and reads one line back. Run it inside a pod
 /// (`pod.run(|| tcp_request(..))`). A connection closed without an answer is `UnexpectedEof`.
 pub fn tcp_request(addr: SocketAddr, msg: &str) -> io::Result<Reply> {
-    tcp_request_within(addr, msg, IO_TIMEOUT)
+    tcp_exchange(addr, msg, io_timeout(), io_timeout())
 }
 
-/// [`tcp_request`] with each read and write bounded by `timeout` instead of [`IO_TIMEOUT`]: for
+/// [`tcp_request`] with each read and write bounded by `timeout` instead of [`io_timeout`]: for
 /// transfers large enough that an emulated, busy guest may stall one of them for seconds.
 pub fn tcp_request_within(addr: SocketAddr, msg: &str, timeout: Duration) -> io::Result<Reply> {
-    let stream = TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
+    tcp_exchange(addr, msg, io_timeout(), timeout)
+}
+
+/// [`tcp_request`] for a connection the test expects to fail (dropped, refused, or never
+/// answered): each step bounded by [`IO_TIMEOUT`] as on a node, not stretched for slow guests,
+/// since every such wait is spent in full.
+pub fn tcp_attempt(addr: SocketAddr, msg: &str) -> io::Result<Reply> {
+    tcp_exchange(addr, msg, IO_TIMEOUT, IO_TIMEOUT)
+}
+
+fn tcp_exchange(
+    addr: SocketAddr,
+    msg: &str,
+    connect_timeout: Duration,
+    timeout: Duration,
+) -> io::Result<Reply> {
+    let stream = TcpStream::connect_timeout(&addr, connect_timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.set_write_timeout(Some(timeout))?;
     let peer_seen_by_client = stream.peer_addr()?;
@@ -249,7 +266,7 @@ pub fn tcp_connect_from(port: u16, addr: SocketAddr) -> io::Result<TcpStream> {
         SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, port).into(),
     };
     socket.bind(&any.into())?;
-    socket.connect_timeout(&addr.into(), IO_TIMEOUT)?;
+    socket.connect_timeout(&addr.into(), io_timeout())?;
     let stream: TcpStream = socket.into();
     set_timeouts(&stream)?;
     Ok(stream)
@@ -285,7 +302,7 @@ fn udp_exchange(addr: SocketAddr, msg: &str, connected: bool) -> io::Result<UdpR
         SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
     };
     let socket = UdpSocket::bind(any)?;
-    socket.set_read_timeout(Some(IO_TIMEOUT))?;
+    socket.set_read_timeout(Some(io_timeout()))?;
     if connected {
         socket.connect(addr)?;
         socket.send(msg.as_bytes())?;
@@ -302,10 +319,10 @@ fn udp_exchange(addr: SocketAddr, msg: &str, connected: bool) -> io::Result<UdpR
     })
 }
 
-/// Bounds every read and write on `stream` by [`IO_TIMEOUT`].
+/// Bounds every read and write on `stream` by [`io_timeout`].
 pub fn set_timeouts(stream: &TcpStream) -> io::Result<()> {
-    stream.set_read_timeout(Some(IO_TIMEOUT))?;
-    stream.set_write_timeout(Some(IO_TIMEOUT))
+    stream.set_read_timeout(Some(io_timeout()))?;
+    stream.set_write_timeout(Some(io_timeout()))
 }
 
 /// Reads one line, without its newline; EOF before any byte is `UnexpectedEof`.
@@ -323,7 +340,7 @@ pub fn read_line(stream: &TcpStream) -> io::Result<String> {
     Ok(line)
 }
 
-/// Sends `line` on a connection held open and reads the answer, each bounded by [`IO_TIMEOUT`].
+/// Sends `line` on a connection held open and reads the answer, each bounded by [`io_timeout`].
 pub fn exchange_line(stream: &TcpStream, line: &str) -> io::Result<String> {
     set_timeouts(stream)?;
     write_line(stream, line)?;

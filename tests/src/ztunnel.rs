@@ -40,7 +40,7 @@ use crate::netns;
 use crate::server::{Listener, Log, Server, Tracker};
 use crate::sockopt::{self, canonical};
 use crate::traffic::{read_line, set_timeouts, write_line};
-use crate::{Pod, IO_TIMEOUT};
+use crate::{io_timeout, Pod};
 
 /// What the stand-in's HBONE listener answers (then it closes).
 pub const HBONE_REPLY: &str = "hbone-standin";
@@ -334,7 +334,7 @@ fn dial(source: Option<IpAddr>, target: SocketAddr) -> io::Result<TcpStream> {
         sockopt::set_freebind(&socket)?;
         socket.bind(&SocketAddr::new(source, 0).into())?;
     }
-    socket.connect_timeout(&target.into(), IO_TIMEOUT)?;
+    socket.connect_timeout(&target.into(), io_timeout())?;
     Ok(socket.into())
 }
 

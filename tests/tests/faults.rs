@@ -22,14 +22,15 @@ use weir_tests::{
     agent::{http_get, AgentBinary, AgentProcess},
     cgroup,
     chain::{listed_pods, CniChainNode, MESH, WAIT},
+    io_timeout,
     sockopt::canonical,
-    tcp_request,
+    tcp_attempt, tcp_request,
     traffic::{read_line, set_timeouts, write_line},
     traffic_loop::{wait_for_connections, Connection, TrafficLoop},
     udp_request, udp_request_connected,
     ztunnel::DNS_REPLY_PREFIX,
     DatapathNode, EchoServer, PodSpec, Seen, ZdsEvent, ZdsReply, ZdsZtunnel, ZtunnelStandIn,
-    APP_PORT, IO_TIMEOUT,
+    APP_PORT,
 };
 
 /// uid and gid of an unprivileged process.
@@ -348,7 +349,9 @@ fn an_unprivileged_app_cannot_take_ztunnels_mark_and_is_captured() {
         let refused = socket
             .set_mark(ZTUNNEL_MARK)
             .expect_err("SO_MARK as nobody");
-        socket.connect_timeout(&target.into(), IO_TIMEOUT).unwrap();
+        socket
+            .connect_timeout(&target.into(), io_timeout())
+            .unwrap();
         let stream = TcpStream::from(socket);
         set_timeouts(&stream).unwrap();
         write_line(&stream, "unmarked").unwrap();
@@ -510,7 +513,7 @@ fn unprivileged_request(socket: &Path, kind: Type, request: &[u8]) -> io::Result
                 become_nobody();
                 let client = Socket::new(Domain::UNIX, kind, None)?;
                 client.connect(&SockAddr::unix(socket)?)?;
-                client.set_read_timeout(Some(IO_TIMEOUT))?;
+                client.set_read_timeout(Some(io_timeout()))?;
                 client.send(request)?;
                 let mut answer = vec![0; 1024];
                 let len = io::Read::read(&mut &client, &mut answer)?;
@@ -699,7 +702,7 @@ fn ztunnel_down_running_pods_fail_closed() {
         "outbound goes to 15001, where nothing listens"
     );
     let to_pod = pod.app_v4();
-    let inbound = server.run(|| tcp_request(to_pod, "in"));
+    let inbound = server.run(|| tcp_attempt(to_pod, "in"));
     assert!(inbound.is_err(), "inbound reached the app: {inbound:?}");
     assert_eq!(server_app.received(), []);
     assert_eq!(pod_app.received(), []);

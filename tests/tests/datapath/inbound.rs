@@ -75,7 +75,7 @@ fn hbone_reaches_only_ztunnels_listener() {
 
     for destination in [IpAddr::V4(pod.ipv4()), IpAddr::V6(pod.ipv6())] {
         let target = SocketAddr::new(destination, HBONE_PORT);
-        let reply = client.run(|| tcp_request(target, "plaintext"));
+        let reply = client.run(|| tcp_attempt(target, "plaintext"));
         assert!(reply.is_err(), "{target} reached the app: {reply:?}");
     }
     assert!(impostor.wait_for(|r| r.line == "plaintext", WAIT).is_none());
@@ -156,7 +156,7 @@ fn inbound_is_decided_for_the_pod_it_arrives_at_whatever_its_address() {
         .unwrap();
         let target = SocketAddr::new(IpAddr::V4(address), APP_PORT);
         let line = format!("to {address}");
-        let result = neighbour.run(|| tcp_request(target, &line));
+        let result = neighbour.run(|| tcp_attempt(target, &line));
         assert!(result.is_err(), "ztunnel refuses it: {result:?}");
         let seen = ztunnel
             .wait_for(|s| s.listener == INBOUND_PORT && s.local == target, WAIT)

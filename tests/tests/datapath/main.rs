@@ -26,7 +26,7 @@ use weir_tests::{
     netns::{ip, ip_output},
     raw::{self, Answer},
     receive_batch::kernel_needs_the_handoff,
-    sockopt, tcp_request, tcp_request_within,
+    sockopt, tcp_attempt, tcp_request, tcp_request_within,
     traffic::exchange_line,
     traffic_loop::{wait_for_connections, Connection, TrafficLoop},
     udp_request, udp_request_connected,

@@ -222,7 +222,7 @@ fn link_local_connections_go_to_ztunnel_too() {
         .run(|| nix::net::if_::if_nametoindex("eth0"))
         .unwrap();
     let target = SocketAddr::V6(SocketAddrV6::new(link_local, APP_PORT, 0, scope));
-    let result = neighbour.run(|| tcp_request(target, "link-local"));
+    let result = neighbour.run(|| tcp_attempt(target, "link-local"));
     assert!(result.is_err(), "ztunnel refuses it: {result:?}");
     let seen = ztunnel
         .wait_for(|s| s.listener == INBOUND_PORT, WAIT)

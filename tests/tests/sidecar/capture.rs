@@ -217,7 +217,7 @@ fn ipv6_goes_around_the_proxy_where_istio_captures_ipv4_only() {
         .run(|| tcp_request(pod.app_v6(), "in6 alone"))
         .unwrap();
     assert_eq!(reply.response, app.reply_to("in6 alone"));
-    let refused = client.run(|| tcp_request(pod.app_v4(), "in4 alone"));
+    let refused = client.run(|| tcp_attempt(pod.app_v4(), "in4 alone"));
     assert!(refused.is_err(), "IPv4 is captured: {refused:?}");
     agent.stop().unwrap();
 }

@@ -24,7 +24,7 @@ use weir_tests::{
     netns::{ip, ip_output, owning_user_namespace},
     privileged, raw,
     sidecar::{as_proxy, sidecar_pod, Interception, SidecarStandIn, PROXY_ID},
-    tcp_connect_from, tcp_request,
+    tcp_attempt, tcp_connect_from, tcp_request,
     traffic::{read_line, write_line},
     try_wait_until, udp_request,
     virtual_machine::VirtualMachine,
