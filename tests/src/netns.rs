@@ -10,10 +10,12 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Mutex;
 use std::thread::{self, JoinHandle};
 
 use anyhow::{bail, Context, Result};
 use aya::maps::{Map, MapData, SkStorage};
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::CloneFlags;
 use weir_common::{maps, ABI_VERSION};
 
@@ -35,20 +37,48 @@ pub struct NetNs {
 }
 
 impl NetNs {
-    /// Creates `weir-t-<unique id>-<role>` with `ip netns add`. Only `lo` exists in it, down.
+    /// Creates `weir-t-<unique id>-<role>` as `ip netns add` does, in this process (its exec
+    /// costs a tenth of a second in the emulated guests, several times per test). Only `lo`
+    /// exists in it, down.
     pub fn create(role: &str) -> Result<Self> {
         let name = ids::unique_name(role);
-        ip(&["netns", "add", &name])?;
+        let path = Path::new(NETNS_DIR).join(&name);
+        share_netns_dir()?;
+        File::options()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        // A thread of its own unshares: only the calling thread moves to the new netns.
+        let mounted = thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    nix::sched::unshare(CloneFlags::CLONE_NEWNET)?;
+                    mount(
+                        Some("/proc/thread-self/ns/net"),
+                        &path,
+                        None::<&str>,
+                        MsFlags::MS_BIND,
+                        None::<&str>,
+                    )
+                })
+                .join()
+                .expect("the unsharing thread does not panic")
+        });
+        if let Err(error) = mounted {
+            let _ = fs::remove_file(&path);
+            return Err(error).with_context(|| format!("cannot make the netns {name}"));
+        }
         Self::open_named(name)
     }
 
-    /// The namespace `ip netns` made as `name`, deleted if it cannot be opened.
+    /// The namespace mounted at `name`, deleted if it cannot be opened.
     fn open_named(name: String) -> Result<Self> {
         let path = Path::new(NETNS_DIR).join(&name);
         match File::open(&path) {
             Ok(file) => Ok(Self { name, path, file }),
             Err(err) => {
-                let _ = ip(&["netns", "del", &name]);
+                let _ = delete(&path);
                 Err(err).with_context(|| format!("cannot open {}", path.display()))
             }
         }
@@ -143,10 +173,53 @@ impl AsFd for NetNs {
 
 impl Drop for NetNs {
     fn drop(&mut self) {
-        if let Err(err) = ip(&["netns", "del", &self.name]) {
-            eprintln!("warning: {err:#}");
+        if let Err(err) = delete(&self.path) {
+            eprintln!("warning: deleting {}: {err}", self.path.display());
         }
     }
+}
+
+/// Makes [`NETNS_DIR`] a shared mount point, as `ip netns` does, so that the namespaces mounted
+/// there are seen from mount namespaces made later (`ip netns exec`'s). Once per process: the
+/// tests' threads would otherwise stack their bind mounts.
+fn share_netns_dir() -> Result<()> {
+    static SHARED: Mutex<bool> = Mutex::new(false);
+    let mut shared_once = SHARED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if *shared_once {
+        return Ok(());
+    }
+    fs::create_dir_all(NETNS_DIR).with_context(|| format!("cannot create {NETNS_DIR}"))?;
+    let shared = || {
+        mount(
+            None::<&str>,
+            NETNS_DIR,
+            None::<&str>,
+            MsFlags::MS_SHARED | MsFlags::MS_REC,
+            None::<&str>,
+        )
+    };
+    if shared() == Err(nix::errno::Errno::EINVAL) {
+        // Not a mount point yet.
+        mount(
+            Some(NETNS_DIR),
+            NETNS_DIR,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        )?;
+        shared()?;
+    }
+    *shared_once = true;
+    Ok(())
+}
+
+/// Deletes a netns mounted at `path`, as `ip netns del` does: the namespace goes once nothing
+/// else holds it.
+fn delete(path: &Path) -> io::Result<()> {
+    umount2(path, MntFlags::MNT_DETACH)?;
+    fs::remove_file(path)
 }
 
 /// The user namespace that owns the network namespace `netns` (`NS_GET_USERNS`).
