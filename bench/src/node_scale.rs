@@ -170,7 +170,7 @@ fn pod_start(node: &TestNode, agent: &AgentProcess, weir: &WeirCni, plan: &Plan)
     primary.plugins.truncate(1);
     let (mut with, mut without, mut weir_exec) = (Samples::new(), Samples::new(), Samples::new());
     let (mut ratios, mut added) = (Vec::new(), Vec::new());
-    let redirect_before = redirect_seconds(node, agent)?;
+    let timers_before = DatapathTimers::read(node, agent)?;
     for i in 0..plan.chain_pairs {
         let add =
             |chain: &NetworkConfigList, name: String| Sandbox::add(node, chain.clone(), &name);
@@ -189,8 +189,7 @@ fn pod_start(node: &TestNode, agent: &AgentProcess, weir: &WeirCni, plan: &Plan)
         without.push(o.whole);
         weir_exec.push(weir_cni);
     }
-    let redirect = redirect_seconds(node, agent)?;
-    let datapath_part = mean_redirect(redirect_before, redirect);
+    let datapath_part = DatapathTimers::read(node, agent)?.mean_redirect_since(&timers_before);
     let mut table = Table::new(
         "Pod start: the whole CNI ADD with and without weir-cni",
         &[
@@ -376,6 +375,7 @@ fn scale(
             "pods",
             "one more pod's ADD, median (p99)",
             "its datapath part, mean",
+            "the datapath's steps, mean",
             "agent RSS",
             "map memory",
             "ADD all",
@@ -395,15 +395,20 @@ fn scale(
             })
         })?;
         let mut enroll = Samples::new();
-        let redirect_before = redirect_seconds(node, agent)?;
+        let timers_before = DatapathTimers::read(node, agent)?;
         for probe in probes.iter().cycle().take(plan.enroll_samples) {
             node.run(|| -> Result<()> {
                 enroll.push(timed(|| weir.call(Command::Add, probe))?);
                 weir.call(Command::Del, probe)
             })?;
         }
-        let redirect = redirect_seconds(node, agent)?;
-        let datapath_part = mean_redirect(redirect_before, redirect);
+        let timers = DatapathTimers::read(node, agent)?;
+        let datapath_part = timers.mean_redirect_since(&timers_before);
+        let steps = timers.mean_steps_since(&timers_before);
+        let steps_shown = (ENROLL_STEPS.iter().zip(&steps))
+            .map(|(name, mean)| format!("{name} {}", micros(*mean)))
+            .collect::<Vec<_>>()
+            .join(", ");
         let rss = agent.rss_bytes()?;
         let memory = report::map_memory(&maps)?;
         let del_all = timed(|| {
@@ -412,8 +417,8 @@ fn scale(
             })
         })?;
         println!(
-            "  {size} pods: one more ADD {} (datapath {}), agent RSS {}, map memory {}, ADD all \
-             {add_all:.1?}, DEL all {del_all:.1?}",
+            "  {size} pods: one more ADD {} (datapath {}: {steps_shown}), agent RSS {}, map \
+             memory {}, ADD all {add_all:.1?}, DEL all {del_all:.1?}",
             enroll.show(),
             micros(datapath_part),
             report::mebibytes(rss),
@@ -423,6 +428,7 @@ fn scale(
             size.to_string(),
             enroll.show(),
             micros(datapath_part),
+            steps_shown,
             report::mebibytes(rss),
             report::mebibytes(memory),
             format!("{add_all:.1?}"),
@@ -432,6 +438,9 @@ fn scale(
             "pods": size,
             "one_more_add": enroll.json(),
             "datapath_part_mean_s": datapath_part.as_secs_f64(),
+            "datapath_steps_mean_s": (ENROLL_STEPS.iter().zip(&steps))
+                .map(|(name, mean)| (name.to_string(), json!(mean.as_secs_f64())))
+                .collect::<serde_json::Map<_, _>>(),
             "agent_rss_bytes": rss,
             "map_memory_bytes": memory,
             "add_all_s": add_all.as_secs_f64(),
@@ -452,7 +461,8 @@ fn scale(
              executed as the runtime executes it after the primary plugins, each followed by its \
              DEL); its datapath part: the agent's own `weir_redirect_seconds` over those ADDs \
              (maps, tc, routing, in the pod's netns), the rest being weir-cni's exec, the \
-             agent's socket and ZDS round trips; agent RSS: VmRSS of its process; map memory: \
+             agent's socket and ZDS round trips; its steps: the agent's \
+             `weir_enroll_step_seconds` over the same ADDs; agent RSS: VmRSS of its process; map memory: \
              bpftool's bytes_memlock over its pins; ADD all, DEL all: every pod's weir-cni ADD (DEL), {POD_WORKERS} at a time. \
              The pods' namespaces and bridge ports (wired by the bridge plugin, {POD_WORKERS} \
              threads) are not in these times. Targets: at most 2x from 10 to \
@@ -465,23 +475,64 @@ fn scale(
     Ok((table, curve))
 }
 
-/// The mean of the agent's `weir_redirect_seconds` between two readings of [`redirect_seconds`].
-fn mean_redirect(before: (f64, f64), after: (f64, f64)) -> Duration {
-    Duration::from_secs_f64((after.0 - before.0) / (after.1 - before.1).max(1.0))
+/// The steps of an enrollment the datapath times (`weir_enroll_step_seconds{step}`), in order.
+const ENROLL_STEPS: [&str; 7] = [
+    "netns",
+    "interfaces",
+    "sysctls",
+    "maps",
+    "routing",
+    "tc",
+    "finish",
+];
+
+/// The agent's enrollment timers at one moment, each a histogram's (sum, count): its
+/// `weir_redirect_seconds` and the `weir_enroll_step_seconds` of each of [`ENROLL_STEPS`].
+struct DatapathTimers {
+    redirect: (f64, f64),
+    steps: Vec<(f64, f64)>,
 }
 
-/// The agent's `weir_redirect_seconds` histogram: (sum, count). It serves in the node's netns.
-fn redirect_seconds(node: &TestNode, agent: &AgentProcess) -> Result<(f64, f64)> {
-    let address = agent.config.metrics_addr;
-    let (_, metrics) = node.run(|| weir_tests::agent::http_get(address, "/metrics"))?;
-    let value = |series: &str| {
-        report::metric(&metrics, series)
-            .with_context(|| format!("no {series} in the agent's metrics"))
-    };
-    Ok((
-        value("weir_redirect_seconds_sum")?,
-        value("weir_redirect_seconds_count")?,
-    ))
+impl DatapathTimers {
+    /// Read from the agent's `/metrics`, which it serves in the node's netns. A step not timed
+    /// yet counts as none.
+    fn read(node: &TestNode, agent: &AgentProcess) -> Result<Self> {
+        let address = agent.config.metrics_addr;
+        let (_, metrics) = node.run(|| weir_tests::agent::http_get(address, "/metrics"))?;
+        let value = |series: &str| {
+            report::metric(&metrics, series)
+                .with_context(|| format!("no {series} in the agent's metrics"))
+        };
+        let step = |step: &str| {
+            let series = |part: &str| format!("weir_enroll_step_seconds_{part}{{step=\"{step}\"}}");
+            let value = |part| report::metric(&metrics, &series(part)).unwrap_or(0.0);
+            (value("sum"), value("count"))
+        };
+        Ok(Self {
+            redirect: (
+                value("weir_redirect_seconds_sum")?,
+                value("weir_redirect_seconds_count")?,
+            ),
+            steps: ENROLL_STEPS.iter().map(|name| step(name)).collect(),
+        })
+    }
+
+    /// The mean redirect since `before`.
+    fn mean_redirect_since(&self, before: &Self) -> Duration {
+        mean_between(before.redirect, self.redirect)
+    }
+
+    /// Each step's mean since `before`, in the order of [`ENROLL_STEPS`].
+    fn mean_steps_since(&self, before: &Self) -> Vec<Duration> {
+        (before.steps.iter().zip(&self.steps))
+            .map(|(before, after)| mean_between(*before, *after))
+            .collect()
+    }
+}
+
+/// The mean observation between two readings of a histogram's (sum, count).
+fn mean_between(before: (f64, f64), after: (f64, f64)) -> Duration {
+    Duration::from_secs_f64((after.0 - before.0) / (after.1 - before.1).max(1.0))
 }
 
 /// The node reboot storm: `plan.storm_pods` sandboxes already wired by the primary CNI (as the

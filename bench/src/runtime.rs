@@ -1,8 +1,6 @@
 //! Pod start as a container runtime runs it (CNI spec, "Execution Protocol"): each plugin of the
 //! chain exec'd straight from the runtime's network namespace (the node's), with the `CNI_*`
-//! environment and its configuration on stdin. The harness's own pods run every plugin through
-//! `ip netns exec` (a mount namespace and a fresh `/sys` per exec), which costs more than
-//! weir-cni's whole part: a pod start timed through it measures the harness, not weir.
+//! environment and its configuration on stdin, each exec timed on its own.
 
 use std::time::{Duration, Instant};
 
