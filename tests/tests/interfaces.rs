@@ -10,7 +10,7 @@ use std::{
 use socket2::{Domain, Socket, Type};
 use weir_agent::{
     datapath::{pinned_pods, Datapath},
-    workload::PodOptions,
+    workload::{PodOptions, SidecarRedirect, Workload},
 };
 use weir_common::{maps, ConnectionKey, Endpoint, IpKey, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::privileged;
@@ -429,5 +429,62 @@ fn a_pod_flapping_its_addresses_ends_indexed_as_it_left_them_and_others_still_en
         other.ipv4().into(),
         true
     ));
+    datapath.uninstall().wait().unwrap();
+}
+
+/// `RTNLGRP_IPV4_ROUTE` and `RTNLGRP_IPV6_ROUTE` in a netlink socket's group mask.
+const ROUTE_GROUPS: u32 = 1 << (7 - 1) | 1 << (11 - 1);
+/// `RTNLGRP_LINK`, `RTNLGRP_IPV4_IFADDR` and `RTNLGRP_IPV6_IFADDR`: what the interface watch's
+/// socket always listens to.
+const INTERFACE_GROUPS: u32 = 1 | 1 << (5 - 1) | 1 << (9 - 1);
+
+/// The route groups the interface watch's socket (the one rtnetlink socket on `node` that
+/// listens to interface changes) is in, from the kernel's table of netlink sockets.
+fn watch_route_groups(node: &TestNode) -> u32 {
+    let table = node.run(|| std::fs::read_to_string("/proc/thread-self/net/netlink").unwrap());
+    let watches: Vec<u32> = table
+        .lines()
+        .skip(1)
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .filter(|fields| fields.len() > 3 && fields[1] == "0")
+        .filter_map(|fields| u32::from_str_radix(fields[3], 16).ok())
+        .filter(|groups| groups & INTERFACE_GROUPS == INTERFACE_GROUPS)
+        .collect();
+    assert_eq!(watches.len(), 1, "one interface watch:\n{table}");
+    watches[0] & ROUTE_GROUPS
+}
+
+/// For each change the interface watch hears from a pod's netns, the kernel looks that netns up
+/// among all of the node's ids (one per pod): the watch listens to route changes, the most
+/// frequent, only while a followed pod's capture depends on its routes (a sidecar pod's
+/// `excludeInterfaces`), and stops at the audit after the last such pod left.
+#[test]
+fn route_changes_are_heard_only_while_a_pod_needs_them() {
+    let fixture = privileged!(DatapathNode::new());
+    let (ambient, sidecar) = (fixture.pod("ambient"), fixture.pod("sidecar"));
+    let datapath = fixture.enrolled(&ambient, PodOptions::default());
+    assert_eq!(watch_route_groups(fixture.node()), 0, "an ambient pod");
+
+    let excluding = Workload {
+        sidecar: Some(SidecarRedirect {
+            exclude_interfaces: vec!["net1".into()],
+            ..SidecarRedirect::default()
+        }),
+        ..sidecar.workload(PodOptions::default())
+    };
+    datapath.enroll(excluding).wait().unwrap();
+    assert_eq!(
+        watch_route_groups(fixture.node()),
+        ROUTE_GROUPS,
+        "a sidecar pod excluding an interface"
+    );
+
+    assert!(datapath.unenroll(sidecar.uid()).wait().unwrap());
+    datapath.audit().wait().unwrap();
+    assert_eq!(
+        watch_route_groups(fixture.node()),
+        0,
+        "the sidecar pod gone"
+    );
     datapath.uninstall().wait().unwrap();
 }

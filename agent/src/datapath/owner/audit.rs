@@ -175,6 +175,7 @@ impl Owner {
             found.push(PROBE_CGROUP_MOVED);
         }
         self.retire_istio_rules();
+        self.watcher.drop_unneeded_route_changes();
         found
     }
 

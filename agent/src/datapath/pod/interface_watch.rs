@@ -13,7 +13,7 @@ use std::{
     collections::{HashMap, HashSet},
     io,
     net::IpAddr,
-    os::fd::{AsFd, BorrowedFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd},
     sync::{
         atomic::{AtomicBool, Ordering},
         mpsc, Arc, Mutex,
@@ -55,6 +55,10 @@ pub(in crate::datapath) struct Watcher {
     node: Rtnl,
     followed: Followed,
     pending: PendingRereads,
+    /// The subscription's socket (a duplicate of the task's fd) and whether it receives route
+    /// changes: only while a followed pod's routes decide its capture (see
+    /// [`netlink::follow_route_changes`]).
+    route_changes: (OwnedFd, bool),
 }
 
 /// The pods, by `(uid, netns cookie)`, whose re-read is in the owner's queue and not yet begun.
@@ -187,6 +191,10 @@ impl Watcher {
     ) -> Result<Self> {
         let socket = netlink::subscribe_interface_changes()
             .context("subscribing to the pods' interface changes")?;
+        // SAFETY: the socket's fd is open until the socket is dropped, after this duplicate.
+        let route_changes = unsafe { BorrowedFd::borrow_raw(socket.as_raw_fd()) }
+            .try_clone_to_owned()
+            .context("duplicating the interface changes' socket")?;
         let followed = Followed::default();
         let reported = followed.clone();
         let pending = PendingRereads::default();
@@ -203,7 +211,31 @@ impl Watcher {
             node: Rtnl::new().context("rtnetlink in the node netns")?,
             followed,
             pending,
+            route_changes: (route_changes, false),
         })
+    }
+
+    /// Receives route changes from now on (before the pod's routes are read: none goes
+    /// unseen).
+    fn follow_route_changes(&mut self) -> Result<()> {
+        let (socket, following) = &mut self.route_changes;
+        if !*following {
+            netlink::follow_route_changes(socket.as_fd(), true)
+                .context("subscribing to route changes")?;
+            *following = true;
+        }
+        Ok(())
+    }
+
+    /// Stops receiving route changes once no followed pod needs them.
+    pub(in crate::datapath) fn drop_unneeded_route_changes(&mut self) {
+        let (socket, following) = &mut self.route_changes;
+        if *following && !self.followed.lock().unwrap().values().any(|pod| pod.routes) {
+            match netlink::follow_route_changes(socket.as_fd(), false) {
+                Ok(()) => *following = false,
+                Err(error) => warn!(%error, "unsubscribing from route changes"),
+            }
+        }
     }
 }
 
@@ -313,6 +345,9 @@ impl Owner {
         (netns_cookie, netns): (u64, BorrowedFd<'_>),
         routes: bool,
     ) -> Result<Option<Subscription>> {
+        if routes {
+            self.watcher.follow_route_changes()?;
+        }
         if let Some(watch) = self
             .watches
             .get(uid)

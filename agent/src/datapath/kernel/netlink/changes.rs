@@ -8,9 +8,9 @@ use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 
 use super::transport::Rtnl;
 
-/// A non-blocking socket in the current netns (the node's) that receives every link, address and
-/// route change (`RTNLGRP_LINK`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_IPV6_IFADDR`,
-/// `RTNLGRP_IPV4_ROUTE`, `RTNLGRP_IPV6_ROUTE`) of every netns that has an id here
+/// A non-blocking socket in the current netns (the node's) that receives every link and address
+/// change (`RTNLGRP_LINK`, `RTNLGRP_IPV4_IFADDR`, `RTNLGRP_IPV6_IFADDR`), and route changes once
+/// [`follow_route_changes`] asks for them, of every netns that has an id here
 /// (`NETLINK_LISTEN_ALL_NSID`), each tagged with that id ([`recv_change`]).
 /// Its messages only say that something changed; an overflow (`ENOBUFS`) says the same of
 /// everything. One socket for every pod: every rtnetlink notification on the node walks every
@@ -18,11 +18,7 @@ use super::transport::Rtnl;
 /// them (and each of weir's own netlink changes) cost O(pods).
 pub fn subscribe_interface_changes() -> io::Result<Socket> {
     let mut socket = Socket::new(NETLINK_ROUTE)?;
-    let groups = libc::RTMGRP_LINK
-        | libc::RTMGRP_IPV4_IFADDR
-        | libc::RTMGRP_IPV6_IFADDR
-        | libc::RTMGRP_IPV4_ROUTE
-        | libc::RTMGRP_IPV6_ROUTE;
+    let groups = libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR;
     socket.bind(&SocketAddr::new(0, groups as u32))?;
     socket.set_listen_all_namespaces(true)?;
     // A reboot storm's changes from thousands of pods at once: fewer overflows.
@@ -32,6 +28,35 @@ pub fn subscribe_interface_changes() -> io::Result<Socket> {
 }
 
 const CHANGES_RECV_BUFFER: usize = 4 << 20;
+
+/// Makes a [`subscribe_interface_changes`] socket (`socket`, or a duplicate of its fd) receive
+/// route changes too (`RTNLGRP_IPV4_ROUTE`, `RTNLGRP_IPV6_ROUTE`) when `on`, or no longer.
+/// Only while a followed pod's capture depends on its routes: for each change the socket
+/// receives from another netns, the kernel looks that netns' id up among all of the node's ids,
+/// one per pod, and route changes are the most frequent (weir's own enrollments make some).
+pub fn follow_route_changes(socket: BorrowedFd<'_>, on: bool) -> io::Result<()> {
+    let option = match on {
+        true => libc::NETLINK_ADD_MEMBERSHIP,
+        false => libc::NETLINK_DROP_MEMBERSHIP,
+    };
+    for group in [libc::RTNLGRP_IPV4_ROUTE, libc::RTNLGRP_IPV6_ROUTE] {
+        let group = group as libc::c_int;
+        // SAFETY: a valid fd and a c_int option value of the size passed.
+        let result = unsafe {
+            libc::setsockopt(
+                socket.as_raw_fd(),
+                libc::SOL_NETLINK,
+                option,
+                std::ptr::from_ref(&group).cast(),
+                size_of_val(&group) as libc::socklen_t,
+            )
+        };
+        if result < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
 
 /// One change a [`subscribe_interface_changes`] socket heard of.
 pub struct Change {

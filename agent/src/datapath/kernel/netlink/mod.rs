@@ -28,7 +28,7 @@ mod pod_state;
 mod probe_source;
 mod transport;
 
-pub use changes::{recv_change, subscribe_interface_changes, Change};
+pub use changes::{follow_route_changes, recv_change, subscribe_interface_changes, Change};
 pub use objects::TcProgram;
 pub use pod_changes::{PodSetup, Reroute, ReturnPath};
 pub use pod_state::{
