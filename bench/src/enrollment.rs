@@ -135,7 +135,7 @@ pub fn enrollment_steps(metrics: &Registry, total: Duration, handoff: &Samples) 
         &["step", "mean per pod", "share"],
     );
     let mut steps = Vec::new();
-    for step in STEPS {
+    for step in ENROLL_STEPS {
         let (Some(sum), Some(count)) = (value("sum", step), value("count", step)) else {
             bail!("no weir_enroll_step_seconds for step {step}");
         };
@@ -176,7 +176,7 @@ pub fn enrollment_steps(metrics: &Registry, total: Duration, handoff: &Samples) 
 }
 
 /// The datapath's enrollment steps, in order (`weir_enroll_step_seconds{step}`).
-const STEPS: [&str; 7] = [
+pub const ENROLL_STEPS: [&str; 7] = [
     "netns",
     "interfaces",
     "sysctls",

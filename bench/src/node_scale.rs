@@ -24,6 +24,7 @@ use weir_tests::node::{NodeOptions, PODS_PER_BRIDGE};
 use weir_tests::ApiServer;
 use weir_tests::{Pod, PodSpec, TestNode, ZdsEvent, ZdsZtunnel};
 
+use crate::enrollment::ENROLL_STEPS;
 use crate::pods::{parallel, remove_pods, POD_WORKERS};
 use crate::report::{self, micros, ratio, Report, Samples, Table};
 use crate::runtime::Sandbox;
@@ -474,17 +475,6 @@ fn scale(
     remove_pods(probes);
     Ok((table, curve))
 }
-
-/// The steps of an enrollment the datapath times (`weir_enroll_step_seconds{step}`), in order.
-const ENROLL_STEPS: [&str; 7] = [
-    "netns",
-    "interfaces",
-    "sysctls",
-    "maps",
-    "routing",
-    "tc",
-    "finish",
-];
 
 /// The agent's enrollment timers at one moment, each a histogram's (sum, count): its
 /// `weir_redirect_seconds` and the `weir_enroll_step_seconds` of each of [`ENROLL_STEPS`].
