@@ -9,8 +9,6 @@
 
 use std::ffi::OsString;
 use std::io::Write;
-use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command as Process, ExitStatus, Stdio};
 
@@ -158,9 +156,9 @@ pub struct PluginFailure {
 
 /// Execs one plugin binary inside `runtime_netns` (where the runtime would be) with `config` on
 /// stdin. Returns what it printed: the result for ADD, `Value::Null` when it printed nothing (DEL).
-/// The child enters the netns itself between fork and exec: the reference plugins reach
-/// interfaces over netlink and sysctls through `/proc/sys` (both the caller's netns), so they
-/// need neither `ip netns exec`'s process nor its mount of a matching `/sys`.
+/// Spawned from a thread in the netns: the reference plugins reach interfaces over netlink and
+/// sysctls through `/proc/sys` (both the caller's netns), so they need neither `ip netns exec`'s
+/// process nor its mount of a matching `/sys`.
 pub fn invoke(
     plugin: &Path,
     command: Command,
@@ -168,20 +166,7 @@ pub fn invoke(
     config: &Value,
     runtime_netns: &NetNs,
 ) -> Result<Value, CniError> {
-    let mut process = Process::new(plugin);
-    let netns = runtime_netns.as_fd().as_raw_fd();
-    // SAFETY: setns(2) is async-signal-safe and the fd stays open: `runtime_netns` outlives
-    // the spawn, which returns once the child has exec'd.
-    unsafe {
-        process.pre_exec(move || {
-            if libc::setns(netns, libc::CLONE_NEWNET) == 0 {
-                Ok(())
-            } else {
-                Err(std::io::Error::last_os_error())
-            }
-        });
-    }
-    run_plugin(process, plugin, command, runtime, config)
+    runtime_netns.run(|| invoke_from_this_thread(plugin, command, runtime, config))
 }
 
 /// Execs one plugin binary straight from the calling thread, so in that thread's network

@@ -432,11 +432,11 @@ fn a_pod_flapping_its_addresses_ends_indexed_as_it_left_them_and_others_still_en
     datapath.uninstall().wait().unwrap();
 }
 
-/// `RTNLGRP_IPV4_ROUTE` and `RTNLGRP_IPV6_ROUTE` in a netlink socket's group mask.
-const ROUTE_GROUPS: u32 = 1 << (7 - 1) | 1 << (11 - 1);
-/// `RTNLGRP_LINK`, `RTNLGRP_IPV4_IFADDR` and `RTNLGRP_IPV6_IFADDR`: what the interface watch's
-/// socket always listens to.
-const INTERFACE_GROUPS: u32 = 1 | 1 << (5 - 1) | 1 << (9 - 1);
+/// The route groups in a netlink socket's group mask.
+const ROUTE_GROUPS: u32 = (libc::RTMGRP_IPV4_ROUTE | libc::RTMGRP_IPV6_ROUTE) as u32;
+/// The link and address groups: what the interface watch's socket always listens to.
+const INTERFACE_GROUPS: u32 =
+    (libc::RTMGRP_LINK | libc::RTMGRP_IPV4_IFADDR | libc::RTMGRP_IPV6_IFADDR) as u32;
 
 /// The route groups the interface watch's socket (the one rtnetlink socket on `node` that
 /// listens to interface changes) is in, from the kernel's table of netlink sockets.
