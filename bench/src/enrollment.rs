@@ -86,7 +86,7 @@ pub fn enrollment(
         "{} pods each way. weir: `Datapath::enroll` in one long-lived process, awaited on a \
          tokio runtime as the agent does; kernel floor: the kernel work of a weir enrollment \
          bare, from the bench's thread (entering the netns, an rtnetlink socket and the netns \
-         cookie, the reply-mark sysctls, the return path, the clsact qdisc and a cls_bpf filter \
+         cookie, the reply-mark sysctls, the return path, the ingress qdisc and a cls_bpf filter \
          on eth0), without weir's interface dumps, map entries, subscription, records and \
          thread hand-off; iptables route: istio-cni's in-pod `iptables-restore` and \
          `ip6tables-restore` plus its policy routing (`ip rule`/`ip route`, v4 and v6).",
@@ -167,8 +167,8 @@ pub fn enrollment_steps(metrics: &Registry, total: Duration, handoff: &Samples) 
          rtnetlink socket, cookie and change subscription; interfaces: one link and one address \
          dump; sysctls: tcp_fwmark_accept and fwmark_reflect per family (kernel path walks in \
          /proc/sys); maps: counters, config and address entries; routing: the return path's \
-         rules and routes, one round trip; tc: the clsact qdisc and cls_bpf filter per interface, \
-         one round trip (a qdisc made on an interface that is up waits out an expedited RCU grace \
+         rules and routes, one round trip; tc: a qdisc and a rule dump, then the ingress qdisc and \
+         cls_bpf filter per interface in one round trip (a qdisc made on an interface that is up waits out an expedited RCU grace \
          period); finish: following the pod, recording it, leaving its netns."
     ));
     table.json = json!({ "steps": json_steps, "handoff": handoff.json() });

@@ -31,7 +31,7 @@ impl KernelFloor {
     }
 
     /// In `pod`'s netns: an rtnetlink socket and the netns cookie, the reply-mark sysctls, the
-    /// return path, then the clsact qdisc and a cls_bpf filter on eth0, as weir makes them. Left
+    /// return path, then the ingress qdisc and a cls_bpf filter on eth0, as weir makes them. Left
     /// out: the link and address dumps, the map entries, the interface subscription, weir's
     /// records and the hand-off to its thread.
     pub fn enroll(&mut self, pod: &Pod) -> Result<()> {

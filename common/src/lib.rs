@@ -24,7 +24,7 @@ pub const RETURN_ROUTE_TABLE: u32 = 100;
 /// The highest slot a pod is given. weir's tc filters on a pod's interfaces carry the pod's slot
 /// as their classid, which the kernel hands the program in `skb->tc_classid` (16 bits): the
 /// attachment, not a packet's destination address, tells the inbound program whose interface it
-/// runs on. Below the clsact qdisc's own minors (0xfff2, 0xfff3), and above the most pods a node
+/// runs on. Below the tc hooks' own minors (0xfff2, 0xfff3), and above the most pods a node
 /// can enroll, with room for a pod that holds two slots for a moment (a sandbox recreated).
 pub const MAX_POD_SLOT: u32 = 0x7fff;
 

@@ -29,11 +29,20 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
         plain_ztunnel.seen()
     );
 
-    // The enrolled pod is redirected...
+    // The enrolled pod is redirected, from one tc hook on its interface (the node's tc blocks
+    // are one list the kernel searches at every qdisc made: an unused egress hook would double
+    // it)...
     pod.run(|| tcp_request(target, "via ztunnel")).unwrap();
     assert!(ztunnel
         .wait_for(|s| s.listener == OUTBOUND_PORT, WAIT)
         .is_some());
+    let in_pod = |command: &[&str]| {
+        let mut args = vec!["netns", "exec", pod.netns().name()];
+        args.extend_from_slice(command);
+        ip_output(&args).unwrap()
+    };
+    let qdiscs = in_pod(&["tc", "qdisc", "show", "dev", "eth0", "ingress"]);
+    assert!(qdiscs.starts_with("qdisc ingress ffff:"), "{qdiscs}");
     // ...until it is unenrolled; a second unenroll is a no-op.
     assert!(datapath.unenroll(pod.uid()).wait().unwrap());
     assert!(!datapath.unenroll(pod.uid()).wait().unwrap());
@@ -45,13 +54,8 @@ fn unenrolled_pods_are_untouched_and_unenroll_restores_direct_traffic() {
     assert_eq!(ztunnel.seen().len(), before, "{:?}", ztunnel.seen());
     assert_eq!(datapath.counters(pod.uid()).wait().unwrap(), None);
     // Nothing of weir's is left in the pod: no qdisc, the sysctls back to the defaults.
-    let in_pod = |command: &[&str]| {
-        let mut args = vec!["netns", "exec", pod.netns().name()];
-        args.extend_from_slice(command);
-        ip_output(&args).unwrap()
-    };
-    let qdiscs = in_pod(&["tc", "qdisc", "show", "dev", "eth0"]);
-    assert!(!qdiscs.contains("clsact"), "{qdiscs}");
+    let qdiscs = in_pod(&["tc", "qdisc", "show", "dev", "eth0", "ingress"]);
+    assert_eq!(qdiscs, "");
     for sysctl in weir_agent::datapath::netns::REPLY_MARK_SYSCTLS {
         let value = in_pod(&["cat", &format!("/proc/sys/{sysctl}")]);
         assert_eq!(value.trim(), "0", "{sysctl}");

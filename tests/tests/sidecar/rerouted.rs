@@ -53,8 +53,42 @@ fn rerouted_through_the_proxy(mode: Interception) {
     let host = node.pod("default", "vmhost").unwrap();
     let host_app = EchoServer::app(&host).unwrap();
     let proxy = SidecarStandIn::start_with(&host, mode).unwrap();
+    let qdisc = |interface: &str| {
+        let args = [
+            "-n",
+            host.netns().name(),
+            "qdisc",
+            "show",
+            "dev",
+            interface,
+            "ingress",
+        ];
+        (Process::new("tc").args(args).output().ok())
+            .map(|output| String::from_utf8_lossy(&output.stdout).into_owned())
+            .unwrap_or_default()
+    };
     // Made after the pod's enrollment, as a VM's interface is: weir sets it up when it appears.
-    let vm = VirtualMachine::behind(&host, "tap0");
+    // In REDIRECT mode it first appears under another name, as an interface weir captures
+    // inbound on (one hook, an `ingress` qdisc), then is renamed into the rerouted list, where
+    // weir needs an egress hook too: its qdisc becomes a clsact.
+    let vm = match mode {
+        Interception::Redirect => {
+            let vm = VirtualMachine::behind(&host, "vm0");
+            wait_until(WAIT, "weir's ingress qdisc on vm0", || {
+                qdisc("vm0").starts_with("qdisc ingress ")
+            });
+            let in_host = |args: &[&str]| {
+                let mut all = vec!["-n", host.netns().name(), "link", "set"];
+                all.extend_from_slice(args);
+                ip(&all).unwrap();
+            };
+            in_host(&["vm0", "down"]);
+            in_host(&["vm0", "name", "tap0"]);
+            in_host(&["tap0", "up"]);
+            vm
+        }
+        Interception::Tproxy => VirtualMachine::behind(&host, "tap0"),
+    };
     let through_proxy = |message: &str| -> bool {
         let Ok(reply) = vm.netns.run(|| tcp_request(server.app_v4(), message)) else {
             return false;
@@ -70,6 +104,17 @@ fn rerouted_through_the_proxy(mode: Interception) {
         true
     };
     assert!(try_wait_until(WAIT, || through_proxy("from the vm")).is_some());
+    // An egress hook only where connections are translated.
+    let hooks = match mode {
+        Interception::Redirect => "qdisc clsact ",
+        Interception::Tproxy => "qdisc ingress ",
+    };
+    assert!(qdisc("tap0").starts_with(hooks), "{}", qdisc("tap0"));
+    assert!(
+        qdisc("eth0").starts_with("qdisc ingress "),
+        "{}",
+        qdisc("eth0")
+    );
 
     let reply = vm
         .netns

@@ -151,7 +151,7 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut SchedClassif
 
 /// A loaded tc program (inbound or reroute), as pod setup attaches it: a classic cls_bpf filter
 /// over netlink (`netlink::Rtnl::attach_programs`), since a TCX link costs a `synchronize_rcu()`
-/// under the rtnl lock per pod (~16 ms), where the clsact qdisc costs an expedited grace period.
+/// under the rtnl lock per pod (~16 ms), where the qdisc costs an expedited grace period.
 pub(in crate::datapath) fn tc_program<'a>(ebpf: &'a Ebpf, name: &'a str) -> Result<TcProgram<'a>> {
     let program: &SchedClassifier = ebpf
         .program(name)

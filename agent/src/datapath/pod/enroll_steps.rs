@@ -35,8 +35,8 @@ impl EnrollSteps {
             "weir_enroll_step",
             "Time of each step of a pod's enrollment in the datapath: netns (entering it, its \
              rtnetlink socket and cookie), interfaces (link and address dumps), sysctls, maps, \
-             routing (the return path's rules and routes), tc (clsact qdiscs, filters and \
-             rerouting rules), finish",
+             routing (the return path's rules and routes), tc (qdiscs, filters and rerouting \
+             rules), finish",
             Unit::Seconds,
             self.0.clone(),
         );

@@ -1,5 +1,5 @@
-//! The objects weir puts in a network namespace (rules, routes, an address, the clsact qdisc
-//! and its filter), each built as the netlink message that adds or deletes it.
+//! The objects weir puts in a network namespace (rules, routes, an address, the qdisc on an
+//! interface's ingress and its filters), each built as the netlink message that adds or deletes it.
 use std::fmt;
 use std::net::{IpAddr, Ipv6Addr};
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -37,7 +37,7 @@ pub(super) const TC_HANDLE: u32 = 0x5745;
 /// `ETH_P_ALL` in network order, as `tcm_info`'s protocol half wants it.
 const ETH_P_ALL_BE: u16 = (libc::ETH_P_ALL as u16).to_be();
 
-/// Which of an interface's clsact hooks a filter is on.
+/// Which of an interface's tc hooks a filter is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Direction {
     Ingress,
@@ -128,17 +128,62 @@ pub(super) fn local_route(destination: IpAddr, prefix_len: u8, table: u32) -> Ro
     route
 }
 
-/// `tc qdisc add dev <ifindex> clsact`.
-pub(super) fn clsact(ifindex: u32) -> TcMessage {
-    let mut qdisc = TcMessage::default();
-    qdisc.header.index = ifindex as i32;
-    qdisc.header.handle = TcHandle {
-        major: TcHandle::CLSACT.major,
+/// The qdisc weir's filters hang on, in an interface's ingress slot: `ingress` where weir
+/// filters only what arrives, `clsact` where it filters what leaves too. Each hook a qdisc has is
+/// a tc block, and binding one (a veth offloads nothing) adds it to a list the kernel keeps for
+/// the whole node and searches linearly on every bind: a clsact everywhere would make that list
+/// twice as long and each enrollment search it twice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum HookQdisc {
+    Ingress,
+    Clsact,
+}
+
+impl HookQdisc {
+    pub(super) fn for_egress(egress: bool) -> Self {
+        match egress {
+            true => HookQdisc::Clsact,
+            false => HookQdisc::Ingress,
+        }
+    }
+
+    fn kind(self) -> &'static str {
+        match self {
+            HookQdisc::Ingress => "ingress",
+            HookQdisc::Clsact => "clsact",
+        }
+    }
+
+    /// The qdisc a dumped message describes, if it is one of the two.
+    pub(super) fn of(message: &TcMessage) -> Option<Self> {
+        message
+            .attributes
+            .iter()
+            .find_map(|attribute| match attribute {
+                TcAttribute::Kind(kind) if kind == "ingress" => Some(HookQdisc::Ingress),
+                TcAttribute::Kind(kind) if kind == "clsact" => Some(HookQdisc::Clsact),
+                _ => None,
+            })
+    }
+
+    /// Whether its egress hook is its own: on an `ingress` qdisc the kernel takes a filter
+    /// addressed to egress (`ffff:fff3`) to the one block it has, the ingress one.
+    pub(super) fn has_egress(self) -> bool {
+        self == HookQdisc::Clsact
+    }
+}
+
+/// `tc qdisc add dev <ifindex> ingress` (or `clsact`).
+pub(super) fn hook_qdisc(ifindex: u32, qdisc: HookQdisc) -> TcMessage {
+    let mut message = TcMessage::default();
+    message.header.index = ifindex as i32;
+    message.header.handle = TcHandle {
+        major: TcHandle::INGRESS.major,
         minor: 0,
     };
-    qdisc.header.parent = TcHandle::CLSACT;
-    qdisc.attributes = vec![TcAttribute::Kind("clsact".into())];
-    qdisc
+    message.header.parent = TcHandle::INGRESS;
+    message.attributes = vec![TcAttribute::Kind(qdisc.kind().into())];
+    message
 }
 
 /// weir's filter on `ifindex`'s ingress (or egress): `tc filter add dev <ifindex> ingress prio 1 handle
@@ -214,8 +259,8 @@ pub(super) enum Object {
     Rule(RuleMessage),
     Route(RouteMessage),
     Address(AddressMessage),
-    /// The clsact qdisc weir's filter hangs on.
-    Clsact(TcMessage),
+    /// The qdisc weir's filters hang on.
+    Qdisc(TcMessage),
     /// weir's cls_bpf filter in its fixed slot.
     Filter(TcMessage),
 }
@@ -230,8 +275,8 @@ impl Object {
             (Object::Route(m), Op::Delete) => M::DelRoute(m.clone()),
             (Object::Address(m), Op::Add) => M::NewAddress(m.clone()),
             (Object::Address(m), Op::Delete) => M::DelAddress(m.clone()),
-            (Object::Clsact(m), Op::Add) => M::NewQueueDiscipline(m.clone()),
-            (Object::Clsact(m), Op::Delete) => M::DelQueueDiscipline(m.clone()),
+            (Object::Qdisc(m), Op::Add) => M::NewQueueDiscipline(m.clone()),
+            (Object::Qdisc(m), Op::Delete) => M::DelQueueDiscipline(m.clone()),
             (Object::Filter(m), Op::Add) => M::NewTrafficFilter(m.clone()),
             (Object::Filter(m), Op::Delete) => M::DelTrafficFilter(m.clone()),
         }
@@ -252,7 +297,7 @@ impl Object {
             Object::Rule(m) => m.header.family,
             Object::Route(m) => m.header.address_family,
             Object::Address(m) => m.header.family,
-            Object::Clsact(_) | Object::Filter(_) => AddressFamily::Unspec,
+            Object::Qdisc(_) | Object::Filter(_) => AddressFamily::Unspec,
         }
     }
 }
@@ -268,7 +313,10 @@ impl fmt::Display for Object {
             Object::Rule(_) => write!(f, "{family} rule"),
             Object::Route(_) => write!(f, "{family} route"),
             Object::Address(_) => write!(f, "{family} address"),
-            Object::Clsact(m) => write!(f, "clsact qdisc on ifindex {}", m.header.index),
+            Object::Qdisc(m) => {
+                let kind = HookQdisc::of(m).map_or("tc", HookQdisc::kind);
+                write!(f, "{kind} qdisc on ifindex {}", m.header.index)
+            }
             Object::Filter(m) => write!(f, "tc filter on ifindex {}", m.header.index),
         }
     }

@@ -10,8 +10,8 @@ use weir_common::{PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
 
 use super::objects::Op;
 use super::objects::{
-    clsact, local_route, loopback_address, mark_rule, reroute_rule, return_rule, tc_filter,
-    Direction, Object, TcProgram,
+    hook_qdisc, local_route, loopback_address, mark_rule, reroute_rule, return_rule, tc_filter,
+    Direction, HookQdisc, Object, TcProgram,
 };
 use super::pod_state::{installed_reroutes, Link};
 use super::transport::Rtnl;
@@ -135,19 +135,26 @@ impl Rtnl {
     }
 
     /// weir's programs on the pod's interfaces, in one datagram and in this order: on every
-    /// interface the clsact qdisc and weir's filter with the interface's program, replacing
-    /// whatever program held the slot, and an egress filter where connections are translated
-    /// (none elsewhere); then the rerouting rules (see [`reroute_rule`]): those
+    /// interface its qdisc (see [`HookQdisc`]; one already there serves if it has the hooks
+    /// wanted) and weir's filter with the interface's program on ingress, replacing whatever
+    /// program held the slot, and an egress filter where connections are translated (none
+    /// elsewhere); then the rerouting rules (see [`reroute_rule`]): those
     /// no longer wanted go, the wanted ones come last, since until the tc program assigns a
     /// rerouted SYN to its listener local delivery would hand it to whatever listens on its
     /// port. A rule naming an interface the pod does not have yet stays inert until such an
     /// interface appears, which sets the pod up again. Idempotent.
     ///
+    /// An interface that comes to need an egress filter while it holds an `ingress` qdisc (a
+    /// rerouted interface renamed into a translated pod's list) has it replaced by a clsact in
+    /// the same datagram, unless it holds another's filters, which weir does not drop.
+    ///
     /// Apart from [`Self::set_up_return_path`] (one round trip more) so that a pod's enrollment
-    /// times them apart: a clsact qdisc made on an interface that is up costs an RCU grace
-    /// period (`qdisc_graft` deactivates the device), the largest single wait of an enrollment.
+    /// times them apart: a qdisc made on an interface that is up costs an RCU grace period
+    /// (`qdisc_graft` deactivates the device), the largest single wait of an enrollment.
     pub fn attach_programs(&mut self, pod: &PodSetup) -> io::Result<()> {
-        let tc = pod.interfaces.iter().flat_map(|link| {
+        let present = self.hook_qdiscs()?;
+        let mut tc = Vec::new();
+        for link in pod.interfaces {
             let rerouted = pod.rerouted.interfaces.contains(&link.name);
             let translated = rerouted && pod.rerouted.translated;
             let program = match (rerouted, link.ethernet) {
@@ -156,24 +163,37 @@ impl Rtnl {
                 (false, true) => pod.inbound,
                 (false, false) => pod.inbound_l3,
             };
+            let qdisc = |kind| Object::Qdisc(hook_qdisc(link.index, kind));
             let filter =
                 |direction, program| Object::Filter(tc_filter(link.index, direction, program));
-            let egress = match translated {
-                true => (
+            match present.get(&link.index) {
+                None => tc.push((Op::Add, qdisc(HookQdisc::for_egress(translated)))),
+                Some(HookQdisc::Ingress) if translated => {
+                    if self.has_foreign_ingress_filters(link.index)? {
+                        return Err(io::Error::other(format!(
+                            "{} needs a clsact qdisc for weir's egress filter, and its ingress \
+                             qdisc holds other filters",
+                            link.name
+                        )));
+                    }
+                    tc.push((Op::Delete, qdisc(HookQdisc::Ingress)));
+                    tc.push((Op::Add, qdisc(HookQdisc::Clsact)));
+                }
+                Some(_) => {}
+            }
+            tc.push((
+                Op::Add,
+                filter(Direction::Ingress, Some((program, pod.slot))),
+            ));
+            if translated {
+                tc.push((
                     Op::Add,
                     filter(Direction::Egress, Some((pod.nat_out, pod.slot))),
-                ),
-                false => (Op::Delete, filter(Direction::Egress, None)),
-            };
-            [
-                (Op::Add, Object::Clsact(clsact(link.index))),
-                (
-                    Op::Add,
-                    filter(Direction::Ingress, Some((program, pod.slot))),
-                ),
-                egress,
-            ]
-        });
+                ));
+            } else if present.get(&link.index).is_some_and(|q| q.has_egress()) {
+                tc.push((Op::Delete, filter(Direction::Egress, None)));
+            }
+        }
         let wanted = pod.rerouted.rules();
         let stale: Vec<(Op, Object)> = installed_reroutes(self)?
             .into_iter()
@@ -183,7 +203,7 @@ impl Rtnl {
         let rerouted = wanted
             .iter()
             .map(|(name, destination)| (Op::Add, Object::Rule(reroute_rule(*destination, name))));
-        self.apply(tc.chain(stale).chain(rerouted))
+        self.apply(tc.into_iter().chain(stale).chain(rerouted))
     }
 
     /// Undoes [`Self::attach_programs`] on `interfaces` and, with [`ReturnPath::Remove`],
@@ -194,13 +214,18 @@ impl Rtnl {
         interfaces: &[Link],
         return_path: ReturnPath,
     ) -> io::Result<()> {
+        let present = self.hook_qdiscs()?;
         let filters = interfaces.iter().flat_map(|link| {
-            [Direction::Ingress, Direction::Egress].map(|direction| {
-                (
-                    Op::Delete,
-                    Object::Filter(tc_filter(link.index, direction, None)),
-                )
-            })
+            let egress = present.get(&link.index).is_some_and(|q| q.has_egress());
+            [Direction::Ingress, Direction::Egress]
+                .into_iter()
+                .filter(move |direction| *direction == Direction::Ingress || egress)
+                .map(|direction| {
+                    (
+                        Op::Delete,
+                        Object::Filter(tc_filter(link.index, direction, None)),
+                    )
+                })
         });
         let rules: Vec<(Op, Object)> = installed_reroutes(self)?
             .into_iter()
@@ -215,15 +240,18 @@ impl Rtnl {
             .rev()
             .map(|object| (Op::Delete, object));
         self.apply(filters.chain(rules).chain(return_path))?;
-        // The clsact qdisc goes too once no filter is left on it, weir's or another's: one that
-        // still holds another tool's filters stays.
+        // The qdisc goes too once no filter is left on it, weir's or another's: one that still
+        // holds another tool's filters stays.
         let mut unused = Vec::new();
         for link in interfaces {
+            let Some(&kind) = present.get(&link.index) else {
+                continue;
+            };
             if self
-                .clsact_filters(link.index)
+                .filter_count(link.index, kind)
                 .is_ok_and(|filters| filters == 0)
             {
-                unused.push((Op::Delete, Object::Clsact(clsact(link.index))));
+                unused.push((Op::Delete, Object::Qdisc(hook_qdisc(link.index, kind))));
             }
         }
         self.apply(unused)

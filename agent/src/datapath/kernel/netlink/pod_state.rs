@@ -1,6 +1,7 @@
 //! What a pod's namespace holds, read through the socket made in it: its interfaces and
 //! addresses, its main routes, weir's rerouting rules, where weir's tc filter stands, which parts
 //! of the return path are missing, and another agent's return path rules.
+use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -16,7 +17,9 @@ use netlink_packet_route::{
 };
 use weir_common::RETURN_ROUTE_TABLE;
 
-use super::objects::{Object, LOOPBACK_IFINDEX, RETURN_RULE_PRIORITY, TC_HANDLE, TC_PRIORITY};
+use super::objects::{
+    HookQdisc, Object, LOOPBACK_IFINDEX, RETURN_RULE_PRIORITY, TC_HANDLE, TC_PRIORITY,
+};
 use super::pod_changes::return_path;
 use super::transport::Rtnl;
 
@@ -186,16 +189,33 @@ impl Rtnl {
             .collect())
     }
 
-    /// The filters on the interface's clsact qdisc, both directions.
-    pub(super) fn clsact_filters(&mut self, ifindex: u32) -> io::Result<usize> {
-        let mut count = 0;
-        for minor in [TcHandle::MIN_INGRESS, TcHandle::MIN_EGRESS] {
-            count += self.filters(ifindex, minor, None)?.len();
+    /// The qdisc in each interface's ingress slot, where it is `ingress` or `clsact`, by
+    /// interface index.
+    pub(super) fn hook_qdiscs(&mut self) -> io::Result<HashMap<u32, HookQdisc>> {
+        let replies = self.dump(RouteNetlinkMessage::GetQueueDiscipline(TcMessage::default()))?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|reply| match reply {
+                RouteNetlinkMessage::NewQueueDiscipline(qdisc)
+                    if qdisc.header.parent == TcHandle::INGRESS =>
+                {
+                    Some((qdisc.header.index as u32, HookQdisc::of(&qdisc)?))
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// The filters on the interface's `qdisc`, on each of its hooks.
+    pub(super) fn filter_count(&mut self, ifindex: u32, qdisc: HookQdisc) -> io::Result<usize> {
+        let mut count = self.filters(ifindex, TcHandle::MIN_INGRESS, None)?.len();
+        if qdisc.has_egress() {
+            count += self.filters(ifindex, TcHandle::MIN_EGRESS, None)?.len();
         }
         Ok(count)
     }
 
-    /// The filters under the interface's clsact qdisc in direction `minor`, of every chain or
+    /// The filters under the interface's qdisc on hook `minor`, of every chain or
     /// only `chain`, as the kernel lists them: by chain, then by priority, each priority's
     /// classifier itself (handle 0) before its filters, which come in the order they run.
     fn filters(
@@ -219,6 +239,14 @@ impl Rtnl {
                 _ => None,
             })
             .collect())
+    }
+
+    /// Whether a filter not in weir's slot is on the interface's ingress, in any chain.
+    pub(super) fn has_foreign_ingress_filters(&mut self, ifindex: u32) -> io::Result<bool> {
+        let filters = self.filters(ifindex, TcHandle::MIN_INGRESS, None)?;
+        Ok(filters
+            .iter()
+            .any(|filter| filter.header.handle != TcHandle::UNSPEC && !is_weir_slot(filter)))
     }
 
     /// Where weir's filter stands on the interface's ingress (see [`WeirFilter`]);
