@@ -15,7 +15,7 @@ use crate::{
         self,
         node_condition::{NodeConditionWriter, HEARTBEAT_INTERVAL},
         policy::ClusterSource,
-        reconcile::Reconciler,
+        reconcile::{ProbeSnat, Reconciler},
         repair::{BrokenPods, Repair},
         report::ApiReporter,
         shutdown,
@@ -137,6 +137,11 @@ pub async fn run(config: AgentConfig, shutdown: impl Future<Output = ()>) -> Res
             reporter.clone(),
             in_cluster.resync_interval,
             repair,
+            // One handing the node back leaves it to istio-cni's agent, which may be starting.
+            config.hand_back_to_istio_cni.is_none().then(|| ProbeSnat {
+                datapath: datapath.clone(),
+                net_dir: config.cni_net_dir.clone(),
+            }),
         );
         reconciler.register_metrics(&mut registry);
         sidecars.register_metrics(&mut registry);

@@ -8,8 +8,9 @@
 //!
 //! Both are the comparators for weir's datapath in the bench.
 //!
-//! Host side, istio also SNATs kubelet probes to 169.254.7.127 (an ipset of enrolled pod IPs);
-//! that rule is not here.
+//! On the node, istio-cni's agent also SNATs the node's TCP to ambient pods (an ipset of their
+//! addresses) to the probe source ([`apply_host_probe_snat`]), which its in-pod rules let
+//! through to the app: weir takes a node over with it in place.
 
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -23,6 +24,7 @@ use weir_common::{
 
 use crate::netns::{self, NetNs};
 use crate::sidecar::PROXY_ID;
+use crate::Pod;
 
 /// istio's connmark for connections ztunnel dialed into the pod, and the policy routing table
 /// that brings the app's replies to them back to ztunnel.
@@ -92,6 +94,38 @@ pub fn restore_as(pod: &NetNs, wrapper: &[&str]) -> Result<()> {
 /// pod's first address is IPv6.
 pub fn apply_sidecar(pod: &NetNs) -> Result<()> {
     restore(pod, &[], Family::V4, &sidecar_rules())
+}
+
+/// istio-cni's probe SNAT as its agent writes it on the node when it starts, with iptables
+/// (istio's `hostprobe_ipv6.golden`), and the ipsets of ambient pod addresses it keeps, holding
+/// `pods`: in `node`'s netns.
+pub fn apply_host_probe_snat(node: &NetNs, pods: &[&Pod]) -> Result<()> {
+    for family in [Family::V4, Family::V6] {
+        let (set, ipset_family) = match family {
+            Family::V4 => ("istio-inpod-probes-v4", "inet"),
+            Family::V6 => ("istio-inpod-probes-v6", "inet6"),
+        };
+        let ipset = |args: &[&str]| {
+            let mut command = vec!["netns", "exec", node.name(), "ipset"];
+            command.extend_from_slice(args);
+            netns::ip(&command)
+        };
+        ipset(&["create", set, "hash:ip", "family", ipset_family])?;
+        for pod in pods {
+            let ip = match family {
+                Family::V4 => IpAddr::from(pod.ipv4()),
+                Family::V6 => IpAddr::from(pod.ipv6()),
+            };
+            ipset(&["add", set, &ip.to_string()])?;
+        }
+        let rules = format!(
+            "*nat\n:ISTIO_POSTRT - [0:0]\n-A POSTROUTING -j ISTIO_POSTRT\n-A ISTIO_POSTRT -m owner \
+             --socket-exists -p tcp -m set --match-set {set} dst -j SNAT --to-source {}\nCOMMIT\n",
+            family.probe_source()
+        );
+        restore(node, &[], family, &rules)?;
+    }
+    Ok(())
 }
 
 #[derive(Clone, Copy)]

@@ -8,11 +8,18 @@ use crate::system;
 /// `ip`, and bpftool, which shows what the datapath holds.
 const NODE_PACKAGES: &[&str] = &["containernetworking-plugins", "iproute2", "bpftool"];
 
-/// What the privileged tests run besides a throwaway node's packages: istio's iptables rules,
-/// containerd, which runs weir's image in the image test, qemu, which runs its arm64 binaries
+/// What the privileged tests run besides a throwaway node's packages: istio's iptables rules and
+/// the ipsets and nftables table of its probe SNAT, containerd, which runs weir's image in the image test, qemu, which runs its arm64 binaries
 /// there, and Prometheus with promtool, which the monitoring test runs the alert rules and the
 /// dashboard's queries in.
-const TEST_PACKAGES: &[&str] = &["iptables", "containerd", "qemu-user-static", "prometheus"];
+const TEST_PACKAGES: &[&str] = &[
+    "iptables",
+    "ipset",
+    "nftables",
+    "containerd",
+    "qemu-user-static",
+    "prometheus",
+];
 
 /// A throwaway node's packages (the demo's).
 pub fn ensure_node_packages() -> Result<()> {

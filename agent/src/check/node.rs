@@ -35,8 +35,9 @@ pub(super) fn findings(config: &CheckConfig) -> Vec<Finding> {
 }
 
 /// What istio-cni's node agent leaves on a node weir took over: its plugin in a CNI config, its
-/// plugin's kubeconfig, its nf_tables chains in the node's netns (the probe SNAT). Harmless to
-/// weir, which starts anyway; the operator removes them once istio-cni's agent is gone.
+/// plugin's kubeconfig, its probe SNAT in the node's netns (nf_tables chains or table, ipsets).
+/// Harmless to weir, which starts anyway, and removes the probe SNAT itself once the node is its
+/// own; the operator removes the rest once istio-cni's agent is gone.
 fn istio_cni_leftovers(net_dir: &Path) -> Finding {
     let requirement = "no istio-cni node agent leftovers";
     let mut found = Vec::new();
@@ -47,8 +48,8 @@ fn istio_cni_leftovers(net_dir: &Path) -> Finding {
     if kubeconfig.exists() {
         found.push(kubeconfig.display().to_string());
     }
-    match istio_rules::nft_leftovers() {
-        Ok(objects) => found.extend(objects.into_iter().map(|object| format!("nft {object}"))),
+    match istio_rules::netfilter_leftovers() {
+        Ok(objects) => found.extend(objects),
         Err(error) => found.push(format!("(the node's nf_tables cannot be read: {error})")),
     }
     if found.is_empty() {
@@ -58,9 +59,11 @@ fn istio_cni_leftovers(net_dir: &Path) -> Finding {
         requirement,
         found.join(", "),
         "once istio-cni's node agent is off this node (docs/install.md, Taking over from \
-         istio-cni), delete them: its plugin's entry and kubeconfig file, and its chains (e.g. \
-         `iptables -t nat -D POSTROUTING -j ISTIO_POSTRT; iptables -t nat -X ISTIO_POSTRT`) and \
-         ipsets (`ipset destroy istio-inpod-probes-v4`)",
+         istio-cni), delete its plugin's entry and kubeconfig file; weir's agent removes the \
+         probe SNAT chains, table and ipsets itself once ztunnel is connected to it and every \
+         ambient pod is its own (not with --hand-back-to-istio-cni); rules iptables-legacy \
+         wrote stay (`iptables-legacy -t nat -D POSTROUTING -j ISTIO_POSTRT; iptables-legacy \
+         -t nat -F ISTIO_POSTRT; iptables-legacy -t nat -X ISTIO_POSTRT`)",
     )
 }
 

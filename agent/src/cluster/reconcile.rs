@@ -18,7 +18,11 @@
 use std::{
     collections::{HashMap, HashSet},
     net::IpAddr,
-    sync::{Arc, Mutex},
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
     time::{Duration, Instant},
 };
 
@@ -31,8 +35,9 @@ use tracing::{debug, info, warn, Instrument};
 
 use super::{facts_of, ips_of, repair::Repair, Change, LoopRuns, Reflectors};
 use crate::{
-    datapath::EnrollNetns,
+    datapath::{Datapath, EnrollNetns},
     enroll::{Enroller, RunningPod},
+    install::files::istio_cni_configs,
     logging::pod_span,
     policy::{AmbientPod, AnnotationProblem, PolicyConfig, REDIRECTION_ANNOTATION},
     report::{report_problems, Reporter, Warning},
@@ -61,6 +66,19 @@ pub struct Reconciler {
     failures: Counter,
     taken_over: Counter,
     runs: LoopRuns,
+    /// Where istio-cni's probe SNAT is to go from the node once it is weir's; `None` on an
+    /// agent that is to hand the node back to istio-cni.
+    probe_snat: Option<ProbeSnat>,
+    /// Set once it went (or there was none): looked for once per agent life.
+    probe_snat_gone: AtomicBool,
+}
+
+/// istio-cni's probe SNAT on a node weir took over (see
+/// [`crate::datapath::istio_rules::remove_probe_snat`]): what removes it, and the CNI config
+/// directory istio-cni's plugin must have left first.
+pub struct ProbeSnat {
+    pub datapath: Arc<Datapath>,
+    pub net_dir: PathBuf,
 }
 
 /// What one pod should be, from the API server's view of it.
@@ -83,6 +101,7 @@ impl Reconciler {
         reporter: Arc<dyn Reporter>,
         resync_interval: Duration,
         repair: Repair,
+        probe_snat: Option<ProbeSnat>,
     ) -> Arc<Self> {
         Arc::new(Self {
             enroller,
@@ -97,6 +116,8 @@ impl Reconciler {
             failures: Counter::default(),
             taken_over: Counter::default(),
             runs: LoopRuns::default(),
+            probe_snat,
+            probe_snat_gone: AtomicBool::new(false),
         })
     }
 
@@ -182,8 +203,40 @@ impl Reconciler {
             .unwrap()
             .retain(|uid, _| known.contains(uid));
         self.reconcile_selected(&pods, |_| true).await;
+        self.remove_istio_cni_probe_snat().await;
         self.runs.ran("pass");
         debug!(pods = pods.len(), "full reconcile pass done");
+    }
+
+    /// Removes istio-cni's probe SNAT from the node once the node is weir's: ztunnel is
+    /// connected to this agent (istio-cni's no longer serves it), no pod waits to be taken over
+    /// or fails, and istio-cni's plugin is out of the CNI config. Until then a pod istio's rules
+    /// alone redirect may be there, whose probes need it; from then on weir's programs give
+    /// kubelet's probes their source themselves. Once per agent life.
+    async fn remove_istio_cni_probe_snat(&self) {
+        let Some(ProbeSnat { datapath, net_dir }) = &self.probe_snat else {
+            return;
+        };
+        let node_is_weirs = self.enroller.ztunnel_connected()
+            && self.enroller.kept_pods().is_empty()
+            && self.backoff.lock().unwrap().is_empty()
+            && istio_cni_configs(net_dir).is_empty();
+        if self.probe_snat_gone.load(Ordering::Relaxed) || !node_is_weirs {
+            return;
+        }
+        match datapath.remove_istio_cni_probe_snat().await {
+            Ok(removed) => {
+                if !removed.is_empty() {
+                    info!(
+                        ?removed,
+                        "istio-cni's probe SNAT removed from the node: no pod is left to \
+                         istio's rules, and weir's programs give kubelet's probes their source"
+                    );
+                }
+                self.probe_snat_gone.store(true, Ordering::Relaxed);
+            }
+            Err(error) => warn!("{error:#}; tried again at the next full pass"),
+        }
     }
 
     /// When the earliest backoff expires, if any pod is failing.

@@ -24,7 +24,10 @@ fn a_takeover_from_istio_cni_survives_a_restart_midway() {
 }
 
 fn take_over_from_istio_cni(restart_midway: bool) {
-    use weir_agent::datapath::{istio_rules::IstioRules, netlink::Rtnl};
+    use weir_agent::datapath::{
+        istio_rules::{self, IstioRules},
+        netlink::Rtnl,
+    };
     use weir_common::INBOUND_PORT;
     use weir_tests::istio_cni::{self, IstioCniAgent};
     use weir_tests::traffic_loop::{wait_for_connections, TrafficLoop};
@@ -66,6 +69,8 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     ztunnel
         .wait_for_pod(&gone_uid, WAIT)
         .expect("ztunnel runs its proxy");
+    let node = cluster.chain.test_node().netns();
+    weir_tests::istio_iptables::apply_host_probe_snat(node, &[&app, &gone]).unwrap();
     let conflist = cluster.chain.files.net_dir().join("10-weir-test.conflist");
     let mut chain: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
     chain["plugins"]
@@ -147,6 +152,20 @@ fn take_over_from_istio_cni(restart_midway: bool) {
     ztunnel
         .wait_for_pod(&later_uid, WAIT)
         .expect("through weir");
+    // istio-cni's probe SNAT left the node with it; a probe (the node's TCP to the pod) still
+    // reaches the app straight from the probe source, by weir's programs.
+    wait_until(WAIT, "istio-cni's probe SNAT to leave the node", || {
+        node.run(istio_rules::netfilter_leftovers)
+            .unwrap()
+            .is_empty()
+    });
+    let reply = node.run(|| tcp_request(app.app_v4(), "probe")).unwrap();
+    assert_eq!(reply.response, app_echo.reply_to("probe"));
+    let probe = app_echo.wait_for(|r| r.line == "probe", WAIT).unwrap();
+    assert_eq!(
+        probe.peer.ip(),
+        std::net::IpAddr::from(weir_common::PROBE_SOURCE_V4)
+    );
     agent.stop().unwrap();
 }
 

@@ -10,11 +10,13 @@
 //! - `ztunnels.rs`: the connected ztunnels' cgroups and listeners.
 //! - `netns.rs`: entering a network namespace, and what weir reads and sets in one.
 //! - `netlink/`: the rtnetlink client.
+//! - `nftables.rs`: the nf_tables and ipset client (another agent's netfilter objects).
 pub(in crate::datapath) mod bpf_sys;
 pub(in crate::datapath) mod handoff;
 pub(crate) mod mounts;
 pub mod netlink;
 pub mod netns;
+pub(in crate::datapath) mod nftables;
 pub(in crate::datapath) mod programs;
 pub(crate) mod support;
 pub(in crate::datapath) mod ztunnels;

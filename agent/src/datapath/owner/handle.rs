@@ -54,6 +54,7 @@ pub(in crate::datapath) enum Command {
     ZtunnelConnected(u32, Reply<u64>),
     ZtunnelDisconnected(u64, Reply<()>),
     Enrolled(Reply<Vec<String>>),
+    RemoveIstioCniProbeSnat(Reply<Vec<String>>),
     Audit(Reply<Vec<&'static str>>),
     Stop {
         uninstall: bool,
@@ -247,6 +248,12 @@ impl Datapath {
     /// return path stays. Answers whether the pod is no longer weir's.
     pub fn hand_back(&self, uid: &str) -> Request<bool> {
         self.ask(|reply| Command::HandBack(uid.to_owned(), reply))
+    }
+
+    /// Removes istio-cni's probe SNAT from the node, from the node's netns (see
+    /// [`crate::datapath::istio_rules::remove_probe_snat`]); answers what went.
+    pub fn remove_istio_cni_probe_snat(&self) -> Request<Vec<String>> {
+        self.ask(Command::RemoveIstioCniProbeSnat)
     }
 
     /// Uids of the enrolled pods.

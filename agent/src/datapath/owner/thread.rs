@@ -22,7 +22,9 @@ use super::{audit, bpf_log, recovery, tasks, Command, Reply, Traced};
 use crate::datapath::{
     kernel::{handoff, mounts, netlink, netns, programs, support, ztunnels},
     maps_dir,
-    pod::{discovery, enroll_steps, interface_watch, sidecar_lists, slots, translations},
+    pod::{
+        discovery, enroll_steps, interface_watch, istio_rules, sidecar_lists, slots, translations,
+    },
     DatapathConfig, ProbeSource, AUDIT_INTERVAL,
 };
 
@@ -283,6 +285,10 @@ impl Owner {
                 Command::ZtunnelDisconnected(cgroup, reply) => {
                     self.ztunnels.disconnected(cgroup);
                     let _ = reply.send(Ok(()));
+                }
+                Command::RemoveIstioCniProbeSnat(reply) => {
+                    let removed = istio_rules::remove_probe_snat();
+                    let _ = reply.send(removed.context("removing istio-cni's probe SNAT"));
                 }
                 Command::Enrolled(reply) => {
                     let _ = reply.send(Ok(self.pods.keys().cloned().collect()));

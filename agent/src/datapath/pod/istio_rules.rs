@@ -24,10 +24,11 @@
 use std::fs;
 use std::io;
 
-use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr};
 use tracing::{debug, info, warn};
 
 use crate::datapath::kernel::netlink::Rtnl;
+pub use crate::datapath::kernel::nftables::NftObject;
+use crate::datapath::kernel::nftables::{Nft, NftChain, NftRule};
 
 /// The connmark and mask istio gives connections ztunnel made into the pod.
 const ISTIO_CONNMARK: u32 = 0x111;
@@ -39,6 +40,14 @@ const NFT_RETURN_TABLE: &str = "istio-ambient-mangle";
 const IPTABLES_REDIRECT_TABLES: [&str; 2] = ["nat", "raw"];
 const IPTABLES_RETURN_TABLE: &str = "mangle";
 const ISTIO_CHAIN_PREFIX: &str = "ISTIO_";
+/// istio-cni's probe SNAT on the node: its iptables chain, its nftables backend's table, and the
+/// ipsets of ambient pod addresses the iptables rules match.
+const PROBE_SNAT_CHAIN: &str = "ISTIO_POSTRT";
+const NFT_PROBE_TABLE: &str = "istio-ambient-nat";
+const PROBE_IPSETS: [&str; 2] = ["istio-inpod-probes-v4", "istio-inpod-probes-v6"];
+/// How long a set in use is tried again: the rules just deleted release it within milliseconds.
+const IPSET_RELEASE_TRIES: u32 = 20;
+const IPSET_RELEASE_WAIT: std::time::Duration = std::time::Duration::from_millis(25);
 
 /// What of istio's in-pod redirection a pod still has.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -105,47 +114,10 @@ impl IstioRules {
             (Part::Redirection, &mut found.redirection),
             (Part::ReturnPath, &mut found.return_path),
         ] {
-            let doomed: Vec<&NftChain> = chains
+            let doomed = chains
                 .iter()
-                .filter(|chain| Part::of_chain(&chain.table, &chain.name) == Some(part))
-                .collect();
-            let is_doomed = |family: u8, table: &str, name: &str| {
-                doomed
-                    .iter()
-                    .any(|c| c.family == family && c.table == table && c.name == name)
-            };
-            // The jumps into them go first (a chain still referenced cannot go), but not those
-            // from a chain that goes too: its rules go with it.
-            for rule in &rules {
-                let jumps_in = rule
-                    .jumps_to
-                    .iter()
-                    .any(|target| is_doomed(rule.family, &rule.table, target));
-                if jumps_in && !is_doomed(rule.family, &rule.table, &rule.chain) {
-                    into.push(NftObject::Rule {
-                        family: rule.family,
-                        table: rule.table.clone(),
-                        chain: rule.chain.clone(),
-                        handle: rule.handle,
-                    });
-                }
-            }
-            // A chain that goes before the chains it jumps to.
-            let referenced = |chain: &NftChain| {
-                rules.iter().any(|rule| {
-                    rule.family == chain.family
-                        && rule.table == chain.table
-                        && is_doomed(rule.family, &rule.table, &rule.chain)
-                        && rule.jumps_to.contains(&chain.name)
-                })
-            };
-            let mut ordered = doomed.clone();
-            ordered.sort_by_key(|chain| referenced(chain));
-            into.extend(ordered.into_iter().map(|chain| NftObject::Chain {
-                family: chain.family,
-                table: chain.table.clone(),
-                name: chain.name.clone(),
-            }));
+                .filter(|chain| Part::of_chain(&chain.table, &chain.name) == Some(part));
+            into.extend(chains_with_jumps_into_them(doomed.collect(), &rules));
         }
         found.return_rules = rtnl
             .istio_return_rules(ISTIO_CONNMARK, ISTIO_MARK_MASK)?
@@ -244,6 +216,10 @@ fn retire(uid: &str, rules: &mut IstioRules, rtnl: &mut Rtnl) -> bool {
 
 /// weir's table in a pod it hands back to istio-cni's agent (see [`track_ahead_of_istio`]).
 const HAND_BACK_TABLE: &str = "weir-hand-back";
+/// `NF_INET_PRE_ROUTING` and `NF_INET_LOCAL_OUT`: where istio's `nat` chains hook.
+const NAT_HOOKS: [(&str, u32); 2] = [("prerouting", 0), ("output", 3)];
+/// `NF_IP_PRI_NAT_DST`, istio's `nat` chains' priority.
+const NAT_PRIORITY: i32 = -100;
 
 /// Readies the pod (whose netns the calling thread is in) for istio's rules, so that they take
 /// over no connection made under weir's path:
@@ -268,57 +244,7 @@ pub fn track_ahead_of_istio(rtnl: &mut Rtnl) -> io::Result<()> {
     {
         return Ok(());
     }
-    let family = libc::NFPROTO_INET as u8;
-    let mut messages = vec![NftMessage {
-        kind: NFT_MSG_NEWTABLE,
-        flags: libc::NLM_F_CREATE as u16,
-        family,
-        attrs: vec![string(NFTA_TABLE_NAME, HAND_BACK_TABLE)],
-        what: format!("adding table inet {HAND_BACK_TABLE}"),
-    }];
-    for (name, hook) in NAT_HOOKS {
-        let hook = nested(&[
-            (NFTA_HOOK_HOOKNUM, hook.to_be_bytes().to_vec()),
-            (NFTA_HOOK_PRIORITY, NAT_PRIORITY.to_be_bytes().to_vec()),
-        ]);
-        messages.push(NftMessage {
-            kind: NFT_MSG_NEWCHAIN,
-            flags: libc::NLM_F_CREATE as u16,
-            family,
-            attrs: vec![
-                string(NFTA_CHAIN_TABLE, HAND_BACK_TABLE),
-                string(NFTA_CHAIN_NAME, name),
-                (NFTA_CHAIN_HOOK | NLA_F_NESTED, hook),
-                (NFTA_CHAIN_POLICY, NF_ACCEPT.to_be_bytes().to_vec()),
-                string(NFTA_CHAIN_TYPE, "nat"),
-            ],
-            what: format!("adding chain inet {HAND_BACK_TABLE} {name}"),
-        });
-        // `ct load state => reg 1`, read by nothing: the chain's need of conntrack.
-        let ct_state = nested(&[
-            (NFTA_CT_DREG, NFT_REG_1.to_be_bytes().to_vec()),
-            (NFTA_CT_KEY, NFT_CT_STATE.to_be_bytes().to_vec()),
-        ]);
-        let expression = nested(&[
-            string(NFTA_EXPR_NAME, "ct"),
-            (NFTA_EXPR_DATA | NLA_F_NESTED, ct_state),
-        ]);
-        messages.push(NftMessage {
-            kind: NFT_MSG_NEWRULE,
-            flags: (libc::NLM_F_CREATE | libc::NLM_F_APPEND) as u16,
-            family,
-            attrs: vec![
-                string(NFTA_RULE_TABLE, HAND_BACK_TABLE),
-                string(NFTA_RULE_CHAIN, name),
-                (
-                    NFTA_RULE_EXPRESSIONS | NLA_F_NESTED,
-                    nested(&[(NFTA_LIST_ELEM | NLA_F_NESTED, expression)]),
-                ),
-            ],
-            what: format!("adding a rule to chain inet {HAND_BACK_TABLE} {name}"),
-        });
-    }
-    nft.commit(messages)
+    nft.add_conntrack_table(HAND_BACK_TABLE, &NAT_HOOKS, NAT_PRIORITY)
 }
 
 /// Removes what [`track_ahead_of_istio`] added, if it is there; the connections it made
@@ -337,30 +263,148 @@ pub fn stop_tracking_ahead_of_istio() -> io::Result<()> {
     nft.delete(&ours)
 }
 
-/// istio's nf_tables tables and chains in the calling thread's netns, as `family table [chain]`:
-/// on the node, what istio-cni's agent left there (its probe SNAT chain); in a pod, its rules.
-pub fn nft_leftovers() -> io::Result<Vec<String>> {
+/// istio's nf_tables tables and chains in the calling thread's netns, as `nft family table
+/// [chain]`, and its probe ipsets, as `ipset name`: on the node, what istio-cni's agent left there (its probe SNAT); in a
+/// pod, its rules.
+pub fn netfilter_leftovers() -> io::Result<Vec<String>> {
     let mut nft = Nft::new()?;
-    let family = |family: u8| match i32::from(family) {
-        libc::NFPROTO_IPV4 => "ip",
-        libc::NFPROTO_IPV6 => "ip6",
-        libc::NFPROTO_INET => "inet",
-        _ => "other",
-    };
     let tables = nft
         .tables()?
         .into_iter()
         .filter(|t| t.name.starts_with("istio-"));
     let mut found: Vec<String> = tables
-        .map(|table| format!("{} {}", family(table.family), table.name))
+        .map(|table| format!("nft {} {}", family_name(table.family), table.name))
         .collect();
     let chains = nft.chains()?.into_iter();
     found.extend(
         chains
             .filter(|chain| chain.name.starts_with(ISTIO_CHAIN_PREFIX))
-            .map(|chain| format!("{} {} {}", family(chain.family), chain.table, chain.name)),
+            .map(|chain| {
+                let family = family_name(chain.family);
+                format!("nft {family} {} {}", chain.table, chain.name)
+            }),
     );
+    for set in PROBE_IPSETS {
+        if nft.ipset_exists(set)? {
+            found.push(format!("ipset {set}"));
+        }
+    }
     Ok(found)
+}
+
+/// Removes istio-cni's probe SNAT from the node (whose netns the calling thread is in), as its
+/// agent writes it when it starts: with iptables, the `nat` chain `ISTIO_POSTRT` of each family
+/// and the `POSTROUTING` rule that jumps to it, then the ipsets of ambient pod addresses its
+/// rules match (`istio-inpod-probes-v4`, `-v6`); with its nftables backend, the table
+/// `inet istio-ambient-nat`, sets and all. It gives kubelet's TCP to ambient pods the probe
+/// source, which istio's in-pod rules let through to the app; weir's programs give the node's
+/// sockets that source themselves, so once no pod is left to istio's rules nothing needs it.
+/// Returns what was removed, as [`netfilter_leftovers`] names it. Rules iptables-legacy wrote are out
+/// of nf_tables' reach: an ipset such a rule uses stays, with a warning.
+pub fn remove_probe_snat() -> io::Result<Vec<String>> {
+    let mut nft = Nft::new()?;
+    let mut doomed = Vec::new();
+    let mut removed = Vec::new();
+    for table in nft.tables()? {
+        if table.name == NFT_PROBE_TABLE && i32::from(table.family) == libc::NFPROTO_INET {
+            removed.push(format!("nft inet {}", table.name));
+            doomed.push(NftObject::Table {
+                family: table.family,
+                name: table.name,
+            });
+        }
+    }
+    let chains = nft.chains()?;
+    let snat_chains: Vec<&NftChain> = chains
+        .iter()
+        .filter(|chain| chain.table == "nat" && chain.name == PROBE_SNAT_CHAIN)
+        .collect();
+    if !snat_chains.is_empty() {
+        // Read only here: a node's rules (kube-proxy's) can be many.
+        let rules = nft.rules()?;
+        for chain in &snat_chains {
+            removed.push(format!(
+                "nft {} {} {}",
+                family_name(chain.family),
+                chain.table,
+                chain.name
+            ));
+        }
+        doomed.extend(chains_with_jumps_into_them(snat_chains, &rules));
+    }
+    nft.delete(&doomed)?;
+    for set in PROBE_IPSETS {
+        // The kernel lets go of a deleted rule's sets after the transaction, from a work item.
+        let mut tries = IPSET_RELEASE_TRIES;
+        loop {
+            match nft.destroy_ipset(set) {
+                Ok(true) => removed.push(format!("ipset {set}")),
+                Ok(false) => {}
+                Err(error) if error.kind() == io::ErrorKind::ResourceBusy && tries > 1 => {
+                    tries -= 1;
+                    std::thread::sleep(IPSET_RELEASE_WAIT);
+                    continue;
+                }
+                Err(error) if error.kind() == io::ErrorKind::ResourceBusy => {
+                    warn!(%error, "istio-cni's probe ipset left on the node");
+                }
+                Err(error) => return Err(error),
+            }
+            break;
+        }
+    }
+    Ok(removed)
+}
+
+fn family_name(family: u8) -> &'static str {
+    match i32::from(family) {
+        libc::NFPROTO_IPV4 => "ip",
+        libc::NFPROTO_IPV6 => "ip6",
+        libc::NFPROTO_INET => "inet",
+        _ => "other",
+    }
+}
+
+/// `doomed` as objects to delete in one transaction, after the rules of other chains that jump
+/// into them (a chain still referenced cannot go; those of a doomed chain go with it), each
+/// chain before the chains it jumps to.
+fn chains_with_jumps_into_them(doomed: Vec<&NftChain>, rules: &[NftRule]) -> Vec<NftObject> {
+    let is_doomed = |family: u8, table: &str, name: &str| {
+        doomed
+            .iter()
+            .any(|c| c.family == family && c.table == table && c.name == name)
+    };
+    let mut objects = Vec::new();
+    for rule in rules {
+        let jumps_in = rule
+            .jumps_to
+            .iter()
+            .any(|target| is_doomed(rule.family, &rule.table, target));
+        if jumps_in && !is_doomed(rule.family, &rule.table, &rule.chain) {
+            objects.push(NftObject::Rule {
+                family: rule.family,
+                table: rule.table.clone(),
+                chain: rule.chain.clone(),
+                handle: rule.handle,
+            });
+        }
+    }
+    let referenced = |chain: &NftChain| {
+        rules.iter().any(|rule| {
+            rule.family == chain.family
+                && rule.table == chain.table
+                && is_doomed(rule.family, &rule.table, &rule.chain)
+                && rule.jumps_to.contains(&chain.name)
+        })
+    };
+    let mut ordered = doomed.clone();
+    ordered.sort_by_key(|chain| referenced(chain));
+    objects.extend(ordered.into_iter().map(|chain| NftObject::Chain {
+        family: chain.family,
+        table: chain.table.clone(),
+        name: chain.name.clone(),
+    }));
+    objects
 }
 
 /// Whether no connection in the netns's conntrack table needs istio's return path.
@@ -439,474 +483,114 @@ impl Part {
     }
 }
 
-/// One nf_tables object weir removes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NftObject {
-    Table {
-        family: u8,
-        name: String,
-    },
-    Chain {
-        family: u8,
-        table: String,
-        name: String,
-    },
-    Rule {
-        family: u8,
-        table: String,
-        chain: String,
-        handle: u64,
-    },
-}
-
-impl NftObject {
-    fn family(&self) -> u8 {
-        match self {
-            Self::Table { family, .. } | Self::Chain { family, .. } | Self::Rule { family, .. } => {
-                *family
-            }
-        }
-    }
-
-    fn table(&self) -> &str {
-        match self {
-            Self::Table { name, .. } => name,
-            Self::Chain { table, .. } | Self::Rule { table, .. } => table,
-        }
-    }
-}
-
-struct NftTable {
-    family: u8,
-    name: String,
-}
-
-struct NftChain {
-    family: u8,
-    table: String,
-    name: String,
-}
-
-struct NftRule {
-    family: u8,
-    table: String,
-    chain: String,
-    handle: u64,
-    /// The chains the rule's verdicts jump or go to.
-    jumps_to: Vec<String>,
-}
-
-// nf_tables' netlink vocabulary (linux/netfilter/nf_tables.h, nfnetlink.h).
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
-const NFNL_MSG_BATCH_BEGIN: u16 = 16;
-const NFNL_MSG_BATCH_END: u16 = 17;
-const NFT_MSG_NEWTABLE: u16 = 0;
-const NFT_MSG_GETTABLE: u16 = 1;
-const NFT_MSG_DELTABLE: u16 = 2;
-const NFT_MSG_NEWCHAIN: u16 = 3;
-const NFT_MSG_GETCHAIN: u16 = 4;
-const NFT_MSG_DELCHAIN: u16 = 5;
-const NFT_MSG_NEWRULE: u16 = 6;
-const NFT_MSG_GETRULE: u16 = 7;
-const NFT_MSG_DELRULE: u16 = 8;
-const NFTA_TABLE_NAME: u16 = 1;
-const NFTA_CHAIN_TABLE: u16 = 1;
-const NFTA_CHAIN_NAME: u16 = 3;
-const NFTA_CHAIN_HOOK: u16 = 4;
-const NFTA_CHAIN_POLICY: u16 = 5;
-const NFTA_CHAIN_TYPE: u16 = 7;
-const NFTA_HOOK_HOOKNUM: u16 = 1;
-const NFTA_HOOK_PRIORITY: u16 = 2;
-const NLA_F_NESTED: u16 = 0x8000;
-const NFTA_CT_DREG: u16 = 1;
-const NFTA_CT_KEY: u16 = 2;
-const NFT_CT_STATE: u32 = 0;
-const NFT_REG_1: u32 = 1;
-const NF_ACCEPT: u32 = 1;
-/// `NF_INET_PRE_ROUTING` and `NF_INET_LOCAL_OUT`: where istio's `nat` chains hook.
-const NAT_HOOKS: [(&str, u32); 2] = [("prerouting", 0), ("output", 3)];
-/// `NF_IP_PRI_NAT_DST`, istio's `nat` chains' priority.
-const NAT_PRIORITY: i32 = -100;
-const NFTA_RULE_TABLE: u16 = 1;
-const NFTA_RULE_CHAIN: u16 = 2;
-const NFTA_RULE_HANDLE: u16 = 3;
-const NFTA_RULE_EXPRESSIONS: u16 = 4;
-const NFTA_LIST_ELEM: u16 = 1;
-const NFTA_EXPR_NAME: u16 = 1;
-const NFTA_EXPR_DATA: u16 = 2;
-const NFTA_IMMEDIATE_DATA: u16 = 2;
-const NFTA_DATA_VERDICT: u16 = 2;
-const NFTA_VERDICT_CODE: u16 = 1;
-const NFTA_VERDICT_CHAIN: u16 = 2;
-const NFT_JUMP: i32 = -3;
-const NFT_GOTO: i32 = -4;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLA_TYPE_MASK: u16 = 0x3fff;
-/// The header of every nfnetlink message after the netlink one: family, version, resource id.
-const NFGENMSG_LEN: usize = 4;
-const NLMSG_HDRLEN: usize = 16;
-/// Room for one datagram: the kernel fills at most 32 KiB per `recv`.
-const RECV_BUFFER: usize = 32 * 1024;
-
-/// One message of a transaction, with what it does for an error's message.
-struct NftMessage {
-    kind: u16,
-    flags: u16,
-    family: u8,
-    attrs: Vec<(u16, Vec<u8>)>,
-    what: String,
-}
-
-/// A netlink socket for nf_tables, in the calling thread's netns.
-struct Nft {
-    socket: Socket,
-    sequence: u32,
-    buffer: Vec<u8>,
-}
-
-impl Nft {
-    fn new() -> io::Result<Self> {
-        let socket = Socket::new(NETLINK_NETFILTER)?;
-        socket.connect(&SocketAddr::new(0, 0))?;
-        Ok(Self {
-            socket,
-            sequence: 0,
-            buffer: Vec::with_capacity(RECV_BUFFER),
-        })
-    }
-
-    /// The next datagram.
-    fn recv(&mut self) -> io::Result<&[u8]> {
-        self.buffer.clear();
-        // MSG_TRUNC: the return value is the datagram's full length, so truncation shows.
-        let length = self.socket.recv(&mut self.buffer, libc::MSG_TRUNC)?;
-        if length > self.buffer.len() {
-            return Err(io::Error::other(format!(
-                "netlink reply of {length} bytes truncated"
-            )));
-        }
-        Ok(&self.buffer)
-    }
-
-    fn tables(&mut self) -> io::Result<Vec<NftTable>> {
-        self.dump(NFT_MSG_GETTABLE, |family, attrs| {
-            Some(NftTable {
-                family,
-                name: string_attr(attrs, NFTA_TABLE_NAME)?,
-            })
-        })
-    }
-
-    fn chains(&mut self) -> io::Result<Vec<NftChain>> {
-        self.dump(NFT_MSG_GETCHAIN, |family, attrs| {
-            Some(NftChain {
-                family,
-                table: string_attr(attrs, NFTA_CHAIN_TABLE)?,
-                name: string_attr(attrs, NFTA_CHAIN_NAME)?,
-            })
-        })
-    }
-
-    fn rules(&mut self) -> io::Result<Vec<NftRule>> {
-        self.dump(NFT_MSG_GETRULE, |family, attrs| {
-            let handle = attr(attrs, NFTA_RULE_HANDLE)?;
-            Some(NftRule {
-                family,
-                table: string_attr(attrs, NFTA_RULE_TABLE)?,
-                chain: string_attr(attrs, NFTA_RULE_CHAIN)?,
-                handle: u64::from_be_bytes(handle.get(..8)?.try_into().ok()?),
-                jumps_to: attr(attrs, NFTA_RULE_EXPRESSIONS)
-                    .map(jump_targets)
-                    .unwrap_or_default(),
-            })
-        })
-    }
-
-    /// Deletes `objects`, in order, in one transaction.
-    fn delete(&mut self, objects: &[NftObject]) -> io::Result<()> {
-        let messages = objects
-            .iter()
-            .map(|object| {
-                let (kind, family, attrs) = match object {
-                    NftObject::Table { family, name } => (
-                        NFT_MSG_DELTABLE,
-                        *family,
-                        vec![string(NFTA_TABLE_NAME, name)],
-                    ),
-                    NftObject::Chain {
-                        family,
-                        table,
-                        name,
-                    } => (
-                        NFT_MSG_DELCHAIN,
-                        *family,
-                        vec![
-                            string(NFTA_CHAIN_TABLE, table),
-                            string(NFTA_CHAIN_NAME, name),
-                        ],
-                    ),
-                    NftObject::Rule {
-                        family,
-                        table,
-                        chain,
-                        handle,
-                    } => (
-                        NFT_MSG_DELRULE,
-                        *family,
-                        vec![
-                            string(NFTA_RULE_TABLE, table),
-                            string(NFTA_RULE_CHAIN, chain),
-                            (NFTA_RULE_HANDLE, handle.to_be_bytes().to_vec()),
-                        ],
-                    ),
-                };
-                NftMessage {
-                    kind,
-                    flags: 0,
-                    family,
-                    attrs,
-                    what: format!("deleting {object:?}"),
-                }
-            })
-            .collect();
-        self.commit(messages)
-    }
-
-    /// Sends `messages` in one transaction: all of them happen, or none.
-    fn commit(&mut self, messages: Vec<NftMessage>) -> io::Result<()> {
-        if messages.is_empty() {
-            return Ok(());
-        }
-        let mut datagram = Vec::new();
-        let begin = self.next_sequence();
-        push_message(
-            &mut datagram,
-            NFNL_MSG_BATCH_BEGIN,
-            0,
-            begin,
-            (0, NFNL_SUBSYS_NFTABLES),
-            &[],
-        );
-        let first = begin.wrapping_add(1);
-        for message in &messages {
-            let sequence = self.next_sequence();
-            push_message(
-                &mut datagram,
-                nft_type(message.kind),
-                message.flags | libc::NLM_F_ACK as u16,
-                sequence,
-                (message.family, 0),
-                &message.attrs,
-            );
-        }
-        let end = self.next_sequence();
-        push_message(
-            &mut datagram,
-            NFNL_MSG_BATCH_END,
-            0,
-            end,
-            (0, NFNL_SUBSYS_NFTABLES),
-            &[],
-        );
-        self.socket.send(&datagram, 0)?;
-        // One answer per message: an ack, or the error that aborted the whole transaction.
-        let mut answered = 0;
-        while answered < messages.len() {
-            for (kind, sequence, payload) in netlink_messages(self.recv()?) {
-                let index = sequence.wrapping_sub(first) as usize;
-                if kind != NLMSG_ERROR || index >= messages.len() {
-                    continue;
-                }
-                let errno = error_code(payload);
-                if errno != 0 {
-                    let error = io::Error::from_raw_os_error(-errno);
-                    return Err(io::Error::new(
-                        error.kind(),
-                        format!("{}: {error}", messages[index].what),
-                    ));
-                }
-                answered += 1;
-            }
-        }
-        Ok(())
-    }
-
-    /// Every object of `kind` in the netns, of every family, as `parse` reads them.
-    fn dump<T>(&mut self, kind: u16, parse: impl Fn(u8, &[u8]) -> Option<T>) -> io::Result<Vec<T>> {
-        let sequence = self.next_sequence();
-        let mut request = Vec::new();
-        push_message(
-            &mut request,
-            nft_type(kind),
-            libc::NLM_F_DUMP as u16,
-            sequence,
-            (libc::NFPROTO_UNSPEC as u8, 0),
-            &[],
-        );
-        self.socket.send(&request, 0)?;
-        let mut found = Vec::new();
-        loop {
-            for (message_kind, message_sequence, payload) in netlink_messages(self.recv()?) {
-                if message_sequence != sequence {
-                    continue;
-                }
-                match message_kind {
-                    NLMSG_DONE => return Ok(found),
-                    NLMSG_ERROR => {
-                        let errno = error_code(payload);
-                        if errno == 0 {
-                            return Ok(found);
-                        }
-                        // No nf_tables at all in this kernel: nothing of istio's there.
-                        if -errno == libc::EOPNOTSUPP || -errno == libc::EPROTONOSUPPORT {
-                            return Ok(found);
-                        }
-                        return Err(io::Error::from_raw_os_error(-errno));
-                    }
-                    _ if payload.len() >= NFGENMSG_LEN => {
-                        if let Some(object) = parse(payload[0], &payload[NFGENMSG_LEN..]) {
-                            found.push(object);
-                        }
-                    }
-                    _ => {}
-                }
-            }
-        }
-    }
-
-    fn next_sequence(&mut self) -> u32 {
-        self.sequence = self.sequence.wrapping_add(1);
-        self.sequence
-    }
-}
-
-/// Netlink attributes, encoded one after the other (a nested attribute's payload).
-fn nested(attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    for (kind, value) in attrs {
-        let length = 4 + value.len();
-        bytes.extend_from_slice(&(length as u16).to_ne_bytes());
-        bytes.extend_from_slice(&kind.to_ne_bytes());
-        bytes.extend_from_slice(value);
-        bytes.resize(bytes.len() + padding(length), 0);
-    }
-    bytes
-}
-
-/// The (negative) errno of an `NLMSG_ERROR` message's payload; 0 is an ack.
-fn error_code(payload: &[u8]) -> i32 {
-    payload
-        .get(..4)
-        .and_then(|code| code.try_into().ok())
-        .map_or(0, i32::from_ne_bytes)
-}
-
-fn nft_type(kind: u16) -> u16 {
-    (NFNL_SUBSYS_NFTABLES << 8) | kind
-}
-
-fn string(kind: u16, value: &str) -> (u16, Vec<u8>) {
-    let mut bytes = value.as_bytes().to_vec();
-    bytes.push(0);
-    (kind, bytes)
-}
-
-/// Appends one netlink message with an nfnetlink header (`family`, resource id) and `attrs`.
-fn push_message(
-    datagram: &mut Vec<u8>,
-    kind: u16,
-    flags: u16,
-    sequence: u32,
-    (family, resource): (u8, u16),
-    attrs: &[(u16, Vec<u8>)],
-) {
-    let start = datagram.len();
-    datagram.extend_from_slice(&[0; 4]); // length, below
-    datagram.extend_from_slice(&kind.to_ne_bytes());
-    datagram.extend_from_slice(&(flags | libc::NLM_F_REQUEST as u16).to_ne_bytes());
-    datagram.extend_from_slice(&sequence.to_ne_bytes());
-    datagram.extend_from_slice(&0u32.to_ne_bytes());
-    datagram.extend_from_slice(&[family, 0]);
-    datagram.extend_from_slice(&resource.to_be_bytes());
-    datagram.extend_from_slice(&nested(attrs));
-    let length = (datagram.len() - start) as u32;
-    datagram[start..start + 4].copy_from_slice(&length.to_ne_bytes());
-}
-
-fn padding(length: usize) -> usize {
-    (4 - length % 4) % 4
-}
-
-/// The netlink messages of a datagram: (type, sequence, payload after the netlink header).
-fn netlink_messages(mut datagram: &[u8]) -> impl Iterator<Item = (u16, u32, &[u8])> {
-    std::iter::from_fn(move || {
-        let header = datagram.get(..NLMSG_HDRLEN)?;
-        let length = u32::from_ne_bytes(header[..4].try_into().ok()?) as usize;
-        if length < NLMSG_HDRLEN || length > datagram.len() {
-            return None;
-        }
-        let kind = u16::from_ne_bytes(header[4..6].try_into().ok()?);
-        let sequence = u32::from_ne_bytes(header[8..12].try_into().ok()?);
-        let payload = &datagram[NLMSG_HDRLEN..length];
-        datagram = &datagram[(length + padding(length)).min(datagram.len())..];
-        Some((kind, sequence, payload))
-    })
-}
-
-/// The attributes in `bytes`: (type without flags, payload).
-fn attrs(mut bytes: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        let length = u16::from_ne_bytes(bytes.get(..2)?.try_into().ok()?) as usize;
-        let kind = u16::from_ne_bytes(bytes.get(2..4)?.try_into().ok()?) & NLA_TYPE_MASK;
-        if length < 4 || length > bytes.len() {
-            return None;
-        }
-        let payload = &bytes[4..length];
-        bytes = &bytes[(length + padding(length)).min(bytes.len())..];
-        Some((kind, payload))
-    })
-}
-
-fn attr(bytes: &[u8], kind: u16) -> Option<&[u8]> {
-    attrs(bytes)
-        .find(|(found, _)| *found == kind)
-        .map(|(_, payload)| payload)
-}
-
-fn string_attr(bytes: &[u8], kind: u16) -> Option<String> {
-    let value = attr(bytes, kind)?;
-    let value = value.split(|&byte| byte == 0).next().unwrap_or(value);
-    Some(String::from_utf8_lossy(value).into_owned())
-}
-
-/// The chains a rule's `immediate` verdicts jump or go to (`-j CHAIN` in iptables-nft, `jump` and
-/// `goto` in nft).
-fn jump_targets(expressions: &[u8]) -> Vec<String> {
-    attrs(expressions)
-        .filter(|(kind, _)| *kind == NFTA_LIST_ELEM)
-        .filter(|(_, expression)| {
-            string_attr(expression, NFTA_EXPR_NAME).as_deref() == Some("immediate")
-        })
-        .filter_map(|(_, expression)| {
-            let data = attr(expression, NFTA_EXPR_DATA)?;
-            let verdict = attr(attr(data, NFTA_IMMEDIATE_DATA)?, NFTA_DATA_VERDICT)?;
-            let code = i32::from_be_bytes(
-                attr(verdict, NFTA_VERDICT_CODE)?
-                    .get(..4)?
-                    .try_into()
-                    .ok()?,
-            );
-            matches!(code, NFT_JUMP | NFT_GOTO)
-                .then(|| string_attr(verdict, NFTA_VERDICT_CHAIN))
-                .flatten()
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
+    use std::io::Write;
+    use std::os::fd::AsFd;
+    use std::process::{Command, Stdio};
+
     use super::*;
+    use crate::datapath::kernel::netns::enter;
+    use crate::datapath::kernel::netns::testing::{privileged, scratch_netns};
+
+    /// Runs `program` with `input` on its stdin, in the calling thread's netns; its stdout.
+    fn run(program: &str, args: &[&str], input: &str) -> String {
+        let mut child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|error| panic!("{program}: {error}"));
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        let output = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{program} {args:?}: {stderr}");
+        String::from_utf8(output.stdout).unwrap()
+    }
+
+    /// istio-cni's probe SNAT as its agent writes it on the node, both ways (iptables with its
+    /// ipsets, from istio's `hostprobe_ipv6.golden`; its nftables backend, from the nftables
+    /// one), beside a rule and an ipset of someone else's, and an ipset iptables-legacy uses.
+    #[test]
+    fn istio_cnis_probe_snat_leaves_the_node_and_nothing_else_does() {
+        let Some(netns) = privileged(scratch_netns) else {
+            return;
+        };
+        let _inside = enter(netns.as_fd()).unwrap();
+        for (set, family) in [
+            ("istio-inpod-probes-v4", "inet"),
+            ("istio-inpod-probes-v6", "inet6"),
+            ("someone-elses", "inet"),
+        ] {
+            run("ipset", &["create", set, "hash:ip", "family", family], "");
+        }
+        let snat = |family: &str, to: &str| {
+            format!(
+                "*nat\n:ISTIO_POSTRT - [0:0]\n-A POSTROUTING -j ISTIO_POSTRT\n-A ISTIO_POSTRT -m \
+                 owner --socket-exists -p tcp -m set --match-set istio-inpod-probes-{family} dst \
+                 -j SNAT --to-source {to}\n-A POSTROUTING -o eth9 -j MASQUERADE\nCOMMIT\n"
+            )
+        };
+        run(
+            "iptables-restore",
+            &["--noflush"],
+            &snat("v4", "169.254.7.127"),
+        );
+        let v6 = snat("v6", "fd16:9254:7127:1337:ffff:ffff:ffff:ffff");
+        run("ip6tables-restore", &["--noflush"], &v6);
+        run(
+            "nft",
+            &["-f", "-"],
+            "add table inet istio-ambient-nat\n\
+             add set inet istio-ambient-nat istio-inpod-probes-v4 { type ipv4_addr ; }\n\
+             add chain inet istio-ambient-nat postrouting { type nat hook postrouting priority 100 ; }\n\
+             add rule inet istio-ambient-nat postrouting meta l4proto tcp skuid 1000 \
+             ip daddr @istio-inpod-probes-v4 counter snat to 169.254.7.127\n",
+        );
+        let sorted = |mut found: Vec<String>| {
+            found.sort();
+            found
+        };
+        let istios = [
+            "ipset istio-inpod-probes-v4",
+            "ipset istio-inpod-probes-v6",
+            "nft inet istio-ambient-nat",
+            "nft ip nat ISTIO_POSTRT",
+            "nft ip6 nat ISTIO_POSTRT",
+        ];
+        assert_eq!(sorted(netfilter_leftovers().unwrap()), istios);
+
+        assert_eq!(sorted(remove_probe_snat().unwrap()), istios);
+        assert_eq!(netfilter_leftovers().unwrap(), Vec::<String>::new());
+        for restore in ["iptables-save", "ip6tables-save"] {
+            let nat = run(restore, &["-t", "nat"], "");
+            assert!(
+                nat.contains("-A POSTROUTING -o eth9 -j MASQUERADE"),
+                "{nat}"
+            );
+        }
+        assert_eq!(run("ipset", &["list", "-n"], ""), "someone-elses\n");
+        assert_eq!(remove_probe_snat().unwrap(), Vec::<String>::new());
+
+        // A set an iptables-legacy rule uses cannot go: it stays, and so does nothing else.
+        run("ipset", &["create", "istio-inpod-probes-v4", "hash:ip"], "");
+        run(
+            "iptables-legacy-restore",
+            &["--noflush"],
+            &snat("v4", "169.254.7.127"),
+        );
+        assert_eq!(remove_probe_snat().unwrap(), Vec::<String>::new());
+        assert_eq!(
+            netfilter_leftovers().unwrap(),
+            ["ipset istio-inpod-probes-v4"]
+        );
+    }
 
     #[test]
     fn a_family_is_redirected_once_istios_nat_rules_for_it_are_there() {
