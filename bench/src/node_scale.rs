@@ -10,6 +10,7 @@
 
 use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -19,7 +20,7 @@ use serde_json::{json, Value};
 use weir_agent::datapath::Datapath;
 use weir_tests::agent::{AgentBinary, AgentProcess, NodeFiles};
 use weir_tests::chain::{ambient_policy, MESH};
-use weir_tests::cni::{self, Command, NetworkConfigList};
+use weir_tests::cni::{self, Command, NetworkConfigList, PluginRunner};
 use weir_tests::node::{NodeOptions, PODS_PER_BRIDGE};
 use weir_tests::ApiServer;
 use weir_tests::{Pod, PodSpec, TestNode, ZdsEvent, ZdsZtunnel};
@@ -96,12 +97,15 @@ fn with_agent(
     measured
 }
 
-/// weir-cni as the node's conflist configures it (the agent's installer chained it there).
+/// weir-cni as the node's conflist configures it (the agent's installer chained it there), run
+/// by a [`PluginRunner`] started on the node before the bench's pods (and their descriptors)
+/// exist, as a runtime with few descriptors runs it.
 #[derive(Clone)]
 struct WeirCni {
     list: NetworkConfigList,
     plugin: Value,
     binary: PathBuf,
+    runner: Arc<PluginRunner>,
 }
 
 impl WeirCni {
@@ -114,7 +118,9 @@ impl WeirCni {
             .cloned()
             .with_context(|| format!("weir-cni is not chained in {}", list.to_json()))?;
         let binary = cni::find_plugin(&plugin, node.cni_path())?;
+        let runner = PluginRunner::start(node.netns()).context("starting weir-plugin-runner")?;
         Ok(Self {
+            runner: Arc::new(runner),
             list,
             plugin,
             binary,
@@ -134,13 +140,14 @@ impl WeirCni {
     }
 
     /// weir-cni alone for `pod` (wired by the primary CNI), as the runtime runs it after the
-    /// plugins before it: executed from the calling thread, which must be on the node.
+    /// plugins before it.
     fn call(&self, command: Command, pod: &Pod) -> Result<()> {
         let runtime = pod.runtime_conf();
         let config = self
             .list
             .plugin_config(&self.plugin, runtime, Some(pod.prev_result()));
-        cni::invoke_from_this_thread(&self.binary, command, runtime, &config)
+        self.runner
+            .invoke(&self.binary, command, runtime, &config)
             .with_context(|| format!("weir-cni {} of pod {}", command.as_str(), pod.name()))?;
         Ok(())
     }
@@ -459,8 +466,8 @@ fn scale(
             "One more pod's ADD at {} pods over at {}: {growth:.2}x (median). Each size's pods \
              are enrolled by weir-cni ADDs ({POD_WORKERS} at a time) to the agent (its \
              binary, own process, ztunnel stand-in acking); then {} ADDs of one more pod (weir-cni \
-             executed as the runtime executes it after the primary plugins, each followed by its \
-             DEL); its datapath part: the agent's own `weir_redirect_seconds` over those ADDs \
+             executed as the runtime executes it after the primary plugins, from a process of \
+             few descriptors as a runtime's, each followed by its DEL); its datapath part: the agent's own `weir_redirect_seconds` over those ADDs \
              (maps, tc, routing, in the pod's netns), the rest being weir-cni's exec, the \
              agent's socket and ZDS round trips; its steps: the agent's \
              `weir_enroll_step_seconds` over the same ADDs; agent RSS: VmRSS of its process; map memory: \

@@ -193,12 +193,9 @@ fn run_plugin(
         plugin: plugin.to_owned(),
         source,
     };
-    // A runtime passes its own environment plus the CNI variables; keep only PATH of ours so no
-    // stray CNI_* of the test environment leaks in.
     process
         .env_clear()
-        .envs(std::env::var_os("PATH").map(|path| ("PATH", path)))
-        .envs(runtime.env(command))
+        .envs(plugin_env(runtime, command))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -212,24 +209,41 @@ fn run_plugin(
         .write_all(&stdin);
     let out = child.wait_with_output().map_err(spawn_err)?;
     written.map_err(spawn_err)?;
+    answer(plugin, command, out.status, &out.stdout, &out.stderr)
+}
 
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+/// A runtime passes its own environment plus the CNI variables; only PATH of ours is kept, so no
+/// stray CNI_* of the test environment leaks in.
+fn plugin_env(runtime: &RuntimeConf, command: Command) -> Vec<(&'static str, OsString)> {
+    let path = std::env::var_os("PATH").map(|path| ("PATH", path));
+    path.into_iter().chain(runtime.env(command)).collect()
+}
+
+/// What a plugin's exit and output say: its result, or why it failed.
+fn answer(
+    plugin: &Path,
+    command: Command,
+    status: ExitStatus,
+    stdout: &[u8],
+    stderr: &[u8],
+) -> Result<Value, CniError> {
+    let stdout = String::from_utf8_lossy(stdout).into_owned();
     let parsed = if stdout.trim().is_empty() {
         Ok(Value::Null)
     } else {
         serde_json::from_str(&stdout)
     };
-    if !out.status.success() {
+    if !status.success() {
         let error = parsed.unwrap_or_default();
         let text = |key: &str| error[key].as_str().unwrap_or_default().to_owned();
         return Err(CniError::Plugin(Box::new(PluginFailure {
             plugin: plugin.to_owned(),
             command: command.as_str(),
-            status: out.status,
+            status,
             code: error["code"].as_u64(),
             msg: if error.is_null() { stdout } else { text("msg") },
             details: text("details"),
-            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            stderr: String::from_utf8_lossy(stderr).trim().to_owned(),
         })));
     }
     parsed.map_err(|source| CniError::BadOutput {
@@ -238,6 +252,89 @@ fn run_plugin(
         source,
         stdout,
     })
+}
+
+/// Runs plugins from a process of its own (`weir-plugin-runner`), started on the node before the
+/// caller opens its many descriptors: an exec closes each descriptor its process holds, about
+/// 1 ms per 5,000 (a bench's pods' namespaces), which a runtime's exec does not pay.
+pub struct PluginRunner {
+    process: std::process::Child,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl PluginRunner {
+    /// Starts the runner from a thread in `node`: the plugins it runs are on the node.
+    pub fn start(node: &NetNs) -> std::io::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let socket = dir.path().join("runner.sock");
+        let binary = crate::agent::workspace_binary("weir-plugin-runner");
+        let mut process = node.run(|| {
+            Process::new(&binary)
+                .arg(&socket)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .spawn()
+        })?;
+        let mut ready = String::new();
+        let stdout = process.stdout.take().expect("stdout is piped");
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut ready)?;
+        if ready.trim() != "listening" {
+            let _ = process.kill();
+            return Err(std::io::Error::other("weir-plugin-runner did not start"));
+        }
+        Ok(Self {
+            process,
+            socket,
+            _dir: dir,
+        })
+    }
+
+    /// [`invoke`], the plugin exec'd by the runner.
+    pub fn invoke(
+        &self,
+        plugin: &Path,
+        command: Command,
+        runtime: &RuntimeConf,
+        config: &Value,
+    ) -> Result<Value, CniError> {
+        let spawn_err = |source| CniError::Spawn {
+            plugin: plugin.to_owned(),
+            source,
+        };
+        let env: Vec<(&str, String)> = (plugin_env(runtime, command).into_iter())
+            .map(|(name, value)| (name, value.to_string_lossy().into_owned()))
+            .collect();
+        let request = json!({
+            "program": plugin,
+            "env": env,
+            "stdin": config.to_string(),
+        });
+        let mut stream =
+            std::os::unix::net::UnixStream::connect(&self.socket).map_err(spawn_err)?;
+        stream
+            .write_all(request.to_string().as_bytes())
+            .and_then(|()| stream.shutdown(std::net::Shutdown::Write))
+            .map_err(spawn_err)?;
+        let reply: Value = serde_json::from_reader(&stream)
+            .map_err(|error| spawn_err(std::io::Error::other(error)))?;
+        let status = reply["status"].as_i64().unwrap_or(-1) as i32;
+        let text = |key: &str| reply[key].as_str().unwrap_or_default().as_bytes().to_vec();
+        answer(
+            plugin,
+            command,
+            std::os::unix::process::ExitStatusExt::from_raw(status),
+            &text("stdout"),
+            &text("stderr"),
+        )
+    }
+}
+
+impl Drop for PluginRunner {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
 }
 
 /// A network configuration list (a `.conflist`): plugins run in order for ADD, each getting the

@@ -2,7 +2,8 @@
 //! on a throwaway node (release build; medians and pair-by-pair ratios), written to
 //! `target/bench/`. `--quick` (into `target/bench/quick/`) runs tiny sizes from the dev build the
 //! tests use, so the bench cannot rot; its figures mean nothing. The agent sections run the
-//! `weir-agent` and `weir-cni` binaries built next to the bench, so both are built too.
+//! `weir-agent` and `weir-cni` binaries built next to the bench (weir-cni through
+//! `weir-plugin-runner`), so those are built too.
 
 use anyhow::Result;
 
@@ -28,6 +29,8 @@ pub fn run(quick: bool, args: &[String]) -> Result<()> {
     // its harness, weir-tests, enables (cargo unifies features), and the bench measures the
     // agent as shipped.
     build(&["-p", "weir-agent", "-p", "weir-cni", "--bins"])?;
+    // What runs weir-cni for the agent sections, from a process with few descriptors.
+    build(&["-p", "weir-tests", "--bin", "weir-plugin-runner"])?;
     step("running it: a throwaway node, weir and iptables side by side");
     run_built(quick, args)
 }
