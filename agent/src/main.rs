@@ -40,10 +40,23 @@ fn main() -> ExitCode {
     }
 }
 
+/// glibc gives each thread that allocates an arena of its own (up to eight per core), and a
+/// pod's enrollment allocates on several threads (tokio's workers, the datapath's): with 5,000
+/// pods the arenas' free fragments were a fifth of the agent's RSS (75 to 78 MiB, 59 MiB with
+/// one arena, no slower). Set before the runtime's threads exist.
+fn one_malloc_arena() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets a malloc parameter, under malloc's own lock.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(args) => {
             let config = args.config(cli.datapath.config())?;
+            one_malloc_arena();
             tokio::runtime::Runtime::new()?.block_on(app::run(config, terminated()))
         }
         Command::Uninstall(dirs) => {

@@ -189,10 +189,7 @@ fn run_plugin(
     runtime: &RuntimeConf,
     config: &Value,
 ) -> Result<Value, CniError> {
-    let spawn_err = |source| CniError::Spawn {
-        plugin: plugin.to_owned(),
-        source,
-    };
+    let spawn_err = spawn_error(plugin);
     process
         .env_clear()
         .envs(plugin_env(runtime, command))
@@ -210,6 +207,14 @@ fn run_plugin(
     let out = child.wait_with_output().map_err(spawn_err)?;
     written.map_err(spawn_err)?;
     answer(plugin, command, out.status, &out.stdout, &out.stderr)
+}
+
+/// The plugin could not be run, or its answer not read.
+fn spawn_error(plugin: &Path) -> impl Fn(std::io::Error) -> CniError + Copy + '_ {
+    |source| CniError::Spawn {
+        plugin: plugin.to_owned(),
+        source,
+    }
 }
 
 /// A runtime passes its own environment plus the CNI variables; only PATH of ours is kept, so no
@@ -298,10 +303,7 @@ impl PluginRunner {
         runtime: &RuntimeConf,
         config: &Value,
     ) -> Result<Value, CniError> {
-        let spawn_err = |source| CniError::Spawn {
-            plugin: plugin.to_owned(),
-            source,
-        };
+        let spawn_err = spawn_error(plugin);
         let env: Vec<(&str, String)> = (plugin_env(runtime, command).into_iter())
             .map(|(name, value)| (name, value.to_string_lossy().into_owned()))
             .collect();
