@@ -277,7 +277,9 @@ impl PluginRunner {
         let mut process = node.run(|| {
             Process::new(&binary)
                 .arg(&socket)
-                .stdin(Stdio::null())
+                // Held open by `process` until it is dropped or this process dies: the runner
+                // exits at its end.
+                .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .spawn()
         })?;

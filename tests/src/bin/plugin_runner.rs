@@ -6,7 +6,8 @@
 //! Usage: `weir-plugin-runner <socket path>`. Each connection carries one request, a JSON object
 //! (`program`, `env` as `[name, value]` pairs, `stdin`), then the client's shutdown of its
 //! writing half; the answer is `{"status": <raw wait status>, "stdout": ..., "stderr": ...}`.
-//! One thread per connection, so plugins run as concurrently as they are asked for.
+//! One thread per connection, so plugins run as concurrently as they are asked for. It exits when
+//! its stdin closes: its starter is gone, however it ended.
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -20,6 +21,10 @@ fn main() {
         .nth(1)
         .expect("usage: weir-plugin-runner SOCKET");
     let listener = UnixListener::bind(&path).unwrap_or_else(|error| panic!("{path}: {error}"));
+    std::thread::spawn(|| {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        std::process::exit(0);
+    });
     // Ready: the socket is bound.
     println!("listening");
     for stream in listener.incoming() {
