@@ -217,11 +217,14 @@ impl Reconciler {
         let Some(ProbeSnat { datapath, net_dir }) = &self.probe_snat else {
             return;
         };
+        if self.probe_snat_gone.load(Ordering::Relaxed) {
+            return;
+        }
         let node_is_weirs = self.enroller.ztunnel_connected()
             && self.enroller.kept_pods().is_empty()
             && self.backoff.lock().unwrap().is_empty()
             && istio_cni_configs(net_dir).is_empty();
-        if self.probe_snat_gone.load(Ordering::Relaxed) || !node_is_weirs {
+        if !node_is_weirs {
             return;
         }
         match datapath.remove_istio_cni_probe_snat().await {

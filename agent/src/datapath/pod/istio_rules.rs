@@ -28,7 +28,7 @@ use tracing::{debug, info, warn};
 
 use crate::datapath::kernel::netlink::Rtnl;
 pub use crate::datapath::kernel::nftables::NftObject;
-use crate::datapath::kernel::nftables::{Nft, NftChain, NftRule};
+use crate::datapath::kernel::nftables::{Nft, NftChain, NftRule, NftTable};
 
 /// The connmark and mask istio gives connections ztunnel made into the pod.
 const ISTIO_CONNMARK: u32 = 0x111;
@@ -264,25 +264,20 @@ pub fn stop_tracking_ahead_of_istio() -> io::Result<()> {
 }
 
 /// istio's nf_tables tables and chains in the calling thread's netns, as `nft family table
-/// [chain]`, and its probe ipsets, as `ipset name`: on the node, what istio-cni's agent left there (its probe SNAT); in a
-/// pod, its rules.
+/// [chain]`, and its probe ipsets, as `ipset name`: on the node, what istio-cni's agent left
+/// there (its probe SNAT); in a pod, its rules.
 pub fn netfilter_leftovers() -> io::Result<Vec<String>> {
     let mut nft = Nft::new()?;
     let tables = nft
         .tables()?
         .into_iter()
         .filter(|t| t.name.starts_with("istio-"));
-    let mut found: Vec<String> = tables
-        .map(|table| format!("nft {} {}", family_name(table.family), table.name))
-        .collect();
+    let mut found: Vec<String> = tables.map(|table| table_label(&table)).collect();
     let chains = nft.chains()?.into_iter();
     found.extend(
         chains
             .filter(|chain| chain.name.starts_with(ISTIO_CHAIN_PREFIX))
-            .map(|chain| {
-                let family = family_name(chain.family);
-                format!("nft {family} {} {}", chain.table, chain.name)
-            }),
+            .map(|chain| chain_label(&chain)),
     );
     for set in PROBE_IPSETS {
         if nft.ipset_exists(set)? {
@@ -299,15 +294,15 @@ pub fn netfilter_leftovers() -> io::Result<Vec<String>> {
 /// `inet istio-ambient-nat`, sets and all. It gives kubelet's TCP to ambient pods the probe
 /// source, which istio's in-pod rules let through to the app; weir's programs give the node's
 /// sockets that source themselves, so once no pod is left to istio's rules nothing needs it.
-/// Returns what was removed, as [`netfilter_leftovers`] names it. Rules iptables-legacy wrote are out
-/// of nf_tables' reach: an ipset such a rule uses stays, with a warning.
+/// Returns what was removed, as [`netfilter_leftovers`] names it. Rules iptables-legacy wrote
+/// are out of nf_tables' reach: an ipset such a rule uses stays, with a warning.
 pub fn remove_probe_snat() -> io::Result<Vec<String>> {
     let mut nft = Nft::new()?;
     let mut doomed = Vec::new();
     let mut removed = Vec::new();
     for table in nft.tables()? {
         if table.name == NFT_PROBE_TABLE && i32::from(table.family) == libc::NFPROTO_INET {
-            removed.push(format!("nft inet {}", table.name));
+            removed.push(table_label(&table));
             doomed.push(NftObject::Table {
                 family: table.family,
                 name: table.name,
@@ -322,38 +317,49 @@ pub fn remove_probe_snat() -> io::Result<Vec<String>> {
     if !snat_chains.is_empty() {
         // Read only here: a node's rules (kube-proxy's) can be many.
         let rules = nft.rules()?;
-        for chain in &snat_chains {
-            removed.push(format!(
-                "nft {} {} {}",
-                family_name(chain.family),
-                chain.table,
-                chain.name
-            ));
-        }
+        removed.extend(snat_chains.iter().map(|chain| chain_label(chain)));
         doomed.extend(chains_with_jumps_into_them(snat_chains, &rules));
     }
     nft.delete(&doomed)?;
     for set in PROBE_IPSETS {
-        // The kernel lets go of a deleted rule's sets after the transaction, from a work item.
-        let mut tries = IPSET_RELEASE_TRIES;
-        loop {
-            match nft.destroy_ipset(set) {
-                Ok(true) => removed.push(format!("ipset {set}")),
-                Ok(false) => {}
-                Err(error) if error.kind() == io::ErrorKind::ResourceBusy && tries > 1 => {
-                    tries -= 1;
-                    std::thread::sleep(IPSET_RELEASE_WAIT);
-                    continue;
-                }
-                Err(error) if error.kind() == io::ErrorKind::ResourceBusy => {
-                    warn!(%error, "istio-cni's probe ipset left on the node");
-                }
-                Err(error) => return Err(error),
+        match destroy_once_released(&mut nft, set) {
+            Ok(true) => removed.push(format!("ipset {set}")),
+            Ok(false) => {}
+            Err(error) if error.kind() == io::ErrorKind::ResourceBusy => {
+                warn!(%error, "istio-cni's probe ipset left on the node");
             }
-            break;
+            Err(error) => return Err(error),
         }
     }
     Ok(removed)
+}
+
+/// Destroys the ipset `set` (whether there was one), trying again while it is in use: the kernel
+/// lets go of a deleted rule's sets after the transaction, from a work item.
+fn destroy_once_released(nft: &mut Nft, set: &str) -> io::Result<bool> {
+    let mut tries = 1;
+    loop {
+        match nft.destroy_ipset(set) {
+            Err(error)
+                if error.kind() == io::ErrorKind::ResourceBusy && tries < IPSET_RELEASE_TRIES =>
+            {
+                tries += 1;
+                std::thread::sleep(IPSET_RELEASE_WAIT);
+            }
+            result => return result,
+        }
+    }
+}
+
+/// An nf_tables table as [`netfilter_leftovers`] names it: `nft <family> <table>`.
+fn table_label(table: &NftTable) -> String {
+    format!("nft {} {}", family_name(table.family), table.name)
+}
+
+/// An nf_tables chain as [`netfilter_leftovers`] names it: `nft <family> <table> <chain>`.
+fn chain_label(chain: &NftChain) -> String {
+    let family = family_name(chain.family);
+    format!("nft {family} {} {}", chain.table, chain.name)
 }
 
 fn family_name(family: u8) -> &'static str {

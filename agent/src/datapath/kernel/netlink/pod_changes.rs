@@ -166,7 +166,8 @@ impl Rtnl {
             let qdisc = |kind| Object::Qdisc(hook_qdisc(link.index, kind));
             let filter =
                 |direction, program| Object::Filter(tc_filter(link.index, direction, program));
-            match present.get(&link.index) {
+            let present = present.get(&link.index).copied();
+            match present {
                 None => tc.push((Op::Add, qdisc(HookQdisc::for_egress(translated)))),
                 Some(HookQdisc::Ingress) if translated => {
                     if self.has_foreign_ingress_filters(link.index)? {
@@ -190,7 +191,7 @@ impl Rtnl {
                     Op::Add,
                     filter(Direction::Egress, Some((pod.nat_out, pod.slot))),
                 ));
-            } else if present.get(&link.index).is_some_and(|q| q.has_egress()) {
+            } else if present.is_some_and(HookQdisc::has_egress) {
                 tc.push((Op::Delete, filter(Direction::Egress, None)));
             }
         }
@@ -216,16 +217,16 @@ impl Rtnl {
     ) -> io::Result<()> {
         let present = self.hook_qdiscs()?;
         let filters = interfaces.iter().flat_map(|link| {
-            let egress = present.get(&link.index).is_some_and(|q| q.has_egress());
-            [Direction::Ingress, Direction::Egress]
-                .into_iter()
-                .filter(move |direction| *direction == Direction::Ingress || egress)
-                .map(|direction| {
-                    (
-                        Op::Delete,
-                        Object::Filter(tc_filter(link.index, direction, None)),
-                    )
-                })
+            let directions: &[Direction] = match present.get(&link.index) {
+                Some(qdisc) if qdisc.has_egress() => &[Direction::Ingress, Direction::Egress],
+                _ => &[Direction::Ingress],
+            };
+            directions.iter().map(|&direction| {
+                (
+                    Op::Delete,
+                    Object::Filter(tc_filter(link.index, direction, None)),
+                )
+            })
         });
         let rules: Vec<(Op, Object)> = installed_reroutes(self)?
             .into_iter()
