@@ -528,60 +528,118 @@ fn marked_listener(port: u16) -> io::Result<Socket> {
     Ok(socket)
 }
 
+/// A pod's own processes that lack `CAP_NET_ADMIN` over its netns, as `ip netns exec <pod>
+/// <wrapper> ...` runs them: a container's root without the capability (the runtime's default
+/// set), `nobody`, and root of a user namespace of its own (which does not own the pod's netns).
+const UNPRIVILEGED: [(&str, &[&str]); 3] = [
+    (
+        "root without CAP_NET_ADMIN",
+        &[
+            "setpriv",
+            "--bounding-set=-net_admin",
+            "--inh-caps=-net_admin",
+        ],
+    ),
+    (
+        "nobody",
+        &[
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ],
+    ),
+    (
+        "root of its own user namespace",
+        &["unshare", "--user", "--map-root-user"],
+    ),
+];
+
+/// What the kernel says when it refuses an unprivileged process.
+const DENIED: [&str; 2] = ["Permission denied", "Operation not permitted"];
+
+/// An ambient pod and what the attacks on it are judged by: a client pod, both apps, the pod's
+/// ztunnel, the datapath that enrolled it.
+struct Enrolled {
+    client: Pod,
+    pod: Pod,
+    client_app: EchoServer,
+    app: EchoServer,
+    ztunnel: ZtunnelStandIn,
+    /// Last: the pods and servers go before their node.
+    _node: DatapathNode,
+}
+
+impl Enrolled {
+    fn new() -> Option<(Self, weir_agent::datapath::Datapath)> {
+        if !weir_tests::require_privileges() {
+            return None;
+        }
+        let fixture = DatapathNode::new().expect("the test's node");
+        let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
+        let (client_app, app) = (
+            EchoServer::app(&client).unwrap(),
+            EchoServer::app(&pod).unwrap(),
+        );
+        let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
+        let datapath = fixture.enrolled(&pod, PodOptions::default());
+        let enrolled = Self {
+            client,
+            pod,
+            client_app,
+            app,
+            ztunnel,
+            _node: fixture,
+        };
+        Some((enrolled, datapath))
+    }
+
+    /// A connection into the pod and one out of it, after `attacker`, both through ztunnel (the
+    /// stand-in saw each by its tuple).
+    fn assert_through_ztunnel(&self, attacker: &str) {
+        let (client, pod, ztunnel) = (&self.client, &self.pod, &self.ztunnel);
+        let line = format!("in after {attacker}");
+        let reply = client.run(|| tcp_request(pod.app_v4(), &line)).unwrap();
+        assert_eq!(reply.response, self.app.reply_to(&line));
+        let peer = canonical(reply.local);
+        ztunnel
+            .wait_for(|s| s.listener == INBOUND_PORT && s.peer == peer, WAIT)
+            .unwrap_or_else(|| panic!("after {attacker}, {peer} reached the app around ztunnel"));
+        let line = format!("out after {attacker}");
+        let reply = pod.run(|| tcp_request(client.app_v4(), &line)).unwrap();
+        assert_eq!(reply.response, self.client_app.reply_to(&line));
+        let local = canonical(reply.local);
+        ztunnel
+            .wait_for(|s| s.listener == OUTBOUND_PORT && s.peer == local, WAIT)
+            .unwrap_or_else(|| panic!("after {attacker}, {local} went out around ztunnel"));
+    }
+}
+
 /// An agent handing the node back to istio-cni leaves an ambient pod only once istio's in-pod
 /// rules redirect it, as istio-cni's agent writes them into the pod's netns. A pod's own process
-/// that writes the same rules first, to be left and then remove them, must fail at it: as a
-/// container's root without `CAP_NET_ADMIN` (the runtime's default set), as `nobody`, as root of
-/// a user namespace of its own (which does not own the pod's netns), or there with a network
-/// namespace of its own too, where its rules land (no error) but weir does not look. After each,
-/// the pod is still weir's and its traffic still goes through ztunnel both ways. The same rules
-/// written with `CAP_NET_ADMIN` in the pod's netns do hand it back: what a pod with that
-/// capability can do to istio's rules as well (docs/failure-modes.md).
+/// that writes the same rules first, to be left and then remove them, must fail at it: as each
+/// of [`UNPRIVILEGED`], or there with a network namespace of its own too, where its rules land
+/// (no error) but weir does not look. After each, the pod is still weir's and its traffic still
+/// goes through ztunnel both ways. The same rules written with `CAP_NET_ADMIN` in the pod's netns
+/// do hand it back: what a pod with that capability can do to istio's rules as well
+/// (docs/failure-modes.md).
 #[test]
 fn a_pods_own_process_cannot_get_it_handed_back_around_ztunnel() {
-    let fixture = privileged!(DatapathNode::new());
-    let (client, pod) = (fixture.pod("client"), fixture.pod("app"));
-    let (client_app, app) = (
-        EchoServer::app(&client).unwrap(),
-        EchoServer::app(&pod).unwrap(),
-    );
-    let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    let datapath = fixture.enrolled(&pod, PodOptions::default());
+    let Some((enrolled, datapath)) = Enrolled::new() else {
+        return;
+    };
+    let pod = &enrolled.pod;
     let hand_back = || datapath.hand_back(pod.uid()).wait().unwrap();
     assert!(!hand_back(), "handed back before istio's rules are there");
 
-    let denied = ["Permission denied", "Operation not permitted"];
-    for (attacker, wrapper, writes_them) in [
-        (
-            "root without CAP_NET_ADMIN",
-            &[
-                "setpriv",
-                "--bounding-set=-net_admin",
-                "--inh-caps=-net_admin",
-            ][..],
-            false,
-        ),
-        (
-            "nobody",
-            &[
-                "setpriv",
-                "--reuid=65534",
-                "--regid=65534",
-                "--clear-groups",
-            ],
-            false,
-        ),
-        (
-            "root of its own user namespace",
-            &["unshare", "--user", "--map-root-user"],
-            false,
-        ),
-        (
-            "root of its own user and network namespaces",
-            &["unshare", "--user", "--map-root-user", "--net"],
-            true,
-        ),
-    ] {
+    let own_netns: (&str, &[&str]) = (
+        "root of its own user and network namespaces",
+        &["unshare", "--user", "--map-root-user", "--net"],
+    );
+    let attackers = UNPRIVILEGED
+        .iter()
+        .map(|&(attacker, wrapper)| (attacker, wrapper, false));
+    for (attacker, wrapper, writes_them) in attackers.chain([(own_netns.0, own_netns.1, true)]) {
         let written = istio_iptables::restore_as(pod.netns(), wrapper);
         match &written {
             Ok(()) => assert!(writes_them, "{attacker} wrote istio's rules in the pod"),
@@ -589,33 +647,81 @@ fn a_pods_own_process_cannot_get_it_handed_back_around_ztunnel() {
                 let error = format!("{error:#}");
                 assert!(!writes_them, "{attacker}: {error}");
                 assert!(
-                    denied.iter().any(|d| error.contains(d)),
+                    DENIED.iter().any(|d| error.contains(d)),
                     "{attacker}: {error}"
                 );
             }
         }
         assert!(!hand_back(), "{attacker} got the pod handed back");
-
-        let line = format!("in after {attacker}");
-        let reply = client.run(|| tcp_request(pod.app_v4(), &line)).unwrap();
-        assert_eq!(reply.response, app.reply_to(&line));
-        let peer = canonical(reply.local);
-        ztunnel
-            .wait_for(|s| s.listener == INBOUND_PORT && s.peer == peer, WAIT)
-            .unwrap_or_else(|| panic!("after {attacker}, {peer} reached the app around ztunnel"));
-        let line = format!("out after {attacker}");
-        let reply = pod.run(|| tcp_request(client.app_v4(), &line)).unwrap();
-        assert_eq!(reply.response, client_app.reply_to(&line));
-        let local = canonical(reply.local);
-        ztunnel
-            .wait_for(|s| s.listener == OUTBOUND_PORT && s.peer == local, WAIT)
-            .unwrap_or_else(|| panic!("after {attacker}, {local} went out around ztunnel"));
+        enrolled.assert_through_ztunnel(attacker);
     }
 
     istio_iptables::restore_as(pod.netns(), &[]).unwrap();
     assert!(
         hand_back(),
         "istio's rules written with CAP_NET_ADMIN hand the pod back"
+    );
+    datapath.uninstall().wait().unwrap();
+}
+
+/// weir's tc program hangs on the `ingress` qdisc of the pod's interface. A pod's own process
+/// that takes it away (deletes the qdisc or weir's filter), swaps the qdisc for a clsact, or puts
+/// a filter of its own before weir's, must fail at each as each of [`UNPRIVILEGED`], and the
+/// pod's traffic still goes through ztunnel both ways. The same deletion with `CAP_NET_ADMIN`
+/// does take the capture away (the oracle sees the next connection reach the app around
+/// ztunnel): what a pod with that capability can do, documented in docs/failure-modes.md.
+#[test]
+fn a_pods_own_process_cannot_take_weirs_tc_hook_away() {
+    let Some((enrolled, datapath)) = Enrolled::new() else {
+        return;
+    };
+    let pod = &enrolled.pod;
+    let tc_in_pod = |wrapper: &[&str], args: &[&str]| {
+        let mut command = vec!["netns", "exec", pod.netns().name()];
+        command.extend_from_slice(wrapper);
+        command.push("tc");
+        command.extend_from_slice(args);
+        weir_tests::netns::ip_output(&command)
+    };
+    let qdisc = || tc_in_pod(&[], &["qdisc", "show", "dev", "eth0", "ingress"]).unwrap();
+    assert!(qdisc().starts_with("qdisc ingress ffff:"), "{}", qdisc());
+    let attacks: [&[&str]; 4] = [
+        &["qdisc", "del", "dev", "eth0", "ingress"],
+        &["qdisc", "replace", "dev", "eth0", "clsact"],
+        &[
+            "filter", "del", "dev", "eth0", "ingress", "pref", "1", "handle", "0x5745", "bpf",
+        ],
+        &[
+            "filter", "add", "dev", "eth0", "ingress", "pref", "1", "protocol", "all", "matchall",
+            "action", "ok",
+        ],
+    ];
+    for (attacker, wrapper) in UNPRIVILEGED {
+        for attack in attacks {
+            let done = tc_in_pod(wrapper, attack);
+            let error = format!(
+                "{:#}",
+                done.expect_err(&format!("{attacker}: tc {attack:?}"))
+            );
+            assert!(
+                DENIED.iter().any(|d| error.contains(d)),
+                "{attacker}: tc {attack:?}: {error}"
+            );
+        }
+        assert!(qdisc().starts_with("qdisc ingress ffff:"), "{}", qdisc());
+        enrolled.assert_through_ztunnel(attacker);
+    }
+
+    tc_in_pod(&[], attacks[0]).unwrap();
+    let reply = (enrolled.client)
+        .run(|| tcp_request(pod.app_v4(), "with CAP_NET_ADMIN"))
+        .unwrap();
+    let peer = canonical(reply.local);
+    assert!(
+        (enrolled.ztunnel)
+            .wait_for(|s| s.listener == INBOUND_PORT && s.peer == peer, WAIT)
+            .is_none(),
+        "the qdisc's deletion with CAP_NET_ADMIN left the pod captured"
     );
     datapath.uninstall().wait().unwrap();
 }
