@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod deny;
 mod ebpf;
 mod helm;
 mod image;
@@ -100,6 +101,9 @@ enum Command {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Check the dependencies' licenses, bans and sources against deny.toml (cargo-deny, built
+    /// on first use); `cargo xtask test` runs it too.
+    Deny,
     /// Remove leftovers of killed test runs: `weir-t-*` network namespaces and bpffs pins (needs root).
     Sweep,
 }
@@ -124,6 +128,7 @@ fn main() -> ExitCode {
         Command::Run { dir, args } => run::run(&dir, &args),
         Command::Image => image::run(),
         Command::Bench { quick, args } => bench::run(quick, &args),
+        Command::Deny => deny::check(),
         Command::Sweep => sweep::run(),
     };
     result.map_or_else(failure, |()| ExitCode::SUCCESS)

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use crate::system::{self, cargo};
 use crate::vm::{self, Kernel, Series, Vm};
-use crate::{bench, ebpf, helm, image, packages, step, sweep};
+use crate::{bench, deny, ebpf, helm, image, packages, step, sweep};
 
 /// The test targets that drive the kernel (program loading and attaching, packet paths, the
 /// kernel's answers to faults): what runs on the other kernels, each whole or only its tests
@@ -89,7 +89,7 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
 }
 
 /// The tests on this machine's kernel, the image's and the chart's among them, then the bench's
-/// quick configuration.
+/// quick configuration and the dependencies' policy.
 fn on_this_kernel(object: &Path, test_args: &[String]) -> Result<()> {
     // The image test runs the image as a node would.
     let agent = crate::target_dir()?.join("debug").join("weir-agent");
@@ -111,6 +111,9 @@ fn on_this_kernel(object: &Path, test_args: &[String]) -> Result<()> {
         step("running the bench's quick configuration (it runs; no figures)");
         bench::run_built(true, &[])
     });
+    // After the tests, while the other kernels' guests still run: cargo-deny's first build
+    // then costs CI no wall time.
+    let result = result.and_then(|()| deny::check());
     step("sweeping leftovers of this test run");
     let swept = sweep::run_privileged();
     result.and(swept)
