@@ -180,7 +180,8 @@ pub const REPLY_MARK_SYSCTLS: [&str; 3] = [
     "net/ipv6/fwmark_reflect",
 ];
 
-/// Pods whose sysctls are written through one procfs mount before a fresh one replaces it.
+/// Pods whose sysctls are written (set or reset) through one procfs mount before a fresh one
+/// replaces it.
 const PODS_PER_PROCFS: usize = 128;
 
 /// Writes [`REPLY_MARK_SYSCTLS`] in the calling thread's network namespace (`/proc/sys/net`
@@ -198,7 +199,9 @@ pub struct ReplyMarkSysctls {
     /// The root of the current mount; `None` where the mount API is refused (an older kernel, a
     /// seccomp profile): then `/proc/sys`, slower on a node with many pods.
     procfs: Option<OwnedFd>,
-    written: usize,
+    /// Namespaces written through any mount, by `set` and `reset` alike: a reset's walk leaves
+    /// the same dentries as a set's.
+    namespaces_written: usize,
     pods_per_procfs: usize,
 }
 
@@ -210,7 +213,7 @@ impl ReplyMarkSysctls {
     fn replacing_every(pods_per_procfs: usize) -> Self {
         Self {
             procfs: None,
-            written: 0,
+            namespaces_written: 0,
             pods_per_procfs,
         }
     }
@@ -218,18 +221,6 @@ impl ReplyMarkSysctls {
     /// Sets them in the calling thread's network namespace, a family's `fwmark_reflect` only
     /// where the pod has addresses of that family (ztunnel dials a pod at its IPs).
     pub fn set(&mut self, ipv4: bool, ipv6: bool) -> io::Result<()> {
-        if self.written.is_multiple_of(self.pods_per_procfs) {
-            self.procfs = match private_procfs() {
-                Ok(root) => Some(root),
-                Err(error) => {
-                    if self.written == 0 {
-                        tracing::warn!(%error, "no procfs mount of weir's own: sysctls through /proc/sys");
-                    }
-                    None
-                }
-            };
-        }
-        self.written += 1;
         let [accept, reflect_v4, reflect_v6] = REPLY_MARK_SYSCTLS;
         let wanted = [(accept, true), (reflect_v4, ipv4), (reflect_v6, ipv6)];
         self.write(
@@ -246,7 +237,23 @@ impl ReplyMarkSysctls {
         self.write(REPLY_MARK_SYSCTLS.into_iter(), b"0")
     }
 
-    fn write<'a>(&self, sysctls: impl Iterator<Item = &'a str>, value: &[u8]) -> io::Result<()> {
+    fn write<'a>(
+        &mut self,
+        sysctls: impl Iterator<Item = &'a str>,
+        value: &[u8],
+    ) -> io::Result<()> {
+        if self.namespaces_written.is_multiple_of(self.pods_per_procfs) {
+            self.procfs = match private_procfs() {
+                Ok(root) => Some(root),
+                Err(error) => {
+                    if self.namespaces_written == 0 {
+                        tracing::warn!(%error, "no procfs mount of weir's own: sysctls through /proc/sys");
+                    }
+                    None
+                }
+            };
+        }
+        self.namespaces_written += 1;
         for sysctl in sysctls {
             match self.write_one(sysctl, value) {
                 // A kernel without IPv6 has no IPv6 replies to mark.
@@ -439,24 +446,59 @@ mod tests {
     }
 
     #[test]
-    fn reply_mark_sysctls_are_per_namespace_through_procfs_mounts_nobody_sees() {
+    fn reply_mark_sysctls_per_namespace_through_unseen_procfs_mounts_renewed_as_pods_go() {
         let Some(namespaces) = privileged(|| [(); 5].map(|_| scratch_netns())) else {
             return;
         };
         let mounts = || std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         let (home, mounts_before) = (reply_mark_sysctls(), mounts());
+        let mount_id = |sysctls: &ReplyMarkSysctls| {
+            let root = sysctls
+                .procfs
+                .as_ref()
+                .expect("written through weir's own mount");
+            let flags = rustix::fs::AtFlags::EMPTY_PATH;
+            rustix::fs::statx(root, "", flags, rustix::fs::StatxFlags::MNT_ID)
+                .unwrap()
+                .stx_mnt_id
+        };
         // A fresh mount every other pod: both the first mount and its replacements write.
         let mut sysctls = ReplyMarkSysctls::replacing_every(2);
         let (enrolled, untouched) = namespaces.split_at(4);
+        let mut set_through = Vec::new();
         for (n, netns) in enrolled.iter().enumerate() {
             let _guard = enter(netns.as_fd()).unwrap();
             let ipv6 = n % 2 == 0;
             sysctls.set(true, ipv6).unwrap();
             let ipv6 = if ipv6 { "1" } else { "0" };
             assert_eq!(reply_mark_sysctls(), ["1", "1", ipv6], "pod {n}");
-            assert!(sysctls.procfs.is_some(), "written through weir's own mount");
+            set_through.push(mount_id(&sysctls));
             assert_eq!(mounts(), mounts_before, "a mount attached nowhere");
         }
+        assert_eq!(set_through[0], set_through[1]);
+        assert_ne!(
+            set_through[1], set_through[2],
+            "a fresh mount after two pods"
+        );
+        // Unenrollment walks the same names: its pods count toward a mount's replacement, or
+        // one mount would collect every unenrolled pod's dentries.
+        let mut reset_through = Vec::new();
+        for (n, netns) in enrolled.iter().enumerate() {
+            let _guard = enter(netns.as_fd()).unwrap();
+            sysctls.reset().unwrap();
+            assert_eq!(reply_mark_sysctls(), ["0", "0", "0"], "pod {n}");
+            reset_through.push(mount_id(&sysctls));
+        }
+        // Mount IDs are reused once free; a mount still lives while its replacement is made.
+        assert_ne!(
+            set_through[3], reset_through[0],
+            "a fresh mount after two pods"
+        );
+        assert_eq!(reset_through[0], reset_through[1]);
+        assert_ne!(
+            reset_through[1], reset_through[2],
+            "a fresh mount after two pods"
+        );
         assert_eq!(
             reply_mark_sysctls(),
             home,
