@@ -204,7 +204,10 @@ fn bulk_download(
 
 /// What weir's root-cgroup programs cost everyone else: connection and UDP send rates of a pod
 /// that is not enrolled and of a host process, with the programs loaded against none,
-/// alternating (the datapath is started and uninstalled for each loaded turn).
+/// alternating (the datapath is started and uninstalled for each loaded turn). A third turn
+/// attaches the same programs to an empty cgroup, where they never run for the measured
+/// processes: what remains is the kernel's own cost of a hook being attached anywhere (for an
+/// unconnected UDP send, `udp_sendmsg` locks the socket once any sendmsg program is attached).
 fn cost_to_others(
     node: &TestNode,
     plain: &Pod,
@@ -212,7 +215,6 @@ fn cost_to_others(
     udp: SocketAddr,
     plan: &Plan,
 ) -> Result<Table> {
-    let config = node.datapath_config();
     let measure = || -> Result<[f64; 4]> {
         let pod_tcp = plain.run(|| load::connections(app, plan.concurrency, plan.turn))?;
         let pod_udp = plain.run(|| load::datagrams(udp, plan.turn))?;
@@ -220,18 +222,29 @@ fn cost_to_others(
         let host_udp = node.run(|| load::datagrams(udp, plan.turn))?;
         Ok([pod_tcp.rate, pod_udp.rate, host_tcp.rate, host_udp.rate])
     };
-    let rounds = alternating_rounds(2, plan.rounds, |loaded| {
-        if loaded == 1 {
-            return measure();
+    let empty_cgroup = EmptyCgroup::new()?;
+    let rounds = alternating_rounds(3, plan.rounds, |variant| {
+        let mut config = node.datapath_config();
+        match variant {
+            0 => {}
+            1 => return measure(),
+            _ => config.cgroup = Some(empty_cgroup.0.clone()),
         }
-        let datapath = Datapath::start(config.clone())?;
+        let datapath = Datapath::start(config)?;
         let rates = measure();
         datapath.uninstall().wait()?;
         rates
     })?;
     let mut table = Table::new(
         "Cost to pods and host processes weir does not enroll",
-        &["", "programs loaded", "no programs", "loaded/none (rounds)"],
+        &[
+            "",
+            "programs loaded",
+            "loaded at an empty cgroup",
+            "no programs",
+            "loaded/none (rounds)",
+            "at an empty cgroup/none (rounds)",
+        ],
     );
     let names = [
         "pod: connections/s",
@@ -241,26 +254,56 @@ fn cost_to_others(
     ];
     let mut json_rows = Vec::new();
     for (i, name) in names.iter().enumerate() {
-        let loaded: Vec<f64> = rounds.iter().map(|r| r[0][i]).collect();
-        let none: Vec<f64> = rounds.iter().map(|r| r[1][i]).collect();
-        let ratios: Vec<f64> = rounds.iter().map(|r| r[0][i] / r[1][i]).collect();
+        let rates = |variant: usize| -> Vec<f64> { rounds.iter().map(|r| r[variant][i]).collect() };
+        let (loaded, none, elsewhere) = (rates(0), rates(1), rates(2));
+        let over_none = |rates: &[f64]| -> Vec<f64> {
+            rates
+                .iter()
+                .zip(&none)
+                .map(|(rate, none)| rate / none)
+                .collect()
+        };
         table.row(&[
             (*name).into(),
             format!("{:.0}", report::median(&loaded)),
+            format!("{:.0}", report::median(&elsewhere)),
             format!("{:.0}", report::median(&none)),
-            ratio(&ratios),
+            ratio(&over_none(&loaded)),
+            ratio(&over_none(&elsewhere)),
         ]);
         json_rows.push(json!({
             "what": name,
             "loaded": report::median(&loaded),
+            "loaded_at_empty_cgroup": report::median(&elsewhere),
             "none": report::median(&none),
-            "loaded_over_none": report::median(&ratios),
+            "loaded_over_none": report::median(&over_none(&loaded)),
+            "loaded_at_empty_cgroup_over_none": report::median(&over_none(&elsewhere)),
         }));
     }
     table.note(format!(
-        "{} rounds; connections at concurrency {} to a pod, unconnected `sendto` from one socket.",
+        "{} rounds; connections at concurrency {} to a pod, unconnected `sendto` from one socket. \
+         At an empty cgroup, weir's programs never run for the measured processes: the kernel's \
+         own cost of a hook attached anywhere on the node.",
         plan.rounds, plan.concurrency
     ));
     table.json = json!({ "rows": json_rows });
     Ok(table)
+}
+
+/// A cgroup v2 with no process in it, removed on drop.
+struct EmptyCgroup(std::path::PathBuf);
+
+impl EmptyCgroup {
+    fn new() -> Result<Self> {
+        let path =
+            weir_agent::datapath::cgroup2_root()?.join(weir_tests::ids::unique_name("cgroup"));
+        std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(Self(path))
+    }
+}
+
+impl Drop for EmptyCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
 }
