@@ -10,6 +10,7 @@ use prometheus_client::registry::Registry;
 use serde_json::json;
 use weir_agent::datapath::Datapath;
 use weir_agent::workload::PodOptions;
+use weir_tests::cgroup::TestCgroup;
 use weir_tests::{Pod, TestNode};
 
 use crate::enrollment::{enrollment, enrollment_steps, handoff_round_trips};
@@ -222,13 +223,13 @@ fn cost_to_others(
         let host_udp = node.run(|| load::datagrams(udp, plan.turn))?;
         Ok([pod_tcp.rate, pod_udp.rate, host_tcp.rate, host_udp.rate])
     };
-    let empty_cgroup = EmptyCgroup::new()?;
+    let empty_cgroup = TestCgroup::new()?;
     let rounds = alternating_rounds(3, plan.rounds, |variant| {
         let mut config = node.datapath_config();
         match variant {
             0 => {}
             1 => return measure(),
-            _ => config.cgroup = Some(empty_cgroup.0.clone()),
+            _ => config.cgroup = Some(empty_cgroup.dir.clone()),
         }
         let datapath = Datapath::start(config)?;
         let rates = measure();
@@ -288,22 +289,4 @@ fn cost_to_others(
     ));
     table.json = json!({ "rows": json_rows });
     Ok(table)
-}
-
-/// A cgroup v2 with no process in it, removed on drop.
-struct EmptyCgroup(std::path::PathBuf);
-
-impl EmptyCgroup {
-    fn new() -> Result<Self> {
-        let path =
-            weir_agent::datapath::cgroup2_root()?.join(weir_tests::ids::unique_name("cgroup"));
-        std::fs::create_dir(&path).with_context(|| format!("creating {}", path.display()))?;
-        Ok(Self(path))
-    }
-}
-
-impl Drop for EmptyCgroup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
-    }
 }
