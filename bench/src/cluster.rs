@@ -168,7 +168,11 @@ fn requests(
         let name = format!("enrolled-{index}");
         while redirection(api, &name).as_deref() != Some("enabled") {
             if Instant::now() > deadline {
-                bail!("{name} was not reported enabled within {ENROLL_TIMEOUT:?}");
+                bail!(
+                    "{name} was not reported enabled within {ENROLL_TIMEOUT:?} (its {}: {:?})",
+                    REDIRECTION_ANNOTATION,
+                    redirection(api, &name)
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }

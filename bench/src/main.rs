@@ -151,24 +151,32 @@ fn main() -> Result<()> {
     raise_open_files_limit()?;
     let plan = Plan::new(&args);
     let mut report = Report::new(args.quick);
+    let measured = measure(&args, &plan, &mut report);
+    if let Err(error) = &measured {
+        report.stopped(error);
+    }
+    report.finish();
+    report.write(&args.out)?;
+    println!("\n{}", report.markdown());
+    println!("written to {}", args.out.display());
+    measured
+}
+
+/// Runs the sections `args` names, each adding its tables to `report`.
+fn measure(args: &Args, plan: &Plan, report: &mut Report) -> Result<()> {
     if matches!(args.sections, Sections::All | Sections::InProcess) {
-        in_process::measure(&plan, &mut report)?;
+        in_process::measure(plan, report)?;
     }
     if matches!(
         args.sections,
         Sections::All | Sections::Agent | Sections::PodStart
     ) {
-        node_scale::measure(&plan, args.sections, &mut report)?;
+        node_scale::measure(plan, args.sections, report)?;
     }
     if matches!(args.sections, Sections::All | Sections::Cluster) {
         println!("the agent following a cluster: memory, API requests...");
-        cluster::measure(&plan, &mut report)?;
+        cluster::measure(plan, report)?;
     }
-
-    report.finish();
-    report.write(&args.out)?;
-    println!("\n{}", report.markdown());
-    println!("written to {}", args.out.display());
     Ok(())
 }
 

@@ -183,6 +183,8 @@ pub struct Report {
     machine_at_end: Value,
     tables: Vec<Table>,
     curve: Vec<ScalePoint>,
+    /// Why the run ended before its last section, when it did.
+    stopped: Option<String>,
 }
 
 impl Report {
@@ -193,6 +195,7 @@ impl Report {
             machine_at_end: Value::Null,
             tables: Vec::new(),
             curve: Vec::new(),
+            stopped: None,
         }
     }
 
@@ -206,6 +209,11 @@ impl Report {
 
     pub fn finish(&mut self) {
         self.machine_at_end = machine();
+    }
+
+    /// Records that the run stopped with `error`: what was measured before it is still written.
+    pub fn stopped(&mut self, error: &anyhow::Error) {
+        self.stopped = Some(format!("{error:#}"));
     }
 
     pub fn markdown(&self) -> String {
@@ -222,6 +230,11 @@ impl Report {
                 ""
             },
         );
+        if let Some(error) = &self.stopped {
+            out += &format!(
+                "**The run stopped before its end**: {error}. The sections before it follow.\n\n"
+            );
+        }
         for table in &self.tables {
             out += &table.markdown();
             out += "\n";
@@ -234,6 +247,7 @@ impl Report {
             "quick": self.quick,
             "machine": self.machine_at_start,
             "loadavg_at_end": self.machine_at_end["loadavg"],
+            "stopped": self.stopped,
             "sections": self.tables.iter().map(|t| json!({"title": t.title, "figures": t.json})).collect::<Vec<_>>(),
         })
     }
