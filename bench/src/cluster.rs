@@ -156,11 +156,11 @@ fn requests(
             uid: object.metadata.uid.clone(),
             ..PodSpec::new(&name)
         })?;
-        // Kubelet reports the pod running once its sandbox is up.
+        // Kubelet reports the pod running once its sandbox is up, through the status
+        // subresource: the agent's annotation, written meanwhile, stays.
         let ip = pod.ipv4().to_string();
-        let mut running: PodObject = api.get(MESH, &name).context("the pod object")?;
-        running.status = pod_object(MESH, &name, Some(&ip), Objects::Minimal).status;
-        api.update(&running);
+        let running = pod_object(MESH, &name, Some(&ip), Objects::Minimal).status;
+        api.patch_status::<PodObject>(MESH, &name, &running);
         pods.push(pod);
     }
     let deadline = Instant::now() + ENROLL_TIMEOUT;

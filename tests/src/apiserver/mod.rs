@@ -221,6 +221,25 @@ impl ApiServer {
         from_json(updated.unwrap_or_else(|e| panic!("updating a {}: {e}", K::KIND)))
     }
 
+    /// Writes an object's status as kubelet does, through the status subresource (a merge
+    /// patch): what others changed in the object since the caller read it stays. Panics if it
+    /// does not exist.
+    pub fn patch_status<K>(&self, namespace: &str, name: &str, status: &impl Serialize) -> K
+    where
+        K: k8s_openapi::Resource + DeserializeOwned,
+    {
+        let patch = serde_json::json!({ "status": to_json(status) });
+        let patched = self.store.lock().patch(
+            resource_of::<K>(),
+            namespace,
+            name,
+            true,
+            store::PatchType::Merge,
+            &patch,
+        );
+        from_json(patched.unwrap_or_else(|e| panic!("patching a {}'s status: {e}", K::KIND)))
+    }
+
     pub fn get<K>(&self, namespace: &str, name: &str) -> Option<K>
     where
         K: k8s_openapi::Resource + DeserializeOwned,
