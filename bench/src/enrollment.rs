@@ -36,7 +36,9 @@ pub fn enrollment(
                 0 => timed(|| {
                     runtime.block_on(datapath.enroll(weir_pod.workload(PodOptions::default())))
                 })?,
-                1 => timed(|| istio_iptables::apply(iptables_pod.netns()))?,
+                1 => timed(|| {
+                    istio_iptables::apply(iptables_pod.netns(), istio_iptables::Backend::Nft)
+                })?,
                 _ => timed(|| kernel_floor.enroll(floor_pod))?,
             };
         }

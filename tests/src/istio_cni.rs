@@ -46,7 +46,7 @@ use weir_agent::zds::proto::{
 };
 use weir_agent::zds::{recv_datagram, send_datagram};
 
-use crate::istio_iptables;
+use crate::istio_iptables::{self, Backend};
 use crate::netns::NetNs;
 use crate::zds_client::NetnsId;
 use crate::Pod;
@@ -76,6 +76,7 @@ pub enum IstioCniError {
 /// istio-cni's node agent on the node: its ZDS server and the pods it enrolled. Stopped on drop.
 pub struct IstioCniAgent {
     path: PathBuf,
+    backend: Backend,
     shared: Arc<Shared>,
     acceptor: Option<JoinHandle<()>>,
 }
@@ -105,8 +106,9 @@ struct Connection {
 }
 
 impl IstioCniAgent {
-    /// Listens for ztunnel on `socket_path` (its directory created, a file there removed).
-    pub fn start(socket_path: impl AsRef<Path>) -> io::Result<Self> {
+    /// Listens for ztunnel on `socket_path` (its directory created, a file there removed);
+    /// writes pods' rules with `backend`.
+    pub fn start(socket_path: impl AsRef<Path>, backend: Backend) -> io::Result<Self> {
         let path = socket_path.as_ref().to_owned();
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)?;
@@ -127,6 +129,7 @@ impl IstioCniAgent {
         })?;
         Ok(Self {
             path,
+            backend,
             shared,
             acceptor: Some(acceptor),
         })
@@ -164,7 +167,7 @@ impl IstioCniAgent {
         // its jumps and policy routes a second time.
         let has_rules = previous.is_some_and(|p| p.netns_id.is_some() && p.netns_id == netns_id);
         if !has_rules {
-            if let Err(error) = istio_iptables::apply(netns) {
+            if let Err(error) = istio_iptables::apply(netns, self.backend) {
                 self.shared.pods().remove(uid);
                 return Err(IstioCniError::Rules(error));
             }

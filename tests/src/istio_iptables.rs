@@ -31,11 +31,19 @@ use crate::Pod;
 pub const CONNMARK: u32 = 0x111;
 pub const ROUTE_TABLE: u32 = 100;
 
+/// The iptables istio-cni's agent writes its rules with: the node's, which is nf_tables on most
+/// nodes (`iptables-nft`, this machine's `iptables`), or legacy on older ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Nft,
+    Legacy,
+}
+
 /// Installs the rules and routes in the pod's namespace `pod`, as istio's `AddInpodMarkIPRule` and
 /// `AddLoopbackRoutes` do after its iptables rules.
-pub fn apply(pod: &NetNs) -> Result<()> {
+pub fn apply(pod: &NetNs, backend: Backend) -> Result<()> {
     for family in [Family::V4, Family::V6] {
-        restore(pod, &[], family, &rules(family))?;
+        restore(pod, &[], family, backend, &rules(family))?;
         let (table, mark, mask) = (ROUTE_TABLE.to_string(), CONNMARK, ZTUNNEL_MARK_MASK);
         let fwmark = format!("{mark:#x}/{mask:#x}");
         let any = family.any();
@@ -83,7 +91,7 @@ pub fn apply(pod: &NetNs) -> Result<()> {
 /// `unshare` that runs the rest with other credentials or in namespaces of its own).
 pub fn restore_as(pod: &NetNs, wrapper: &[&str]) -> Result<()> {
     for family in [Family::V4, Family::V6] {
-        restore(pod, wrapper, family, &rules(family))?;
+        restore(pod, wrapper, family, Backend::Nft, &rules(family))?;
     }
     Ok(())
 }
@@ -93,13 +101,13 @@ pub fn restore_as(pod: &NetNs, wrapper: &[&str]) -> Result<()> {
 /// capture) in the pod's namespace `pod`. IPv4 only: istio adds the IPv6 rules only when the
 /// pod's first address is IPv6.
 pub fn apply_sidecar(pod: &NetNs) -> Result<()> {
-    restore(pod, &[], Family::V4, &sidecar_rules())
+    restore(pod, &[], Family::V4, Backend::Nft, &sidecar_rules())
 }
 
 /// istio-cni's probe SNAT as its agent writes it on the node when it starts, with iptables
 /// (istio's `hostprobe_ipv6.golden`), and the ipsets of ambient pod addresses it keeps, holding
 /// `pods`: in `node`'s netns.
-pub fn apply_host_probe_snat(node: &NetNs, pods: &[&Pod]) -> Result<()> {
+pub fn apply_host_probe_snat(node: &NetNs, pods: &[&Pod], backend: Backend) -> Result<()> {
     for family in [Family::V4, Family::V6] {
         let (set, ipset_family) = match family {
             Family::V4 => ("istio-inpod-probes-v4", "inet"),
@@ -123,7 +131,7 @@ pub fn apply_host_probe_snat(node: &NetNs, pods: &[&Pod]) -> Result<()> {
              --socket-exists -p tcp -m set --match-set {set} dst -j SNAT --to-source {}\nCOMMIT\n",
             family.probe_source()
         );
-        restore(node, &[], family, &rules)?;
+        restore(node, &[], family, backend, &rules)?;
     }
     Ok(())
 }
@@ -142,10 +150,12 @@ impl Family {
         }
     }
 
-    fn restore_command(self) -> &'static str {
-        match self {
-            Family::V4 => "iptables-restore",
-            Family::V6 => "ip6tables-restore",
+    fn restore_command(self, backend: Backend) -> &'static str {
+        match (self, backend) {
+            (Family::V4, Backend::Nft) => "iptables-restore",
+            (Family::V6, Backend::Nft) => "ip6tables-restore",
+            (Family::V4, Backend::Legacy) => "iptables-legacy-restore",
+            (Family::V6, Backend::Legacy) => "ip6tables-legacy-restore",
         }
     }
 
@@ -245,8 +255,14 @@ COMMIT
 }
 
 /// Feeds `rules` to the family's `iptables-restore --noflush` inside the pod, as istio does.
-fn restore(pod: &NetNs, wrapper: &[&str], family: Family, rules: &str) -> Result<()> {
-    let command = family.restore_command();
+fn restore(
+    pod: &NetNs,
+    wrapper: &[&str],
+    family: Family,
+    backend: Backend,
+    rules: &str,
+) -> Result<()> {
+    let command = family.restore_command(backend);
     let mut child = Command::new("ip")
         .args(["netns", "exec", pod.name()])
         .args(wrapper)

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use weir_agent::zds::ZdsError;
 use weir_common::{DNS_PROXY_PORT, HBONE_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use weir_tests::istio_cni::{self, IstioCniAgent};
+use weir_tests::istio_iptables::Backend;
 use weir_tests::privileged;
 use weir_tests::traffic::{read_line, write_line};
 use weir_tests::zds_server::ZdsServer;
@@ -276,7 +277,7 @@ fn standin_relays_outbound_to_the_original_destination() {
     let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&client).unwrap();
-    istio_iptables::apply(client.netns()).unwrap();
+    istio_iptables::apply(client.netns(), Backend::Nft).unwrap();
     for (client_ip, server_ip) in address_pairs(&client, &server) {
         let echo =
             EchoServer::start(server.netns(), "server", (server_ip, APP_PORT).into()).unwrap();
@@ -296,7 +297,7 @@ fn standin_inbound_keeps_the_client_address() {
     let fixture = privileged!(DatapathNode::new());
     let (client, server) = (fixture.pod("client"), fixture.pod("server"));
     let ztunnel = ZtunnelStandIn::start(&server).unwrap();
-    istio_iptables::apply(server.netns()).unwrap();
+    istio_iptables::apply(server.netns(), Backend::Nft).unwrap();
     for (client_ip, server_ip) in address_pairs(&client, &server) {
         let echo = EchoServer::start(server.netns(), "app", (server_ip, APP_PORT).into()).unwrap();
         let reply = client.run(|| tcp_request(echo.addr(), "in")).unwrap();
@@ -314,7 +315,7 @@ fn standin_dns_proxy_takes_redirected_queries() {
     let fixture = privileged!(DatapathNode::new());
     let pod = fixture.pod("a");
     let ztunnel = ZtunnelStandIn::start(&pod).unwrap();
-    istio_iptables::apply(pod.netns()).unwrap();
+    istio_iptables::apply(pod.netns(), Backend::Nft).unwrap();
     for dns in CLUSTER_DNS {
         let localhost = if dns.is_ipv4() {
             IpAddr::from(Ipv4Addr::LOCALHOST)
@@ -374,7 +375,7 @@ fn ztunnel_keeps_its_proxies_when_weir_takes_over_from_istio_cni() {
     );
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("ztunnel").join("ztunnel.sock");
-    let istio_cni = IstioCniAgent::start(&socket).unwrap();
+    let istio_cni = IstioCniAgent::start(&socket, Backend::Nft).unwrap();
     let ztunnel = ZdsZtunnel::follow(&socket).unwrap();
     assert!(
         ztunnel.wait_for_snapshot(ZDS_WAIT),

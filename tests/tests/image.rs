@@ -629,11 +629,9 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
                 .flatten()
                 .find(|volume| volume.name == mount.name)
                 .unwrap_or_else(|| panic!("no volume {}", mount.name));
-            let host = &volume
-                .host_path
-                .as_ref()
-                .unwrap_or_else(|| panic!("volume {} is not a host path", volume.name))
-                .path;
+            let host_path = (volume.host_path.as_ref())
+                .unwrap_or_else(|| panic!("volume {} is not a host path", volume.name));
+            let host = &host_path.path;
             let (source, target) = if MACHINE_PATHS.contains(&host.as_str()) {
                 (PathBuf::from(host), PathBuf::from(&mount.mount_path))
             } else {
@@ -644,7 +642,15 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
                     host
                 );
                 let on_node = node.host_path(host);
-                std::fs::create_dir_all(&on_node)?;
+                if host_path.type_.as_deref() == Some("FileOrCreate") {
+                    std::fs::create_dir_all(on_node.parent().expect("an absolute path"))?;
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(&on_node)?;
+                } else {
+                    std::fs::create_dir_all(&on_node)?;
+                }
                 (on_node.clone(), on_node)
             };
             let propagation = match mount.mount_propagation.as_deref() {

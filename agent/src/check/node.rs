@@ -35,7 +35,8 @@ pub(super) fn findings(config: &CheckConfig) -> Vec<Finding> {
 }
 
 /// What istio-cni's node agent leaves on a node weir took over: its plugin in a CNI config, its
-/// plugin's kubeconfig, its probe SNAT in the node's netns (nf_tables chains or table, ipsets).
+/// plugin's kubeconfig, its probe SNAT in the node's netns (nf_tables or legacy chains, its
+/// nftables table, ipsets).
 /// Harmless to weir, which starts anyway, and removes the probe SNAT itself once the node is its
 /// own; the operator removes the rest once istio-cni's agent is gone.
 fn istio_cni_leftovers(net_dir: &Path) -> Finding {
@@ -50,7 +51,9 @@ fn istio_cni_leftovers(net_dir: &Path) -> Finding {
     }
     match istio_rules::netfilter_leftovers() {
         Ok(objects) => found.extend(objects),
-        Err(error) => found.push(format!("(the node's nf_tables cannot be read: {error})")),
+        Err(error) => found.push(format!(
+            "(the node's netfilter rules cannot be read: {error})"
+        )),
     }
     if found.is_empty() {
         return Finding::met(requirement, "none");
@@ -61,9 +64,7 @@ fn istio_cni_leftovers(net_dir: &Path) -> Finding {
         "once istio-cni's node agent is off this node (docs/install.md, Taking over from \
          istio-cni), delete its plugin's entry and kubeconfig file; weir's agent removes the \
          probe SNAT chains, table and ipsets itself once ztunnel is connected to it and every \
-         ambient pod is its own (not with --hand-back-to-istio-cni); rules iptables-legacy \
-         wrote stay (`iptables-legacy -t nat -D POSTROUTING -j ISTIO_POSTRT; iptables-legacy \
-         -t nat -F ISTIO_POSTRT; iptables-legacy -t nat -X ISTIO_POSTRT`)",
+         ambient pod is its own (not with --hand-back-to-istio-cni)",
     )
 }
 

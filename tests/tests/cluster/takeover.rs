@@ -17,13 +17,20 @@ fn a_node_istio_cni_ran_is_taken_over_without_a_window() {
 }
 
 /// The same, with weir's agent restarted while the pods wait for ztunnel (killed midway): the
-/// new agent names them in its snapshots again, from the cluster's word alone.
+/// new agent names them in its snapshots again, from the cluster's word alone. istio-cni's agent
+/// wrote its rules here with iptables-legacy, as on a node whose iptables is legacy: they leave
+/// the pod and the node the same.
 #[test]
 fn a_takeover_from_istio_cni_survives_a_restart_midway() {
     take_over_from_istio_cni(true);
 }
 
 fn take_over_from_istio_cni(restart_midway: bool) {
+    use weir_tests::istio_iptables::Backend;
+    let backend = match restart_midway {
+        true => Backend::Legacy,
+        false => Backend::Nft,
+    };
     use weir_agent::datapath::{
         istio_rules::{self, IstioRules},
         netlink::Rtnl,
@@ -52,7 +59,7 @@ fn take_over_from_istio_cni(restart_midway: bool) {
         .get_or_insert_default()
         .insert(REDIRECTION_ANNOTATION.into(), "enabled".into());
     cluster.api.update(&object);
-    let istio = IstioCniAgent::start(&config.zds_socket).unwrap();
+    let istio = IstioCniAgent::start(&config.zds_socket, backend).unwrap();
     let ztunnel = ZdsZtunnel::follow(&config.zds_socket).unwrap();
     istio.enroll(&app).unwrap();
     let proxy = ztunnel
@@ -70,7 +77,7 @@ fn take_over_from_istio_cni(restart_midway: bool) {
         .wait_for_pod(&gone_uid, WAIT)
         .expect("ztunnel runs its proxy");
     let node = cluster.chain.test_node().netns();
-    weir_tests::istio_iptables::apply_host_probe_snat(node, &[&app, &gone]).unwrap();
+    weir_tests::istio_iptables::apply_host_probe_snat(node, &[&app, &gone], backend).unwrap();
     let conflist = cluster.chain.files.net_dir().join("10-weir-test.conflist");
     let mut chain: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
     chain["plugins"]
@@ -250,7 +257,8 @@ fn a_node_is_handed_back_to_istio_cni_without_a_window() {
         .unwrap()
         .push(istio_cni::plugin_entry());
     std::fs::write(&conflist, serde_json::to_vec_pretty(&chain).unwrap()).unwrap();
-    let istio = IstioCniAgent::start(&config.zds_socket).unwrap();
+    let istio =
+        IstioCniAgent::start(&config.zds_socket, weir_tests::istio_iptables::Backend::Nft).unwrap();
     match istio.enroll(&app) {
         Ok(()) | Err(istio_cni::IstioCniError::NotConnected) => {}
         Err(error) => panic!("istio-cni's agent enrolls the pod: {error}"),

@@ -351,7 +351,7 @@ fn a_pod_istio_cni_redirected_moves_to_weir_in_place() {
     let app_echo = EchoServer::start_lasting(app.netns(), "app", any).unwrap();
     let server_echo = EchoServer::start_lasting(server.netns(), "server", any).unwrap();
     let ztunnel = ZtunnelStandIn::start(&app).unwrap();
-    istio_iptables::apply(app.netns()).unwrap();
+    istio_iptables::apply(app.netns(), istio_iptables::Backend::Nft).unwrap();
 
     // Held across the move: the app's connection out, and one into the app.
     let held_out = app.run(|| TcpStream::connect(server.app_v4())).unwrap();
@@ -395,7 +395,7 @@ fn a_pod_istio_cni_redirected_moves_to_weir_in_place() {
         .unwrap();
     assert!(!left.redirects(), "istio's redirection is gone: {left:?}");
     assert!(
-        !left.return_path.is_empty() && left.return_rules == 2,
+        left.has_return_path() && left.return_rules == 2,
         "its return path stays for the connection ztunnel made under it: {left:?}"
     );
     exchange(&held_out, &server_echo, "out after");

@@ -11,6 +11,7 @@
 //! - `netns.rs`: entering a network namespace, and what weir reads and sets in one.
 //! - `netlink/`: the rtnetlink client.
 //! - `nftables.rs`: the nf_tables and ipset client (another agent's netfilter objects).
+//! - `xtables.rs`: the legacy iptables tables (another agent's rules iptables-legacy wrote).
 pub(in crate::datapath) mod bpf_sys;
 pub(in crate::datapath) mod handoff;
 pub(crate) mod mounts;
@@ -19,4 +20,5 @@ pub mod netns;
 pub(in crate::datapath) mod nftables;
 pub(in crate::datapath) mod programs;
 pub(crate) mod support;
+pub(in crate::datapath) mod xtables;
 pub(in crate::datapath) mod ztunnels;

@@ -15,9 +15,9 @@
 //! app's replies to such a connection would leave the pod instead of reaching ztunnel. weir's own
 //! return path (its mark and the same table 100) serves every connection made after.
 //!
-//! Rules written by iptables-legacy are not nf_tables objects; they are found (the netns's
-//! legacy tables) and reported, not removed: weir's programs redirect the pod the same with them
-//! in place.
+//! istio-cni's agent writes with iptables-legacy where the node's iptables is legacy: the same
+//! `ISTIO_*` chains in the legacy tables, removed the same way a table at a time
+//! ([`xtables`]'s replacement, which is how iptables-legacy itself deletes a chain).
 //!
 //! Everything here works in the calling thread's network namespace.
 
@@ -29,6 +29,7 @@ use tracing::{debug, info, warn};
 use crate::datapath::kernel::netlink::Rtnl;
 pub use crate::datapath::kernel::nftables::NftObject;
 use crate::datapath::kernel::nftables::{Nft, NftChain, NftRule, NftTable};
+use crate::datapath::kernel::xtables::{self, Family};
 
 /// The connmark and mask istio gives connections ztunnel made into the pod.
 const ISTIO_CONNMARK: u32 = 0x111;
@@ -58,15 +59,76 @@ pub struct IstioRules {
     pub return_path: Vec<NftObject>,
     /// How many `ip rule`s of the return path (one per family).
     pub return_rules: usize,
-    /// Legacy iptables tables present in the netns (`/proc/net/ip_tables_names` and its IPv6
-    /// twin): rules there cannot be told apart or removed without iptables-legacy.
-    pub legacy_tables: Vec<String>,
+    /// The redirection's chains iptables-legacy wrote.
+    pub legacy_redirection: Vec<LegacyChain>,
+    /// The return path's chains iptables-legacy wrote.
+    pub legacy_return_path: Vec<LegacyChain>,
+}
+
+/// A user chain in a legacy iptables table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LegacyChain {
+    pub family: Family,
+    pub table: String,
+    pub name: String,
+}
+
+impl LegacyChain {
+    /// As [`netfilter_leftovers`] names it: `iptables-legacy -t <table> <chain>`.
+    fn label(&self) -> String {
+        let command = match self.family {
+            Family::Ipv4 => "iptables-legacy",
+            Family::Ipv6 => "ip6tables-legacy",
+        };
+        format!("{command} -t {} {}", self.table, self.name)
+    }
+
+    /// The user chains `pick` names in the netns's legacy tables.
+    fn find(pick: impl Fn(&str, &str) -> bool) -> io::Result<Vec<Self>> {
+        let mut found = Vec::new();
+        for family in Family::ALL {
+            for table in family.tables() {
+                let chains = xtables::Table::read(family, &table)?;
+                found.extend(
+                    (chains.user_chains().into_iter())
+                        .filter(|chain| pick(&table, chain))
+                        .map(|chain| LegacyChain {
+                            family,
+                            table: table.clone(),
+                            name: chain.to_owned(),
+                        }),
+                );
+            }
+        }
+        Ok(found)
+    }
+
+    /// Removes `chains`, with the rules that jump into them: one replacement per table.
+    fn remove(chains: &[Self]) -> io::Result<()> {
+        let mut tables: Vec<(Family, &str)> = chains
+            .iter()
+            .map(|chain| (chain.family, chain.table.as_str()))
+            .collect();
+        tables.dedup();
+        for (family, table) in tables {
+            let doomed = |name: &str| {
+                (chains.iter()).any(|c| c.family == family && c.table == table && c.name == name)
+            };
+            xtables::Table::remove_chains(family, table, doomed)?;
+        }
+        Ok(())
+    }
 }
 
 impl IstioRules {
     /// Whether istio redirected this pod (by the rules weir can remove).
     pub fn redirects(&self) -> bool {
-        !self.redirection.is_empty()
+        !self.redirection.is_empty() || !self.legacy_redirection.is_empty()
+    }
+
+    /// Whether any of the return path (rules, routing) is left.
+    pub fn has_return_path(&self) -> bool {
+        !self.return_path.is_empty() || !self.legacy_return_path.is_empty() || self.return_rules > 0
     }
 
     /// Whether istio's `nat` redirection (its `nat` table's `ISTIO_*` chains, or its nftables
@@ -77,6 +139,11 @@ impl IstioRules {
         let nat_families: Vec<u8> = (self.redirection.iter())
             .filter(|object| matches!(object.table(), "nat" | "istio-ambient-nat"))
             .map(NftObject::family)
+            .chain(
+                (self.legacy_redirection.iter())
+                    .filter(|chain| chain.table == "nat")
+                    .map(|chain| chain.family.nfproto()),
+            )
             .collect();
         let covered = |family: i32| {
             nat_families
@@ -89,7 +156,7 @@ impl IstioRules {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.redirection.is_empty() && self.return_path.is_empty() && self.return_rules == 0
+        !self.redirects() && !self.has_return_path()
     }
 
     /// Finds what istio left in the calling thread's netns.
@@ -122,21 +189,30 @@ impl IstioRules {
         found.return_rules = rtnl
             .istio_return_rules(ISTIO_CONNMARK, ISTIO_MARK_MASK)?
             .len();
-        found.legacy_tables = legacy_tables();
+        let legacy = LegacyChain::find(|table, chain| Part::of_chain(table, chain).is_some())?;
+        for chain in legacy {
+            match Part::of_chain(&chain.table, &chain.name) {
+                Some(Part::Redirection) => found.legacy_redirection.push(chain),
+                _ => found.legacy_return_path.push(chain),
+            }
+        }
         Ok(found)
     }
 
-    /// Removes istio's redirection, in one transaction: all of it or none.
+    /// Removes istio's redirection: in one transaction all of it or none (nf_tables), or a
+    /// table at a time (iptables-legacy's, where istio wrote it so).
     pub fn remove_redirection(&mut self) -> io::Result<()> {
         Nft::new()?.delete(&self.redirection)?;
         self.redirection.clear();
+        LegacyChain::remove(&self.legacy_redirection)?;
+        self.legacy_redirection.clear();
         Ok(())
     }
 
     /// Removes the return path if no connection ztunnel made under istio's rules is left;
     /// returns whether it is gone.
     pub fn remove_return_path_if_drained(&mut self, rtnl: &mut Rtnl) -> io::Result<bool> {
-        if self.return_path.is_empty() && self.return_rules == 0 {
+        if !self.has_return_path() {
             return Ok(true);
         }
         if !return_path_drained()? {
@@ -144,6 +220,8 @@ impl IstioRules {
         }
         Nft::new()?.delete(&self.return_path)?;
         self.return_path.clear();
+        LegacyChain::remove(&self.legacy_return_path)?;
+        self.legacy_return_path.clear();
         let rules = rtnl.istio_return_rules(ISTIO_CONNMARK, ISTIO_MARK_MASK)?;
         rtnl.delete_rules(rules)?;
         self.return_rules = 0;
@@ -165,13 +243,6 @@ pub fn take_over(uid: &str, rtnl: &mut Rtnl) -> bool {
             return true;
         }
     };
-    if !rules.legacy_tables.is_empty() && rules.is_empty() {
-        debug!(
-            uid,
-            tables = ?rules.legacy_tables,
-            "the pod has legacy iptables tables, which weir neither reads nor removes"
-        );
-    }
     if rules.redirects() {
         if let Err(error) = rules.remove_redirection() {
             // The return path stays with it: the connections it marks need it.
@@ -188,7 +259,7 @@ pub fn take_over(uid: &str, rtnl: &mut Rtnl) -> bool {
 }
 
 fn retire(uid: &str, rules: &mut IstioRules, rtnl: &mut Rtnl) -> bool {
-    let had_return_path = !rules.return_path.is_empty() || rules.return_rules > 0;
+    let had_return_path = rules.has_return_path();
     match rules.remove_return_path_if_drained(rtnl) {
         Ok(true) => {
             if had_return_path {
@@ -264,8 +335,9 @@ pub fn stop_tracking_ahead_of_istio() -> io::Result<()> {
 }
 
 /// istio's nf_tables tables and chains in the calling thread's netns, as `nft family table
-/// [chain]`, and its probe ipsets, as `ipset name`: on the node, what istio-cni's agent left
-/// there (its probe SNAT); in a pod, its rules.
+/// [chain]`, its chains in legacy tables, as `iptables-legacy -t table chain`, and its probe
+/// ipsets, as `ipset name`: on the node, what istio-cni's agent left there (its probe SNAT); in
+/// a pod, its rules.
 pub fn netfilter_leftovers() -> io::Result<Vec<String>> {
     let mut nft = Nft::new()?;
     let tables = nft
@@ -279,6 +351,8 @@ pub fn netfilter_leftovers() -> io::Result<Vec<String>> {
             .filter(|chain| chain.name.starts_with(ISTIO_CHAIN_PREFIX))
             .map(|chain| chain_label(&chain)),
     );
+    let legacy = LegacyChain::find(|_, chain| chain.starts_with(ISTIO_CHAIN_PREFIX))?;
+    found.extend(legacy.iter().map(LegacyChain::label));
     for set in PROBE_IPSETS {
         if nft.ipset_exists(set)? {
             found.push(format!("ipset {set}"));
@@ -294,8 +368,8 @@ pub fn netfilter_leftovers() -> io::Result<Vec<String>> {
 /// `inet istio-ambient-nat`, sets and all. It gives kubelet's TCP to ambient pods the probe
 /// source, which istio's in-pod rules let through to the app; weir's programs give the node's
 /// sockets that source themselves, so once no pod is left to istio's rules nothing needs it.
-/// Returns what was removed, as [`netfilter_leftovers`] names it. Rules iptables-legacy wrote
-/// are out of nf_tables' reach: an ipset such a rule uses stays, with a warning.
+/// iptables-legacy's `ISTIO_POSTRT` goes the same way, from its legacy tables. Returns what was
+/// removed, as [`netfilter_leftovers`] names it.
 pub fn remove_probe_snat() -> io::Result<Vec<String>> {
     let mut nft = Nft::new()?;
     let mut doomed = Vec::new();
@@ -321,6 +395,9 @@ pub fn remove_probe_snat() -> io::Result<Vec<String>> {
         doomed.extend(chains_with_jumps_into_them(snat_chains, &rules));
     }
     nft.delete(&doomed)?;
+    let legacy = LegacyChain::find(|table, chain| table == "nat" && chain == PROBE_SNAT_CHAIN)?;
+    LegacyChain::remove(&legacy)?;
+    removed.extend(legacy.iter().map(LegacyChain::label));
     for set in PROBE_IPSETS {
         match destroy_once_released(&mut nft, set) {
             Ok(true) => removed.push(format!("ipset {set}")),
@@ -446,22 +523,6 @@ fn conntrack_loaded() -> bool {
     fs::metadata("/proc/sys/net/netfilter/nf_conntrack_max").is_ok()
 }
 
-/// The legacy iptables tables the netns has.
-fn legacy_tables() -> Vec<String> {
-    ["ip_tables_names", "ip6_tables_names"]
-        .iter()
-        .filter_map(|file| fs::read_to_string(format!("/proc/thread-self/net/{file}")).ok())
-        .flat_map(|names| {
-            names
-                .lines()
-                .map(str::trim)
-                .filter(|name| !name.is_empty())
-                .map(str::to_owned)
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 /// The two parts of istio's rules, which go at different times.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Part {
@@ -492,7 +553,7 @@ impl Part {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
-    use std::os::fd::AsFd;
+    use std::os::fd::{AsFd, OwnedFd};
     use std::process::{Command, Stdio};
 
     use super::*;
@@ -584,18 +645,149 @@ mod tests {
         assert_eq!(run("ipset", &["list", "-n"], ""), "someone-elses\n");
         assert_eq!(remove_probe_snat().unwrap(), Vec::<String>::new());
 
-        // A set an iptables-legacy rule uses cannot go: it stays, and so does nothing else.
+        // Where istio-cni's agent wrote it with iptables-legacy: its chain goes the same, then
+        // the set it used.
         run("ipset", &["create", "istio-inpod-probes-v4", "hash:ip"], "");
         run(
             "iptables-legacy-restore",
             &["--noflush"],
             &snat("v4", "169.254.7.127"),
         );
-        assert_eq!(remove_probe_snat().unwrap(), Vec::<String>::new());
-        assert_eq!(
-            netfilter_leftovers().unwrap(),
-            ["ipset istio-inpod-probes-v4"]
+        let legacy = [
+            "ipset istio-inpod-probes-v4",
+            "iptables-legacy -t nat ISTIO_POSTRT",
+        ];
+        assert_eq!(sorted(netfilter_leftovers().unwrap()), legacy);
+        assert_eq!(sorted(remove_probe_snat().unwrap()), legacy);
+        assert_eq!(netfilter_leftovers().unwrap(), Vec::<String>::new());
+        let nat = run("iptables-legacy-save", &["-t", "nat"], "");
+        assert!(
+            nat.contains("-A POSTROUTING -o eth9 -j MASQUERADE") && !nat.contains("ISTIO"),
+            "{nat}"
         );
+    }
+
+    /// istio's in-pod rules as istio-cni's agent writes them where the node's iptables is
+    /// legacy (its ambient golden's chains, shortened), with the jumps into them among rules of
+    /// someone else's: a chain of theirs, a goto, counts. Both families.
+    fn legacy_ruleset(lo: &str) -> String {
+        format!(
+            "\
+*mangle
+:PREROUTING ACCEPT [3:180]
+:OUTPUT ACCEPT [0:0]
+:ISTIO_OUTPUT - [0:0]
+:ISTIO_PRERT - [0:0]
+:OTHERS - [0:0]
+[1:60] -A PREROUTING -j ISTIO_PRERT
+[2:120] -A PREROUTING -m mark --mark 0x7 -j OTHERS
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_OUTPUT -m connmark --mark 0x111/0xfff -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff
+-A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff
+[5:500] -A OTHERS -j MARK --set-xmark 0x8/0xff
+COMMIT
+*nat
+:PREROUTING ACCEPT [7:420]
+:INPUT ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+:ISTIO_OUTPUT - [0:0]
+:ISTIO_PRERT - [0:0]
+:OTHERS - [0:0]
+[4:240] -A PREROUTING -p tcp -m tcp --dport 9 -j OTHERS
+-A PREROUTING -j ISTIO_PRERT
+-A OUTPUT -j ISTIO_OUTPUT
+[6:360] -A OUTPUT -p udp -g OTHERS
+-A ISTIO_OUTPUT -p tcp -m mark --mark 0x111/0xfff -j ACCEPT
+-A ISTIO_OUTPUT ! -d {lo} -p tcp -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15001
+-A ISTIO_PRERT ! -d {lo} -p tcp -m tcp ! --dport 15008 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15006
+-A OTHERS -p tcp -j REDIRECT --to-ports 9999
+-A POSTROUTING -o eth9 -j MASQUERADE
+COMMIT
+*raw
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:ISTIO_OUTPUT - [0:0]
+-A OUTPUT -j ISTIO_OUTPUT
+-A ISTIO_OUTPUT -p udp -m mark --mark 0x539/0xfff -m udp --dport 53 -j CT --zone 1
+COMMIT
+"
+        )
+    }
+
+    /// Taken over, a pod whose istio rules iptables-legacy wrote keeps every other rule of its
+    /// tables as if istio had never written there, counts and all: its redirection goes first,
+    /// then its return path.
+    #[test]
+    fn istios_legacy_in_pod_rules_leave_and_nothing_else_does() {
+        let (Some(pod), Some(pristine)) = (privileged(scratch_netns), privileged(scratch_netns))
+        else {
+            return;
+        };
+        let families = [
+            ("iptables-legacy", "127.0.0.1/32"),
+            ("ip6tables-legacy", "::1/128"),
+        ];
+        for (command, lo) in families {
+            let restore = format!("{command}-restore");
+            let all = legacy_ruleset(lo);
+            let others: String = (all.lines())
+                .filter(|line| !line.contains("ISTIO"))
+                .map(|line| format!("{line}\n"))
+                .collect();
+            let _in_pod = enter(pod.as_fd()).unwrap();
+            run(&restore, &["-c"], &all);
+            let _in_pristine = enter(pristine.as_fd()).unwrap();
+            run(&restore, &["-c"], &others);
+        }
+
+        let _inside = enter(pod.as_fd()).unwrap();
+        let mut rtnl = Rtnl::new().unwrap();
+        let mut rules = IstioRules::find(&mut rtnl).unwrap();
+        let labels = |chains: &[LegacyChain]| {
+            let mut labels: Vec<String> = chains.iter().map(LegacyChain::label).collect();
+            labels.sort();
+            labels
+        };
+        assert!(rules.redirect_families(true, true), "{rules:?}");
+        assert_eq!(
+            labels(&rules.legacy_redirection),
+            [
+                "ip6tables-legacy -t mangle ISTIO_PRERT",
+                "ip6tables-legacy -t nat ISTIO_OUTPUT",
+                "ip6tables-legacy -t nat ISTIO_PRERT",
+                "ip6tables-legacy -t raw ISTIO_OUTPUT",
+                "iptables-legacy -t mangle ISTIO_PRERT",
+                "iptables-legacy -t nat ISTIO_OUTPUT",
+                "iptables-legacy -t nat ISTIO_PRERT",
+                "iptables-legacy -t raw ISTIO_OUTPUT",
+            ]
+        );
+        let return_path = [
+            "ip6tables-legacy -t mangle ISTIO_OUTPUT",
+            "iptables-legacy -t mangle ISTIO_OUTPUT",
+        ];
+        assert_eq!(labels(&rules.legacy_return_path), return_path);
+
+        rules.remove_redirection().unwrap();
+        let left = IstioRules::find(&mut rtnl).unwrap();
+        assert!(!left.redirects(), "{left:?}");
+        assert_eq!(labels(&left.legacy_return_path), return_path);
+        assert!(rules.remove_return_path_if_drained(&mut rtnl).unwrap());
+        let left = IstioRules::find(&mut rtnl).unwrap();
+        assert!(left.is_empty(), "{left:?}");
+
+        let saved = |netns: &OwnedFd, command: &str| {
+            let _in = enter(netns.as_fd()).unwrap();
+            let save = run(&format!("{command}-save"), &["-c"], "");
+            (save.lines())
+                .filter(|line| !line.starts_with('#'))
+                .map(|line| format!("{line}\n"))
+                .collect::<String>()
+        };
+        for (command, _) in families {
+            assert_eq!(saved(&pod, command), saved(&pristine, command), "{command}");
+        }
     }
 
     #[test]
