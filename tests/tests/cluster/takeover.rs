@@ -181,9 +181,9 @@ fn take_over_from_istio_cni(restart_midway: bool) {
 /// shared path, istio's rules written into the pods it finds annotated). Until istio-cni's
 /// plugin is in the chain a new ambient pod fails its ADD, never starts unredirected; ztunnel
 /// finds istio-cni's agent and keeps the pod's proxy (no Del, nothing drained); weir's programs
-/// leave the pod only once istio's rules redirect it, its connections held open and in use and
-/// a stream of new ones never failing, none reaching the app around ztunnel; then weir's plugin,
-/// pins and programs are gone from the node.
+/// leave the pod only once istio's rules redirect it, its connections held open (in use, or idle
+/// through the whole move) and a stream of new ones never failing, none reaching the app around
+/// ztunnel; then weir's plugin, pins and programs are gone from the node.
 #[test]
 fn a_node_is_handed_back_to_istio_cni_without_a_window() {
     use weir_agent::datapath::{istio_rules::IstioRules, netlink::Rtnl};
@@ -214,6 +214,10 @@ fn a_node_is_handed_back_to_istio_cni_without_a_window() {
     let (held_in, held_out) = hold_both_ways(&client, &app, &server);
     exchange(&held_in, &app_echo, "in under weir");
     exchange(&held_out, &server_echo, "out under weir");
+    // Long-lived connections idle from here until the node is istio-cni's.
+    let (idle_in, idle_out) = hold_both_ways(&client, &app, &server);
+    exchange(&idle_in, &app_echo, "idle in under weir");
+    exchange(&idle_out, &server_echo, "idle out under weir");
     // Long-lived connections in use across the move, as with keepalives.
     let in_use = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
     let keep_using = |stream: std::net::TcpStream, echo: &EchoServer| {
@@ -293,6 +297,8 @@ fn a_node_is_handed_back_to_istio_cni_without_a_window() {
     let held_out = held_out.join().unwrap().expect("out, used across the move");
     exchange(&held_in, &app_echo, "in under istio");
     exchange(&held_out, &server_echo, "out under istio");
+    exchange(&idle_in, &app_echo, "idle in under istio");
+    exchange(&idle_out, &server_echo, "idle out under istio");
     let rules = app
         .run(|| IstioRules::find(&mut Rtnl::new().unwrap()))
         .unwrap();

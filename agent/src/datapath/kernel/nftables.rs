@@ -1,11 +1,14 @@
-//! A netlink client for nf_tables and ipset (both under nfnetlink), as much of it as weir needs to
-//! find, add and remove another agent's netfilter objects in a network namespace: dumps of
-//! tables, chains and rules, transactions, and ipset's header and destroy commands.
+//! A netlink client for nf_tables, ipset and conntrack (all under nfnetlink), as much of it as
+//! weir needs to find, add and remove another agent's netfilter objects in a network namespace:
+//! dumps of tables, chains and rules, transactions, ipset's header and destroy commands, and
+//! conntrack entries for connections it never saw.
 //!
 //! Everything here works in the calling thread's network namespace.
 use std::io;
 
 use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr};
+
+use super::connections::TcpConnection;
 
 /// One nf_tables object weir removes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -104,8 +107,8 @@ const NFTA_VERDICT_CODE: u16 = 1;
 const NFTA_VERDICT_CHAIN: u16 = 2;
 const NFT_JUMP: i32 = -3;
 const NFT_GOTO: i32 = -4;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
+pub(super) const NLMSG_ERROR: u16 = 2;
+pub(super) const NLMSG_DONE: u16 = 3;
 const NLA_TYPE_MASK: u16 = 0x3fff;
 /// The header of every nfnetlink message after the netlink one: family, version, resource id.
 const NFGENMSG_LEN: usize = 4;
@@ -117,11 +120,43 @@ const IPSET_CMD_HEADER: u16 = 12;
 const IPSET_ATTR_PROTOCOL: u16 = 1;
 const IPSET_ATTR_SETNAME: u16 = 2;
 const IPSET_PROTOCOL: u8 = 6;
+// conntrack's (linux/netfilter/nfnetlink_conntrack.h, nf_conntrack_common.h,
+// nf_conntrack_tcp.h).
+const NFNL_SUBSYS_CTNETLINK: u16 = 1;
+const IPCTNL_MSG_CT_NEW: u16 = 0;
+const CTA_TUPLE_ORIG: u16 = 1;
+const CTA_TUPLE_REPLY: u16 = 2;
+const CTA_STATUS: u16 = 3;
+const CTA_PROTOINFO: u16 = 4;
+const CTA_TIMEOUT: u16 = 7;
+const CTA_MARK: u16 = 8;
+const CTA_TUPLE_IP: u16 = 1;
+const CTA_TUPLE_PROTO: u16 = 2;
+const CTA_IP_V4_SRC: u16 = 1;
+const CTA_IP_V4_DST: u16 = 2;
+const CTA_IP_V6_SRC: u16 = 3;
+const CTA_IP_V6_DST: u16 = 4;
+const CTA_PROTO_NUM: u16 = 1;
+const CTA_PROTO_SRC_PORT: u16 = 2;
+const CTA_PROTO_DST_PORT: u16 = 3;
+const CTA_PROTOINFO_TCP: u16 = 1;
+const CTA_PROTOINFO_TCP_STATE: u16 = 1;
+const CTA_PROTOINFO_TCP_FLAGS_ORIGINAL: u16 = 4;
+const CTA_PROTOINFO_TCP_FLAGS_REPLY: u16 = 5;
+const IPS_SEEN_REPLY: u32 = 1 << 1;
+const IPS_ASSURED: u32 = 1 << 2;
+/// Set by the kernel on an entry made over netlink before it reads the status given, which must
+/// then keep it.
+const IPS_CONFIRMED: u32 = 1 << 3;
+const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
+const IP_CT_TCP_FLAG_BE_LIBERAL: u8 = 0x08;
+/// conntrack's own timeout for an established TCP connection (`nf_conntrack_tcp_timeout_established`).
+const CT_ESTABLISHED_TIMEOUT_SECS: u32 = 5 * 24 * 3600;
 /// The set is referenced (by an iptables rule's `-m set`, or a `SET` target).
 const IPSET_ERR_BUSY: i32 = 4100;
 const NLMSG_HDRLEN: usize = 16;
 /// Room for one datagram: the kernel fills at most 32 KiB per `recv`.
-const RECV_BUFFER: usize = 32 * 1024;
+pub(super) const RECV_BUFFER: usize = 32 * 1024;
 
 /// One message of a transaction, with what it does for an error's message.
 struct NftMessage {
@@ -332,20 +367,93 @@ impl Nft {
     /// Runs ipset `command` on the set `name`: true once acknowledged, false where no such set
     /// is (or no ipset in this kernel: nfnetlink answers EINVAL for a subsystem it lacks).
     fn ipset(&mut self, command: u16, name: &str) -> io::Result<bool> {
-        let sequence = self.next_sequence();
-        let mut request = Vec::new();
-        push_message(
-            &mut request,
+        let answer = self.request(
             (NFNL_SUBSYS_IPSET << 8) | command,
             // Without NLM_F_EXCL ipset takes a missing set as done (`ipset -exist`).
-            (libc::NLM_F_ACK | libc::NLM_F_EXCL) as u16,
-            sequence,
-            (libc::NFPROTO_IPV4 as u8, 0),
+            libc::NLM_F_EXCL as u16,
+            libc::NFPROTO_IPV4 as u8,
             &[
                 (IPSET_ATTR_PROTOCOL, vec![IPSET_PROTOCOL]),
                 string(IPSET_ATTR_SETNAME, name),
             ],
         );
+        match answer {
+            Ok(()) => Ok(true),
+            Err(error) if matches!(error.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) => {
+                Ok(false)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Gives conntrack `connection` as established, with the connection mark `connmark`, its
+    /// window unchecked both ways (conntrack has not seen its start): its packets are then
+    /// never a new connection to `nat` rules, which decide only a connection's first packet.
+    /// Returns false where conntrack follows it already.
+    pub(in crate::datapath) fn follow(
+        &mut self,
+        connection: &TcpConnection,
+        connmark: u32,
+    ) -> io::Result<bool> {
+        let family = match connection.from {
+            std::net::SocketAddr::V4(_) => libc::AF_INET as u8,
+            std::net::SocketAddr::V6(_) => libc::AF_INET6 as u8,
+        };
+        let liberal = vec![IP_CT_TCP_FLAG_BE_LIBERAL, IP_CT_TCP_FLAG_BE_LIBERAL];
+        let protoinfo = nested(&[(
+            CTA_PROTOINFO_TCP | NLA_F_NESTED,
+            nested(&[
+                (CTA_PROTOINFO_TCP_STATE, vec![TCP_CONNTRACK_ESTABLISHED]),
+                (CTA_PROTOINFO_TCP_FLAGS_ORIGINAL, liberal.clone()),
+                (CTA_PROTOINFO_TCP_FLAGS_REPLY, liberal),
+            ]),
+        )]);
+        let answer = self.request(
+            (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW,
+            (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16,
+            family,
+            &[
+                (
+                    CTA_TUPLE_ORIG | NLA_F_NESTED,
+                    tuple(connection.from, connection.to),
+                ),
+                (
+                    CTA_TUPLE_REPLY | NLA_F_NESTED,
+                    tuple(connection.to, connection.from),
+                ),
+                (
+                    CTA_STATUS,
+                    (IPS_SEEN_REPLY | IPS_ASSURED | IPS_CONFIRMED)
+                        .to_be_bytes()
+                        .to_vec(),
+                ),
+                (
+                    CTA_TIMEOUT,
+                    CT_ESTABLISHED_TIMEOUT_SECS.to_be_bytes().to_vec(),
+                ),
+                (CTA_MARK, connmark.to_be_bytes().to_vec()),
+                (CTA_PROTOINFO | NLA_F_NESTED, protoinfo),
+            ],
+        );
+        match answer {
+            Ok(()) => Ok(true),
+            Err(error) if error.raw_os_error() == Some(libc::EEXIST) => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Sends one message and waits for its ack; the kernel's error otherwise.
+    fn request(
+        &mut self,
+        kind: u16,
+        flags: u16,
+        family: u8,
+        attrs: &[(u16, Vec<u8>)],
+    ) -> io::Result<()> {
+        let sequence = self.next_sequence();
+        let mut request = Vec::new();
+        let flags = flags | libc::NLM_F_ACK as u16;
+        push_message(&mut request, kind, flags, sequence, (family, 0), attrs);
         self.socket.send(&request, 0)?;
         loop {
             for (kind, message_sequence, payload) in netlink_messages(self.recv()?) {
@@ -353,8 +461,7 @@ impl Nft {
                     continue;
                 }
                 return match -error_code(payload) {
-                    0 => Ok(true),
-                    libc::ENOENT | libc::EINVAL => Ok(false),
+                    0 => Ok(()),
                     errno => Err(io::Error::from_raw_os_error(errno)),
                 };
             }
@@ -469,6 +576,38 @@ impl Nft {
     }
 }
 
+/// A conntrack tuple, `from` to `to`, TCP.
+fn tuple(from: std::net::SocketAddr, to: std::net::SocketAddr) -> Vec<u8> {
+    let addresses = match (from.ip(), to.ip()) {
+        (std::net::IpAddr::V4(from), std::net::IpAddr::V4(to)) => vec![
+            (CTA_IP_V4_SRC, from.octets().to_vec()),
+            (CTA_IP_V4_DST, to.octets().to_vec()),
+        ],
+        (from, to) => vec![
+            (CTA_IP_V6_SRC, ipv6_octets(from).to_vec()),
+            (CTA_IP_V6_DST, ipv6_octets(to).to_vec()),
+        ],
+    };
+    nested(&[
+        (CTA_TUPLE_IP | NLA_F_NESTED, nested(&addresses)),
+        (
+            CTA_TUPLE_PROTO | NLA_F_NESTED,
+            nested(&[
+                (CTA_PROTO_NUM, vec![libc::IPPROTO_TCP as u8]),
+                (CTA_PROTO_SRC_PORT, from.port().to_be_bytes().to_vec()),
+                (CTA_PROTO_DST_PORT, to.port().to_be_bytes().to_vec()),
+            ]),
+        ),
+    ])
+}
+
+fn ipv6_octets(address: std::net::IpAddr) -> [u8; 16] {
+    match address {
+        std::net::IpAddr::V4(address) => address.to_ipv6_mapped().octets(),
+        std::net::IpAddr::V6(address) => address.octets(),
+    }
+}
+
 /// Netlink attributes, encoded one after the other (a nested attribute's payload).
 fn nested(attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
     let mut bytes = Vec::new();
@@ -483,7 +622,7 @@ fn nested(attrs: &[(u16, Vec<u8>)]) -> Vec<u8> {
 }
 
 /// The (negative) errno of an `NLMSG_ERROR` message's payload; 0 is an ack.
-fn error_code(payload: &[u8]) -> i32 {
+pub(super) fn error_code(payload: &[u8]) -> i32 {
     payload
         .get(..4)
         .and_then(|code| code.try_into().ok())
@@ -527,7 +666,7 @@ fn padding(length: usize) -> usize {
 }
 
 /// The netlink messages of a datagram: (type, sequence, payload after the netlink header).
-fn netlink_messages(mut datagram: &[u8]) -> impl Iterator<Item = (u16, u32, &[u8])> {
+pub(super) fn netlink_messages(mut datagram: &[u8]) -> impl Iterator<Item = (u16, u32, &[u8])> {
     std::iter::from_fn(move || {
         let header = datagram.get(..NLMSG_HDRLEN)?;
         let length = u32::from_ne_bytes(header[..4].try_into().ok()?) as usize;
@@ -543,7 +682,7 @@ fn netlink_messages(mut datagram: &[u8]) -> impl Iterator<Item = (u16, u32, &[u8
 }
 
 /// The attributes in `bytes`: (type without flags, payload).
-fn attrs(mut bytes: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+pub(super) fn attrs(mut bytes: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     std::iter::from_fn(move || {
         let length = u16::from_ne_bytes(bytes.get(..2)?.try_into().ok()?) as usize;
         let kind = u16::from_ne_bytes(bytes.get(2..4)?.try_into().ok()?) & NLA_TYPE_MASK;

@@ -427,7 +427,11 @@ impl Owner {
         let families = (pod.config.has(POD_HAS_IPV4), pod.config.has(POD_HAS_IPV6));
         if !istio_rules::IstioRules::find(&mut rtnl)?.redirect_families(families.0, families.1) {
             if !pod.tracked_ahead_of_istio {
-                istio_rules::track_ahead_of_istio(&mut rtnl)?;
+                let followed = istio_rules::track_ahead_of_istio(&mut rtnl)?;
+                debug!(
+                    uid,
+                    followed, "conntrack follows the pod's connections ahead of istio's rules"
+                );
                 pod.tracked_ahead_of_istio = true;
             }
             return Ok(false);

@@ -26,6 +26,9 @@ use std::io;
 
 use tracing::{debug, info, warn};
 
+use weir_common::{ZTUNNEL_MARK, ZTUNNEL_MARK_MASK};
+
+use crate::datapath::kernel::connections;
 use crate::datapath::kernel::netlink::Rtnl;
 pub use crate::datapath::kernel::nftables::NftObject;
 use crate::datapath::kernel::nftables::{Nft, NftChain, NftRule, NftTable};
@@ -299,23 +302,34 @@ const NAT_PRIORITY: i32 = -100;
 ///   rule that reads the connection's state (what turns conntrack on in the netns). istio's
 ///   `REDIRECT`s then apply only to connections whose first packet conntrack sees after they
 ///   came, never to one made under weir's path, whose packets they would send to a port where
-///   no socket holds it. A connection with no packet between this and istio's rules is not
-///   followed in time;
+///   no socket holds it;
+/// - the connections already established, idle ones among them, are given to conntrack as
+///   established (their sockets read from the kernel's socket table): the next packet of one
+///   idle until istio's rules are there is not taken for a new connection either. Those
+///   between ztunnel and the app get istio's connmark, as istio's rules would have given them,
+///   so that the app's replies keep going back to ztunnel;
 /// - istio's return rules are there before its netfilter rules mark the packets they route
 ///   (istio-cni's agent adds them only after).
 ///
-/// Idempotent.
-pub fn track_ahead_of_istio(rtnl: &mut Rtnl) -> io::Result<()> {
+/// Idempotent. Returns how many connections conntrack was given.
+pub fn track_ahead_of_istio(rtnl: &mut Rtnl) -> io::Result<usize> {
     rtnl.add_istio_return_rules(ISTIO_CONNMARK, ISTIO_MARK_MASK)?;
     let mut nft = Nft::new()?;
-    if nft
-        .tables()?
-        .iter()
-        .any(|table| table.name == HAND_BACK_TABLE)
-    {
-        return Ok(());
+    let tables = nft.tables()?;
+    if !tables.iter().any(|table| table.name == HAND_BACK_TABLE) {
+        nft.add_conntrack_table(HAND_BACK_TABLE, &NAT_HOOKS, NAT_PRIORITY)?;
     }
-    nft.add_conntrack_table(HAND_BACK_TABLE, &NAT_HOOKS, NAT_PRIORITY)
+    let mut followed = 0;
+    for connection in connections::established_tcp()? {
+        let ztunnels = (connection.marks.iter().flatten())
+            .any(|mark| mark & ZTUNNEL_MARK_MASK == ZTUNNEL_MARK);
+        let connmark = match connection.local && ztunnels {
+            true => ISTIO_CONNMARK,
+            false => 0,
+        };
+        followed += usize::from(nft.follow(&connection, connmark)?);
+    }
+    Ok(followed)
 }
 
 /// Removes what [`track_ahead_of_istio`] added, if it is there; the connections it made
