@@ -1,6 +1,10 @@
-//! Traffic without pause, for the tests that change the datapath under it (an owner restart, an
-//! upgrade): a client connecting again and again, each connection logged with when it ran and
-//! what it got, so a test can tell which ones ran while the change happened.
+//! Steady traffic, for the tests that change the datapath under it (an owner restart, an
+//! upgrade, a takeover): a client connecting again and again, each connection logged with when
+//! it ran and what it got, so a test can tell which ones ran while the change happened.
+//!
+//! A loop rests as long as its last connection took before the next: connections keep coming
+//! at whatever pace the machine allows, while the change under test (an agent starting, in an
+//! emulated guest) gets half the CPU the loop would otherwise take.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,7 +39,8 @@ pub struct TrafficLoop {
 }
 
 impl TrafficLoop {
-    /// Connects to `target` from inside `netns` again and again, expecting the answer `expected`.
+    /// Connects to `target` from inside `netns` again and again (see the module's doc), expecting
+    /// the answer `expected`.
     pub fn start(netns: &NetNs, target: SocketAddr, expected: String) -> Self {
         let log: Arc<Mutex<Vec<Connection>>> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
@@ -60,6 +65,7 @@ impl TrafficLoop {
                             finished,
                             outcome,
                         });
+                        std::thread::sleep(finished - started);
                     }
                 })
                 .expect("the traffic thread")

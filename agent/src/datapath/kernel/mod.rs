@@ -11,7 +11,7 @@
 //! - `netns.rs`: entering a network namespace, and what weir reads and sets in one.
 //! - `netlink/`: the rtnetlink client.
 //! - `connections.rs`: the netns's established TCP connections (sock_diag).
-//! - `nftables.rs`: the nf_tables and ipset client (another agent's netfilter objects).
+//! - `nftables.rs`: the nf_tables, ipset and conntrack client (another agent's netfilter objects).
 //! - `xtables.rs`: the legacy iptables tables (another agent's rules iptables-legacy wrote).
 pub(in crate::datapath) mod bpf_sys;
 pub(in crate::datapath) mod connections;
