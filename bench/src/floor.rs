@@ -43,9 +43,10 @@ impl KernelFloor {
         self.sysctls.set(true, true)?;
         rtnl.set_up_return_path(false)?;
         let eth0 = nix::net::if_::if_nametoindex("eth0")?;
+        // In the inbound program's place, the one an Ethernet interface gets.
         let program = TcProgram {
             fd: self.program.as_fd(),
-            name: "pass",
+            name: weir_common::programs::INBOUND,
         };
         rtnl.attach_programs(&PodSetup {
             interfaces: &[Link {
@@ -54,11 +55,7 @@ impl KernelFloor {
                 ethernet: true,
             }],
             rerouted: Reroute::NONE,
-            inbound: program,
-            inbound_l3: program,
-            reroute: program,
-            nat_in: program,
-            nat_out: program,
+            programs: &[program],
             slot: 1,
         })?;
         Ok(())

@@ -597,6 +597,8 @@ pub mod programs {
     /// interfaces' egress.
     pub const NAT_IN: &str = "weir_nat_in";
     pub const NAT_OUT: &str = "weir_nat_out";
+    /// Every tc program.
+    pub const TC: [&str; 5] = [INBOUND, INBOUND_L3, REROUTE, NAT_IN, NAT_OUT];
     /// sk_lookup, attached to a pod's netns on kernels before 6.5.
     pub const HANDOFF: &str = "weir_handoff";
 }

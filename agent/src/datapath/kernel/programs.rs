@@ -79,7 +79,8 @@ pub(in crate::datapath) fn load(maps_dir: &Path, bpf_log: bool) -> Result<Ebpf> 
 }
 
 /// Attaches every cgroup hook to `cgroup_path` through its pinned link in `links_dir`, and loads
-/// the tc program that enrollment attaches per pod.
+/// the tc program that enrollment attaches to every pod's interfaces. The other tc programs load
+/// when a pod first needs one ([`load_tc_programs`]).
 pub(in crate::datapath) fn attach(
     ebpf: &mut Ebpf,
     cgroup_path: &Path,
@@ -107,18 +108,7 @@ pub(in crate::datapath) fn attach(
         )
         .with_context(|| format!("attaching {name} to {}", cgroup_path.display()))?;
     }
-    inbound(ebpf)?.load().context("loading the tc program")?;
-    classifier(ebpf, programs::INBOUND_L3)?
-        .load()
-        .context("loading the tc program for interfaces without an Ethernet header")?;
-    reroute(ebpf)?
-        .load()
-        .context("loading the rerouted interfaces' tc program")?;
-    for name in [programs::NAT_IN, programs::NAT_OUT] {
-        classifier(ebpf, name)?
-            .load()
-            .with_context(|| format!("loading {name}"))?;
-    }
+    load_tc_programs(ebpf, &[programs::INBOUND])?;
     handoff(ebpf)?
         .load()
         .context("loading the socket lookup hand-off program")
@@ -132,16 +122,6 @@ pub(super) fn handoff(ebpf: &mut Ebpf) -> Result<&mut SkLookup> {
         .try_into()?)
 }
 
-/// The tc program for pods' interfaces.
-pub(super) fn inbound(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier> {
-    classifier(ebpf, programs::INBOUND)
-}
-
-/// The tc program for the interfaces a pod's `istio.io/reroute-virtual-interfaces` names.
-pub(super) fn reroute(ebpf: &mut Ebpf) -> Result<&mut SchedClassifier> {
-    classifier(ebpf, programs::REROUTE)
-}
-
 fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut SchedClassifier> {
     Ok(ebpf
         .program_mut(name)
@@ -149,7 +129,28 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut SchedClassif
         .try_into()?)
 }
 
-/// A loaded tc program (inbound or reroute), as pod setup attaches it: a classic cls_bpf filter
+/// Loads those of the tc programs `names` not loaded yet. Each costs the verifier's time (the
+/// most of an agent's start on older kernels), and most nodes need only the inbound program:
+/// the ones for interfaces without an Ethernet header, rerouted interfaces and translated
+/// connections wait for a pod that needs them, which a kernel refusing one then fails alone.
+pub(in crate::datapath) fn load_tc_programs(ebpf: &mut Ebpf, names: &[&str]) -> Result<()> {
+    for name in names {
+        let program = classifier(ebpf, name)?;
+        if program.fd().is_err() {
+            program.load().with_context(|| format!("loading {name}"))?;
+        }
+    }
+    Ok(())
+}
+
+/// The tc programs loaded, as pod setup attaches them ([`load_tc_programs`]).
+pub(in crate::datapath) fn loaded_tc_programs(ebpf: &Ebpf) -> Vec<TcProgram<'_>> {
+    (programs::TC.iter())
+        .filter_map(|name| tc_program(ebpf, name).ok())
+        .collect()
+}
+
+/// A loaded tc program, as pod setup attaches it: a classic cls_bpf filter
 /// over netlink (`netlink::Rtnl::attach_programs`), since a TCX link costs a `synchronize_rcu()`
 /// under the rtnl lock per pod (~16 ms), where the qdisc costs an expedited grace period.
 pub(in crate::datapath) fn tc_program<'a>(ebpf: &'a Ebpf, name: &'a str) -> Result<TcProgram<'a>> {

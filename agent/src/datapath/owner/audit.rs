@@ -10,12 +10,12 @@ use std::os::fd::AsFd;
 
 use super::{Enrolled, Owner};
 use crate::datapath::{
-    kernel::netlink::Rtnl,
+    kernel::{netlink::Rtnl, programs},
     pod::{
         config::ip_addr,
         enroll::{captured_interfaces, netns_setup},
         istio_rules,
-        netns_setup::{restore_pod_netns, Drift, TcProgramIds},
+        netns_setup::{self, restore_pod_netns, Drift, TcProgramIds},
     },
     readers::snapshot,
 };
@@ -131,6 +131,17 @@ impl Owner {
                 );
             }
         }
+        // Before their ids are read: a pod recovered after a restart may need one this agent
+        // has not loaded yet.
+        let needed: Vec<&'static str> = (self.pods.iter())
+            .flat_map(|(uid, pod)| self.tc_programs_of(uid, pod))
+            .collect();
+        if let Err(error) = programs::load_tc_programs(&mut self.ebpf, &needed) {
+            warn!(
+                error = format!("{error:#}"),
+                "loading the pods' tc programs"
+            );
+        }
         match TcProgramIds::of(&self.ebpf) {
             Ok(program_ids) => {
                 for (uid, pod) in &self.pods {
@@ -196,6 +207,16 @@ impl Owner {
                 Err(error) => warn!(uid, %error, "entering the pod's netns for istio's rules"),
             }
         }
+    }
+
+    /// The tc programs an audited pod's interfaces get (see [`Self::netns_drifts`]).
+    fn tc_programs_of(&self, uid: &str, pod: &Enrolled) -> Vec<&'static str> {
+        let Some(watch) = self.watches.get(uid) else {
+            return Vec::new();
+        };
+        let (workload, links) = watch.enrolled_as();
+        let interfaces = captured_interfaces(workload, links);
+        netns_setup::reroute(workload, &pod.config).programs(&interfaces)
     }
 
     /// How an enrolled pod's netns differs from how it was set up, put right where it can be

@@ -156,7 +156,7 @@ impl Owner {
         prepare_pod_netns(
             &mut rtnl,
             &mut self.sysctls,
-            &self.ebpf,
+            &mut self.ebpf,
             handoff,
             (&found.links, slot),
             record.map(|record| (record, &config)),

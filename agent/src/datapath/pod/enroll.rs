@@ -294,6 +294,7 @@ impl Owner {
         self.make_translations(netns_cookie, &setup.rerouted)?;
         fail::fail_point!("enroll-maps-written");
         stopwatch.lap("maps");
+        setup.load_programs(&mut self.ebpf)?;
         set_up_pod_netns(
             rtnl,
             &self.ebpf,

@@ -22,7 +22,7 @@ use crate::workload::{AllOr, InterceptionMode, Workload};
 pub(in crate::datapath) fn prepare_pod_netns(
     rtnl: &mut Rtnl,
     sysctls: &mut ReplyMarkSysctls,
-    ebpf: &Ebpf,
+    ebpf: &mut Ebpf,
     handoff: Option<(&Handoff, u64)>,
     (interfaces, slot): (&[Link], u32),
     record: Option<(&Workload, &PodConfig)>,
@@ -56,6 +56,7 @@ pub(in crate::datapath) fn prepare_pod_netns(
         passthrough_v6: false,
         slot,
     };
+    setup.load_programs(ebpf)?;
     set_up_pod_netns(rtnl, ebpf, handoff, &setup, |_| {})
 }
 
@@ -71,10 +72,18 @@ pub(in crate::datapath) struct PodNetnsSetup<'a> {
     pub(super) slot: u32,
 }
 
+impl PodNetnsSetup<'_> {
+    /// Loads the tc programs the pod's interfaces get, those not loaded yet (see
+    /// [`programs::load_tc_programs`]): before [`set_up_pod_netns`] or an audit of the pod.
+    pub(in crate::datapath) fn load_programs(&self, ebpf: &mut Ebpf) -> Result<()> {
+        programs::load_tc_programs(ebpf, &self.rerouted.programs(self.interfaces))
+    }
+}
+
 /// The return path, the socket lookup hand-off where the kernel needs it (before the tc program
 /// can hand anything to it), then the tc programs and the rerouting rules (see
 /// [`Rtnl::set_up_return_path`] and [`Rtnl::attach_programs`]); `step_done` is told after each,
-/// as `routing` and `tc`.
+/// as `routing` and `tc`. The pod's programs are loaded ([`PodNetnsSetup::load_programs`]).
 pub(super) fn set_up_pod_netns(
     rtnl: &mut Rtnl,
     ebpf: &Ebpf,
@@ -97,11 +106,7 @@ pub(super) fn set_up_pod_netns(
     let setup = PodSetup {
         interfaces,
         rerouted,
-        inbound: programs::tc_program(ebpf, weir_common::programs::INBOUND)?,
-        inbound_l3: programs::tc_program(ebpf, weir_common::programs::INBOUND_L3)?,
-        reroute: programs::tc_program(ebpf, weir_common::programs::REROUTE)?,
-        nat_in: programs::tc_program(ebpf, weir_common::programs::NAT_IN)?,
-        nat_out: programs::tc_program(ebpf, weir_common::programs::NAT_OUT)?,
+        programs: &programs::loaded_tc_programs(ebpf),
         slot,
     };
     rtnl.attach_programs(&setup)
@@ -110,29 +115,27 @@ pub(super) fn set_up_pod_netns(
     Ok(())
 }
 
-/// The ids of weir's tc programs, which the slot of weir's filter should hold.
-pub(in crate::datapath) struct TcProgramIds {
-    inbound: u32,
-    inbound_l3: u32,
-    reroute: u32,
-    nat_in: u32,
-}
+/// The ids of weir's loaded tc programs, one of which the slot of weir's filter should hold.
+pub(in crate::datapath) struct TcProgramIds(Vec<(&'static str, u32)>);
 
 impl TcProgramIds {
     pub(in crate::datapath) fn of(ebpf: &Ebpf) -> Result<Self> {
-        let id = |name: &str| -> Result<u32> {
+        let mut ids = Vec::new();
+        for name in weir_common::programs::TC {
             let program: &SchedClassifier = ebpf
                 .program(name)
                 .ok_or_else(|| anyhow!("program {name} missing"))?
                 .try_into()?;
-            Ok(program.info()?.id())
-        };
-        Ok(Self {
-            inbound: id(weir_common::programs::INBOUND)?,
-            inbound_l3: id(weir_common::programs::INBOUND_L3)?,
-            reroute: id(weir_common::programs::REROUTE)?,
-            nat_in: id(weir_common::programs::NAT_IN)?,
-        })
+            if program.fd().is_ok() {
+                ids.push((name, program.info()?.id()));
+            }
+        }
+        Ok(Self(ids))
+    }
+
+    /// The id of program `name`, if loaded.
+    fn of_program(&self, name: &str) -> Option<u32> {
+        (self.0.iter()).find_map(|(loaded, id)| (*loaded == name).then_some(*id))
     }
 }
 
@@ -164,6 +167,8 @@ pub(in crate::datapath) enum Drift {
 /// second handle, added before the first is deleted (deleting and adding would leave a moment
 /// uncaptured), and the pod that put its filter there once can do it again right after: the
 /// contest would only hide it. It is reported, for the operator to act on the pod.
+///
+/// The pod's programs are loaded ([`PodNetnsSetup::load_programs`]).
 pub(in crate::datapath) fn restore_pod_netns(
     rtnl: &mut Rtnl,
     ebpf: &Ebpf,
@@ -181,11 +186,9 @@ pub(in crate::datapath) fn restore_pod_netns(
         .cloned()
         .collect();
     let filter_of = |rtnl: &mut Rtnl, link: &Link| {
-        let program = match (pod.rerouted.interfaces.contains(&link.name), link.ethernet) {
-            (true, _) if pod.rerouted.translated => program_ids.nat_in,
-            (true, _) => program_ids.reroute,
-            (false, true) => program_ids.inbound,
-            (false, false) => program_ids.inbound_l3,
+        // Not loaded: no filter of this agent's can hold it.
+        let Some(program) = program_ids.of_program(pod.rerouted.ingress_program(link)) else {
+            return Ok(WeirFilter::Missing);
         };
         rtnl.weir_filter(link.index, program)
             .with_context(|| format!("reading the tc filters on {}", link.name))

@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use netlink_packet_route::{rule::RuleMessage, RouteNetlinkMessage};
-use weir_common::{PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
+use weir_common::{programs, PASSTHROUGH_SOURCE_V6, RETURN_ROUTE_TABLE};
 
 use super::objects::Op;
 use super::objects::{
@@ -22,16 +22,8 @@ pub struct PodSetup<'a> {
     pub interfaces: &'a [Link],
     /// Those whose TCP goes to the outbound listener (`istio.io/reroute-virtual-interfaces`).
     pub rerouted: Reroute<'a>,
-    /// The program for every other interface with an Ethernet header.
-    pub inbound: TcProgram<'a>,
-    /// The program for every other interface without one.
-    pub inbound_l3: TcProgram<'a>,
-    /// The program for the rerouted interfaces.
-    pub reroute: TcProgram<'a>,
-    /// The programs for the rerouted interfaces of a pod whose connections are translated, on
-    /// their ingress and egress.
-    pub nat_in: TcProgram<'a>,
-    pub nat_out: TcProgram<'a>,
+    /// The tc programs loaded, among them those [`Reroute::programs`] names for the pod.
+    pub programs: &'a [TcProgram<'a>],
     /// The pod's slot, which its filters carry as their classid.
     pub slot: u32,
 }
@@ -51,7 +43,43 @@ pub struct Reroute<'a> {
     pub translated: bool,
 }
 
+impl PodSetup<'_> {
+    fn program(&self, name: &str) -> io::Result<TcProgram<'_>> {
+        (self.programs.iter())
+            .find(|program| program.name == name)
+            .copied()
+            .ok_or_else(|| io::Error::other(format!("the tc program {name} is not loaded")))
+    }
+}
+
 impl Reroute<'_> {
+    /// The program on `link`'s ingress: the one for rerouted interfaces (translating where the
+    /// connections are translated), else the inbound one for interfaces with an Ethernet
+    /// header or the one for those without.
+    pub fn ingress_program(&self, link: &Link) -> &'static str {
+        let rerouted = self.interfaces.contains(&link.name);
+        match (rerouted, link.ethernet) {
+            (true, _) if self.translated => programs::NAT_IN,
+            (true, _) => programs::REROUTE,
+            (false, true) => programs::INBOUND,
+            (false, false) => programs::INBOUND_L3,
+        }
+    }
+
+    /// Every tc program `interfaces` get: [`Self::ingress_program`]s, and the translating
+    /// program's egress twin.
+    pub fn programs(&self, interfaces: &[Link]) -> Vec<&'static str> {
+        let mut names: Vec<&'static str> = (interfaces.iter())
+            .map(|link| self.ingress_program(link))
+            .collect();
+        if names.contains(&programs::NAT_IN) {
+            names.push(programs::NAT_OUT);
+        }
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
+
     /// No interface rerouted.
     pub const NONE: Reroute<'static> = Reroute {
         interfaces: &[],
@@ -157,12 +185,7 @@ impl Rtnl {
         for link in pod.interfaces {
             let rerouted = pod.rerouted.interfaces.contains(&link.name);
             let translated = rerouted && pod.rerouted.translated;
-            let program = match (rerouted, link.ethernet) {
-                (true, _) if translated => pod.nat_in,
-                (true, _) => pod.reroute,
-                (false, true) => pod.inbound,
-                (false, false) => pod.inbound_l3,
-            };
+            let program = pod.program(pod.rerouted.ingress_program(link))?;
             let qdisc = |kind| Object::Qdisc(hook_qdisc(link.index, kind));
             let filter =
                 |direction, program| Object::Filter(tc_filter(link.index, direction, program));
@@ -189,7 +212,10 @@ impl Rtnl {
             if translated {
                 tc.push((
                     Op::Add,
-                    filter(Direction::Egress, Some((pod.nat_out, pod.slot))),
+                    filter(
+                        Direction::Egress,
+                        Some((pod.program(programs::NAT_OUT)?, pod.slot)),
+                    ),
                 ));
             } else if present.is_some_and(HookQdisc::has_egress) {
                 tc.push((Op::Delete, filter(Direction::Egress, None)));
