@@ -50,8 +50,33 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     system::run(with_object(cargo(), &object).args(["fmt", "--all", "--", "--check"]))?;
     system::run(ebpf_on_host().args(["fmt", "--", "--check"]))?;
 
+    build_test_binaries(&object)?;
+    // The other kernels' guests, one after another, are most of the run: they start as soon as
+    // the test executables are built, and everything else here runs beside them (the tests here
+    // mostly wait on their pods and agents). Their output goes to a log file per kernel, printed
+    // whole for a kernel that failed.
+    let kernels = (!host_only)
+        .then(|| Matrix::prepare(&object, &Series::ALL, false, &[]))
+        .transpose()?
+        .map(|matrix| thread::spawn(move || matrix.run(GuestOutput::LogFiles)));
+
+    let host = lint(&object).and_then(|()| on_this_kernel(&object, test_args));
+    let Some(kernels) = kernels else {
+        return host;
+    };
+    if host.is_err() {
+        step("the tests failed on this machine's kernel (the error follows); waiting for the other kernels'");
+    }
+    let kernels = kernels
+        .join()
+        .unwrap_or_else(|_| Err(anyhow!("the kernel matrix's thread panicked")));
+    host.and(kernels)
+}
+
+/// clippy over the workspace and the kernel crate, and the kernel crate's helpers' unit tests.
+fn lint(object: &Path) -> Result<()> {
     step("running clippy");
-    system::run(with_object(cargo(), &object).args([
+    system::run(with_object(cargo(), object).args([
         "clippy",
         "--workspace",
         "--all-targets",
@@ -64,28 +89,7 @@ pub fn run(host_only: bool, test_args: &[String]) -> Result<()> {
     system::run(ebpf_on_host().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
 
     step("testing the kernel crate's helpers on the host");
-    system::run(ebpf_on_host().arg("test"))?;
-
-    build_test_binaries(&object)?;
-    // The other kernels' guests run while this machine's tests do: the guests keep the CPUs
-    // busy while the tests here mostly wait on their pods and agents. Their output goes to a log
-    // file per kernel, printed whole for a kernel that failed.
-    let kernels = (!host_only)
-        .then(|| Matrix::prepare(&object, &Series::ALL, false, &[]))
-        .transpose()?
-        .map(|matrix| thread::spawn(move || matrix.run(GuestOutput::LogFiles)));
-
-    let host = on_this_kernel(&object, test_args);
-    let Some(kernels) = kernels else {
-        return host;
-    };
-    if host.is_err() {
-        step("the tests failed on this machine's kernel (the error follows); waiting for the other kernels'");
-    }
-    let kernels = kernels
-        .join()
-        .unwrap_or_else(|_| Err(anyhow!("the kernel matrix's thread panicked")));
-    host.and(kernels)
+    system::run(ebpf_on_host().arg("test"))
 }
 
 /// The tests on this machine's kernel, the image's and the chart's among them, then the bench's

@@ -289,11 +289,11 @@ impl Cluster {
         })
     }
 
-    /// Marks the pod running at `ips`, as kubelet reports it.
+    /// Marks the pod running at `ips` through the status subresource, as kubelet reports it:
+    /// the agent's annotation, written meanwhile, stays.
     fn set_running(&self, namespace: &str, name: &str, ips: &[String]) {
-        let mut object: PodObject = self.api.get(namespace, name).unwrap();
-        object.status = Some(running_at(ips));
-        self.api.update(&object);
+        self.api
+            .patch_status::<PodObject>(namespace, name, &running_at(ips));
     }
 }
 

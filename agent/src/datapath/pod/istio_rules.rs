@@ -319,6 +319,21 @@ pub fn track_ahead_of_istio(rtnl: &mut Rtnl) -> io::Result<usize> {
     if !tables.iter().any(|table| table.name == HAND_BACK_TABLE) {
         nft.add_conntrack_table(HAND_BACK_TABLE, &NAT_HOOKS, NAT_PRIORITY)?;
     }
+    // Without it a connection idle until istio's rules are in is reset: not worth keeping the
+    // pod from istio-cni.
+    Ok(follow_established(&mut nft).unwrap_or_else(|error| {
+        warn!(
+            %error,
+            "conntrack not given the pod's established connections: one idle until istio's \
+             rules are in will be reset at its next packet"
+        );
+        0
+    }))
+}
+
+/// Gives conntrack the netns's established TCP connections (see [`track_ahead_of_istio`]);
+/// returns how many it did not follow yet.
+fn follow_established(nft: &mut Nft) -> io::Result<usize> {
     let mut followed = 0;
     for connection in connections::established_tcp()? {
         let ztunnels = (connection.marks.iter().flatten())
