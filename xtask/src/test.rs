@@ -35,6 +35,12 @@ const KERNEL_FACING: &[(&str, Option<&str>)] = &[
 const GUEST_TEST_THREADS: u32 = 2;
 /// A test executable that hangs in a guest fails its target after this, and the next one runs.
 const GUEST_TARGET_TIMEOUT_SECS: u32 = 20 * 60;
+/// The guest script says it is alive this often; a guest silent for [`GUEST_SILENCE_LIMIT`]
+/// has stopped answering and is killed. Under emulation a guest has, rarely, stopped without a
+/// word (its own timeouts with it) or ended before its last target: the targets it left without
+/// a result run once more in a new guest, which the summary says.
+const GUEST_ALIVE_INTERVAL_SECS: u32 = 30;
+const GUEST_SILENCE_LIMIT: Duration = Duration::from_secs(5 * 60);
 /// The guests' factor for every deadline the tests wait with (`WEIR_TEST_WAIT_SCALE`, read by
 /// `tests/src/wait.rs`): their CPUs are emulated. A passing test waits only as long as the
 /// thing takes, so the factor costs nothing where it was not needed.
@@ -196,7 +202,8 @@ struct Matrix {
     vm: Vm,
     kernels: Vec<Kernel>,
     targets: Vec<TestTarget>,
-    script: String,
+    object: PathBuf,
+    filter: Vec<String>,
 }
 
 impl Matrix {
@@ -214,12 +221,12 @@ impl Matrix {
         step("building the test executables");
         let targets = test_targets(object, all)?;
         let vm = Vm::prepare(first)?;
-        let script = guest_script(object, &targets, filter);
         Ok(Self {
             vm,
             kernels,
             targets,
-            script,
+            object: object.to_owned(),
+            filter: filter.to_vec(),
         })
     }
 
@@ -228,7 +235,7 @@ impl Matrix {
         let runs = self
             .kernels
             .iter()
-            .map(|kernel| run_on_kernel(&self.vm, kernel, &self.script, &self.targets, output))
+            .map(|kernel| self.run_on_kernel(kernel, output))
             .collect::<Result<Vec<_>>>()?;
         if let GuestOutput::LogFiles = output {
             for run in runs.iter().filter(|run| !run.passed()) {
@@ -342,12 +349,15 @@ fn test_target(message: &Value) -> Option<(String, TestTarget)> {
 /// The guest's script: each test executable in turn as `cargo test` runs it (from its package's
 /// directory, `CARGO_MANIFEST_DIR` set), as CI runs it (`CI=true`: privileged tests fail rather
 /// than skip), each followed by a result marker; the kernel's warnings when one failed.
-fn guest_script(object: &Path, targets: &[TestTarget], filter: &[String]) -> String {
+/// `targets`: each with its index in the matrix, which its result marker carries.
+fn guest_script(object: &Path, targets: &[(usize, &TestTarget)], filter: &[String]) -> String {
     let marker = vm::MARKER;
     let quote = |path: &Path| vm::shell_quote(&path.to_string_lossy());
     let mut script = format!(
         r#"export CI=true RUST_BACKTRACE=1 WEIR_EBPF_OBJECT={object} WEIR_TEST_WAIT_SCALE={GUEST_WAIT_SCALE}
 failed=0
+(while sleep {GUEST_ALIVE_INTERVAL_SECS}; do echo "{marker}{alive}"; done) &
+alive=$!
 # run_target INDEX LABEL DIR EXECUTABLE ARGS...
 run_target() {{
     local index=$1 label=$2 dir=$3
@@ -361,8 +371,9 @@ run_target() {{
 }}
 "#,
         object = quote(object),
+        alive = vm::ALIVE,
     );
-    for (index, target) in targets.iter().enumerate() {
+    for (index, target) in targets {
         let own = target.only.filter(|_| filter.is_empty()).map(str::to_owned);
         let args: Vec<String> = std::iter::once(format!("--test-threads={GUEST_TEST_THREADS}"))
             .chain(filter.iter().cloned())
@@ -377,7 +388,8 @@ run_target() {{
             args.join(" ")
         );
     }
-    script += r#"if [ "$failed" != 0 ]; then
+    script += r#"kill "$alive"
+if [ "$failed" != 0 ]; then
     echo "==> $(uname -r): the kernel's warnings and errors"
     dmesg --level=emerg,alert,crit,err,warn | tail -n 50
 fi
@@ -404,6 +416,8 @@ struct KernelRun<'a> {
     boot: vm::Boot,
     elapsed: Duration,
     results: Vec<Option<TargetResult>>,
+    /// What ran again after a guest stopped answering.
+    rerun: Option<String>,
 }
 
 impl KernelRun<'_> {
@@ -412,47 +426,85 @@ impl KernelRun<'_> {
     }
 }
 
-fn run_on_kernel<'a>(
-    vm: &Vm,
-    kernel: &'a Kernel,
-    script: &str,
-    targets: &[TestTarget],
-    output: GuestOutput,
-) -> Result<KernelRun<'a>> {
-    let started = Instant::now();
-    let mut out: Box<dyn Write> = match output {
-        GuestOutput::Streamed => Box::new(io::stdout()),
-        GuestOutput::LogFiles => {
-            let log = vm::log_path(kernel.series);
-            println!("    {kernel}: its guest's output goes to {}", log.display());
-            Box::new(
-                File::create(&log).with_context(|| format!("cannot create {}", log.display()))?,
-            )
-        }
-    };
-    let mut results: Vec<Option<TargetResult>> = targets.iter().map(|_| None).collect();
-    let boot = vm.run(kernel, script, &mut out, |marker| {
-        let Some((index, result)) = parse_result(marker) else {
-            println!("{}{marker}", vm::MARKER);
-            return;
+impl Matrix {
+    /// The targets in one guest of `kernel`; those left without a result by a guest that
+    /// stopped answering or ended early, once more in a new one.
+    fn run_on_kernel<'a>(&self, kernel: &'a Kernel, output: GuestOutput) -> Result<KernelRun<'a>> {
+        let started = Instant::now();
+        let mut out: Box<dyn Write> = match output {
+            GuestOutput::Streamed => Box::new(io::stdout()),
+            GuestOutput::LogFiles => {
+                let log = vm::log_path(kernel.series);
+                println!("    {kernel}: its guest's output goes to {}", log.display());
+                Box::new(
+                    File::create(&log)
+                        .with_context(|| format!("cannot create {}", log.display()))?,
+                )
+            }
         };
-        if let Some(target) = targets.get(index) {
-            println!(
-                "<== {}: {}: {} after {} s",
+        let mut results: Vec<Option<TargetResult>> = self.targets.iter().map(|_| None).collect();
+        let mut rerun = None;
+        let mut boot = self.boot(kernel, &mut out, &mut results)?;
+        let left: Vec<&str> = (self.targets.iter().zip(&results))
+            .filter(|(_, result)| result.is_none())
+            .map(|(target, _)| target.label.as_str())
+            .collect();
+        if boot.boot_time.is_some() && !left.is_empty() {
+            let how = match boot.stopped_answering {
+                true => format!(
+                    "said nothing for {} s and was stopped",
+                    GUEST_SILENCE_LIMIT.as_secs()
+                ),
+                false => format!("ended (status {}) before its last target", boot.status),
+            };
+            let said = format!(
+                "the {} guest {how}; {} ran again in a new guest",
                 kernel.series,
-                target.label,
-                describe(result.status),
-                result.seconds
+                left.join(", ")
             );
-            results[index] = Some(result);
+            step(&said);
+            writeln!(out, "==> {said}")?;
+            rerun = Some(said);
+            boot = self.boot(kernel, &mut out, &mut results)?;
         }
-    })?;
-    Ok(KernelRun {
-        kernel,
-        boot,
-        elapsed: started.elapsed(),
-        results,
-    })
+        Ok(KernelRun {
+            kernel,
+            boot,
+            elapsed: started.elapsed(),
+            results,
+            rerun,
+        })
+    }
+
+    /// One guest of `kernel`, running the targets without a result yet.
+    fn boot(
+        &self,
+        kernel: &Kernel,
+        out: &mut dyn Write,
+        results: &mut [Option<TargetResult>],
+    ) -> Result<vm::Boot> {
+        let targets: Vec<(usize, &TestTarget)> = (self.targets.iter().enumerate())
+            .filter(|(index, _)| results[*index].is_none())
+            .collect();
+        let script = guest_script(&self.object, &targets, &self.filter);
+        self.vm
+            .run(kernel, &script, out, Some(GUEST_SILENCE_LIMIT), |marker| {
+                let Some((index, result)) = parse_result(marker) else {
+                    println!("{}{marker}", vm::MARKER);
+                    return;
+                };
+                if let Some(target) = self.targets.get(index) {
+                    println!(
+                        "<== {}: {}: {} after {} s",
+                        kernel.series,
+                        target.label,
+                        describe(result.status),
+                        result.seconds
+                    );
+                    results[index] = Some(result);
+                }
+            })
+    }
 }
 
 /// `result INDEX STATUS SECONDS`, as the guest script prints it after each target.
@@ -506,6 +558,9 @@ fn print_summary(runs: &[KernelRun], targets: &[TestTarget]) {
         }
         if run.boot.status != 0 && run.results.iter().all(target_passed) {
             println!("    the guest exited with status {}", run.boot.status);
+        }
+        if let Some(rerun) = &run.rerun {
+            println!("    {rerun}");
         }
     }
     println!("kernels: {passed} passed, {failed} failed");

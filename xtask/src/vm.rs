@@ -11,6 +11,7 @@
 use std::fmt;
 use std::fs;
 use std::io::{self, BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::thread;
@@ -172,7 +173,7 @@ pub fn run_command(series: Series, command: &[String]) -> Result<u8> {
             .collect::<Vec<_>>()
             .join(" ")
     );
-    let boot = vm.run(&kernel, &script, &mut io::stdout(), |line| {
+    let boot = vm.run(&kernel, &script, &mut io::stdout(), None, |line| {
         println!("{MARKER}{line}")
     })?;
     Ok(boot.status)
@@ -191,7 +192,13 @@ pub struct Boot {
     pub status: u8,
     /// From starting vng to the script's first line: host setup, firmware, kernel and init.
     pub boot_time: Option<Duration>,
+    /// The guest said nothing for longer than it was allowed, and was stopped.
+    pub stopped_answering: bool,
 }
+
+/// The line a guest script prints (after [`MARKER`]) to say it is still running, for a
+/// [`Vm::run`] with a silence limit.
+pub const ALIVE: &str = "alive";
 
 impl Vm {
     /// Install what booting takes (once), and see whether `kernel` boots under KVM.
@@ -217,12 +224,14 @@ impl Vm {
 
     /// Boot `kernel` and run `script` (bash, after [`PRELUDE`]) as root in it. The guest's
     /// output goes to `out`, except lines starting with [`MARKER`]: they go, without it, to
-    /// `on_marker`.
+    /// `on_marker`. With `silence_limit`, a guest that prints nothing for that long (the script
+    /// prints [`ALIVE`] markers meanwhile) has stopped answering: it is killed.
     pub fn run(
         &self,
         kernel: &Kernel,
         script: &str,
         out: &mut dyn Write,
+        silence_limit: Option<Duration>,
         mut on_marker: impl FnMut(&str),
     ) -> Result<Boot> {
         // The guest reads the script over 9p: the kernel command line that vng would carry it
@@ -245,18 +254,25 @@ impl Vm {
         let mut vng = self.vng_command(kernel, &file)?;
         vng.stdin(Stdio::null())
             .stdout(writer.try_clone().context("cannot duplicate a pipe")?)
-            .stderr(writer);
+            .stderr(writer)
+            // Its own process group, QEMU in it: the watchdog kills them together.
+            .process_group(0);
         let mut child = vng
             .spawn()
             .with_context(|| format!("cannot run {}", self.vng.display()))?;
         // The command holds the pipe's write end: the reader sees its end once vng's copies close.
         drop(vng);
+        let watchdog = silence_limit.map(|limit| Watchdog::start(child.id(), limit));
 
         let mut boot_time = None;
         for line in BufReader::new(reader).split(b'\n') {
             let line = line.context("cannot read the guest's output")?;
+            if let Some(watchdog) = &watchdog {
+                watchdog.heard();
+            }
             let text = String::from_utf8_lossy(&line);
             match text.trim_end().strip_prefix(MARKER) {
+                Some(ALIVE) => {}
                 Some("up") => {
                     let elapsed = started.elapsed();
                     boot_time = Some(elapsed);
@@ -271,12 +287,16 @@ impl Vm {
             out.flush()?;
         }
         let status = child.wait().context("cannot wait for vng")?;
-        let Some(code) = status.code() else {
-            bail!("vng was killed: {status}");
+        let stopped_answering = watchdog.is_some_and(Watchdog::stop);
+        let code = match status.code() {
+            Some(code) => code,
+            None if stopped_answering => i32::from(u8::MAX),
+            None => bail!("vng was killed: {status}"),
         };
         Ok(Boot {
             status: u8::try_from(code).unwrap_or(u8::MAX),
             boot_time,
+            stopped_answering,
         })
     }
 
@@ -605,4 +625,61 @@ fn path_with(dir: &Path) -> Result<std::ffi::OsString> {
 /// `word` as one word for the guest's bash.
 pub fn shell_quote(word: &str) -> String {
     format!("'{}'", word.replace('\'', r"'\''"))
+}
+
+/// Kills a guest (vng's process group) that has printed nothing for its silence limit.
+struct Watchdog {
+    state: std::sync::Arc<(std::sync::Mutex<WatchdogState>, std::sync::Condvar)>,
+    thread: thread::JoinHandle<()>,
+}
+
+struct WatchdogState {
+    last_heard: Instant,
+    done: bool,
+    fired: bool,
+}
+
+impl Watchdog {
+    fn start(group: u32, limit: Duration) -> Self {
+        let state = std::sync::Arc::new((
+            std::sync::Mutex::new(WatchdogState {
+                last_heard: Instant::now(),
+                done: false,
+                fired: false,
+            }),
+            std::sync::Condvar::new(),
+        ));
+        let thread = thread::spawn({
+            let state = state.clone();
+            move || {
+                let (lock, wake) = &*state;
+                let mut guard = lock.lock().unwrap();
+                while !guard.done {
+                    let silent = guard.last_heard.elapsed();
+                    if silent >= limit {
+                        guard.fired = true;
+                        // SAFETY: kill(2) on the process group vng leads.
+                        unsafe { libc::kill(-(group as i32), libc::SIGKILL) };
+                        return;
+                    }
+                    guard = wake.wait_timeout(guard, limit - silent).unwrap().0;
+                }
+            }
+        });
+        Self { state, thread }
+    }
+
+    fn heard(&self) {
+        self.state.0.lock().unwrap().last_heard = Instant::now();
+    }
+
+    /// Stops watching; whether the guest was killed.
+    fn stop(self) -> bool {
+        let (lock, wake) = &*self.state;
+        lock.lock().unwrap().done = true;
+        wake.notify_all();
+        drop(self.thread.join());
+        let fired = lock.lock().unwrap().fired;
+        fired
+    }
 }
