@@ -41,6 +41,7 @@ use weir_tests::{try_wait_until, wait_until};
 
 mod agent_life;
 mod enrollment;
+mod iptables_legacy;
 mod repair;
 mod running_pods;
 mod sidecar_repair;

@@ -1,6 +1,7 @@
 //! A node istio-cni's agent ran, taken over under traffic, and handed back: no window, no
 //! restarts.
 use super::*;
+use weir_tests::istio_iptables::Backend;
 use weir_tests::traffic::exchange_line;
 
 /// A node istio-cni's ambient agent runs, taken over by weir as docs/install.md says: weir starts
@@ -13,24 +14,19 @@ use weir_tests::traffic::exchange_line;
 /// through weir.
 #[test]
 fn a_node_istio_cni_ran_is_taken_over_without_a_window() {
-    take_over_from_istio_cni(false);
+    take_over_from_istio_cni(false, Backend::Nft);
 }
 
 /// The same, with weir's agent restarted while the pods wait for ztunnel (killed midway): the
-/// new agent names them in its snapshots again, from the cluster's word alone. istio-cni's agent
-/// wrote its rules here with iptables-legacy, as on a node whose iptables is legacy: they leave
-/// the pod and the node the same.
+/// new agent names them in its snapshots again, from the cluster's word alone.
 #[test]
 fn a_takeover_from_istio_cni_survives_a_restart_midway() {
-    take_over_from_istio_cni(true);
+    take_over_from_istio_cni(true, Backend::Nft);
 }
 
-fn take_over_from_istio_cni(restart_midway: bool) {
-    use weir_tests::istio_iptables::Backend;
-    let backend = match restart_midway {
-        true => Backend::Legacy,
-        false => Backend::Nft,
-    };
+/// A node istio-cni's agent ran, taken over: with weir's agent restarted midway (`restart_midway`),
+/// istio-cni's rules written with `backend`.
+pub(super) fn take_over_from_istio_cni(restart_midway: bool, backend: Backend) {
     use weir_agent::datapath::{
         istio_rules::{self, IstioRules},
         netlink::Rtnl,
@@ -261,8 +257,7 @@ fn a_node_is_handed_back_to_istio_cni_without_a_window() {
         .unwrap()
         .push(istio_cni::plugin_entry());
     std::fs::write(&conflist, serde_json::to_vec_pretty(&chain).unwrap()).unwrap();
-    let istio =
-        IstioCniAgent::start(&config.zds_socket, weir_tests::istio_iptables::Backend::Nft).unwrap();
+    let istio = IstioCniAgent::start(&config.zds_socket, Backend::Nft).unwrap();
     match istio.enroll(&app) {
         Ok(()) | Err(istio_cni::IstioCniError::NotConnected) => {}
         Err(error) => panic!("istio-cni's agent enrolls the pod: {error}"),
