@@ -4,7 +4,7 @@
 //! Read when conntrack is to follow connections it never saw (a pod handed back to istio's
 //! rules): each is then given to conntrack as established, see [`super::nftables::Nft::follow`].
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -48,13 +48,18 @@ pub(in crate::datapath) fn established_tcp() -> io::Result<Vec<TcpConnection>> {
         established.extend(dump(family as u8, TCP_ESTABLISHED)?);
         listening.extend(dump(family as u8, TCP_LISTEN)?.into_iter().map(|s| s.local));
     }
+    let any_address_ports: HashSet<u16> = (listening.iter())
+        .filter(|address| address.ip().is_unspecified())
+        .map(SocketAddr::port)
+        .collect();
     let listens = |address: SocketAddr| {
-        listening.contains(&address)
-            || (listening.iter()).any(|l| l.port() == address.port() && l.ip().is_unspecified())
+        listening.contains(&address) || any_address_ports.contains(&address.port())
     };
     let ends: HashSet<(SocketAddr, SocketAddr)> =
         established.iter().map(|s| (s.local, s.remote)).collect();
+    // Both ends of a connection within the netns are two sockets: one connection, two marks.
     let mut connections: Vec<TcpConnection> = Vec::new();
+    let mut index: HashMap<(SocketAddr, SocketAddr), usize> = HashMap::new();
     for socket in &established {
         let local = ends.contains(&(socket.remote, socket.local));
         let accepted = listens(socket.local);
@@ -62,10 +67,11 @@ pub(in crate::datapath) fn established_tcp() -> io::Result<Vec<TcpConnection>> {
             true => (socket.remote, socket.local),
             false => (socket.local, socket.remote),
         };
-        if let Some(known) = (connections.iter_mut()).find(|c| c.from == from && c.to == to) {
-            known.marks[1] = socket.mark;
+        if let Some(&known) = index.get(&(from, to)) {
+            connections[known].marks[1] = socket.mark;
             continue;
         }
+        index.insert((from, to), connections.len());
         connections.push(TcpConnection {
             from,
             to,

@@ -108,11 +108,13 @@ impl LegacyChain {
 
     /// Removes `chains`, with the rules that jump into them: one replacement per table.
     fn remove(chains: &[Self]) -> io::Result<()> {
-        let mut tables: Vec<(Family, &str)> = chains
-            .iter()
-            .map(|chain| (chain.family, chain.table.as_str()))
-            .collect();
-        tables.dedup();
+        let mut tables: Vec<(Family, &str)> = Vec::new();
+        for chain in chains {
+            let table = (chain.family, chain.table.as_str());
+            if !tables.contains(&table) {
+                tables.push(table);
+            }
+        }
         for (family, table) in tables {
             let doomed = |name: &str| {
                 (chains.iter()).any(|c| c.family == family && c.table == table && c.name == name)
